@@ -1,0 +1,135 @@
+"""Runtime benchmark: group call latency and channel throughput, against plain Dask and a raw Pipe.
+
+Run: ``.venv/bin/python bench/runtime.py`` (prints figures; not a timed test).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import numpy as np
+import torch
+
+import rlnb
+from rlnb.testing import Echo
+
+CALLS = 500
+
+
+def pct(samples: list[float]) -> str:
+    a = np.array(samples) * 1e3
+    return f"p50 {np.percentile(a, 50):.3f} ms  p90 {np.percentile(a, 90):.3f} ms"
+
+
+def time_calls(fn, n=CALLS) -> list[float]:
+    for _ in range(20):
+        fn()
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+class Sink:
+    """Consumes n items from a channel and reports the time from first to last."""
+
+    def drain(self, channel, n: int, key: str):
+        t0 = None
+        for _ in range(n):
+            channel.get(key=key, timeout=120)
+            t0 = t0 or time.perf_counter()
+        return time.perf_counter() - t0
+
+
+def channel_throughput(cluster, producer, nbytes: int, n: int) -> tuple[float, float]:
+    ch = rlnb.Channel.create(cluster, f"bench{nbytes}", maxsize=4, slot=0)
+    numel = nbytes // 4
+    producer.on(1).produce(ch, 2, numel, key="warm").result(120)
+    producer.on(0).consume(ch, 2, key="warm").result(120)
+    t0 = time.perf_counter()
+    consumer = producer.on(0).consume(ch, n, key="x")
+    producer.on(1).produce(ch, n, numel, key="x").result(300)
+    consumer.result(300)
+    dt = time.perf_counter() - t0
+    ch.close()
+    return n / dt, n * nbytes / dt / 1e9
+
+
+def _pipe_child(conn, n, nbytes):
+    conn.send(b"ready")
+    for _ in range(n):
+        conn.recv_bytes()
+    conn.send(b"done")
+
+
+def pipe_throughput(nbytes: int, n: int) -> float:
+    a, b = mp.Pipe()
+    p = mp.get_context("spawn").Process(target=_pipe_child, args=(b, n, nbytes))
+    p.start()
+    payload = np.ones(nbytes // 4, dtype=np.float32).tobytes()
+    a.recv()  # the child has started (spawn re-imports this module) before timing begins
+    t0 = time.perf_counter()
+    for _ in range(n):
+        a.send_bytes(payload)
+    a.recv()
+    dt = time.perf_counter() - t0
+    p.join()
+    return n * nbytes / dt / 1e9
+
+
+def _pipe_echo(conn):
+    while conn.recv() is not None:
+        conn.send(None)
+
+
+def pipe_latency() -> list[float]:
+    a, b = mp.Pipe()
+    p = mp.get_context("spawn").Process(target=_pipe_echo, args=(b,))
+    p.start()
+    lat = time_calls(lambda: (a.send(1), a.recv()))
+    a.send(None)
+    p.join()
+    return lat
+
+
+def main():
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    cluster = rlnb.Cluster(slots=2, gpus=False)
+    print(f"cluster start: {time.perf_counter() - t0:.2f} s")
+    t0 = time.perf_counter()
+    group = rlnb.Group.launch(Echo, cluster, "0-1")
+    print(f"group launch (2 ranks): {time.perf_counter() - t0:.2f} s")
+
+    print("\n== call latency (no-op) ==")
+    g2 = time_calls(lambda: group.noop().result())
+    g1 = time_calls(lambda: group.on(0).noop().result())
+    a = cluster.client.submit(Echo, actor=True, workers=[cluster.slots[0].address], pure=False).result()
+    b = cluster.client.submit(Echo, actor=True, workers=[cluster.slots[1].address], pure=False).result()
+    d1 = time_calls(lambda: a.noop().result())
+    d2 = time_calls(lambda: [f.result() for f in (a.noop(), b.noop())])
+    pl = pipe_latency()
+    print(f"rlnb group call, 2 ranks     : {pct(g2)}")
+    print(f"rlnb group call, 1 rank      : {pct(g1)}")
+    print(f"plain Dask actor, 1          : {pct(d1)}")
+    print(f"plain Dask actors, 2 at once : {pct(d2)}")
+    print(f"raw multiprocessing.Pipe     : {pct(pl)}")
+    print(f"ratio rlnb 2-rank / plain Dask 2-at-once (p50): {np.median(g2) / np.median(d2):.2f}")
+
+    print("\n== channel worker -> worker (same node) ==")
+    for mib, n in ((1, 200), (16, 40)):
+        nbytes = mib * 1024 * 1024
+        items_s, gbs = channel_throughput(cluster, group, nbytes, n)
+        floor = pipe_throughput(nbytes, n)
+        print(
+            f"{mib:>2} MiB tensors: {items_s:8.1f} items/s  {gbs:5.2f} GB/s   "
+            f"raw Pipe {floor:5.2f} GB/s   ratio channel/Pipe {gbs / floor:.2f}"
+        )
+    cluster.close()
+
+
+if __name__ == "__main__":
+    main()

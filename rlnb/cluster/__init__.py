@@ -1,0 +1,24 @@
+"""Cluster and placement: which Dask worker (slot) hosts which component rank."""
+
+from rlnb.cluster.cluster import Cluster, Slot
+from rlnb.cluster.placement import (
+    COLLOCATED,
+    DISAGGREGATED,
+    HYBRID,
+    Placement,
+    parse_slots,
+    placement_mode,
+    resolve_placement,
+)
+
+__all__ = [
+    "COLLOCATED",
+    "DISAGGREGATED",
+    "HYBRID",
+    "Cluster",
+    "Placement",
+    "Slot",
+    "parse_slots",
+    "placement_mode",
+    "resolve_placement",
+]

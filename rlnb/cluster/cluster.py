@@ -1,0 +1,326 @@
+"""The Cluster: an embedded local Dask cluster, or a remote scheduler by address, seen as device slots."""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import logging
+import os
+import platform
+import socket
+from collections import defaultdict
+from dataclasses import dataclass
+
+from rlnb.cluster.placement import Placement, resolve_placement
+from rlnb.errors import ClusterError
+
+# Worker resources that describe capacity, not a node group.
+_CAPACITY_RESOURCES = {"GPU", "CPU", "MEMORY", "gpu", "cpu", "memory", "TPU"}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One device: a GPU worker when the cluster has GPUs, else one CPU worker process.
+
+    Attributes:
+        rank: global slot index, 0..N-1, grouped by node.
+        address: the Dask worker address that owns the slot.
+        node: host name of the worker.
+        device: ``"cpu"`` or ``"cuda:0"`` (dask-cuda sets ``CUDA_VISIBLE_DEVICES`` per worker).
+        node_groups: node groups the worker belongs to (its non-capacity resources).
+        pid: the worker process id.
+        memory_limit_bytes: the worker's memory limit (0 = none).
+        gpu_name: the GPU model, if any.
+    """
+
+    rank: int
+    address: str
+    node: str
+    device: str
+    node_groups: tuple[str, ...] = ()
+    pid: int = 0
+    memory_limit_bytes: int = 0
+    gpu_name: str = ""
+
+    @property
+    def host(self) -> str:
+        """The IP/host part of the worker address (where process groups listen)."""
+        return self.address.split("://")[-1].rsplit(":", 1)[0]
+
+
+def _probe_worker() -> dict:
+    """Runs on each worker: what device it has."""
+    info = {"hostname": socket.gethostname(), "pid": os.getpid(), "gpus": 0, "gpu_name": ""}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return info
+    info["gpus"], info["gpu_name"] = _count_gpus()
+    return info
+
+
+def _count_gpus() -> tuple[int, str]:
+    """GPUs visible here, via NVML (installed with dask-cuda); never imports torch."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        n = pynvml.nvmlDeviceGetCount()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0)) if n else ""
+        return n, name.decode() if isinstance(name, bytes) else name
+    except Exception:
+        return 0, ""
+
+
+def default_cpu_slots() -> int:
+    """One worker process per core, at least 1 and at most 8."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+class Cluster:
+    """Device slots on a Dask cluster: embedded (local) by default, or remote by address.
+
+    Args:
+        address: a Dask scheduler address (``"tcp://host:8786"``); ``None`` starts an embedded
+            cluster: ``dask_cuda.LocalCUDACluster`` (one worker per GPU) when GPUs exist, else a
+            ``distributed.LocalCluster`` with one single-threaded worker process per slot.
+        slots: number of CPU worker processes for the embedded CPU cluster (default: one per core).
+        gpus: ``"auto"`` (use GPUs if present), ``True`` (require them) or ``False`` (CPU only).
+        timeout_s: how long to wait for the scheduler and its workers.
+        min_slots: for a remote scheduler, wait until this many workers are connected.
+
+    Example:
+        >>> with rlnb.Cluster(slots=2) as cluster:   # doctest: +SKIP
+        ...     print(cluster)
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        slots: int | None = None,
+        gpus: bool | str = "auto",
+        timeout_s: float = 20.0,
+        min_slots: int = 1,
+        dashboard_address: str | None = ":0",
+    ):
+        from distributed import Client
+
+        if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
+            raise ClusterError(f"Cluster(slots=...): expected a positive int, got {slots!r}")
+        if gpus not in ("auto", True, False):
+            raise ClusterError(f"Cluster(gpus=...): expected 'auto', True or False, got {gpus!r}")
+        self._local = None
+        self._placed: dict[int, list[str]] = defaultdict(list)
+        self._channels: list = []  # closed with the cluster, freeing their shared memory
+        self.address: str
+        if address is None:
+            self._local = self._start_local(slots, gpus, dashboard_address)
+            self.address = self._local.scheduler_address
+            self.client = Client(self._local, direct_to_workers=True)
+        else:
+            self.address = address
+            try:
+                self.client = Client(address, timeout=f"{timeout_s}s", direct_to_workers=True)
+            except (OSError, TimeoutError) as e:
+                raise ClusterError(
+                    f"cannot reach the Dask scheduler at {address!r} within {timeout_s:g} s ({e}). "
+                    "Is `dask scheduler` running there, and is the address right?"
+                ) from None
+            try:
+                self.client.wait_for_workers(min_slots, timeout=timeout_s)
+            except (TimeoutError, OSError):
+                n = len(self.client.scheduler_info(n_workers=-1)["workers"])
+                self.client.close()
+                raise ClusterError(
+                    f"the scheduler at {address!r} has {n} worker(s); waited {timeout_s:g} s for {min_slots}. "
+                    "Start workers with `dask worker ADDRESS` (or `dask cuda worker ADDRESS` on GPU nodes)."
+                ) from None
+        self.slots: list[Slot] = self._discover_slots()
+        if gpus is True and not self.has_gpus:
+            self.close()
+            raise ClusterError(
+                "Cluster(gpus=True): no worker has a GPU; use gpus='auto' or False on CPU machines"
+            )
+
+    # ------------------------------------------------------------------ start-up
+    @staticmethod
+    def _start_local(slots, gpus, dashboard_address):
+        n_gpus = _count_gpus()[0] if gpus in ("auto", True) else 0
+        if gpus is True and n_gpus == 0:
+            raise ClusterError("Cluster(gpus=True): this machine has no GPU visible to NVML")
+        if n_gpus > 0:
+            from dask_cuda import LocalCUDACluster  # GPU-only path: one worker per GPU
+
+            kw = {"CUDA_VISIBLE_DEVICES": list(range(slots))} if slots else {}
+            if slots and slots > n_gpus:
+                raise ClusterError(f"Cluster(slots={slots}): this machine has only {n_gpus} GPU(s)")
+            return LocalCUDACluster(
+                threads_per_worker=1, dashboard_address=dashboard_address, silence_logs=logging.ERROR, **kw
+            )
+        from distributed import LocalCluster
+
+        return LocalCluster(
+            n_workers=slots or default_cpu_slots(),
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=dashboard_address,
+            silence_logs=logging.ERROR,
+            scheduler_port=0,
+        )
+
+    def _discover_slots(self) -> list[Slot]:
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        probes = self.client.run(_probe_worker)
+        rows = []
+        for addr, w in workers.items():
+            probe = probes.get(addr, {})
+            groups = tuple(sorted(k for k in (w.get("resources") or {}) if k not in _CAPACITY_RESOURCES))
+            name = w.get("name", addr)
+            order = (0, int(name), "") if str(name).isdigit() else (1, 0, str(name))
+            rows.append((w.get("host", probe.get("hostname", "")), order, addr, w, probe, groups))
+        rows.sort(key=lambda r: (r[0], r[1], r[2]))
+        return [
+            Slot(
+                rank=i,
+                address=addr,
+                node=probe.get("hostname", host),
+                device="cuda:0" if probe.get("gpus", 0) > 0 else "cpu",
+                node_groups=groups,
+                pid=probe.get("pid", 0),
+                memory_limit_bytes=int(w.get("memory_limit") or 0),
+                gpu_name=probe.get("gpu_name", ""),
+            )
+            for i, (host, _o, addr, w, probe, groups) in enumerate(rows)
+        ]
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    @property
+    def has_gpus(self) -> bool:
+        return any(s.device.startswith("cuda") for s in self.slots)
+
+    @property
+    def embedded(self) -> bool:
+        return self._local is not None
+
+    @property
+    def nodes(self) -> dict[str, list[int]]:
+        """Node host name -> slot ranks on it."""
+        out: dict[str, list[int]] = defaultdict(list)
+        for s in self.slots:
+            out[s.node].append(s.rank)
+        return dict(out)
+
+    @property
+    def node_groups(self) -> dict[str, list[int]]:
+        """Node group -> slot ranks in it (from worker resources, e.g. ``--resources sim=1``)."""
+        out: dict[str, list[int]] = defaultdict(list)
+        for s in self.slots:
+            for g in s.node_groups:
+                out[g].append(s.rank)
+        return dict(out)
+
+    @property
+    def dashboard_link(self) -> str | None:
+        try:
+            return self.client.dashboard_link
+        except Exception:
+            return None
+
+    def place(self, spec, required=(), known=None) -> Placement:
+        """Resolve a ``component_placement`` mapping against these slots (see :func:`resolve_placement`)."""
+        return resolve_placement(spec, self.num_slots, self.node_groups, required=required, known=known)
+
+    def check_device(self, device: str, what: str = "component") -> None:
+        """Raise :class:`ClusterError` if ``device`` (``"cuda"``/``"cpu"``/``"auto"``) cannot be served."""
+        if device.startswith("cuda") and not self.has_gpus:
+            raise ClusterError(
+                f"{what} asks for device {device!r} but every slot of this cluster is CPU-only; "
+                "set device: auto (or cpu), or connect to a cluster with `dask cuda worker`s"
+            )
+
+    # ------------------------------------------------------------------ bookkeeping for views
+    def _register(self, slot: int, label: str) -> None:
+        self._placed[slot].append(label)
+
+    def _unregister(self, label: str) -> None:
+        for labels in self._placed.values():
+            if label in labels:
+                labels.remove(label)
+
+    def placed_on(self, slot: int) -> list[str]:
+        return list(self._placed.get(slot, []))
+
+    # ------------------------------------------------------------------ lifecycle
+    def bind(self, actor):
+        """Tie a Dask actor handle to this cluster's client (Dask binds to the default client otherwise)."""
+        from distributed import Future
+
+        if getattr(actor, "_client", None) is None and getattr(actor, "_worker", None) is None:
+            actor._client = self.client
+            actor._future = Future(actor.key, self.client)
+        return actor
+
+    def close(self) -> None:
+        """Close channels, the client, and the embedded cluster if this object started it."""
+        for ch in self._channels:
+            with contextlib.suppress(Exception):  # its worker may be gone already
+                ch.close()
+        self._channels.clear()
+        try:
+            self.client.close()
+        finally:
+            if self._local is not None:
+                self._local.close()
+                self._local = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ display
+    def info(self) -> str:
+        """A text summary: scheduler, slots, versions (used by ``rlnb info``)."""
+        import dask
+        import distributed
+
+        kind = "embedded" if self.embedded else "remote"
+        lines = [
+            f"rlnb Cluster ({kind}) scheduler={self.address} slots={self.num_slots} "
+            f"nodes={len(self.nodes)} gpus={'yes' if self.has_gpus else 'no'}",
+            f"{'slot':>4}  {'device':<7} {'node':<20} {'worker':<28} placed",
+        ]
+        for s in self.slots:
+            placed = ", ".join(self.placed_on(s.rank)) or "-"
+            dev = s.device + (f" ({s.gpu_name})" if s.gpu_name else "")
+            lines.append(f"{s.rank:>4}  {dev:<7} {s.node[:20]:<20} {s.address:<28} {placed}")
+        lines.append(
+            f"python {platform.python_version()}  dask {dask.__version__}  distributed {distributed.__version__}"
+        )
+        if self.dashboard_link:
+            lines.append(f"dashboard: {self.dashboard_link}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<rlnb.Cluster {'embedded' if self.embedded else 'remote'} {self.address} slots={self.num_slots}>"
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td>{s.rank}</td><td>{html.escape(s.node)}</td><td>{html.escape(s.device)}</td>"
+            f"<td><code>{html.escape(s.address)}</code></td><td>{html.escape(', '.join(s.node_groups) or '-')}</td>"
+            f"<td>{html.escape(', '.join(self.placed_on(s.rank)) or '-')}</td></tr>"
+            for s in self.slots
+        )
+        link = self.dashboard_link
+        dash = f' · <a href="{html.escape(link)}" target="_blank">Dask dashboard</a>' if link else ""
+        return (
+            f"<div><b>rlnb Cluster</b> ({'embedded' if self.embedded else 'remote'}) "
+            f"<code>{html.escape(self.address)}</code> · {self.num_slots} slots{dash}"
+            "<table><tr><th>slot</th><th>node</th><th>device</th><th>worker</th><th>node groups</th>"
+            f"<th>placed</th></tr>{rows}</table></div>"
+        )

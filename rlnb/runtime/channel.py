@@ -1,0 +1,299 @@
+"""Channels: named, keyed FIFO queues between components, hosted on a Dask worker.
+
+The queue lives in an async Dask actor on one worker, so a blocking ``get`` waits on that
+worker's event loop and never occupies a worker's actor thread. Large tensors and arrays put by a
+process on the channel's node go through shared memory (``/dev/shm``): only a small handle
+travels, and the consumer maps the pages without a copy. Across nodes, they travel by value.
+
+Example:
+    >>> ch = Channel.create(cluster, "batches", maxsize=4)   # doctest: +SKIP
+    >>> ch.put({"obs": torch.zeros(8, 4)}, key="env0")      # doctest: +SKIP
+    >>> ch.get(key="env0", timeout=5)["obs"].shape          # doctest: +SKIP
+    torch.Size([8, 4])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import tempfile
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from rlnb.errors import ChannelTimeoutError
+
+SHM_MIN_BYTES = 256 * 1024  # smaller payloads are cheaper inline
+SHM_PREFIX = "rlnb-ch-"
+DEFAULT_TIMEOUT_S = 300.0
+_HOSTNAME = socket.gethostname()
+
+
+def _shm_dir() -> str:
+    return (
+        "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    )
+
+
+@dataclass(frozen=True)
+class _ShmRef:
+    """A tensor/array parked in a shared-memory file on ``node``."""
+
+    path: str
+    node: str
+    dtype: str
+    shape: tuple
+    numpy: bool
+    nbytes: int
+
+
+def _pack(item, node: str):
+    """Replace big tensors/arrays by shared-memory handles (only when we are on the channel's node)."""
+    import torch
+
+    if node != _HOSTNAME:
+        return item
+    if isinstance(item, dict):
+        return {k: _pack(v, node) for k, v in item.items()}
+    if isinstance(item, (list, tuple)) and not hasattr(item, "_fields"):
+        return type(item)(_pack(v, node) for v in item)
+    is_np = isinstance(item, np.ndarray)
+    if (is_np or isinstance(item, torch.Tensor)) and item.nbytes >= SHM_MIN_BYTES:
+        t = torch.from_numpy(np.ascontiguousarray(item)) if is_np else item.detach()
+        if t.device.type != "cpu" or t.is_sparse:
+            return item
+        path = os.path.join(_shm_dir(), f"{SHM_PREFIX}{uuid.uuid4().hex}")
+        nbytes = t.numel() * t.element_size()
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+        mapped = torch.from_file(path, shared=True, size=t.numel(), dtype=t.dtype)
+        mapped.copy_(t.reshape(-1))  # the one copy
+        return _ShmRef(path, node, str(t.dtype).removeprefix("torch."), tuple(t.shape), is_np, nbytes)
+    return item
+
+
+def _unpack(item):
+    """Map shared-memory handles back to tensors (zero-copy) and remove their files."""
+    import torch
+
+    if isinstance(item, _ShmRef):
+        dtype = getattr(torch, item.dtype)
+        numel = int(np.prod(item.shape)) if item.shape else 1
+        t = torch.from_file(item.path, shared=True, size=numel, dtype=dtype).view(item.shape)
+        os.unlink(item.path)  # the mapping keeps the pages alive until the tensor is freed
+        return t.numpy() if item.numpy else t
+    if isinstance(item, dict):
+        return {k: _unpack(v) for k, v in item.items()}
+    if isinstance(item, (list, tuple)) and not hasattr(item, "_fields"):
+        return type(item)(_unpack(v) for v in item)
+    return item
+
+
+def _refs(item):
+    if isinstance(item, _ShmRef):
+        yield item
+    elif isinstance(item, dict):
+        for v in item.values():
+            yield from _refs(v)
+    elif isinstance(item, (list, tuple)):
+        for v in item:
+            yield from _refs(v)
+
+
+class ChannelServer:
+    """The Dask actor holding the queues. All methods are coroutines on the worker's event loop."""
+
+    def __init__(self, name: str, maxsize: int):
+        self.name, self.maxsize = name, maxsize
+        self.queues: dict[str, deque] = {}
+        self._cond: asyncio.Condition | None = None
+        self.node = _HOSTNAME
+        self.closed = False
+        self.counts = {"items": 0, "shm_tensors": 0, "shm_bytes": 0}
+
+    def _c(self) -> asyncio.Condition:
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def node_name(self) -> str:
+        return self.node
+
+    async def put(self, key: str, item, timeout_s: float | None):
+        cond = self._c()
+        q = self.queues.setdefault(key, deque())
+        async with cond:
+            if self.maxsize > 0 and len(q) >= self.maxsize:
+                try:
+                    await asyncio.wait_for(cond.wait_for(lambda: len(q) < self.maxsize), timeout_s)
+                except asyncio.TimeoutError:
+                    return ("timeout", len(q))
+            q.append(item)
+            cond.notify_all()
+        self.counts["items"] += 1
+        for ref in _refs(item):
+            self.counts["shm_tensors"] += 1
+            self.counts["shm_bytes"] += ref.nbytes
+        return ("ok", len(q))
+
+    async def stats(self) -> dict:
+        """Items put so far, and how many tensors/bytes of them went through shared memory."""
+        return dict(self.counts)
+
+    async def get(self, key: str, n: int, timeout_s: float | None, node: str, exact: bool = True):
+        """Take ``n`` items (``exact=False``: up to ``n``, at least 1); ``timeout_s=0`` never waits."""
+        cond = self._c()
+        q = self.queues.setdefault(key, deque())
+        need = n if exact else 1
+        async with cond:
+            if len(q) < need:
+                if timeout_s == 0:
+                    return ("empty", None)
+                try:
+                    await asyncio.wait_for(cond.wait_for(lambda: len(q) >= need), timeout_s)
+                except asyncio.TimeoutError:
+                    return ("timeout", len(q))
+            items = [q.popleft() for _ in range(min(n, len(q)))]
+            cond.notify_all()
+        if node != self.node:  # the consumer cannot see our shared memory: send values
+            items = [_unpack(i) for i in items]
+        return ("ok", items)
+
+    async def qsize(self, key: str | None) -> int:
+        if key is None:
+            return sum(len(q) for q in self.queues.values())
+        return len(self.queues.get(key, ()))
+
+    async def keys(self) -> list[str]:
+        return [k for k, q in self.queues.items() if q]
+
+    async def close(self) -> int:
+        """Drop every queued item, freeing its shared memory. Returns how many were dropped."""
+        dropped = 0
+        for q in self.queues.values():
+            while q:
+                for ref in _refs(q.popleft()):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(ref.path)
+                dropped += 1
+        self.closed = True
+        return dropped
+
+
+class Channel:
+    """Client handle of a channel; picklable, so it can be passed into components.
+
+    Methods block (with a timeout) and have ``a``-prefixed async twins for notebooks and async code.
+    """
+
+    def __init__(self, server, name: str, node: str, maxsize: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self._server, self.name, self.node, self.maxsize = server, name, node, maxsize
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def create(
+        cls,
+        cluster,
+        name: str = "channel",
+        maxsize: int = 0,
+        slot: int = 0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> Channel:
+        """Create a channel hosted on the worker of ``slot``; ``maxsize`` bounds each key's queue (0 = unbounded)."""
+        if not isinstance(maxsize, int) or maxsize < 0:
+            raise ValueError(f"Channel maxsize: expected an int >= 0, got {maxsize!r}")
+        address = cluster.slots[slot].address
+        fut = cluster.client.submit(
+            ChannelServer, name, maxsize, actor=True, workers=[address], allow_other_workers=False, pure=False
+        )
+        server = cluster.bind(fut.result(timeout=60))
+        node = _resolve(server.node_name(), 60)
+        channel = cls(server, name, node, maxsize, timeout_s)
+        cluster._channels.append(channel)
+        return channel
+
+    # ---- sync API
+    def put(self, item, key: str = "default", timeout: float | None = None) -> None:
+        """Append ``item`` to queue ``key``; waits while the queue holds ``maxsize`` items."""
+        timeout = self.timeout_s if timeout is None else timeout
+        status, size = _resolve(self._server.put(key, _pack(item, self.node), timeout), timeout + 30)
+        if status == "timeout":
+            raise ChannelTimeoutError(
+                f"channel {self.name!r} key {key!r}: queue stayed full ({size}/{self.maxsize}) for {timeout:g} s"
+            )
+
+    def get(self, key: str = "default", timeout: float | None = None):
+        """Remove and return the oldest item of queue ``key``, waiting up to ``timeout`` seconds."""
+        return self.get_batch(1, key, timeout)[0]
+
+    def get_nowait(self, key: str = "default"):
+        """Like :meth:`get` but raises ``queue.Empty`` at once when the queue is empty."""
+        import queue
+
+        status, items = _resolve(self._server.get(key, 1, 0, _HOSTNAME), 30)
+        if status != "ok":
+            raise queue.Empty(f"channel {self.name!r} key {key!r} is empty")
+        return _unpack(items[0])
+
+    def get_batch(self, n: int, key: str = "default", timeout: float | None = None) -> list:
+        """Remove and return ``n`` items of queue ``key`` in order, waiting until there are ``n``."""
+        timeout = self.timeout_s if timeout is None else timeout
+        status, items = _resolve(self._server.get(key, n, timeout, _HOSTNAME), timeout + 30)
+        if status == "timeout":
+            raise ChannelTimeoutError(
+                f"channel {self.name!r} key {key!r}: waited {timeout:g} s for {n} item(s), {items} queued"
+            )
+        return [_unpack(i) for i in items]
+
+    def qsize(self, key: str | None = "default") -> int:
+        """Items queued under ``key`` (``None``: all keys)."""
+        return _resolve(self._server.qsize(key), 30)
+
+    def keys(self) -> list[str]:
+        """Keys that have queued items."""
+        return _resolve(self._server.keys(), 30)
+
+    def stats(self) -> dict:
+        """Counters: items put, tensors and bytes moved through shared memory."""
+        return _resolve(self._server.stats(), 30)
+
+    def close(self) -> int:
+        """Drop queued items and free their shared memory."""
+        return _resolve(self._server.close(), 30)
+
+    # ---- async API
+    async def aput(self, item, key: str = "default", timeout: float | None = None) -> None:
+        await asyncio.to_thread(self.put, item, key, timeout)
+
+    async def aget(self, key: str = "default", timeout: float | None = None):
+        return await asyncio.to_thread(self.get, key, timeout)
+
+    async def aget_batch(self, n: int, key: str = "default", timeout: float | None = None) -> list:
+        return await asyncio.to_thread(self.get_batch, n, key, timeout)
+
+    def __repr__(self) -> str:
+        return f"<rlnb.Channel {self.name!r} on {self.node} maxsize={self.maxsize}>"
+
+    def _repr_html_(self) -> str:
+        import html
+
+        keys = self.keys()
+        sizes = ", ".join(f"{html.escape(k)}: {self.qsize(k)}" for k in keys) or "empty"
+        return f"<div><b>rlnb Channel</b> <code>{html.escape(self.name)}</code> on {html.escape(self.node)} · {sizes}</div>"
+
+
+def _resolve(fut, timeout: float):
+    """Wait for an actor call's result from any context (notebook, worker thread, same-worker fast path)."""
+    if asyncio.iscoroutine(fut):  # Dask's same-worker fast path hands back the coroutine itself
+        from distributed import get_worker
+
+        loop = get_worker().loop.asyncio_loop
+        return asyncio.run_coroutine_threadsafe(fut, loop).result(timeout)
+    try:
+        return fut.result(timeout=timeout)
+    except TimeoutError:
+        raise ChannelTimeoutError(f"no answer from the channel's worker within {timeout:g} s") from None

@@ -1,0 +1,433 @@
+"""Groups: the ranks of one component, one Dask actor each, called together.
+
+Example:
+    >>> group = Group.launch(Counter, cluster, placement="0-1", kwargs={"start": 1})  # doctest: +SKIP
+    >>> group.add(2).result(timeout=10)                                              # doctest: +SKIP
+    [3, 3]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import html
+import itertools
+import time
+from collections import Counter as _Counter
+from collections.abc import Sequence
+
+from distributed.protocol import to_serialize
+
+from rlnb.cluster.cluster import Cluster
+from rlnb.cluster.placement import parse_slots
+from rlnb.errors import RemoteError, RemoteTimeoutError, WorkerLostError, did_you_mean
+from rlnb.runtime.rank import RankHost, RankInfo
+
+DEFAULT_CALL_TIMEOUT_S = 600.0
+LIVENESS_CHECK_S = 1.0  # while a call runs, how often to ask the scheduler whether its workers live
+_ids = itertools.count()
+
+
+class GroupResult:
+    """The pending result of one method call on several ranks.
+
+    ``result(timeout)`` returns the per-rank values in rank order, raising one typed error
+    (:class:`RemoteError`, :class:`WorkerLostError` or :class:`RemoteTimeoutError`) as soon as any
+    rank fails, never after waiting for the others. It is also awaitable.
+    """
+
+    def __init__(
+        self,
+        group: Group,
+        method: str,
+        ranks: Sequence[int],
+        actor_futures: list,
+        timeout_s: float,
+        owners=None,
+    ):
+        self.group, self.method, self.ranks = group, method, list(ranks)
+        # owners[i] is the group of ranks[i]; several groups when one call spans them (init_collective)
+        self._owners = list(owners) if owners is not None else [group] * len(self.ranks)
+        self.timeout_s = timeout_s
+        self.durations_s: list[float | None] = [None] * len(self.ranks)
+        self._started = time.perf_counter()
+        self._pending = set(range(len(self.ranks)))
+        loop = group.cluster.client.loop.asyncio_loop
+        self._cf = asyncio.run_coroutine_threadsafe(self._gather(actor_futures), loop)
+
+    async def _gather(self, coros):
+        async def one(i, coro):
+            try:
+                return i, await coro
+            except Exception as e:  # OSError "Unable to contact Actor's worker", RuntimeError "lost"
+                return i, ("lost", e, 0.0)
+
+        values: list = [None] * len(coros)
+        tasks = {asyncio.ensure_future(one(i, c)) for i, c in enumerate(coros)}
+        while tasks:
+            done, tasks = await asyncio.wait(
+                tasks, timeout=LIVENESS_CHECK_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                i, (status, value, duration) = task.result()
+                self._pending.discard(i)
+                self.durations_s[i] = duration
+                if status != "ok":
+                    raise self._owners[i]._error(self.ranks[i], self.method, status, value)
+                values[i] = value
+            if not done:  # nothing finished for a while: is every pending rank's worker still there?
+                await self._check_alive()
+        return values
+
+    async def _check_alive(self):
+        identity = await self.group.cluster.client.scheduler.identity()
+        alive = identity.get("workers", {})
+        for i in sorted(self._pending):
+            owner, rank = self._owners[i], self.ranks[i]
+            if owner.infos[rank].address not in alive:
+                raise owner._error(rank, self.method, "lost", "the scheduler no longer lists this worker")
+
+    def result(self, timeout: float | None = None) -> list:
+        """Block until every rank returned (list in rank order) or one failed; ``timeout`` in seconds."""
+        timeout = self.timeout_s if timeout is None else timeout
+        try:
+            return self._cf.result(timeout=timeout)
+        except TimeoutError:
+            if self._cf.done():  # the remote error itself was a TimeoutError
+                raise
+            i = min(self._pending) if self._pending else 0
+            pending = [f"{self._owners[j].name}[{self.ranks[j]}]" for j in sorted(self._pending)]
+            raise self._owners[i]._timeout_error(self.ranks[i], self.method, timeout, pending) from None
+
+    def wait(self, timeout: float | None = None) -> GroupResult:
+        """Like :meth:`result` but returns ``self`` (for chaining and timings)."""
+        self.result(timeout)
+        return self
+
+    def done(self) -> bool:
+        return self._cf.done()
+
+    def __await__(self):
+        return asyncio.wait_for(asyncio.wrap_future(self._cf), self.timeout_s).__await__()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<GroupResult {self.group.name}.{self.method} ranks={self.ranks} {state}>"
+
+
+class Group:
+    """The ranks of one component, each a Dask actor on the worker that owns its slot.
+
+    Calling any method of the component class on the group calls it on every rank and returns a
+    :class:`GroupResult`. ``group.on(0)`` narrows to some ranks.
+    """
+
+    def __init__(
+        self, name: str, cluster: Cluster, cls: type, hosts: list, infos: list[RankInfo], timeout_s: float
+    ):
+        self.name, self.cluster, self.cls = name, cluster, cls
+        self._hosts, self.infos = hosts, infos
+        self.call_timeout_s = timeout_s
+        self._ranks = list(range(len(infos)))
+        self._closed = False
+
+    # ------------------------------------------------------------------ launch
+    @classmethod
+    def launch(
+        cls,
+        component_cls: type,
+        cluster: Cluster,
+        placement="all",
+        *,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        rank_kwargs=None,
+        name: str | None = None,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        start_timeout_s: float = 120.0,
+    ) -> Group:
+        """Start one rank of ``component_cls`` per slot of ``placement``.
+
+        Args:
+            component_cls: a plain class; built on the worker as ``component_cls(*args, **kwargs)``
+                (plus ``rank_info=`` if its constructor takes that argument).
+            cluster: the :class:`Cluster`.
+            placement: slot selection (``"0-1"``, ``[0, 2]``, ``"all"``) or a tuple of slot ranks.
+            args, kwargs: constructor arguments shared by every rank.
+            rank_kwargs: optional callable ``rank -> dict`` of extra per-rank kwargs (e.g. seeds).
+            name: component name used in errors and views (default: the class name, lower case).
+            call_timeout_s: default timeout of every call on this group.
+            start_timeout_s: how long construction may take.
+        """
+        name = name or component_cls.__name__.lower()
+        slots = (
+            tuple(placement)
+            if isinstance(placement, tuple)
+            else parse_slots(placement, cluster.num_slots, name)
+        )
+        for s in slots:
+            if not 0 <= s < cluster.num_slots:
+                raise RemoteError(f"slot {s} is beyond the cluster (0-{cluster.num_slots - 1})", name)
+        per_node = _Counter(cluster.slots[s].node for s in slots)
+        seen: _Counter = _Counter()
+        infos = []
+        for rank, s in enumerate(slots):
+            slot = cluster.slots[s]
+            infos.append(
+                RankInfo(
+                    component=name,
+                    rank=rank,
+                    world_size=len(slots),
+                    local_rank=seen[slot.node],
+                    local_world_size=per_node[slot.node],
+                    slot=s,
+                    device=slot.device,
+                    address=slot.address,
+                    node=slot.node,
+                )
+            )
+            seen[slot.node] += 1
+        uid = next(_ids)
+        futures = []
+        for info in infos:
+            kw = dict(kwargs or {})
+            if rank_kwargs is not None:
+                kw.update(rank_kwargs(info.rank))
+            futures.append(
+                cluster.client.submit(
+                    RankHost,
+                    component_cls,
+                    tuple(args),
+                    kw,
+                    info,
+                    actor=True,
+                    workers=[info.address],
+                    allow_other_workers=False,
+                    key=f"rlnb-{name}-{uid}-rank{info.rank}",
+                    pure=False,
+                )
+            )
+        hosts = []
+        for info, fut in zip(infos, futures):
+            try:
+                hosts.append(cluster.bind(fut.result(timeout=start_timeout_s)))
+            except TimeoutError:
+                raise RemoteTimeoutError(
+                    f"rank did not start within {start_timeout_s:g} s",
+                    name,
+                    info.rank,
+                    info.address,
+                    "__init__",
+                ) from None
+            except Exception as e:
+                raise WorkerLostError(
+                    f"could not start: {e}", name, info.rank, info.address, "__init__"
+                ) from None
+        group = cls(name, cluster, component_cls, hosts, infos, call_timeout_s)
+        group._raw("ready", (), {}, group._ranks, label="__init__").result(start_timeout_s)
+        for info in infos:
+            cluster._register(info.slot, f"{name}[{info.rank}]")
+        return group
+
+    # ------------------------------------------------------------------ calls
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+        if not callable(getattr(self.cls, method, None)):
+            public = [m for m in dir(self.cls) if not m.startswith("_")]
+            raise AttributeError(
+                f"{self.cls.__name__} has no method {method!r}.{did_you_mean(method, public)}"
+            ) from None
+
+        def call(*args, **kwargs) -> GroupResult:
+            return self.call(method, *args, **kwargs)
+
+        call.__name__ = method
+        return call
+
+    def call(self, method: str, *args, **kwargs) -> GroupResult:
+        """Call ``method(*args, **kwargs)`` on every rank of this (possibly narrowed) group."""
+        return self._raw("call", (method, args, kwargs), {}, self._ranks, label=method)
+
+    def call_each(self, method: str, per_rank: Sequence) -> GroupResult:
+        """Call ``method`` with different arguments per rank: ``per_rank[i]`` is an args tuple or kwargs dict."""
+        if len(per_rank) != len(self._ranks):
+            raise ValueError(
+                f"call_each({method!r}): {len(per_rank)} argument sets for {len(self._ranks)} ranks"
+            )
+        futures = []
+        for r, a in zip(self._ranks, per_rank):
+            args, kw = ((), a) if isinstance(a, dict) else (tuple(a), {})
+            futures.append(self._submit(r, "call", (method, args, kw)))
+        return GroupResult(self, method, self._ranks, futures, self.call_timeout_s)
+
+    def on(self, ranks) -> Group:
+        """A view of this group narrowed to ``ranks`` (an int or a list)."""
+        ranks = [ranks] if isinstance(ranks, int) else list(ranks)
+        for r in ranks:
+            if r not in self._ranks:
+                raise ValueError(f"{self.name}: rank {r} not in {self._ranks}")
+        view = Group(self.name, self.cluster, self.cls, self._hosts, self.infos, self.call_timeout_s)
+        view._ranks = ranks
+        return view
+
+    def _submit(self, rank: int, op: str, args: tuple):
+        """A coroutine calling ``op`` on the rank's host actor; awaited on the client's event loop."""
+        if self._closed:
+            raise RemoteError("group was shut down", self.name, rank, self.infos[rank].address, op)
+        return _call_host(self._hosts[rank], op, args)
+
+    def _raw(self, op: str, args: tuple, kwargs: dict, ranks, label: str | None = None) -> GroupResult:
+        futures = [self._submit(r, op, args) for r in ranks]
+        return GroupResult(self, label or op, ranks, futures, self.call_timeout_s)
+
+    # ------------------------------------------------------------------ errors
+    def _error(self, rank: int, method: str, status: str, value) -> RemoteError:
+        info = self.infos[rank]
+        if status == "lost":
+            return WorkerLostError(
+                f"worker process is gone or unreachable ({value if isinstance(value, str) else f'{type(value).__name__}: {value}'})",
+                self.name,
+                rank,
+                info.address,
+                method,
+            )
+        err = RemoteError(
+            f"{value['type']}: {value['message']}",
+            self.name,
+            rank,
+            info.address,
+            method,
+            remote_traceback=value["traceback"],
+            cause_type=value["type"],
+        )
+        err.__cause__ = value.get("exception")
+        return err
+
+    def _timeout_error(
+        self, rank: int, method: str, timeout: float, pending: list[str]
+    ) -> RemoteTimeoutError:
+        return RemoteTimeoutError(
+            f"no result within {timeout:g} s (ranks still running: {pending})",
+            self.name,
+            rank,
+            self.infos[rank].address,
+            method,
+        )
+
+    # ------------------------------------------------------------------ process groups
+    def init_process_group(
+        self, backend: str = "auto", name: str = "default", timeout_s: float = 120.0
+    ) -> str:
+        """Form a torch.distributed process group over this group's ranks (see :func:`init_collective`)."""
+        return init_collective([self], backend=backend, name=name, timeout_s=timeout_s)
+
+    # ------------------------------------------------------------------ lifecycle and views
+    @property
+    def world_size(self) -> int:
+        return len(self._ranks)
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self._ranks)
+
+    def shutdown(self) -> None:
+        """Release the actors (their workers stay); the slots can host a new launch."""
+        if self._closed:
+            return
+        with contextlib.suppress(RemoteError):  # a lost worker has nothing left to free
+            self._raw("destroy_groups", (), {}, list(range(len(self.infos)))).result(30)
+        for info in self.infos:
+            self.cluster._unregister(f"{self.name}[{info.rank}]")
+        self._hosts = []
+        self._closed = True
+
+    def __repr__(self) -> str:
+        slots = [self.infos[r].slot for r in self._ranks]
+        return f"<rlnb.Group {self.name} ranks={self._ranks} slots={slots}>"
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td>{i.rank}</td><td>{i.slot}</td><td>{html.escape(i.device)}</td>"
+            f"<td>{html.escape(i.node)}</td><td><code>{html.escape(i.address)}</code></td></tr>"
+            for i in (self.infos[r] for r in self._ranks)
+        )
+        return (
+            f"<div><b>rlnb Group</b> <code>{html.escape(self.name)}</code> "
+            f"({html.escape(self.cls.__name__)}, {len(self._ranks)} ranks)"
+            f"<table><tr><th>rank</th><th>slot</th><th>device</th><th>node</th><th>worker</th></tr>{rows}</table></div>"
+        )
+
+
+async def _call_host(actor, op: str, args: tuple):
+    """One actor call, straight over the worker rpc (what ``Actor.__getattr__`` does, without its
+    per-call closure and extra thread hops: all ranks of a group call go out from one coroutine).
+    Returns the host's ``(status, value, duration_s)``; a lost worker gives status ``"lost"``."""
+    try:
+        msg = await actor._worker_rpc.actor_execute(
+            function=op, actor=actor.key, args=[to_serialize(a) for a in args], kwargs={}
+        )
+    except OSError as e:  # connection refused/closed: the worker process is gone
+        return ("lost", e, 0.0)
+    if msg["status"] == "OK":
+        return msg["result"]
+    return ("lost", msg["exception"], 0.0)  # e.g. the actor is no longer on that worker
+
+
+def _backend_for(groups: Sequence[Group], backend: str) -> str:
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend: expected 'auto', 'gloo' or 'nccl', got {backend!r}")
+    on_gpu = all(g.infos[r].device.startswith("cuda") for g in groups for r in g._ranks)
+    if backend == "auto":
+        return "nccl" if on_gpu else "gloo"
+    if backend == "nccl" and not on_gpu:
+        from rlnb.errors import ClusterError
+
+        raise ClusterError("backend='nccl' needs every rank on a GPU slot; this placement has CPU ranks")
+    return backend
+
+
+def init_collective(
+    groups: Sequence[Group], backend: str = "auto", name: str = "weights", timeout_s: float = 120.0
+):
+    """Form one torch.distributed process group over the ranks of several groups, in order.
+
+    Rank 0 of the first group opens a ``TCPStore`` on a free port chosen at run time (never a fixed
+    port); every rank then joins. Inside a rank the group is :func:`rlnb.runtime.process_group`
+    (``name``). ``name="default"`` (one group only) initialises torch's default process group, as
+    DDP needs. Returns the backend used (``gloo`` on CPU, ``nccl`` when every rank has a GPU).
+    """
+    backend = _backend_for(groups, backend)
+    members = [(g, r) for g in groups for r in g._ranks]
+    by_worker: dict[str, str] = {}
+    for g, r in members:
+        here = f"{g.name}[{r}]"
+        other = by_worker.setdefault(g.infos[r].address, here)
+        if other != here:
+            from rlnb.errors import PlacementError
+
+            raise PlacementError(
+                f"init_collective({name!r}): {other} and {here} share worker {g.infos[r].address}; a process "
+                "group needs one rank per worker process. Collocated ranks exchange tensors in-process instead.",
+                "component_placement",
+            )
+    world = len(members)
+    g0, r0 = members[0]
+    (host, port) = _single(g0, r0, "open_store", (name, world, timeout_s), timeout_s)
+    futures = [
+        g._submit(r, "join_group", (name, host, port, global_rank, world, backend, timeout_s))
+        for global_rank, (g, r) in enumerate(members)
+    ]
+    GroupResult(
+        g0,
+        f"init_process_group[{name}]",
+        [r for _, r in members],
+        futures,
+        timeout_s + 10,
+        [g for g, _ in members],
+    ).result()
+    return backend
+
+
+def _single(group: Group, rank: int, op: str, args: tuple, timeout_s: float):
+    return GroupResult(group, op, [rank], [group._submit(rank, op, args)], timeout_s).result()[0]

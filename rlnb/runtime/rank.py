@@ -1,0 +1,195 @@
+"""What runs inside a Dask worker for one component rank: the host actor and the rank context."""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import os
+import pickle
+import socket
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a component rank lives. Passed to a component constructor that takes ``rank_info``.
+
+    Attributes:
+        component: the group name (e.g. ``"actor"``).
+        rank: this rank, 0..world_size-1.
+        world_size: number of ranks in the group.
+        local_rank: index among the group's ranks on the same node.
+        local_world_size: number of the group's ranks on this node.
+        slot: global slot rank hosting this rank.
+        device: ``"cpu"`` or ``"cuda:0"``.
+        address: Dask worker address.
+        node: host name.
+    """
+
+    component: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    slot: int
+    device: str
+    address: str
+    node: str
+
+
+_local = threading.local()
+
+
+def current_rank() -> RankInfo | None:
+    """The :class:`RankInfo` of the component rank whose code is running now (``None`` outside)."""
+    host = getattr(_local, "host", None)
+    return host.info if host is not None else None
+
+
+def process_group(name: str = "default"):
+    """The torch process group ``name`` of the rank whose code is running now.
+
+    Raises:
+        RuntimeError: outside a rank, or if the group was not initialised with
+            ``Group.init_process_group`` / ``init_collective``.
+    """
+    host = getattr(_local, "host", None)
+    if host is None:
+        raise RuntimeError("process_group() is only available inside a component rank")
+    if name not in host.collectives:
+        raise RuntimeError(
+            f"{host.info.component}[{host.info.rank}] has no process group {name!r}; "
+            f"initialised: {sorted(host.collectives) or '(none)'}"
+        )
+    return host.collectives[name]
+
+
+@contextmanager
+def _as_current(host):
+    prev = getattr(_local, "host", None)
+    _local.host = host
+    try:
+        yield
+    finally:
+        _local.host = prev
+
+
+def pack_exception(exc: BaseException) -> dict:
+    """An exception as plain data, keeping the object itself when it pickles."""
+    try:
+        pickle.dumps(exc)
+        obj = exc
+    except Exception:
+        obj = None
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "exception": obj,
+    }
+
+
+class RankHost:
+    """The Dask actor hosting one rank of a component: builds it, calls it, times each call.
+
+    Calls return ``(status, value, duration_s)`` so user exceptions travel with their traceback
+    instead of as Dask errors, and the driver can tell them from a lost worker.
+    """
+
+    def __init__(self, cls, args: tuple, kwargs: dict, info: RankInfo):
+        self.info = info
+        self.collectives: dict[str, object] = {}
+        self._stores: dict[str, object] = {}
+        self.obj = None
+        self.init_error: dict | None = None
+        os.environ.update(
+            RANK=str(info.rank),
+            WORLD_SIZE=str(info.world_size),
+            LOCAL_RANK=str(info.local_rank),
+            LOCAL_WORLD_SIZE=str(info.local_world_size),
+        )
+        kwargs = dict(kwargs)
+        try:
+            if "rank_info" in inspect.signature(cls).parameters:
+                kwargs["rank_info"] = info
+        except (TypeError, ValueError):
+            pass
+        try:
+            with _as_current(self):
+                self.obj = cls(*args, **kwargs)
+        except Exception as e:  # reported by ready(), with its traceback
+            self.init_error = pack_exception(e)
+
+    def ready(self):
+        if self.init_error is not None:
+            return ("err", self.init_error, 0.0)
+        return ("ok", os.getpid(), 0.0)
+
+    def call(self, method: str, args: tuple, kwargs: dict):
+        t0 = time.perf_counter()
+        try:
+            with _as_current(self):
+                out = getattr(self.obj, method)(*args, **kwargs)
+            return ("ok", out, time.perf_counter() - t0)
+        except Exception as e:
+            return ("err", pack_exception(e), time.perf_counter() - t0)
+
+    # ---- process groups: rank 0 opens a store on a free port, then every rank joins
+    def open_store(self, name: str, world_size: int, timeout_s: float):
+        from torch.distributed import TCPStore
+
+        host = self.info.address.split("://")[-1].rsplit(":", 1)[0] or socket.gethostname()
+        store = TCPStore(
+            host,
+            0,
+            world_size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+        self._stores[name] = store
+        return ("ok", (host, store.port), 0.0)
+
+    def join_group(self, name, host, port, rank, world_size, backend, timeout_s):
+        t0 = time.perf_counter()
+        try:
+            pg = _join(self, name, host, port, rank, world_size, backend, timeout_s)
+            self.collectives[name] = pg
+            return ("ok", backend, time.perf_counter() - t0)
+        except Exception as e:
+            return ("err", pack_exception(e), time.perf_counter() - t0)
+
+    def destroy_groups(self):
+        import torch.distributed as dist
+
+        if "default" in self.collectives and dist.is_initialized():
+            dist.destroy_process_group()
+        self.collectives.clear()
+        self._stores.clear()
+        return ("ok", None, 0.0)
+
+
+def _join(host_obj: RankHost, name, host, port, rank, world_size, backend, timeout_s):
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = host_obj._stores.get(name)
+    if store is None:
+        store = TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        host_obj._stores[name] = store
+    if name == "default":
+        # The torch default group, so DistributedDataParallel and dist.* work as usual.
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        return dist.group.WORLD
+    # A standalone group (e.g. actor ranks + rollout ranks) that needs no default group.
+    prefixed = dist.PrefixStore(f"rlnb/{name}/", store)
+    if backend == "nccl":  # GPU-only path
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size)
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)

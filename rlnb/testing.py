@@ -1,0 +1,99 @@
+"""Small plain components used by the tests, the benchmarks and the runtime demo.
+
+They live in the package (not in ``tests/``) so workers started with the ``dask worker`` command
+line can import them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from rlnb.runtime.rank import RankInfo, current_rank, process_group
+
+
+class Echo:
+    """Returns what it is given; knows its rank."""
+
+    def __init__(self, offset: int = 0, rank_info: RankInfo | None = None):
+        self.offset = offset
+        self.rank_info = rank_info
+
+    def noop(self):
+        return None
+
+    def echo(self, x):
+        return x
+
+    def add(self, x):
+        return x + self.offset
+
+    def whoami(self) -> dict:
+        info = current_rank()
+        return {
+            "rank": info.rank,
+            "world_size": info.world_size,
+            "local_rank": info.local_rank,
+            "slot": info.slot,
+            "device": info.device,
+            "address": info.address,
+            "env_rank": os.environ.get("RANK"),
+            "env_world_size": os.environ.get("WORLD_SIZE"),
+            "pid": os.getpid(),
+            "init_rank": self.rank_info.rank if self.rank_info else None,
+        }
+
+    def fail(self, message: str = "boom"):
+        raise ValueError(message)
+
+    def sleep(self, seconds: float):
+        time.sleep(seconds)
+        return seconds
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def produce(self, channel, n: int, numel: int, key: str = "default"):
+        """Put ``n`` float32 tensors of ``numel`` elements (value = index) into ``channel``."""
+        for i in range(n):
+            channel.put(torch.full((numel,), float(i)), key=key)
+        return n
+
+    def consume(self, channel, n: int, key: str = "default", timeout: float = 60):
+        """Take ``n`` items and return their first elements."""
+        return [float(channel.get(key=key, timeout=timeout)[0]) for _ in range(n)]
+
+
+class FailsToStart:
+    def __init__(self):
+        raise RuntimeError("constructor exploded")
+
+
+class Collective:
+    """Exercises process groups: all-reduce within a group, state-dict broadcast across groups."""
+
+    def __init__(self, rank_info: RankInfo):
+        self.info = rank_info
+        self.model = torch.nn.Linear(3, 2)
+        torch.nn.init.zeros_(self.model.weight)
+        torch.nn.init.zeros_(self.model.bias)
+
+    def all_reduce(self, name: str = "default") -> list[float]:
+        from rlnb.runtime.collective import all_reduce_
+
+        t = torch.tensor([float(self.info.rank + 1), 10.0 * (self.info.rank + 1)])
+        return all_reduce_(t, process_group(name)).tolist()
+
+    def set_weights(self, value: float):
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.fill_(value)
+
+    def broadcast_weights(self, src: int, name: str = "weights") -> dict:
+        from rlnb.runtime.collective import broadcast_state_dict
+
+        sd = self.model.state_dict()
+        broadcast_state_dict(sd, src, process_group(name))
+        return {k: v.tolist() for k, v in sd.items()}

@@ -1,0 +1,27 @@
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+requires_gpu = pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU; this machine has none")
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """One embedded 2-slot CPU cluster shared by the runtime tests that do not break it."""
+    import rlnb
+
+    c = rlnb.Cluster(slots=2, gpus=False)
+    yield c
+    c.close()

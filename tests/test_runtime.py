@@ -1,0 +1,214 @@
+"""Groups, channels and process groups on a real local Dask cluster (worker processes)."""
+
+import asyncio
+import glob
+import queue
+import time
+
+import pytest
+import torch
+
+import rlnb
+from rlnb.testing import Collective, Echo, FailsToStart
+
+
+@pytest.fixture(scope="module")
+def echo(cluster):
+    g = rlnb.Group.launch(Echo, cluster, "0-1", kwargs={"offset": 5})
+    yield g
+    g.shutdown()
+
+
+def test_cluster_slots_and_views(cluster):
+    assert cluster.num_slots == 2
+    assert [s.rank for s in cluster.slots] == [0, 1]
+    assert all(s.device == "cpu" for s in cluster.slots)
+    assert len({s.address for s in cluster.slots}) == 2
+    assert len({s.pid for s in cluster.slots}) == 2
+    info = cluster.info()
+    assert "slots=2" in info and cluster.slots[1].address in info
+    assert "<table>" in cluster._repr_html_()
+
+
+def test_group_calls_every_rank_with_rank_info(cluster, echo):
+    who = echo.whoami().result(timeout=30)
+    assert [w["rank"] for w in who] == [0, 1]
+    assert [w["init_rank"] for w in who] == [0, 1]
+    assert all(w["world_size"] == 2 and w["env_world_size"] == "2" for w in who)
+    assert [w["env_rank"] for w in who] == ["0", "1"]
+    assert [w["local_rank"] for w in who] == [0, 1]  # both on this node
+    assert [w["address"] for w in who] == [s.address for s in cluster.slots]
+    assert who[0]["pid"] != who[1]["pid"]
+    r = echo.add(1)
+    assert r.result(timeout=30) == [6, 6]
+    assert all(d is not None and d >= 0 for d in r.durations_s)
+    assert echo.on(1).add(2).result(timeout=30) == [7]
+    assert echo.on([1, 0]).echo("x").result(timeout=30) == ["x", "x"]
+    assert echo.call_each("add", [(1,), {"x": 10}]).result(timeout=30) == [6, 15]
+    assert "echo[0]" in cluster.placed_on(0)
+    assert "<table>" in echo._repr_html_()
+
+
+def test_group_is_awaitable(echo):
+    async def go():
+        return await echo.add(3)
+
+    assert asyncio.run(go()) == [8, 8]
+
+
+def test_remote_exception_names_component_rank_address(cluster, echo):
+    with pytest.raises(rlnb.RemoteError) as e:
+        echo.on(1).fail("bad value").result(timeout=30)
+    err = e.value
+    assert (err.component, err.rank, err.address, err.method) == ("echo", 1, cluster.slots[1].address, "fail")
+    assert err.cause_type == "ValueError"
+    assert "in fail" in err.remote_traceback and "ValueError: bad value" in err.remote_traceback
+    assert isinstance(err.__cause__, ValueError)
+    assert f"echo[rank 1] on {cluster.slots[1].address}: fail() failed: ValueError: bad value" in str(err)
+    # the group still works afterwards
+    assert echo.add(0).result(timeout=30) == [5, 5]
+
+
+def test_error_is_raised_without_waiting_for_slow_ranks(echo):
+    slow = echo.on(0).sleep(3)
+    t0 = time.perf_counter()
+    with pytest.raises(rlnb.RemoteError):
+        echo.on(1).fail().result(timeout=30)
+    assert time.perf_counter() - t0 < 2.5
+    slow.result(timeout=30)
+
+
+def test_timeout_is_typed(echo):
+    with pytest.raises(rlnb.RemoteTimeoutError) as e:
+        echo.sleep(2).result(timeout=0.3)
+    assert e.value.component == "echo" and "no result within 0.3 s" in str(e.value)
+    assert isinstance(e.value, TimeoutError)
+    time.sleep(2)  # let the sleeps finish before the next test uses the ranks
+
+
+def test_unknown_method_did_you_mean(echo):
+    with pytest.raises(AttributeError, match="Echo has no method 'ech'. Did you mean 'echo'"):
+        echo.ech(1)
+
+
+def test_constructor_failure_is_typed(cluster):
+    with pytest.raises(
+        rlnb.RemoteError,
+        match=r"failstostart\[rank 0\] .* __init__\(\) failed: RuntimeError: constructor exploded",
+    ):
+        rlnb.Group.launch(FailsToStart, cluster, "0")
+
+
+def test_shutdown_then_relaunch_same_slots(cluster):
+    g = rlnb.Group.launch(Echo, cluster, "all", name="tmp")
+    assert g.add(1).result(30) == [1, 1]
+    g.shutdown()
+    assert "tmp[0]" not in cluster.placed_on(0)
+    with pytest.raises(rlnb.RemoteError, match="shut down"):
+        g.noop()
+    g2 = rlnb.Group.launch(Echo, cluster, "all", name="tmp")
+    assert g2.add(2).result(30) == [2, 2]
+    g2.shutdown()
+
+
+def test_placement_beyond_cluster(cluster):
+    with pytest.raises(
+        rlnb.PlacementError, match="slot 2 in '0-2' is beyond the cluster: valid slots are 0-1"
+    ):
+        rlnb.Group.launch(Echo, cluster, "0-2")
+
+
+def test_gpu_on_cpu_cluster_is_an_error(cluster):
+    with pytest.raises(
+        rlnb.ClusterError, match="asks for device 'cuda' but every slot of this cluster is CPU-only"
+    ):
+        cluster.check_device("cuda", "actor")
+    with pytest.raises(rlnb.ClusterError, match="nccl"):
+        g = rlnb.Group.launch(Echo, cluster, "0", name="nc")
+        try:
+            g.init_process_group(backend="nccl")
+        finally:
+            g.shutdown()
+
+
+# ---------------------------------------------------------------- channels
+def test_channel_basics(cluster):
+    ch = rlnb.Channel.create(cluster, "basics", maxsize=2)
+    ch.put({"a": 1}, key="k")
+    ch.put({"a": 2}, key="k")
+    ch.put("other", key="j")
+    assert ch.qsize("k") == 2 and ch.qsize(None) == 3
+    assert sorted(ch.keys()) == ["j", "k"]
+    with pytest.raises(rlnb.ChannelTimeoutError, match="queue stayed full \\(2/2\\)"):
+        ch.put({"a": 3}, key="k", timeout=0.2)
+    assert ch.get(key="k", timeout=5) == {"a": 1}
+    ch.put({"a": 3}, key="k", timeout=5)
+    assert ch.get_batch(2, key="k", timeout=5) == [{"a": 2}, {"a": 3}]
+    assert ch.get_nowait(key="j") == "other"
+    with pytest.raises(queue.Empty):
+        ch.get_nowait(key="j")
+    with pytest.raises(rlnb.ChannelTimeoutError, match="waited 0.2 s for 1 item"):
+        ch.get(key="k", timeout=0.2)
+
+    async def go():
+        await ch.aput(torch.arange(3), key="x")
+        return await ch.aget(key="x", timeout=5)
+
+    assert torch.equal(asyncio.run(go()), torch.arange(3))
+    assert "basics" in ch._repr_html_()
+
+
+def test_channel_worker_to_worker_big_tensors_use_shared_memory(cluster, echo):
+    ch = rlnb.Channel.create(cluster, "bulk", maxsize=2, slot=0)
+    numel = 4 * 1024 * 1024  # 16 MiB of float32
+    consumer = echo.on(1).consume(ch, 5, key="t")
+    producer = echo.on(0).produce(ch, 5, numel, key="t")
+    assert producer.result(timeout=60) == [5]
+    assert consumer.result(timeout=60) == [[0.0, 1.0, 2.0, 3.0, 4.0]]  # FIFO order, values intact
+    stats = ch.stats()
+    assert stats == {"items": 5, "shm_tensors": 5, "shm_bytes": 5 * numel * 4}
+    assert not glob.glob("/dev/shm/rlnb-ch-*")  # consumers unlinked every file
+
+
+def test_channel_close_frees_unconsumed_shared_memory(cluster):
+    ch = rlnb.Channel.create(cluster, "leftover")
+    ch.put(torch.zeros(1024 * 1024), key="a")
+    assert len(glob.glob("/dev/shm/rlnb-ch-*")) == 1
+    assert ch.close() == 1
+    assert not glob.glob("/dev/shm/rlnb-ch-*")
+
+
+def test_channel_from_notebook_gets_values(cluster):
+    ch = rlnb.Channel.create(cluster, "nb")
+    big = torch.randn(512, 1024)
+    ch.put({"obs": big, "step": 3})
+    got = ch.get(timeout=10)
+    assert got["step"] == 3 and torch.equal(got["obs"], big)
+
+
+# ---------------------------------------------------------------- process groups
+def test_all_reduce_within_group_and_broadcast_across_groups(cluster):
+    actor = rlnb.Group.launch(Collective, cluster, "0-1", name="actor")
+    assert actor.init_process_group() == "gloo"
+    # rank r contributes [r+1, 10(r+1)] -> [1+2, 10+20]
+    assert actor.all_reduce().result(60) == [[3.0, 30.0], [3.0, 30.0]]
+
+    rollout = rlnb.Group.launch(Collective, cluster, "1", name="rollout")
+    assert rlnb.init_collective([actor.on(0), rollout], name="weights") == "gloo"
+    actor.on(0).set_weights(2.5).result(30)
+    send = actor.on(0).broadcast_weights(0)
+    recv = rollout.broadcast_weights(0)
+    expected = {"weight": [[2.5] * 3] * 2, "bias": [2.5, 2.5]}
+    assert send.result(60) == [expected]
+    assert recv.result(60) == [expected]
+    actor.shutdown()
+    rollout.shutdown()
+
+
+def test_collective_over_one_worker_is_refused(cluster):
+    a = rlnb.Group.launch(Collective, cluster, "0", name="a")
+    b = rlnb.Group.launch(Collective, cluster, "0", name="b")
+    with pytest.raises(rlnb.PlacementError, match=r"a\[0\] and b\[0\] share worker"):
+        rlnb.init_collective([a, b])
+    a.shutdown()
+    b.shutdown()
