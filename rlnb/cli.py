@@ -31,7 +31,9 @@ def _demo(args) -> int:
         print(f"cluster up in {time.perf_counter() - t0:.1f} s\n{cluster.info()}\n")
         group = rlnb.Group.launch(Echo, cluster, "all")
         for who in group.whoami().result(60):
-            print(f"  rank {who['rank']}/{who['world_size']} on slot {who['slot']} ({who['device']}) pid {who['pid']}")
+            print(
+                f"  rank {who['rank']}/{who['world_size']} on slot {who['slot']} ({who['device']}) pid {who['pid']}"
+            )
         ch = rlnb.Channel.create(cluster, "demo", maxsize=2)
         consumer = group.on(group.world_size - 1).consume(ch, 4, key="t")
         group.on(0).produce(ch, 4, 1 << 20, key="t").result(60)
@@ -43,14 +45,18 @@ def _demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlnb", description="Reinforcement learning, stepped in notebooks, run on Dask.")
+    parser = argparse.ArgumentParser(
+        prog="rlnb", description="Reinforcement learning, stepped in notebooks, run on Dask."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, helptext in (
         ("info", _info, "show cluster slots, devices and versions"),
         ("demo", _demo, "run a short runtime demo on the embedded (or given) cluster"),
     ):
         p = sub.add_parser(name, help=helptext, description=helptext)
-        p.add_argument("--address", default=None, help="Dask scheduler address (default: start an embedded cluster)")
+        p.add_argument(
+            "--address", default=None, help="Dask scheduler address (default: start an embedded cluster)"
+        )
         p.add_argument("--slots", type=int, default=None, help="CPU slots for the embedded cluster")
         p.add_argument("--timeout-s", type=float, default=20.0, help="seconds to wait for the scheduler")
         p.set_defaults(fn=fn)

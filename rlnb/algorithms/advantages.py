@@ -1,0 +1,185 @@
+"""Advantage estimators: ``get_advantage(name)(**kwargs) -> (advantages, returns)``.
+
+Shapes: embodied rollouts are ``[T, N]`` (time, env); LM batches are ``[B]`` per sequence, or
+``[B, L]`` per token when a ``response_mask [B, L]`` is given.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlnb.algorithms._checks import check_choice, check_positive, check_same_shape, check_tensor
+from rlnb.algorithms.registry import Registry
+from rlnb.errors import ConfigError
+
+ADVANTAGES = Registry("advantage")
+register_advantage = ADVANTAGES.register
+
+
+def get_advantage(name: str):
+    """The advantage estimator registered as ``name`` (case-insensitive)."""
+    return ADVANTAGES.get(name, key="algorithm.advantage")
+
+
+@register_advantage("gae")
+def gae(rewards, values, dones, last_values, gamma: float = 0.99, gae_lambda: float = 0.95):
+    """Generalised Advantage Estimation (Schulman et al. 2016).
+
+    Args:
+        rewards, values, dones: ``[T, N]``; ``dones[t] = 1`` when step t ended the episode, so step t+1
+            is not bootstrapped (truncations are bootstrapped by the env adapter, into ``rewards``).
+        last_values: ``[N]``, value of the state after step T-1.
+
+    Returns:
+        ``(advantages [T, N], returns [T, N])`` with ``returns = advantages + values``.
+    """
+    check_tensor("rewards", rewards, 2, "[T, N]")
+    check_same_shape(["rewards", "values", "dones"], [rewards, values, dones])
+    check_tensor("last_values", last_values, 1, "[N]")
+    if last_values.shape[0] != rewards.shape[1]:
+        raise ConfigError(
+            f"last_values: expected shape ({rewards.shape[1]},), got {tuple(last_values.shape)}",
+            "last_values",
+        )
+    T = rewards.shape[0]
+    nonterminal = 1.0 - dones.float()  # [T, N]
+    advantages = torch.zeros_like(rewards, dtype=torch.float32)
+    next_adv = torch.zeros_like(last_values, dtype=torch.float32)  # [N]
+    for t in reversed(range(T)):
+        next_value = last_values if t == T - 1 else values[t + 1]
+        delta = rewards[t] + gamma * next_value * nonterminal[t] - values[t]  # [N]
+        next_adv = delta + gamma * gae_lambda * nonterminal[t] * next_adv
+        advantages[t] = next_adv
+    return advantages, advantages + values
+
+
+def _grouped(rewards, group_size: int) -> torch.Tensor:
+    check_tensor("rewards", rewards, 1, "[B]")
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ConfigError(f"group_size: expected a positive int, got {group_size!r}", "group_size")
+    if rewards.shape[0] % group_size:
+        raise ConfigError(
+            f"group_size: {group_size} does not divide the batch of {rewards.shape[0]} rewards; "
+            "rewards must be laid out as consecutive groups of group_size samples per prompt",
+            "group_size",
+        )
+    return rewards.float().view(-1, group_size)  # [B/G, G]
+
+
+def _to_tokens(seq_values, response_mask):
+    """Broadcast per-sequence values ``[B]`` over the response tokens ``[B, L]``."""
+    if response_mask is None:
+        return seq_values
+    check_tensor("response_mask", response_mask, 2, "[B, L]")
+    if response_mask.shape[0] != seq_values.shape[0]:
+        raise ConfigError(
+            f"response_mask: expected {seq_values.shape[0]} rows (one per reward), got {tuple(response_mask.shape)}",
+            "response_mask",
+        )
+    return seq_values[:, None] * response_mask.float()  # [B, L]
+
+
+@register_advantage("grpo")
+def grpo(rewards, group_size: int, scale: str = "group", eps: float = 1e-6, response_mask=None):
+    """GRPO (Shao et al. 2024): reward minus its group's mean, over a std.
+
+    Args:
+        rewards: ``[B]``, consecutive groups of ``group_size`` samples of one prompt.
+        scale: ``"group"`` (std of the group), ``"batch"`` (std of the batch) or ``"none"``
+            (Dr. GRPO, Liu et al. 2025: no division). Std uses Bessel's correction.
+        response_mask: optional ``[B, L]``; advantages are then per token.
+
+    Returns:
+        ``(advantages, returns)``: ``[B]`` (or ``[B, L]``); returns are the rewards, broadcast.
+    """
+    check_choice("scale", scale, ("group", "batch", "none"))
+    r = _grouped(rewards, group_size)  # [B/G, G]
+    centred = r - r.mean(dim=1, keepdim=True)
+    if scale == "group":
+        centred = centred / (r.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        centred = centred / (r.std() + eps)
+    adv = centred.reshape(-1)  # [B]
+    return _to_tokens(adv, response_mask), _to_tokens(rewards.float(), response_mask)
+
+
+@register_advantage("rloo")
+def rloo(rewards, group_size: int, response_mask=None):
+    """REINFORCE Leave-One-Out (Ahmadian et al. 2024): baseline = mean of the other samples of the group.
+
+    ``A_i = r_i - (sum_j r_j - r_i) / (G - 1)``.
+    """
+    if group_size < 2:
+        raise ConfigError(
+            f"group_size: rloo needs at least 2 samples per prompt, got {group_size}", "group_size"
+        )
+    r = _grouped(rewards, group_size)  # [B/G, G]
+    baseline = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
+    adv = (r - baseline).reshape(-1)  # [B]
+    return _to_tokens(adv, response_mask), _to_tokens(rewards.float(), response_mask)
+
+
+def _whiten(x, mask=None, eps: float = 1e-8):
+    """(x - mean) / std over the whole batch (masked tokens only)."""
+    if mask is None:
+        return (x - x.mean()) / (x.std() + eps)
+    m = mask.float()
+    n = m.sum()
+    mean = (x * m).sum() / n
+    var = (((x - mean) * m) ** 2).sum() / (n - 1).clamp(min=1)
+    return (x - mean) * m / (var.sqrt() + eps)
+
+
+def _token_returns(rewards, response_mask, kl, kl_coef: float, gamma: float):
+    """Per-token returns: the sequence reward at the last response token, minus ``kl_coef * kl`` per token."""
+    m = response_mask.float()  # [B, L]
+    token_rewards = torch.zeros_like(m)
+    if kl is not None:
+        check_same_shape(["response_mask", "kl"], [response_mask, kl])
+        token_rewards = -kl_coef * kl.float() * m
+    last = (m.cumsum(dim=1) == m.sum(dim=1, keepdim=True)) & (m > 0)  # [B, L] one-hot on the last token
+    token_rewards = token_rewards + last.float() * rewards.float()[:, None]
+    returns = torch.zeros_like(m)
+    running = torch.zeros(m.shape[0])
+    for t in reversed(range(m.shape[1])):
+        running = token_rewards[:, t] + gamma * running * m[:, t]
+        returns[:, t] = running
+    return returns * m
+
+
+@register_advantage("reinforce_pp")
+def reinforce_pp(
+    rewards, response_mask=None, kl=None, kl_coef: float = 0.0, gamma: float = 1.0, eps: float = 1e-8
+):
+    """REINFORCE++ (Hu et al. 2025): discounted returns with a per-token KL penalty, whitened over the batch.
+
+    Args:
+        rewards: ``[B]`` sequence rewards.
+        response_mask: ``[B, L]``; without it the advantage is per sequence: ``whiten(rewards)``.
+        kl: optional ``[B, L]`` per-token KL to the reference policy, penalised by ``kl_coef``.
+    """
+    check_tensor("rewards", rewards, 1, "[B]")
+    check_positive("gamma", gamma, allow_zero=True)
+    if response_mask is None:
+        return _whiten(rewards.float(), eps=eps), rewards.float()
+    _to_tokens(rewards, response_mask)  # shape checks
+    returns = _token_returns(rewards, response_mask, kl, kl_coef, gamma)  # [B, L]
+    return _whiten(returns, response_mask, eps), returns
+
+
+@register_advantage("reinforce_pp_baseline")
+def reinforce_pp_baseline(
+    rewards,
+    group_size: int,
+    response_mask=None,
+    kl=None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    eps: float = 1e-8,
+):
+    """REINFORCE++ with a group-mean baseline: rewards minus their group's mean, then :func:`reinforce_pp`."""
+    r = _grouped(rewards, group_size)
+    centred = (r - r.mean(dim=1, keepdim=True)).reshape(-1)  # [B]
+    adv, _ = reinforce_pp(centred, response_mask, kl, kl_coef, gamma, eps)
+    returns = _to_tokens(rewards.float(), response_mask)
+    return adv, returns

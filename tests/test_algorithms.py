@@ -1,0 +1,373 @@
+"""Algorithm library: exact values against hand-computed references, and properties."""
+
+import logging
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlnb.algorithms import (
+    aggregate,
+    get_advantage,
+    get_policy_loss,
+    get_reward,
+    kl_penalty,
+    register_advantage,
+    register_reward,
+    value_loss,
+)
+from rlnb.errors import ConfigError, UnknownNameError
+
+T = torch.tensor
+
+
+def close(a, b, tol=1e-5):
+    return torch.allclose(
+        torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(b, dtype=torch.float32), atol=tol
+    )
+
+
+# ------------------------------------------------------------------ advantages
+def test_gae_hand_computed():
+    # gamma=0.9, lambda=0.8; episode ends at t=1 (dones[1]=1), so t=1 does not bootstrap from V(s2)
+    # t=2: delta = 1 + 0.9*0.2 - 0.3 = 0.88                  A2 = 0.88
+    # t=1: delta = 1 + 0 - 0.4 = 0.6                          A1 = 0.6
+    # t=0: delta = 1 + 0.9*0.4 - 0.5 = 0.86                   A0 = 0.86 + 0.9*0.8*0.6 = 1.292
+    adv, ret = get_advantage("gae")(
+        rewards=T([[1.0], [1.0], [1.0]]),
+        values=T([[0.5], [0.4], [0.3]]),
+        dones=T([[0.0], [1.0], [0.0]]),
+        last_values=T([0.2]),
+        gamma=0.9,
+        gae_lambda=0.8,
+    )
+    assert close(adv, [[1.292], [0.6], [0.88]])
+    assert close(ret, [[1.792], [1.0], [1.18]])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 3), st.floats(0.5, 0.999), st.integers(0, 2**31 - 1))
+def test_gae_lambda_one_is_discounted_return_minus_value(t_len, n, gamma, seed):
+    g = torch.Generator().manual_seed(seed)
+    rewards, values = torch.randn(t_len, n, generator=g), torch.randn(t_len, n, generator=g)
+    dones = (torch.rand(t_len, n, generator=g) < 0.3).float()
+    last = torch.randn(n, generator=g)
+    adv, ret = get_advantage("gae")(
+        rewards=rewards, values=values, dones=dones, last_values=last, gamma=gamma, gae_lambda=1.0
+    )
+    expected_ret = torch.zeros(t_len, n)
+    running = last.clone()
+    for t in reversed(range(t_len)):
+        running = rewards[t] + gamma * running * (1 - dones[t])
+        expected_ret[t] = running
+    assert close(ret, expected_ret, 1e-4)
+    assert close(adv, expected_ret - values, 1e-4)
+
+
+def test_grpo_hand_computed_all_scales():
+    r = T([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    # group 1: mean 0.25, std = sqrt((0.75^2 + 3*0.25^2)/3) = 0.5  -> [1.5, -0.5, -0.5, -0.5]
+    # group 2: mean 0.5,  std = sqrt(4*0.25/3) = 0.57735          -> +-0.8660
+    adv, ret = get_advantage("GRPO")(rewards=r, group_size=4, eps=0.0)
+    assert close(adv, [1.5, -0.5, -0.5, -0.5, 0.866025, 0.866025, -0.866025, -0.866025])
+    assert torch.equal(ret, r)
+    # batch std: mean 0.375, sum sq = 3*0.625^2 + 5*0.375^2 = 1.875, /7 -> std 0.517549
+    adv_b, _ = get_advantage("grpo")(rewards=r, group_size=4, scale="batch", eps=0.0)
+    assert close(adv_b[:4], T([0.75, -0.25, -0.25, -0.25]) / 0.517549)
+    adv_n, _ = get_advantage("grpo")(rewards=r, group_size=4, scale="none")  # Dr. GRPO
+    assert close(adv_n, [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5])
+    # token level: broadcast over the response mask
+    mask = T([[1, 1, 0]] * 8)
+    adv_t, ret_t = get_advantage("grpo")(rewards=r, group_size=4, scale="none", response_mask=mask)
+    assert adv_t.shape == (8, 3) and close(adv_t[0], [0.75, 0.75, 0.0]) and close(ret_t[0], [1.0, 1.0, 0.0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(2, 8),
+    st.integers(1, 5),
+    st.sampled_from(["group", "batch", "none"]),
+    st.integers(0, 2**31 - 1),
+)
+def test_grpo_advantages_have_zero_mean_per_group(group_size, groups, scale, seed):
+    r = torch.rand(group_size * groups, generator=torch.Generator().manual_seed(seed))
+    adv, _ = get_advantage("grpo")(rewards=r, group_size=group_size, scale=scale)
+    assert torch.allclose(adv.view(groups, group_size).mean(dim=1), torch.zeros(groups), atol=1e-4)
+
+
+def test_rloo_hand_computed():
+    # group [1, 0, 0, 0]: baseline_i = (sum - r_i)/3 -> [0, 1/3, 1/3, 1/3]
+    adv, _ = get_advantage("rloo")(rewards=T([1.0, 0.0, 0.0, 0.0, 2.0, 4.0, 0.0, 0.0]), group_size=4)
+    # group [2, 4, 0, 0]: baselines [4/3, 2/3, 2, 2] -> [2/3, 10/3, -2, -2]
+    assert close(adv, [1.0, -1 / 3, -1 / 3, -1 / 3, 2 / 3, 10 / 3, -2.0, -2.0])
+    with pytest.raises(ConfigError, match="rloo needs at least 2"):
+        get_advantage("rloo")(rewards=T([1.0]), group_size=1)
+
+
+def test_reinforce_pp_hand_computed():
+    # rewards [1, 0]; mask rows of 2 and 3 tokens; gamma 1, no KL -> token returns [[1,1,0],[0,0,0]]
+    # whiten over the 5 counted tokens: mean 0.4, var = (2*0.36 + 3*0.16)/4 = 0.3, std 0.547723
+    mask = T([[1, 1, 0], [1, 1, 1]])
+    adv, ret = get_advantage("reinforce_pp")(rewards=T([1.0, 0.0]), response_mask=mask)
+    assert close(ret, [[1, 1, 0], [0, 0, 0]])
+    a, b = 0.6 / 0.547723, -0.4 / 0.547723
+    assert close(adv, [[a, a, 0.0], [b, b, b]], 1e-4)
+    # per-token KL penalty: row 0 token rewards = [-0.1, -0.2 + 1, 0] -> returns [0.7, 0.8, 0]
+    _, ret_kl = get_advantage("reinforce_pp")(
+        rewards=T([1.0, 0.0]), response_mask=mask, kl=T([[0.1, 0.2, 0.0], [0.0, 0.0, 0.0]]), kl_coef=1.0
+    )
+    assert close(ret_kl[0], [0.7, 0.8, 0.0])
+    # sequence level: whiten the rewards
+    adv_s, _ = get_advantage("reinforce_pp")(rewards=T([1.0, 3.0]))
+    assert close(adv_s, [-1 / math.sqrt(2), 1 / math.sqrt(2)])
+
+
+def test_reinforce_pp_baseline_subtracts_group_mean():
+    # groups [1, 0] and [1, 1]: centred [0.5, -0.5, 0, 0]; whitened: mean 0, std sqrt(0.5/3)
+    adv, _ = get_advantage("reinforce_pp_baseline")(rewards=T([1.0, 0.0, 1.0, 1.0]), group_size=2)
+    s = math.sqrt(0.5 / 3)
+    assert close(adv, [0.5 / s, -0.5 / s, 0.0, 0.0], 1e-4)
+
+
+def test_advantage_shape_errors_name_the_argument():
+    with pytest.raises(ConfigError, match="group_size: 3 does not divide the batch of 8 rewards"):
+        get_advantage("grpo")(rewards=torch.zeros(8), group_size=3)
+    with pytest.raises(ConfigError, match=r"rewards: expected shape \[B\], got \(2, 4\)"):
+        get_advantage("grpo")(rewards=torch.zeros(2, 4), group_size=2)
+    with pytest.raises(
+        ConfigError, match=r"values: has shape \(3,\), expected \(3, 1\) like rewards; try .unsqueeze\(-1\)"
+    ):
+        get_advantage("gae")(
+            rewards=torch.zeros(3, 1),
+            values=torch.zeros(3),
+            dones=torch.zeros(3, 1),
+            last_values=torch.zeros(1),
+        )
+    with pytest.raises(ConfigError, match=r"last_values: expected shape \(2,\), got \(3,\)"):
+        get_advantage("gae")(
+            rewards=torch.zeros(3, 2),
+            values=torch.zeros(3, 2),
+            dones=torch.zeros(3, 2),
+            last_values=torch.zeros(3),
+        )
+    with pytest.raises(
+        ConfigError,
+        match=r"scale: expected one of \['group', 'batch', 'none'\], got 'grup'. Did you mean 'group'",
+    ):
+        get_advantage("grpo")(rewards=torch.zeros(4), group_size=2, scale="grup")
+
+
+# ------------------------------------------------------------------ losses
+def test_ppo_hand_computed():
+    # A = [1, 1, -1, -1], ratio = [1.5, 0.9, 0.5, 1.1], eps 0.2
+    # tok0: max(-1.5, -1.2) = -1.2 (clipped); tok1: -0.9; tok2: max(0.5, 0.8) = 0.8 (clipped); tok3: 1.1
+    # token-mean = (-1.2 - 0.9 + 0.8 + 1.1) / 4 = -0.05
+    ratio = T([[1.5, 0.9, 0.5, 1.1]])
+    old = torch.zeros(1, 4)
+    loss, m = get_policy_loss("ppo")(
+        logprobs=ratio.log(), old_logprobs=old, advantages=T([[1.0, 1.0, -1.0, -1.0]]), clip_coef=0.2
+    )
+    assert close(loss, -0.05)
+    assert m["clip_frac"] == 0.5
+    assert math.isclose(m["ratio_mean"], 1.0, abs_tol=1e-6)
+    # approx_kl = mean((r - 1) - log r)
+    expected_kl = sum((r - 1) - math.log(r) for r in (1.5, 0.9, 0.5, 1.1)) / 4
+    assert math.isclose(m["approx_kl"], expected_kl, rel_tol=1e-5)
+
+
+def test_ppo_clip_higher_and_dual_clip():
+    # clip-higher: eps_low 0.2, eps_high 0.28 -> ratio 1.5 with A=1 clipped at 1.28
+    loss, _ = get_policy_loss("ppo")(
+        logprobs=T([[1.5]]).log(),
+        old_logprobs=torch.zeros(1, 1),
+        advantages=T([[1.0]]),
+        clip_coef=0.2,
+        clip_coef_high=0.28,
+    )
+    assert close(loss, -1.28)
+    # dual clip c=3 with A=-1, ratio 5: standard PPO gives max(5, 1.2) = 5; dual clip caps at 3
+    loss, m = get_policy_loss("ppo")(
+        logprobs=T([[5.0]]).log(),
+        old_logprobs=torch.zeros(1, 1),
+        advantages=T([[-1.0]]),
+        clip_coef=0.2,
+        dual_clip=3.0,
+    )
+    assert close(loss, 3.0) and m["clip_frac"] == 1.0
+    with pytest.raises(ConfigError, match="dual_clip: expected a constant > 1, got 0.5"):
+        get_policy_loss("ppo")(
+            logprobs=torch.zeros(1, 1),
+            old_logprobs=torch.zeros(1, 1),
+            advantages=torch.ones(1, 1),
+            dual_clip=0.5,
+        )
+
+
+def test_aggregations_hand_computed():
+    loss = T([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = T([[1, 1, 1], [1, 0, 0]])
+    assert close(aggregate(loss, mask, "token-mean"), 10 / 4)  # (1+2+3+4)/4
+    assert close(aggregate(loss, mask, "seq-mean-token-mean"), (2 + 4) / 2)  # per-seq means 2 and 4
+    assert close(aggregate(loss, mask, "seq-mean-token-sum"), (6 + 4) / 2)
+    assert close(aggregate(loss, mask, "seq-mean-token-sum-norm"), (6 / 3 + 4 / 3) / 2)  # max_len = L = 3
+    assert close(aggregate(loss, mask, "seq-mean-token-sum-norm", max_len=10), (0.6 + 0.4) / 2)
+    with pytest.raises(ConfigError, match="Did you mean 'token-mean'"):
+        aggregate(loss, mask, "token_mean")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_ppo_equals_minus_a_ratio_without_clipping(b, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(b, length, generator=g)
+    new = (
+        old + (torch.rand(b, length, generator=g) - 0.5) * 0.2
+    )  # |log ratio| < 0.1 -> ratio in (0.905, 1.106)
+    adv = torch.randn(b, length, generator=g)
+    loss, m = get_policy_loss("ppo")(logprobs=new, old_logprobs=old, advantages=adv, clip_coef=0.2)
+    assert torch.allclose(loss, (-adv * (new - old).exp()).mean(), atol=1e-5)
+    assert m["clip_frac"] == 0.0
+
+
+def test_gradients_reach_only_the_logprobs():
+    logp = torch.randn(2, 3, requires_grad=True)
+    old = torch.randn(2, 3, requires_grad=True)
+    adv = torch.randn(2, 3, requires_grad=True)
+    loss, _ = get_policy_loss("ppo")(logprobs=logp, old_logprobs=old, advantages=adv)
+    loss.backward()
+    assert logp.grad is not None and logp.grad.abs().sum() > 0
+    assert old.grad is None and adv.grad is None
+
+
+def test_decoupled_ppo_hand_computed():
+    # prox = behaviour for token 0 (w = 1); token 1 has w = e^1 = 2.718 > cap 2 -> masked out
+    # ratio vs prox = 1 on both, A = 1 -> per-token loss -1; weighted [-1, 0]; token-mean over 2 -> -0.5
+    logp = torch.zeros(1, 2)
+    loss, m = get_policy_loss("decoupled_ppo")(
+        logprobs=logp,
+        old_logprobs=T([[0.0, -1.0]]),
+        prox_logprobs=torch.zeros(1, 2),
+        advantages=torch.ones(1, 2),
+        mask=torch.ones(1, 2),
+        behave_weight_cap=2.0,
+    )
+    assert close(loss, -0.5) and m["behave_masked_frac"] == 0.5
+    loss, _ = get_policy_loss("decoupled_ppo")(
+        logprobs=logp,
+        old_logprobs=T([[0.0, -1.0]]),
+        prox_logprobs=torch.zeros(1, 2),
+        advantages=torch.ones(1, 2),
+        behave_weight_cap=2.0,
+        behave_mode="clamp",
+    )
+    assert close(loss, (-1 - 2) / 2)  # weights [1, min(e, 2)]
+
+
+def test_value_loss_clipped_and_unclipped():
+    v, old, ret = T([2.0, 0.0]), T([1.0, 0.0]), T([3.0, 1.0])
+    # unclipped: 0.5 * mean((2-3)^2, (0-1)^2) = 0.5
+    assert close(value_loss(v, old, ret), 0.5)
+    # clipped (0.5): v_clip = [1.5, 0]; max((2-3)^2, (1.5-3)^2) = 2.25, and 1 -> 0.5 * 3.25/2
+    assert close(value_loss(v, old, ret, clip_coef=0.5), 0.5 * 3.25 / 2)
+
+
+def test_actor_critic_combines_terms():
+    n = 4
+    logp = torch.zeros(n)
+    loss, m = get_policy_loss("actor_critic")(
+        logprobs=logp,
+        old_logprobs=torch.zeros(n),
+        advantages=T([1.0, -1.0, 1.0, -1.0]),
+        values=T([1.0, 1.0, 1.0, 1.0]),
+        old_values=T([1.0, 1.0, 1.0, 1.0]),
+        returns=T([2.0, 2.0, 0.0, 0.0]),
+        entropy=T([0.5, 0.5, 0.5, 0.5]),
+        vf_coef=0.5,
+        ent_coef=0.1,
+        norm_adv=False,
+    )
+    # pg = mean(-A * 1) = 0; v = 0.5 * 1 = 0.5; loss = 0 - 0.1*0.5 + 0.5*0.5 = 0.2
+    assert close(loss, 0.2) and math.isclose(m["value_loss"], 0.5) and math.isclose(m["entropy"], 0.5)
+
+
+def test_kl_estimators_hand_computed():
+    logp, ref = T([math.log(0.5)]), T([math.log(0.25)])
+    # log_r = log(0.25/0.5) = -0.693147
+    assert close(kl_penalty(logp, ref, "k1"), [0.693147])
+    assert close(kl_penalty(logp, ref, "k2"), [0.5 * 0.693147**2])
+    assert close(kl_penalty(logp, ref, "k3"), [0.5 - 1 + 0.693147])
+    with pytest.raises(ConfigError, match="Did you mean 'k3'"):
+        kl_penalty(logp, ref, "k_3")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(-5, 5), min_size=1, max_size=8), st.lists(st.floats(-5, 5), min_size=1, max_size=8))
+def test_k3_is_nonnegative(a, b):
+    n = min(len(a), len(b))
+    assert (kl_penalty(T(a[:n]), T(b[:n]), "k3") >= -1e-6).all()
+
+
+# ------------------------------------------------------------------ registries
+def test_register_custom_advantage_and_typo():
+    @register_advantage("my_baseline", overwrite=True)
+    def my_baseline(rewards, **_):
+        return rewards - rewards.mean(), rewards
+
+    adv, _ = get_advantage("My_Baseline")(rewards=T([1.0, 3.0]))
+    assert close(adv, [-1.0, 1.0])
+    with pytest.raises(UnknownNameError) as e:
+        get_advantage("gea")
+    msg = str(e.value)
+    assert (
+        "unknown advantage 'gea'; registered:" in msg and "gae, grpo" in msg and "Did you mean 'gae'?" in msg
+    )
+    assert e.value.key == "algorithm.advantage"
+    with pytest.raises(UnknownNameError, match="Did you mean 'ppo'"):
+        get_policy_loss("ppp")
+    with pytest.raises(ValueError, match="already registered"):
+        register_advantage("gae")(lambda **k: None)
+
+
+# ------------------------------------------------------------------ rewards
+@pytest.mark.parametrize(
+    "completion,answer,expected",
+    [
+        ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{1/2}", "\\frac{1}{2}", 1.0),
+        ("the value is 0.5", "1/2", 1.0),
+        ("we get #### 1+2x", "2x+1", 1.0),
+        ("total: 1,000 apples", "1000", 1.0),
+        ("\\boxed{1000}", "#### 1,000", 1.0),
+        ("Natalia sold 48 + 24 = 72 clips. #### 72", "72", 1.0),
+        ("it is 7", "8", 0.0),
+        ("no number here", "3", 0.0),
+        ("\\boxed{x^2}", "x^2", 1.0),
+    ],
+)
+def test_math_reward(completion, answer, expected):
+    assert get_reward("math")(completion, answer) == expected
+
+
+def test_arithmetic_and_format_rewards():
+    arith = get_reward("arithmetic")
+    assert arith("19", "19") == 1.0 and arith(" 19 then", "19") == 1.0
+    assert arith("18", "19") == 0.0 and arith("x19", "19") == 0.0 and arith("-3", "-3") == 1.0
+    fmt = get_reward("format")
+    assert fmt("so \\boxed{3}", "3") == 1.0 and fmt("#### 3", "3") == 1.0 and fmt("3", "3") == 0.0
+    assert get_reward("format", pattern=r"^\d+$")("42", "") == 1.0
+
+
+def test_raising_reward_scores_zero_and_logs_once(caplog):
+    @register_reward("explodes", overwrite=True)
+    def explodes(completion, answer):
+        raise ZeroDivisionError("nope")
+
+    r = get_reward("explodes")
+    with caplog.at_level(logging.WARNING, logger="rlnb.rewards"):
+        assert r("a", "b") == 0.0
+        assert r("c", "d") == 0.0
+    assert len([rec for rec in caplog.records if "explodes" in rec.getMessage()]) == 1
+    with pytest.raises(UnknownNameError, match="Did you mean 'math'"):
+        get_reward("mth")
