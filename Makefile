@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/rlnb demo
+	$(BIN)/rlnb run recipes/ppo_cartpole.yaml
 
 test: setup lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

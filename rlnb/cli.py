@@ -1,4 +1,5 @@
-"""The ``rlnb`` command line: ``rlnb info``, ``rlnb demo`` (more subcommands join as loops land).
+"""The ``rlnb`` command line: ``rlnb run RECIPE [key=value ...]``, ``rlnb eval RUN_DIR``, ``rlnb info``,
+``rlnb recipes``, ``rlnb demo``.
 
 Exit codes: 0 success, 2 bad usage or config, 1 run failure.
 """
@@ -44,6 +45,72 @@ def _demo(args) -> int:
     return 0
 
 
+def _run(args) -> int:
+    import signal
+
+    from rlnb.config import load_recipe, to_yaml
+
+    overrides = list(args.overrides)
+    if args.run_dir:
+        overrides.append(f"runner.run_dir={args.run_dir}")
+    recipe = load_recipe(args.recipe, overrides)  # every config error reported here, before any worker starts
+    if args.print_config:
+        print(to_yaml(recipe), end="")
+        return 0
+    from rlnb.loop import Loop
+
+    loop = Loop.from_recipe(recipe)
+    print(
+        f"rlnb: run directory {loop.run_dir} ({loop.mode}, start-up {loop.startup_s:.1f} s)", file=sys.stderr
+    )
+
+    def on_sigint(signum, frame):  # first Ctrl-C: finish the step, checkpoint, exit; second: abort
+        print("\nrlnb: stopping at the end of this step (Ctrl-C again to abort)", file=sys.stderr)
+        loop.stop()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        loop.run(progress=not args.no_progress)
+        path = loop.save()
+        summary = loop.evaluate()
+        stats = loop.episode_stats()
+        ret = stats["episode_return_mean"]
+        print(
+            f"rlnb: step {loop.step}, {loop.global_step} env steps; train return (last 20) "
+            f"{'n/a' if ret is None else f'{ret:.1f}'}; eval return {summary['eval/return_mean']:.1f}; "
+            f"checkpoint {path}; metrics {loop.run_dir / 'metrics.jsonl'}",
+            file=sys.stderr,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        loop.close()
+    return 0
+
+
+def _eval(args) -> int:
+    from rlnb.loop import Loop
+
+    loop = Loop.resume(args.run_dir)
+    try:
+        res = loop.evaluate(args.episodes)
+        print(
+            f"rlnb: {args.run_dir} at step {loop.step}: " + ", ".join(f"{k}={v:.3f}" for k, v in res.items())
+        )
+    finally:
+        loop.close()
+    return 0
+
+
+def _recipes(args) -> int:
+    from rlnb.config import bundled_recipes
+
+    for name, path in bundled_recipes().items():
+        first = next((line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
+        print(f"{name:<20} {first}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlnb", description="Reinforcement learning, stepped in notebooks, run on Dask."
@@ -60,11 +127,32 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--slots", type=int, default=None, help="CPU slots for the embedded cluster")
         p.add_argument("--timeout-s", type=float, default=20.0, help="seconds to wait for the scheduler")
         p.set_defaults(fn=fn)
+    p = sub.add_parser(
+        "run", help="run a recipe", description="Run a recipe: rlnb run RECIPE [key=value ...]"
+    )
+    p.add_argument("recipe", help="recipe file or bundled name (see `rlnb recipes`)")
+    p.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. algorithm.clip_coef=0.1 env.num_envs=16"
+    )
+    p.add_argument("--run-dir", default=None, help="run directory (default runs/<recipe>-<time>)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(fn=_run)
+    p = sub.add_parser(
+        "eval", help="evaluate a run's latest checkpoint", description="Evaluate a run directory"
+    )
+    p.add_argument("run_dir")
+    p.add_argument(
+        "--episodes", type=int, default=None, help="episodes (default: the recipe's runner.eval_episodes)"
+    )
+    p.set_defaults(fn=_eval)
+    p = sub.add_parser("recipes", help="list bundled recipes", description="List the bundled recipes")
+    p.set_defaults(fn=_recipes)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # bad usage exits 2 (argparse)
     try:
         return args.fn(args)
     except ConfigError as e:

@@ -17,10 +17,11 @@ def did_you_mean(given: str, choices: Iterable[str]) -> str:
         >>> did_you_mean("actr", ["actor", "rollout"])
         " Did you mean 'actor'?"
     """
-    close = difflib.get_close_matches(str(given).lower(), [str(c).lower() for c in choices], n=1)
+    choices = [str(c) for c in choices]  # may be a generator: read it once
+    close = difflib.get_close_matches(str(given).lower(), [c.lower() for c in choices], n=1)
     if not close:
         return ""
-    original = {str(c).lower(): str(c) for c in choices}[close[0]]
+    original = {c.lower(): c for c in choices}[close[0]]
     return f" Did you mean {original!r}?"
 
 

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import html
 import itertools
+import os
 import time
 from collections import Counter as _Counter
 from collections.abc import Sequence
@@ -255,11 +256,8 @@ class Group:
             raise ValueError(
                 f"call_each({method!r}): {len(per_rank)} argument sets for {len(self._ranks)} ranks"
             )
-        futures = []
-        for r, a in zip(self._ranks, per_rank):
-            args, kw = ((), a) if isinstance(a, dict) else (tuple(a), {})
-            futures.append(self._submit(r, "call", (method, args, kw)))
-        return GroupResult(self, method, self._ranks, futures, self.call_timeout_s)
+        calls = [(method, (), a) if isinstance(a, dict) else (method, tuple(a), {}) for a in per_rank]
+        return self._each("call", calls, method)
 
     def on(self, ranks) -> Group:
         """A view of this group narrowed to ``ranks`` (an int or a list)."""
@@ -314,6 +312,22 @@ class Group:
             self.infos[rank].address,
             method,
         )
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_path(self, directory: str, rank: int) -> str:
+        return os.path.join(str(directory), f"{self.name}_rank{rank}.pt")
+
+    def save_state(self, directory: str) -> GroupResult:
+        """Each rank writes ``<directory>/<name>_rank<r>.pt`` from its component's ``state_dict()`` (atomically)."""
+        return self._each("save_state", [(self.state_path(directory, r),) for r in self._ranks], "save_state")
+
+    def load_state(self, directory: str) -> GroupResult:
+        """Each rank restores its component with ``load_state_dict`` from ``<directory>/<name>_rank<r>.pt``."""
+        return self._each("load_state", [(self.state_path(directory, r),) for r in self._ranks], "load_state")
+
+    def _each(self, op: str, per_rank_args: list[tuple], label: str) -> GroupResult:
+        futures = [self._submit(r, op, a) for r, a in zip(self._ranks, per_rank_args)]
+        return GroupResult(self, label, self._ranks, futures, self.call_timeout_s)
 
     # ------------------------------------------------------------------ process groups
     def init_process_group(

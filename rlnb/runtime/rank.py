@@ -42,6 +42,21 @@ class RankInfo:
 
 
 _local = threading.local()
+# Component objects living in this worker process, by (component, rank): collocated components
+# find each other here and exchange data in-process (no channel hop, no copy).
+_PEERS: dict[tuple[str, int], object] = {}
+
+
+def local_peer(component: str, rank: int):
+    """The object of ``component`` rank ``rank`` if it lives in this process (collocated), else raise."""
+    try:
+        return _PEERS[(component, rank)]
+    except KeyError:
+        here = sorted(f"{c}[{r}]" for c, r in _PEERS)
+        raise RuntimeError(
+            f"{component}[{rank}] is not in this worker process (here: {here}); "
+            "only collocated components can be reached in-process"
+        ) from None
 
 
 def current_rank() -> RankInfo | None:
@@ -121,6 +136,7 @@ class RankHost:
         try:
             with _as_current(self):
                 self.obj = cls(*args, **kwargs)
+            _PEERS[(info.component, info.rank)] = self.obj
         except Exception as e:  # reported by ready(), with its traceback
             self.init_error = pack_exception(e)
 
@@ -135,6 +151,21 @@ class RankHost:
             with _as_current(self):
                 out = getattr(self.obj, method)(*args, **kwargs)
             return ("ok", out, time.perf_counter() - t0)
+        except Exception as e:
+            return ("err", pack_exception(e), time.perf_counter() - t0)
+
+    # ---- checkpoints: each rank writes/reads its own component state (big state stays on workers)
+    def save_state(self, path: str):
+        return self._guarded(_save_state, self.obj, path)
+
+    def load_state(self, path: str):
+        return self._guarded(_load_state, self.obj, path)
+
+    def _guarded(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            with _as_current(self):
+                return ("ok", fn(*args), time.perf_counter() - t0)
         except Exception as e:
             return ("err", pack_exception(e), time.perf_counter() - t0)
 
@@ -169,8 +200,29 @@ class RankHost:
         if "default" in self.collectives and dist.is_initialized():
             dist.destroy_process_group()
         self.collectives.clear()
+        if _PEERS.get((self.info.component, self.info.rank)) is self.obj:
+            del _PEERS[(self.info.component, self.info.rank)]
         self._stores.clear()
         return ("ok", None, 0.0)
+
+
+def _save_state(obj, path: str) -> int:
+    import torch
+
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        torch.save(obj.state_dict(), tmp)
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return os.path.getsize(path)
+
+
+def _load_state(obj, path: str) -> None:
+    import torch
+
+    obj.load_state_dict(torch.load(path, weights_only=False, map_location="cpu"))
 
 
 def _join(host_obj: RankHost, name, host, port, rank, world_size, backend, timeout_s):

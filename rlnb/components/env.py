@@ -1,0 +1,177 @@
+"""Env component: vectorised gymnasium envs split into pipeline stages, with episode statistics.
+
+A plain class: use it in-process, or place it with ``rlnb.Group.launch(Env, cluster, ...)``.
+
+Example:
+    >>> env = Env(EnvConfig(id="CartPole-v1", num_envs=4), seed=1)
+    >>> obs = env.reset()[0]                         # one array per stage: (num_envs, 4)
+    >>> out = env.step(0, np.zeros(4, dtype=np.int64))
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import asdict
+
+import numpy as np
+
+from rlnb.config.schema import EnvConfig
+from rlnb.envs.gym_envs import RunningMeanStd, make_vector_env
+from rlnb.runtime.rank import RankInfo
+
+
+def _env_config(cfg) -> EnvConfig:
+    return cfg if isinstance(cfg, EnvConfig) else EnvConfig(**cfg)
+
+
+class Env:
+    """``num_envs`` environments of one rank, as ``pipeline_stages`` vector envs of equal size.
+
+    Args:
+        config: an :class:`rlnb.config.EnvConfig` (or its dict).
+        seed: base seed; env ``i`` of rank ``r`` resets with ``seed + 10_000 * r + i``.
+        gamma: discount, for reward normalisation.
+    """
+
+    def __init__(self, config, seed: int = 0, gamma: float = 0.99, rank_info: RankInfo | None = None):
+        self.cfg = _env_config(config)
+        self.rank = rank_info.rank if rank_info else 0
+        self.stages = self.cfg.pipeline_stages
+        self.per_stage = self.cfg.num_envs // self.stages
+        self.seed = seed + 10_000 * self.rank
+        self.gamma = gamma
+        self.envs = [
+            make_vector_env(self.cfg.id, self.per_stage, self.cfg.vector_mode, self.cfg.kwargs)
+            for _ in range(self.stages)
+        ]
+        self.observation_space = self.envs[0].single_observation_space
+        self.action_space = self.envs[0].single_action_space
+        n = self.cfg.num_envs
+        self.obs: list[np.ndarray | None] = [None] * self.stages
+        self.ep_return, self.ep_len = np.zeros(n), np.zeros(n, dtype=np.int64)
+        self.finished: list[tuple[float, int]] = []  # episodes finished since the last pop_episodes()
+        self.obs_rms = RunningMeanStd(self.observation_space.shape) if self.cfg.normalize_obs else None
+        self.ret_rms = RunningMeanStd(()) if self.cfg.normalize_reward else None
+        self.disc_return = np.zeros(n)
+        self.started = False
+
+    # ------------------------------------------------------------------ stepping
+    def reset(self) -> list[np.ndarray]:
+        """Reset every env with its seed; returns the observation of each stage."""
+        for s, env in enumerate(self.envs):
+            seeds = [self.seed + s * self.per_stage + i for i in range(self.per_stage)]
+            obs, _ = env.reset(seed=seeds)
+            self.obs[s] = self._norm_obs(obs)
+        self.started = True
+        return list(self.obs)
+
+    def current_obs(self) -> list[np.ndarray]:
+        """The latest observation of each stage (resetting first if never reset)."""
+        if not self.started:
+            return self.reset()
+        return list(self.obs)
+
+    def step(self, stage: int, actions) -> dict:
+        """Step one stage.
+
+        Returns a dict: ``obs [n, ...]`` (after autoreset), ``reward [n]``, ``terminated [n]``,
+        ``truncated [n]``, and ``final_obs [k, ...]`` with ``final_idx [k]``: the last observation of
+        the ``k`` episodes truncated on this step (the rollout bootstraps them with the value function).
+        """
+        actions = np.asarray(actions)
+        obs, reward, terminated, truncated, info = self.envs[stage].step(actions)
+        lo = stage * self.per_stage
+        idx = slice(lo, lo + self.per_stage)
+        reward = np.asarray(reward, dtype=np.float64)
+        self.ep_return[idx] += reward
+        self.ep_len[idx] += 1
+        done = np.logical_or(terminated, truncated)
+        for i in np.flatnonzero(done):
+            self.finished.append((float(self.ep_return[lo + i]), int(self.ep_len[lo + i])))
+            self.ep_return[lo + i], self.ep_len[lo + i] = 0.0, 0
+        final_idx = np.flatnonzero(np.logical_and(truncated, ~terminated))
+        final_obs = np.stack([info["final_obs"][i] for i in final_idx]) if len(final_idx) else None
+        obs = self._norm_obs(obs, update=True)
+        if final_obs is not None:
+            final_obs = self._norm_obs(final_obs)
+        reward = self._norm_reward(reward, done, idx)
+        self.obs[stage] = obs
+        return {
+            "obs": obs,
+            "reward": reward.astype(np.float32),
+            "terminated": np.asarray(terminated),
+            "truncated": np.asarray(truncated),
+            "final_obs": final_obs,
+            "final_idx": final_idx,
+        }
+
+    def _norm_obs(self, obs: np.ndarray, update: bool = False) -> np.ndarray:
+        obs = np.asarray(obs)
+        if self.obs_rms is None:
+            return obs.astype(np.float32) if obs.dtype == np.float64 else obs
+        if update:
+            self.obs_rms.update(obs)
+        return self.obs_rms.normalize(obs)
+
+    def _norm_reward(self, reward: np.ndarray, done: np.ndarray, idx: slice) -> np.ndarray:
+        if self.ret_rms is None:
+            return reward
+        self.disc_return[idx] = self.disc_return[idx] * self.gamma + reward
+        self.ret_rms.update(self.disc_return[idx])
+        self.disc_return[idx][done] = 0.0
+        return np.clip(reward / np.sqrt(self.ret_rms.var + 1e-8), -10, 10)
+
+    # ------------------------------------------------------------------ channel mode
+    def run(self, steps: int, obs_channel, act_channel, key: str) -> int:
+        """Serve ``steps`` steps through channels: take actions for each stage, step it, put the result.
+
+        Stages interleave, so while this rank steps stage ``s`` the rollout infers stage ``s + 1``.
+        The very first call also puts the initial observations.
+        """
+        if not self.started:
+            for s, obs in enumerate(self.reset()):
+                obs_channel.put({"obs": obs}, key=f"{key}/{s}")
+        for _ in range(steps):
+            for s in range(self.stages):
+                actions = act_channel.get(key=f"{key}/{s}")
+                obs_channel.put(self.step(s, actions), key=f"{key}/{s}")
+        return steps * self.cfg.num_envs
+
+    # ------------------------------------------------------------------ stats and state
+    def pop_episodes(self) -> list[tuple[float, int]]:
+        """(return, length) of the episodes finished since the last call, in finishing order."""
+        out, self.finished = self.finished, []
+        return out
+
+    def spaces(self):
+        return self.observation_space, self.action_space
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly: the pickled sync vector envs (with their RNGs) and counters."""
+        if self.cfg.vector_mode != "sync":
+            raise RuntimeError(
+                "exact env checkpoints need env.vector_mode=sync (async envs live in subprocesses)"
+            )
+        return {
+            "envs": pickle.dumps(self.envs),
+            "obs": self.obs,
+            "ep_return": self.ep_return,
+            "ep_len": self.ep_len,
+            "finished": self.finished,
+            "obs_rms": self.obs_rms,
+            "ret_rms": self.ret_rms,
+            "disc_return": self.disc_return,
+            "started": self.started,
+            "config": asdict(self.cfg),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for env in self.envs:
+            env.close()
+        self.envs = pickle.loads(state["envs"])
+        for k in ("obs", "ep_return", "ep_len", "finished", "obs_rms", "ret_rms", "disc_return", "started"):
+            setattr(self, k, state[k])
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()

@@ -1,0 +1,219 @@
+"""Rollout component for MLP/CNN policies: runs the policy on observations and records trajectories.
+
+Batch layout (all tensors, T = steps, N = envs of the rank)::
+
+    obs [T, N, *obs_shape]  actions [T, N, *act_shape]  logprobs [T, N]  values [T, N]
+    rewards [T, N]  (truncated steps already include gamma * V(final_obs))
+    dones [T, N]    (1 where the episode ended at t: terminated or truncated)
+    last_values [N] version (policy version that produced it)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rlnb.components.env import Env, _env_config
+from rlnb.config.schema import ModelConfig
+from rlnb.models.policies import build_policy
+from rlnb.runtime.rank import RankInfo, local_peer
+
+
+def _model_config(cfg) -> ModelConfig:
+    return cfg if isinstance(cfg, ModelConfig) else ModelConfig(**cfg)
+
+
+class _Trajectory:
+    """Per-stage step records, stacked into a batch at the end."""
+
+    def __init__(self, stages: int):
+        self.cols = {
+            k: [[] for _ in range(stages)]
+            for k in ("obs", "actions", "logprobs", "values", "rewards", "dones")
+        }
+
+    def add(self, stage: int, **cols):
+        for k, v in cols.items():
+            self.cols[k][stage].append(v)
+
+    def stack(self) -> dict[str, torch.Tensor]:
+        # per stage: list over t of [n, ...] -> [T, n, ...]; stages side by side along N
+        return {
+            k: torch.cat([torch.stack(s) for s in per_stage], dim=1) for k, per_stage in self.cols.items()
+        }
+
+
+class PolicyRollout:
+    """Runs an actor-critic policy: ``act``, ``collect`` (collocated env) or ``serve`` (env over channels).
+
+    Args:
+        model: :class:`rlnb.config.ModelConfig` (or dict) of the policy.
+        obs_space, act_space: gymnasium spaces of one env.
+        gamma: discount, for bootstrapping truncated episodes.
+        seed: sampling seed; rank ``r`` uses ``seed + r``.
+    """
+
+    def __init__(
+        self,
+        model,
+        obs_space,
+        act_space,
+        gamma: float = 0.99,
+        seed: int = 0,
+        torch_threads: int = 1,
+        rank_info: RankInfo | None = None,
+    ):
+        torch.set_num_threads(torch_threads)
+        self.rank = rank_info.rank if rank_info else 0
+        self.policy = build_policy(_model_config(model), obs_space, act_space)
+        self.policy.requires_grad_(False)
+        # continuous actions are sampled unbounded (their log-prob is of that sample) and clipped for the env
+        self.low = getattr(act_space, "low", None)
+        self.high = getattr(act_space, "high", None)
+        self.gamma = gamma
+        self.generator = torch.Generator().manual_seed(seed + 7919 * (self.rank + 1))
+        self.version = 0
+        self.batch: dict | None = None
+        self.stage_obs: dict[str, list] = {}  # channel mode: latest obs per env key and stage
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, state_dict: dict, version: int) -> int:
+        self.policy.load_state_dict(state_dict)
+        self.version = version
+        return version
+
+    def load_from_local_actor(self, actor: str, rank: int, version: int) -> int:
+        """Collocated weight sync: copy from the actor rank in this process (a memcpy, no transfer)."""
+        return self.load_weights(local_peer(actor, rank).policy_state(), version)
+
+    def load_from_channel(self, channel, key: str) -> int:
+        """Disaggregated weight sync: take the weights the actor published under ``key``."""
+        msg = channel.get(key=key)
+        return self.load_weights(msg["state"], msg["version"])
+
+    # ------------------------------------------------------------------ acting
+    @torch.no_grad()
+    def act(self, obs, deterministic: bool = False):
+        """``(actions [n, ...] numpy, logprobs [n], values [n])`` for a batch of observations."""
+        obs_t = torch.as_tensor(obs)
+        actions, logprob, value = self.policy.act(obs_t, self.generator, deterministic)
+        return actions, logprob, value
+
+    def env_actions(self, actions: torch.Tensor) -> np.ndarray:
+        a = actions.numpy()
+        return np.clip(a, self.low, self.high) if self.low is not None and not self.policy.discrete else a
+
+    @torch.no_grad()
+    def _record_step(self, traj: _Trajectory, stage: int, out: dict, n: int):
+        """Rewards/dones of a step; truncated episodes get ``gamma * V(final_obs)`` added to their reward."""
+        reward = torch.as_tensor(out["reward"], dtype=torch.float32).clone()
+        if out["final_obs"] is not None and len(out["final_idx"]):
+            v = self.policy.value(torch.as_tensor(out["final_obs"]))
+            reward[torch.as_tensor(out["final_idx"])] += self.gamma * v
+        done = torch.as_tensor(np.logical_or(out["terminated"], out["truncated"]), dtype=torch.float32)
+        traj.add(stage, rewards=reward, dones=done)
+
+    def _finish(self, traj: _Trajectory, last_obs: list) -> dict:
+        batch = traj.stack()
+        with torch.no_grad():
+            batch["last_values"] = torch.cat([self.policy.value(torch.as_tensor(o)) for o in last_obs])
+        batch["version"] = self.version
+        self.batch = batch
+        return {
+            "steps": int(batch["rewards"].numel()),
+            "version": self.version,
+            "reward_sum": float(batch["rewards"].sum()),
+        }
+
+    def collect(self, steps: int, env: str, env_rank: int | None = None) -> dict:
+        """Collocated rollout: step the env rank living in this process for ``steps`` steps."""
+        env_obj: Env = local_peer(env, self.rank if env_rank is None else env_rank)
+        obs = env_obj.current_obs()
+        traj = _Trajectory(env_obj.stages)
+        for _ in range(steps):
+            for s in range(env_obj.stages):
+                actions, logprob, value = self.act(obs[s])
+                traj.add(s, obs=torch.as_tensor(obs[s]), actions=actions, logprobs=logprob, values=value)
+                out = env_obj.step(s, self.env_actions(actions))
+                self._record_step(traj, s, out, len(obs[s]))
+                obs[s] = out["obs"]
+        return self._finish(traj, obs)
+
+    def serve(self, steps: int, obs_channel, act_channel, env_keys: list[str], stages: int) -> dict:
+        """Disaggregated/hybrid rollout: env ranks send observations through channels.
+
+        For each step, stage by stage: act on the latest obs and put the actions, then take the
+        step's result. While an env steps stage ``s``, this rank already infers stage ``s + 1``.
+        """
+        keys = [f"{k}/{s}" for k in env_keys for s in range(stages)]
+        for k in keys:
+            if k not in self.stage_obs:
+                self.stage_obs[k] = obs_channel.get(key=k)["obs"]
+        traj = _Trajectory(len(keys))
+        for t in range(steps):
+            for i, k in enumerate(keys):
+                if t > 0:
+                    out = obs_channel.get(key=k)
+                    self._record_step(traj, i, out, len(out["obs"]))
+                    self.stage_obs[k] = out["obs"]
+                obs = self.stage_obs[k]
+                actions, logprob, value = self.act(obs)
+                traj.add(i, obs=torch.as_tensor(obs), actions=actions, logprobs=logprob, values=value)
+                act_channel.put(self.env_actions(actions), key=k)
+        for i, k in enumerate(keys):
+            out = obs_channel.get(key=k)
+            self._record_step(traj, i, out, len(out["obs"]))
+            self.stage_obs[k] = out["obs"]
+        return self._finish(traj, [self.stage_obs[k] for k in keys])
+
+    # ------------------------------------------------------------------ batch hand-off
+    def take_batch(self) -> dict:
+        """The last collected batch (in-process hand-off to a collocated actor)."""
+        return self.batch
+
+    def put_batch(self, channel, key: str) -> int:
+        """Send the last batch to an actor rank through a channel (worker to worker)."""
+        channel.put(self.batch, key=key)
+        return self.batch["version"]
+
+    def sample(self, n: int = 4) -> dict:
+        """The first ``n`` steps of the last batch, small enough to look at in a notebook."""
+        return {
+            k: (v[:n].clone() if isinstance(v, torch.Tensor) and v.dim() > 1 else v)
+            for k, v in (self.batch or {}).items()
+        }
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, env_config, episodes: int, seed: int) -> dict:
+        """Deterministic episodes on fresh envs; returns ``return_mean``, ``return_std``, ``len_mean``."""
+        cfg = _env_config(env_config)
+        n = min(episodes, 8)
+        env = Env(type(cfg)(**{**cfg.__dict__, "num_envs": n, "pipeline_stages": 1}), seed=seed)
+        obs = env.reset()[0]
+        returns: list[tuple[float, int]] = []
+        while len(returns) < episodes:
+            actions, _, _ = self.act(obs, deterministic=True)
+            out = env.step(0, self.env_actions(actions))
+            obs = out["obs"]
+            returns.extend(env.pop_episodes())
+        env.close()
+        r = np.array([x[0] for x in returns[:episodes]])
+        return {
+            "return_mean": float(r.mean()),
+            "return_std": float(r.std()),
+            "len_mean": float(np.mean([x[1] for x in returns[:episodes]])),
+        }
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {
+            "generator": self.generator.get_state(),
+            "version": self.version,
+            "stage_obs": self.stage_obs,
+            "policy": self.policy.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.version, self.stage_obs = state["version"], state["stage_obs"]
+        self.policy.load_state_dict(state["policy"])

@@ -1,0 +1,47 @@
+"""Recipes: dataclass schema, YAML + dotted overrides, validation with clear errors."""
+
+from rlnb.config.loader import (
+    RecipeError,
+    bundled_recipes,
+    field_docs,
+    load_recipe,
+    parse_override,
+    recipe_path,
+    to_dict,
+    to_yaml,
+    validate,
+)
+from rlnb.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    ClusterConfig,
+    DataConfig,
+    EnvConfig,
+    ModelConfig,
+    Recipe,
+    RewardConfig,
+    RolloutConfig,
+    RunnerConfig,
+)
+
+__all__ = [
+    "ActorConfig",
+    "AlgorithmConfig",
+    "ClusterConfig",
+    "DataConfig",
+    "EnvConfig",
+    "ModelConfig",
+    "Recipe",
+    "RecipeError",
+    "RewardConfig",
+    "RolloutConfig",
+    "RunnerConfig",
+    "bundled_recipes",
+    "field_docs",
+    "load_recipe",
+    "parse_override",
+    "recipe_path",
+    "to_dict",
+    "to_yaml",
+    "validate",
+]

@@ -1,0 +1,370 @@
+"""Load recipes: YAML + dotted overrides -> typed dataclasses, with every error reported at once.
+
+Example:
+    >>> recipe = load_recipe(None, ["env.num_envs=16", "algorithm.clip_coef=0.1"])
+    >>> recipe.env.num_envs, recipe.algorithm.clip_coef
+    (16, 0.1)
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import functools
+import inspect
+import itertools
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from rlnb.config.schema import Recipe
+from rlnb.errors import ConfigError, did_you_mean
+
+
+class RecipeError(ConfigError):
+    """One or more recipe errors; ``errors`` lists them (each names the file and the dotted key)."""
+
+    def __init__(self, errors: list[str], source: str = "<recipe>"):
+        self.errors, self.source = errors, source
+        lines = "\n".join(f"  - {e}" for e in errors)
+        super().__init__(f"{len(errors)} error(s) in {source}:\n{lines}", key=None)
+
+
+# ---------------------------------------------------------------------------- docs of fields
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings of a dataclass (the string literal under each field)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+@functools.cache
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+# ---------------------------------------------------------------------------- conversion
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " (or empty)"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _convert(value, tp, key: str, errors: list[str]):
+    """Check/convert ``value`` to type ``tp``; append an error and return the value unchanged on mismatch."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key, errors)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _convert(value, inner[0], key, errors)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            errors.append(
+                f"{key}: expected one of {', '.join(map(repr, choices))}, got {value!r}.{did_you_mean(str(value), map(str, choices))}"
+            )
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            errors.append(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+            return value
+        (item_tp,) = typing.get_args(tp)
+        return [_convert(v, item_tp, f"{key}[{i}]", errors) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            errors.append(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+        return value
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML reads 1e-3 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        errors.append(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls, data, prefix: str, errors: list[str]):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        errors.append(f"{prefix or 'recipe'}: expected a mapping of keys, got {type(data).__name__} {data!r}")
+        return cls()
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if k not in names:
+            errors.append(
+                f"{key}: unknown key; valid keys here: {', '.join(names)}.{did_you_mean(str(k), names)}"
+            )
+            continue
+        kwargs[k] = _convert(v, hints[k], key, errors)
+    return cls(**kwargs)
+
+
+def to_dict(obj) -> dict:
+    """A recipe (or section) as plain nested dicts, ready for YAML."""
+    return dataclasses.asdict(obj)
+
+
+def to_yaml(obj) -> str:
+    return yaml.safe_dump(to_dict(obj), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------- overrides
+def _set_dotted(tree: dict, dotted: str, value, errors: list[str]) -> None:
+    parts = dotted.split(".")
+    node, cls = tree, Recipe
+    for i, part in enumerate(parts):
+        here = ".".join(parts[: i + 1])
+        if cls is not None:
+            names = [f.name for f in dataclasses.fields(cls)]
+            if part not in names:
+                errors.append(
+                    f"{here}: unknown key; valid keys here: {', '.join(names)}.{did_you_mean(part, names)}"
+                )
+                return
+            tp = _hints(cls)[part]
+            nxt_cls = tp if dataclasses.is_dataclass(tp) else None
+        else:
+            nxt_cls = None
+        if i == len(parts) - 1:
+            if here == "cluster.component_placement" and isinstance(value, dict):
+                node[part] = value
+            elif parts[:2] == ["cluster", "component_placement"] and len(parts) == 3:
+                _place_component(node, part, value)
+            else:
+                node[part] = value
+            return
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node, cls = node[part], nxt_cls
+
+
+def _place_component(placement: dict, component: str, value) -> None:
+    """``cluster.component_placement.actor=0-1``: move ``actor`` out of any comma-joined key first."""
+    names = [n.strip() for n in component.split(",")]
+    for key in list(placement):
+        members = [m.strip() for m in str(key).split(",")]
+        rest = [m for m in members if m not in names]
+        if len(rest) != len(members):
+            slots = placement.pop(key)
+            if rest:
+                placement[",".join(rest)] = slots
+    placement[component] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"a.b=1"`` -> ``("a.b", 1)``; the value is read as YAML (numbers, true/false, lists...)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value, e.g. env.num_envs=16", text)
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+# ---------------------------------------------------------------------------- entry point
+def recipe_path(name_or_path: str | Path) -> Path:
+    """A recipe file: a path, or the name of a bundled recipe (``ppo_cartpole``)."""
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    bundled = bundled_recipes()
+    stem = p.name.removesuffix(".yaml")
+    if stem in bundled:
+        return bundled[stem]
+    raise ConfigError(
+        f"recipe {str(name_or_path)!r} not found; bundled recipes: {', '.join(sorted(bundled))}."
+        + did_you_mean(stem, bundled),
+        "recipe",
+    )
+
+
+def bundled_recipes() -> dict[str, Path]:
+    """Recipes shipped in the repository's ``recipes/`` folder."""
+    root = Path(__file__).resolve().parents[2] / "recipes"
+    return {p.stem: p for p in sorted(root.glob("*.yaml"))}
+
+
+def load_recipe(
+    path: str | Path | None = None, overrides: list[str] | dict | None = None, check: bool = True
+) -> Recipe:
+    """Load a recipe file (or the defaults), apply dotted overrides, convert and validate.
+
+    Args:
+        path: YAML file or bundled recipe name; ``None`` for the defaults.
+        overrides: ``["env.num_envs=16", ...]`` or ``{"env.num_envs": 16}``.
+        check: run the range and cross-field checks (:func:`validate`).
+
+    Raises:
+        RecipeError: listing every problem at once, each with the file and the dotted key.
+    """
+    source = "<defaults>"
+    tree: dict = {}
+    if path is not None:
+        p = recipe_path(path)
+        source = str(p)
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise RecipeError([f"malformed YAML{where}: {getattr(e, 'problem', e)}"], source) from None
+        if not isinstance(tree, dict):
+            raise RecipeError(
+                [f"expected a mapping of sections at the top, got {type(tree).__name__}"], source
+            )
+        tree.setdefault("name", p.stem)
+    tree = copy.deepcopy(tree)
+    errors: list[str] = []
+    items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
+    for key, value in items:
+        _set_dotted(tree, key, value, errors)
+    recipe = _build(Recipe, tree, "", errors)
+    if check:
+        errors += validate(recipe)
+    if errors:
+        raise RecipeError(errors, source)
+    return recipe
+
+
+def validate(recipe: Recipe) -> list[str]:
+    """Range and cross-field checks that need no cluster. Returns the list of problems."""
+    from rlnb.algorithms import ADVANTAGES, POLICY_LOSSES, REWARDS
+
+    errs: list[str] = []
+
+    def need(ok, key: str, expected: str, given):
+        try:
+            passed = ok()
+        except TypeError:  # a wrong type, already reported by the conversion
+            return
+        if not passed:
+            errs.append(f"{key}: expected {expected}, got {given!r}")
+
+    r, a, e = recipe.runner, recipe.algorithm, recipe.env
+    need(lambda: r.steps >= 0, "runner.steps", "an integer >= 0", r.steps)
+    need(lambda: r.save_interval >= 0, "runner.save_interval", "an integer >= 0", r.save_interval)
+    need(lambda: r.keep_checkpoints >= 1, "runner.keep_checkpoints", "an integer >= 1", r.keep_checkpoints)
+    need(lambda: r.eval_episodes >= 1, "runner.eval_episodes", "an integer >= 1", r.eval_episodes)
+    need(lambda: 0.0 <= a.gamma <= 1.0, "algorithm.gamma", "a number in [0, 1]", a.gamma)
+    need(lambda: 0.0 <= a.gae_lambda <= 1.0, "algorithm.gae_lambda", "a number in [0, 1]", a.gae_lambda)
+    need(lambda: a.clip_coef > 0, "algorithm.clip_coef", "a number > 0", a.clip_coef)
+    need(
+        lambda: a.dual_clip is None or a.dual_clip > 1,
+        "algorithm.dual_clip",
+        "a number > 1 (or empty)",
+        a.dual_clip,
+    )
+    need(lambda: a.update_epochs >= 1, "algorithm.update_epochs", "an integer >= 1", a.update_epochs)
+    need(lambda: a.num_minibatches >= 1, "algorithm.num_minibatches", "an integer >= 1", a.num_minibatches)
+    need(lambda: a.max_grad_norm > 0, "algorithm.max_grad_norm", "a number > 0", a.max_grad_norm)
+    need(lambda: recipe.actor.lr > 0, "actor.lr", "a number > 0", recipe.actor.lr)
+    need(
+        lambda: recipe.actor.torch_threads >= 1,
+        "actor.torch_threads",
+        "an integer >= 1",
+        recipe.actor.torch_threads,
+    )
+    need(
+        lambda: all(h > 0 for h in recipe.actor.model.hidden_sizes),
+        "actor.model.hidden_sizes",
+        "positive widths",
+        recipe.actor.model.hidden_sizes,
+    )
+    need(
+        lambda: recipe.rollout.steps_per_rollout >= 1,
+        "rollout.steps_per_rollout",
+        "an integer >= 1",
+        recipe.rollout.steps_per_rollout,
+    )
+    need(lambda: e.num_envs >= 1, "env.num_envs", "an integer >= 1", e.num_envs)
+    need(lambda: e.pipeline_stages >= 1, "env.pipeline_stages", "an integer >= 1", e.pipeline_stages)
+    ints = all(isinstance(x, int) for x in (e.num_envs, e.pipeline_stages))
+    if ints and e.num_envs >= 1 and e.pipeline_stages >= 1 and e.num_envs % e.pipeline_stages:
+        errs.append(f"env.pipeline_stages: {e.pipeline_stages} stages must divide env.num_envs={e.num_envs}")
+    for key, value, reg in (
+        ("algorithm.advantage", a.advantage, ADVANTAGES),
+        ("algorithm.policy_loss", a.policy_loss, POLICY_LOSSES),
+        ("reward.name", recipe.reward.name, REWARDS),
+    ):
+        if isinstance(value, str) and value not in reg:
+            errs.append(
+                f"{key}: unknown {reg.kind} {value!r}; registered: {', '.join(reg.names())}.{did_you_mean(value, reg.names())}"
+            )
+    if (
+        a.advantage in ("grpo", "rloo", "reinforce_pp_baseline")
+        and isinstance(a.group_size, int)
+        and a.group_size < 2
+    ):
+        errs.append(
+            f"algorithm.group_size: {a.advantage} needs at least 2 samples per prompt, got {a.group_size}"
+        )
+    if recipe.rollout.backend == "policy" and isinstance(e.id, str):
+        err = check_env_id(e.id)
+        if err:
+            errs.append(err)
+    if not isinstance(recipe.cluster.component_placement, dict) or not recipe.cluster.component_placement:
+        errs.append(
+            f"cluster.component_placement: expected a mapping like {{actor: 0}}, got {recipe.cluster.component_placement!r}"
+        )
+    need(
+        lambda: recipe.cluster.call_timeout_s > 0,
+        "cluster.call_timeout_s",
+        "a number > 0",
+        recipe.cluster.call_timeout_s,
+    )
+    return errs
+
+
+def check_env_id(env_id: str) -> str | None:
+    """An error message if ``env_id`` is not a registered gymnasium id (ManiSkill ids are checked on GPU)."""
+    if env_id.startswith("maniskill:"):
+        return None
+    import gymnasium as gym
+
+    import rlnb.envs  # noqa: F401  (registers rlnb/ ids)
+
+    if env_id in gym.registry:
+        return None
+    return f"env.id: {env_id!r} is not a registered gymnasium environment.{did_you_mean(env_id, list(gym.registry))}"

@@ -1,0 +1,205 @@
+"""Recipe schema: one dataclass per section, a docstring per field (read by the docs and by errors).
+
+A recipe is YAML with these sections; every key has a default, so a recipe names only what differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class ClusterConfig:
+    """Where the components run."""
+
+    address: str | None = None
+    """Dask scheduler address (``tcp://host:8786``); empty starts an embedded local cluster."""
+    slots: int | None = None
+    """CPU worker processes of the embedded cluster (default: one per core, at most 8)."""
+    component_placement: dict[str, Any] = field(default_factory=lambda: {"actor,rollout,env": "0"})
+    """Component (or comma-joined components) -> slots: ``0-1``, ``2,3``, ``all``, ``{node_group: sim, slots: 0-1}``."""
+    call_timeout_s: float = 600.0
+    """Timeout of every remote call (seconds); a hung or dead worker surfaces as an error after at most this."""
+
+
+@dataclass
+class RunnerConfig:
+    """How long to run, and what to write."""
+
+    steps: int = 100
+    """Training steps (one step = rollout, advantages, train)."""
+    run_dir: str | None = None
+    """Where metrics, checkpoints and the resolved recipe go (default ``runs/<recipe>-<time>``)."""
+    save_interval: int = 0
+    """Write a checkpoint every this many steps (0: only at the end of ``run``)."""
+    keep_checkpoints: int = 3
+    """How many complete checkpoints to keep."""
+    eval_interval: int = 0
+    """Evaluate every this many steps (0: never during ``run``)."""
+    eval_episodes: int = 10
+    """Episodes per evaluation."""
+    resume: str | None = None
+    """``auto`` (latest complete checkpoint of ``run_dir``), a checkpoint path, or empty."""
+    stop_return: float | None = None
+    """Stop ``run`` once ``env/episode_return_mean`` (last 20 episodes) reaches this."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files when ``tensorboard`` is installed."""
+    wandb_project: str | None = None
+    """Log to this Weights & Biases project (needs ``wandb``)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL algorithm: advantage estimator, policy loss and their coefficients (paper names)."""
+
+    advantage: str = "gae"
+    """Registered advantage estimator: ``gae``, ``grpo``, ``rloo``, ``reinforce_pp``, ..."""
+    policy_loss: str = "actor_critic"
+    """Registered policy loss: ``actor_critic`` (PPO with value head), ``ppo``, ``decoupled_ppo``, ..."""
+    gamma: float = 0.99
+    """Discount factor."""
+    gae_lambda: float = 0.95
+    """GAE lambda."""
+    clip_coef: float = 0.2
+    """PPO clip epsilon."""
+    clip_coef_high: float | None = None
+    """Upper clip epsilon ("clip-higher", DAPO); default ``clip_coef``."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 for negative advantages."""
+    vf_coef: float = 0.5
+    """Value loss coefficient."""
+    ent_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    clip_vloss: bool = True
+    """Clip the value loss around the old values."""
+    norm_adv: bool = True
+    """Normalise advantages per minibatch."""
+    update_epochs: int = 4
+    """Passes over each batch."""
+    num_minibatches: int = 4
+    """Minibatches per epoch (over all actor ranks)."""
+    max_grad_norm: float = 0.5
+    """Gradient clipping norm."""
+    target_kl: float | None = None
+    """Stop the epochs early once the approximate KL exceeds this."""
+    group_size: int = 8
+    """Samples per prompt (GRPO/RLOO)."""
+    scale: Literal["group", "batch", "none"] = "group"
+    """GRPO advantage scaling: ``group`` std, ``batch`` std or ``none`` (Dr. GRPO)."""
+    kl_coef: float = 0.0
+    """KL penalty coefficient to the reference model (LM RL)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator."""
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """Loss aggregation over tokens (LM RL)."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy network."""
+
+    kind: Literal["mlp", "cnn"] = "mlp"
+    """``mlp`` for vector observations, ``cnn`` for images (C, H, W)."""
+    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
+    """Hidden layer widths of the MLP trunk(s)."""
+    activation: Literal["tanh", "relu"] = "tanh"
+    """Hidden activation."""
+    shared_trunk: bool = False
+    """One trunk for actor and critic heads (else separate networks, as CleanRL)."""
+
+
+@dataclass
+class ActorConfig:
+    """The training component."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Policy network."""
+    lr: float = 2.5e-4
+    """Adam learning rate."""
+    anneal_lr: bool = True
+    """Decay the learning rate linearly to 0 over ``runner.steps``."""
+    compile: bool = False
+    """``torch.compile`` the train step (pays a compile time up front)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: the slot's device."""
+    torch_threads: int = 1
+    """Intra-op threads per rank (one slot = one core on CPU)."""
+
+
+@dataclass
+class RolloutConfig:
+    """The inference component that runs the policy."""
+
+    backend: Literal["policy", "hf", "vllm"] = "policy"
+    """``policy`` (MLP/CNN policies), ``hf`` (transformers generate) or ``vllm`` (GPU)."""
+    steps_per_rollout: int = 128
+    """Env steps per env per training step (T)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: the slot's device."""
+
+
+@dataclass
+class EnvConfig:
+    """The environments."""
+
+    id: str = "CartPole-v1"
+    """A registered gymnasium id (``CartPole-v1``, ``InvertedPendulum-v5``, ``rlnb/SlowCartPole-v1``...) or ``maniskill:PickCube-v1``."""
+    num_envs: int = 8
+    """Environments per env rank."""
+    vector_mode: Literal["sync", "async"] = "sync"
+    """Gymnasium vector env: ``sync`` (in-process, fastest for cheap envs) or ``async`` (subprocesses)."""
+    pipeline_stages: int = 1
+    """Split each env rank's envs into this many stages that step while the rollout infers the others."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments to ``gymnasium.make``."""
+    normalize_obs: bool = False
+    """Normalise observations with running statistics (continuous control)."""
+    normalize_reward: bool = False
+    """Scale rewards by a running std of discounted returns (continuous control)."""
+
+
+@dataclass
+class RewardConfig:
+    """Reward function (LM RL)."""
+
+    name: str = "arithmetic"
+    """Registered reward: ``math``, ``arithmetic``, ``format``..."""
+
+
+@dataclass
+class DataConfig:
+    """Prompt data (LM RL)."""
+
+    task: str = "arithmetic"
+    """``arithmetic`` (procedural) or ``jsonl``/``parquet`` for local files."""
+    path: str | None = None
+    """Local data file (question/answer layout, GSM8K-style ``#### answer``)."""
+
+
+@dataclass
+class Recipe:
+    """A whole recipe."""
+
+    seed: int = 1
+    """Seed of every RNG (per-rank seeds derive from it)."""
+    name: str = "recipe"
+    """Name used for the run directory."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Cluster and placement."""
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    """Run length, checkpoints, evaluation, logging."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Algorithm and coefficients."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Training component."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Inference component."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Environments."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward (LM RL)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Data (LM RL)."""

@@ -1,0 +1,86 @@
+"""Gymnasium vector envs with same-step autoreset, so truncated episodes can be bootstrapped."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
+
+
+class SlowCartPole(CartPoleEnv):
+    """CartPole whose step busy-waits ``step_cost_ms``: a stand-in for an expensive simulator."""
+
+    def __init__(self, step_cost_ms: float = 1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.step_cost_s = step_cost_ms / 1000.0
+
+    def step(self, action):
+        end = time.perf_counter() + self.step_cost_s
+        while time.perf_counter() < end:
+            pass
+        return super().step(action)
+
+
+if "rlnb/SlowCartPole-v1" not in gym.registry:
+    gym.register(
+        "rlnb/SlowCartPole-v1", entry_point=SlowCartPole, max_episode_steps=500, reward_threshold=475.0
+    )
+
+
+def make_vector_env(
+    env_id: str, num_envs: int, mode: str = "sync", kwargs: dict | None = None
+) -> gym.vector.VectorEnv:
+    """``num_envs`` copies of ``env_id`` in a vector env with ``AutoresetMode.SAME_STEP``.
+
+    On the step an episode ends, the returned obs is already the reset obs and the last obs of the
+    episode is in ``info["final_obs"]`` (mask ``info["_final_obs"]``). Built from picklable
+    ``functools.partial`` factories, so a sync vector env can be pickled into a checkpoint.
+    """
+    fns = [functools.partial(gym.make, env_id, **(kwargs or {})) for _ in range(num_envs)]
+    if mode == "sync":
+        return SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+    return AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP, shared_memory=True)
+
+
+def make_maniskill_env(
+    task: str, num_envs: int, seed: int, kwargs: dict | None = None
+):  # pragma: no cover - GPU only
+    """A ManiSkill3 GPU-parallel env (needs a Vulkan-capable GPU), wrapped as a gymnasium vector env.
+
+    Uses ``mani_skill.vector.wrappers.gymnasium.ManiSkillVectorEnv`` with autoreset; observations,
+    rewards and dones are torch tensors on the GPU.
+    """
+    import mani_skill.envs  # noqa: F401  (registers the ManiSkill tasks)
+    from mani_skill.vector.wrappers.gymnasium import ManiSkillVectorEnv
+
+    kw = {
+        "obs_mode": "state",
+        "control_mode": "pd_joint_delta_pos",
+        "sim_backend": "physx_cuda",
+        **(kwargs or {}),
+    }
+    env = gym.make(task, num_envs=num_envs, **kw)
+    return ManiSkillVectorEnv(env, num_envs, auto_reset=True, ignore_terminations=False, record_metrics=True)
+
+
+class RunningMeanStd:
+    """Running mean/variance (parallel algorithm, Chan et al.), for observation and reward normalisation."""
+
+    def __init__(self, shape=(), epsilon: float = 1e-4):
+        self.mean = np.zeros(shape, np.float64)
+        self.var = np.ones(shape, np.float64)
+        self.count = epsilon
+
+    def update(self, x: np.ndarray) -> None:
+        batch_mean, batch_var, n = x.mean(axis=0), x.var(axis=0), x.shape[0]
+        delta, total = batch_mean - self.mean, self.count + n
+        self.mean = self.mean + delta * n / total
+        m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
+        self.var, self.count = m2 / total, total
+
+    def normalize(self, x: np.ndarray, clip: float = 10.0) -> np.ndarray:
+        return np.clip((x - self.mean) / np.sqrt(self.var + 1e-8), -clip, clip).astype(np.float32)

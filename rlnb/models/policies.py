@@ -1,0 +1,158 @@
+"""Actor-critic policies for vector (MLP) and image (CNN) observations, discrete or continuous actions."""
+
+from __future__ import annotations
+
+import math
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+from torch.distributions import Normal
+
+from rlnb.errors import ConfigError
+
+
+def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Module:
+    """Orthogonal init, as in the PPO implementation details (Huang et al. 2022)."""
+    nn.init.orthogonal_(layer.weight, std)
+    nn.init.constant_(layer.bias, bias)
+    return layer
+
+
+def mlp(sizes: list[int], activation: str, out_std: float | None = None) -> nn.Sequential:
+    act = {"tanh": nn.Tanh, "relu": nn.ReLU}[activation]
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        last = i == len(sizes) - 2
+        layers.append(
+            layer_init(
+                nn.Linear(sizes[i], sizes[i + 1]), out_std if (last and out_std is not None) else math.sqrt(2)
+            )
+        )
+        if not last or out_std is None:
+            layers.append(act())
+    return nn.Sequential(*layers)
+
+
+class NatureCNN(nn.Module):
+    """The DQN/Atari trunk (Mnih et al. 2015) for ``(C, H, W)`` uint8 or float images."""
+
+    def __init__(self, obs_shape: tuple[int, ...], out_dim: int = 512):
+        super().__init__()
+        c = obs_shape[0]
+        self.conv = nn.Sequential(
+            layer_init(nn.Conv2d(c, 32, 8, stride=4)), nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)), nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)), nn.ReLU(),
+            nn.Flatten(),
+        )  # fmt: skip
+        with torch.no_grad():
+            n = self.conv(torch.zeros(1, *obs_shape)).shape[1]
+        self.head = nn.Sequential(layer_init(nn.Linear(n, out_dim)), nn.ReLU())
+        self.out_dim = out_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, out_dim)
+        if x.dtype == torch.uint8:
+            x = x.float() / 255.0
+        return self.head(self.conv(x))
+
+
+class ActorCritic(nn.Module):
+    """Policy and value heads over MLP trunks (shared or separate) or a CNN trunk.
+
+    ``forward(obs, actions)`` returns ``(logprob [B], entropy [B], value [B])``, the one call a
+    train step needs (so ``DistributedDataParallel`` can wrap the module).
+    """
+
+    def __init__(
+        self,
+        obs_space: gym.Space,
+        act_space: gym.Space,
+        kind="mlp",
+        hidden_sizes=(64, 64),
+        activation="tanh",
+        shared_trunk=False,
+    ):
+        super().__init__()
+        self.discrete = isinstance(act_space, gym.spaces.Discrete)
+        if not self.discrete and not isinstance(act_space, gym.spaces.Box):
+            raise ConfigError(f"actions: expected a Discrete or Box action space, got {act_space}", "env.id")
+        act_dim = int(act_space.n) if self.discrete else int(np.prod(act_space.shape))
+        self.act_shape = () if self.discrete else tuple(act_space.shape)
+        sizes = list(hidden_sizes)
+        if kind == "cnn":
+            trunk = NatureCNN(tuple(obs_space.shape))
+            self.trunk, self.actor_trunk, self.critic_trunk = trunk, nn.Identity(), nn.Identity()
+            feat = trunk.out_dim
+        else:
+            obs_dim = int(np.prod(obs_space.shape))
+            if shared_trunk:
+                self.trunk = mlp([obs_dim, *sizes], activation)
+                self.actor_trunk, self.critic_trunk = nn.Identity(), nn.Identity()
+            else:
+                self.trunk = nn.Flatten()
+                self.actor_trunk = mlp([obs_dim, *sizes], activation)
+                self.critic_trunk = mlp([obs_dim, *sizes], activation)
+            feat = sizes[-1]
+        self.actor_head = layer_init(nn.Linear(feat, act_dim), std=0.01)
+        self.critic_head = layer_init(nn.Linear(feat, 1), std=1.0)
+        if not self.discrete:
+            self.log_std = nn.Parameter(torch.zeros(act_dim))
+
+    def _features(self, obs: torch.Tensor):
+        h = self.trunk(obs.flatten(1) if isinstance(self.trunk, nn.Flatten) else obs)
+        return self.actor_trunk(h), self.critic_trunk(h)
+
+    def _normal(self, actor_feat: torch.Tensor) -> Normal:
+        mean = self.actor_head(actor_feat)  # (B, act_dim)
+        return Normal(mean, self.log_std.exp().expand_as(mean), validate_args=False)
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:  # (B, ...) -> (B,)
+        return self.critic_head(self._features(obs)[1]).squeeze(-1)
+
+    def act(self, obs: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = False):
+        """Sample actions: ``(actions, logprob [B], value [B])``; ``generator`` makes sampling reproducible."""
+        actor_feat, critic_feat = self._features(obs)
+        if self.discrete:  # categorical by hand: torch.distributions costs more than the network here
+            logp_all = torch.log_softmax(self.actor_head(actor_feat), dim=-1)  # (B, n)
+            if deterministic:
+                actions = logp_all.argmax(-1)
+            else:
+                actions = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)
+            logprob = logp_all.gather(-1, actions[:, None]).squeeze(-1)
+        else:
+            dist = self._normal(actor_feat)
+            noise = torch.randn(dist.mean.shape, generator=generator)
+            actions = dist.mean if deterministic else dist.mean + dist.stddev * noise  # (B, act_dim)
+            logprob = dist.log_prob(actions).sum(-1)
+        return actions, logprob, self.critic_head(critic_feat).squeeze(-1)
+
+    def forward(self, obs: torch.Tensor, actions: torch.Tensor):
+        """``(logprob [B], entropy [B], value [B])`` of given actions."""
+        actor_feat, critic_feat = self._features(obs)
+        if self.discrete:
+            logp_all = torch.log_softmax(self.actor_head(actor_feat), dim=-1)  # (B, n)
+            logprob = logp_all.gather(-1, actions.long()[:, None]).squeeze(-1)
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        else:
+            dist = self._normal(actor_feat)
+            logprob, entropy = dist.log_prob(actions).sum(-1), dist.entropy().sum(-1)
+        return logprob, entropy, self.critic_head(critic_feat).squeeze(-1)
+
+
+def build_policy(model_cfg, obs_space: gym.Space, act_space: gym.Space) -> ActorCritic:
+    """An :class:`ActorCritic` from a :class:`rlnb.config.ModelConfig`."""
+    if model_cfg.kind == "cnn" and len(obs_space.shape) != 3:
+        raise ConfigError(
+            f"actor.model.kind: 'cnn' needs (C, H, W) observations, got shape {obs_space.shape}",
+            "actor.model.kind",
+        )
+    return ActorCritic(
+        obs_space,
+        act_space,
+        model_cfg.kind,
+        model_cfg.hidden_sizes,
+        model_cfg.activation,
+        model_cfg.shared_trunk,
+    )

@@ -1,0 +1,53 @@
+"""The Env component in-process: autoreset, truncation bootstrap inputs, statistics, exact state."""
+
+import numpy as np
+
+from rlnb.components import Env
+from rlnb.config import EnvConfig
+
+
+def test_truncation_returns_final_obs_and_stats():
+    env = Env(EnvConfig(id="CartPole-v1", num_envs=2, kwargs={"max_episode_steps": 5}), seed=0)
+    obs = env.reset()[0]
+    assert obs.shape == (2, 4) and obs.dtype == np.float32
+    for _ in range(4):
+        out = env.step(0, np.zeros(2, dtype=np.int64) + np.array([0, 1]))
+        if out["terminated"].any():
+            break
+    # a 5-step time limit truncates unless the pole fell first
+    out = env.step(0, np.array([1, 0]))
+    done = out["terminated"] | out["truncated"]
+    assert done.all()
+    trunc_only = np.flatnonzero(out["truncated"] & ~out["terminated"])
+    assert list(out["final_idx"]) == list(trunc_only)
+    if len(trunc_only):
+        assert out["final_obs"].shape == (len(trunc_only), 4)
+        assert not np.allclose(out["final_obs"], out["obs"][trunc_only])  # obs is already the reset obs
+    eps = env.pop_episodes()
+    assert len(eps) == 2 and all(length == 5 for _, length in eps) and all(ret == 5.0 for ret, _ in eps)
+    assert env.pop_episodes() == []
+
+
+def test_state_dict_continues_exactly():
+    a = Env(EnvConfig(id="CartPole-v1", num_envs=3, pipeline_stages=1), seed=5)
+    a.reset()
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        a.step(0, rng.integers(0, 2, size=3))
+    state = a.state_dict()
+    b = Env(EnvConfig(id="CartPole-v1", num_envs=3), seed=99)
+    b.load_state_dict(state)
+    for _ in range(40):
+        act = rng.integers(0, 2, size=3)
+        oa, ob = a.step(0, act), b.step(0, act)
+        assert np.array_equal(oa["obs"], ob["obs"]) and np.array_equal(oa["reward"], ob["reward"])
+    assert a.pop_episodes() == b.pop_episodes()
+
+
+def test_pipeline_stages_split_envs_and_seeds_differ():
+    env = Env(EnvConfig(id="CartPole-v1", num_envs=4, pipeline_stages=2), seed=1)
+    obs = env.reset()
+    assert len(obs) == 2 and obs[0].shape == (2, 4)
+    assert not np.allclose(obs[0], obs[1])
+    other_rank = Env(EnvConfig(id="CartPole-v1", num_envs=4, pipeline_stages=2), seed=1, rank_info=None)
+    assert np.allclose(other_rank.reset()[0], obs[0])  # same seed, same rank -> same start
