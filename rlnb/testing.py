@@ -76,15 +76,15 @@ class Collective:
 
     def __init__(self, rank_info: RankInfo):
         self.info = rank_info
-        self.model = torch.nn.Linear(3, 2)
+        self.model = torch.nn.Linear(3, 2).to(rank_info.device)
         torch.nn.init.zeros_(self.model.weight)
         torch.nn.init.zeros_(self.model.bias)
 
     def all_reduce(self, name: str = "default") -> list[float]:
         from rlnb.runtime.collective import all_reduce_
 
-        t = torch.tensor([float(self.info.rank + 1), 10.0 * (self.info.rank + 1)])
-        return all_reduce_(t, process_group(name)).tolist()
+        t = torch.tensor([float(self.info.rank + 1), 10.0 * (self.info.rank + 1)], device=self.info.device)
+        return all_reduce_(t, process_group(name)).cpu().tolist()
 
     def set_weights(self, value: float):
         with torch.no_grad():
@@ -96,4 +96,4 @@ class Collective:
 
         sd = self.model.state_dict()
         broadcast_state_dict(sd, src, process_group(name))
-        return {k: v.tolist() for k, v in sd.items()}
+        return {k: v.cpu().tolist() for k, v in sd.items()}

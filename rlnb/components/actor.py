@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from rlnb.algorithms import get_advantage, get_policy_loss
-from rlnb.components.rollout import _model_config
+from rlnb.components.rollout import _model_config, resolve_device
 from rlnb.config.schema import ActorConfig, AlgorithmConfig
 from rlnb.models.policies import build_policy
 from rlnb.runtime.rank import RankInfo, local_peer
@@ -50,7 +50,8 @@ class PPOActor:
         self.rank = rank_info.rank if rank_info else 0
         self.world_size = rank_info.world_size if rank_info else 1
         torch.manual_seed(seed)  # identical initial weights on every rank
-        self.policy = build_policy(self.cfg.model, obs_space, act_space)
+        self.device = resolve_device(self.cfg.device, rank_info)
+        self.policy = build_policy(self.cfg.model, obs_space, act_space).to(self.device)
         # fused Adam: one kernel for all parameters (the default on CPU loops over tensors in Python)
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.cfg.lr, eps=1e-5, fused=True)
         self.generator = torch.Generator().manual_seed(seed + 104729 * (self.rank + 1))
@@ -70,13 +71,14 @@ class PPOActor:
 
         from rlnb.runtime.rank import process_group
 
-        ddp = DistributedDataParallel(self.policy, process_group=process_group("default"))
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        ddp = DistributedDataParallel(self.policy, device_ids=ids, process_group=process_group("default"))
         self.model = torch.compile(ddp) if self.cfg.compile else ddp
         return "ddp"
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """Weights for the rollout (a detached copy)."""
-        return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.state_dict().items()}
 
     def publish_weights(self, channel, keys: list[str], version: int) -> int:
         """Disaggregated weight sync: put the weights once per rollout rank key (worker to worker)."""

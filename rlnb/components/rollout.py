@@ -19,6 +19,13 @@ from rlnb.models.policies import build_policy
 from rlnb.runtime.rank import RankInfo, local_peer
 
 
+def resolve_device(device: str, rank_info: RankInfo | None) -> torch.device:
+    """``auto`` -> the rank's slot device (``cuda:0`` under dask-cuda, else ``cpu``)."""
+    if device == "auto":
+        device = rank_info.device if rank_info else ("cuda:0" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def _model_config(cfg) -> ModelConfig:
     return cfg if isinstance(cfg, ModelConfig) else ModelConfig(**cfg)
 
@@ -61,17 +68,19 @@ class PolicyRollout:
         gamma: float = 0.99,
         seed: int = 0,
         torch_threads: int = 1,
+        device: str = "auto",
         rank_info: RankInfo | None = None,
     ):
         torch.set_num_threads(torch_threads)
         self.rank = rank_info.rank if rank_info else 0
-        self.policy = build_policy(_model_config(model), obs_space, act_space)
+        self.device = resolve_device(device, rank_info)
+        self.policy = build_policy(_model_config(model), obs_space, act_space).to(self.device)
         self.policy.requires_grad_(False)
         # continuous actions are sampled unbounded (their log-prob is of that sample) and clipped for the env
         self.low = getattr(act_space, "low", None)
         self.high = getattr(act_space, "high", None)
         self.gamma = gamma
-        self.generator = torch.Generator().manual_seed(seed + 7919 * (self.rank + 1))
+        self.generator = torch.Generator(self.device).manual_seed(seed + 7919 * (self.rank + 1))
         self.version = 0
         self.batch: dict | None = None
         self.stage_obs: dict[str, list] = {}  # channel mode: latest obs per env key and stage
@@ -95,9 +104,9 @@ class PolicyRollout:
     @torch.no_grad()
     def act(self, obs, deterministic: bool = False):
         """``(actions [n, ...] numpy, logprobs [n], values [n])`` for a batch of observations."""
-        obs_t = torch.as_tensor(obs)
+        obs_t = torch.as_tensor(obs, device=self.device)
         actions, logprob, value = self.policy.act(obs_t, self.generator, deterministic)
-        return actions, logprob, value
+        return actions.cpu(), logprob.cpu(), value.cpu()
 
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         a = actions.numpy()
@@ -108,7 +117,7 @@ class PolicyRollout:
         """Rewards/dones of a step; truncated episodes get ``gamma * V(final_obs)`` added to their reward."""
         reward = torch.as_tensor(out["reward"], dtype=torch.float32).clone()
         if out["final_obs"] is not None and len(out["final_idx"]):
-            v = self.policy.value(torch.as_tensor(out["final_obs"]))
+            v = self.policy.value(torch.as_tensor(out["final_obs"], device=self.device)).cpu()
             reward[torch.as_tensor(out["final_idx"])] += self.gamma * v
         done = torch.as_tensor(np.logical_or(out["terminated"], out["truncated"]), dtype=torch.float32)
         traj.add(stage, rewards=reward, dones=done)
@@ -116,7 +125,9 @@ class PolicyRollout:
     def _finish(self, traj: _Trajectory, last_obs: list) -> dict:
         batch = traj.stack()
         with torch.no_grad():
-            batch["last_values"] = torch.cat([self.policy.value(torch.as_tensor(o)) for o in last_obs])
+            batch["last_values"] = torch.cat(
+                [self.policy.value(torch.as_tensor(o, device=self.device)).cpu() for o in last_obs]
+            )
         batch["version"] = self.version
         self.batch = batch
         return {

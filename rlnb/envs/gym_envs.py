@@ -40,31 +40,64 @@ def make_vector_env(
     episode is in ``info["final_obs"]`` (mask ``info["_final_obs"]``). Built from picklable
     ``functools.partial`` factories, so a sync vector env can be pickled into a checkpoint.
     """
+    if env_id.startswith("maniskill:"):
+        return ManiSkillVector(env_id.removeprefix("maniskill:"), num_envs, kwargs)
     fns = [functools.partial(gym.make, env_id, **(kwargs or {})) for _ in range(num_envs)]
     if mode == "sync":
         return SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
     return AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP, shared_memory=True)
 
 
-def make_maniskill_env(
-    task: str, num_envs: int, seed: int, kwargs: dict | None = None
-):  # pragma: no cover - GPU only
-    """A ManiSkill3 GPU-parallel env (needs a Vulkan-capable GPU), wrapped as a gymnasium vector env.
+class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN); its tests skip without one
+    """A ManiSkill3 GPU-parallel task behind the same contract as our gymnasium vector envs.
 
-    Uses ``mani_skill.vector.wrappers.gymnasium.ManiSkillVectorEnv`` with autoreset; observations,
-    rewards and dones are torch tensors on the GPU.
+    Wraps ``mani_skill.vector.wrappers.gymnasium.ManiSkillVectorEnv`` (auto reset, episode metrics)
+    and converts its GPU tensors to numpy; on the step an episode ends, ``info["final_obs"]`` holds
+    the batch's true next observations (ManiSkill's ``final_observation``) with mask ``_final_obs``.
     """
-    import mani_skill.envs  # noqa: F401  (registers the ManiSkill tasks)
-    from mani_skill.vector.wrappers.gymnasium import ManiSkillVectorEnv
 
-    kw = {
-        "obs_mode": "state",
-        "control_mode": "pd_joint_delta_pos",
-        "sim_backend": "physx_cuda",
-        **(kwargs or {}),
-    }
-    env = gym.make(task, num_envs=num_envs, **kw)
-    return ManiSkillVectorEnv(env, num_envs, auto_reset=True, ignore_terminations=False, record_metrics=True)
+    def __init__(self, task: str, num_envs: int, kwargs: dict | None = None):
+        import mani_skill.envs  # noqa: F401  (registers the ManiSkill tasks)
+        import torch
+        from mani_skill.vector.wrappers.gymnasium import ManiSkillVectorEnv
+
+        kw = {
+            "obs_mode": "state",
+            "control_mode": "pd_joint_delta_pos",
+            "sim_backend": "physx_cuda",
+            **(kwargs or {}),
+        }
+        self._torch = torch
+        self.env = ManiSkillVectorEnv(
+            gym.make(task, num_envs=num_envs, **kw),
+            auto_reset=True,
+            ignore_terminations=False,
+            record_metrics=True,
+        )
+        self.single_observation_space = self.env.single_observation_space
+        self.single_action_space = self.env.single_action_space
+        self.num_envs = num_envs
+
+    @staticmethod
+    def _np(x):
+        return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+
+    def reset(self, seed=None):
+        obs, info = self.env.reset(seed=seed[0] if isinstance(seed, list) else seed)
+        return self._np(obs), info
+
+    def step(self, actions):
+        obs, reward, terminated, truncated, info = self.env.step(
+            self._torch.as_tensor(actions, device=self.env.device)
+        )
+        out = {}
+        if "final_observation" in info:
+            out["final_obs"] = self._np(info["final_observation"])
+            out["_final_obs"] = self._np(info["_final_observation"])
+        return self._np(obs), self._np(reward), self._np(terminated), self._np(truncated), out
+
+    def close(self):
+        self.env.close()
 
 
 class RunningMeanStd:

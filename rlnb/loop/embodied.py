@@ -152,7 +152,8 @@ class Loop:
         self.groups["rollout"] = Group.launch(
             PolicyRollout, cl, p["rollout"], name="rollout", call_timeout_s=timeout,
             kwargs={"model": asdict(r.actor.model), "obs_space": obs_space, "act_space": act_space,
-                    "gamma": r.algorithm.gamma, "seed": r.seed, "torch_threads": r.actor.torch_threads},
+                    "gamma": r.algorithm.gamma, "seed": r.seed, "torch_threads": r.actor.torch_threads,
+                    "device": r.rollout.device},
         )  # fmt: skip
         self.groups["actor"] = actor = Group.launch(
             PPOActor, cl, p["actor"], name="actor", call_timeout_s=timeout,

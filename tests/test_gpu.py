@@ -1,0 +1,44 @@
+"""GPU-only paths: dask-cuda's LocalCUDACluster, NCCL process groups, ManiSkill's GPU simulator.
+
+They run on machines with a CUDA GPU (and, for ManiSkill, Vulkan); elsewhere they skip with the reason.
+"""
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from tests.conftest import requires_gpu
+
+
+@requires_gpu
+def test_embedded_cluster_uses_dask_cuda_and_nccl():
+    import rlnb
+    from rlnb.testing import Collective
+
+    with rlnb.Cluster() as cluster:  # LocalCUDACluster: one worker per GPU
+        assert cluster.has_gpus and all(s.device == "cuda:0" for s in cluster.slots)
+        g = rlnb.Group.launch(Collective, cluster, "all", name="actor")
+        assert g.init_process_group() == "nccl"
+        n = g.world_size
+        expected = [float(sum(range(1, n + 1))), 10.0 * sum(range(1, n + 1))]
+        assert g.all_reduce().result(120) == [expected] * n
+        g.shutdown()
+
+
+@requires_gpu
+@pytest.mark.skipif(
+    importlib.util.find_spec("mani_skill") is None, reason="mani-skill not installed (extra `maniskill`)"
+)
+def test_maniskill_env_steps_on_gpu():
+    from rlnb.components import Env
+    from rlnb.config import EnvConfig
+
+    env = Env(
+        EnvConfig(id="maniskill:PickCube-v1", num_envs=4, kwargs={"control_mode": "pd_ee_delta_pos"}), seed=0
+    )
+    obs = env.reset()[0]
+    assert obs.shape[0] == 4
+    out = env.step(0, np.zeros((4, *env.action_space.shape), dtype=np.float32))
+    assert out["obs"].shape == obs.shape and out["reward"].shape == (4,)
+    env.close()
