@@ -1,7 +1,7 @@
 """The ``rlnb`` command line: ``rlnb run RECIPE [key=value ...]``, ``rlnb eval RUN_DIR``, ``rlnb info``,
 ``rlnb recipes``, ``rlnb demo``.
 
-Exit codes: 0 success, 2 bad usage or config, 1 run failure.
+Exit codes: 0 success, 2 bad usage or config, 1 run failure, 130 stopped by Ctrl-C (after a checkpoint).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def _run(args) -> int:
     finally:
         signal.signal(signal.SIGINT, previous)
         loop.close()
-    return 0
+    return 130 if loop.stopped else 0  # 130: stopped by Ctrl-C, after a checkpoint
 
 
 def _eval(args) -> int:

@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 import time
 
+import gymnasium as gym
+import numpy as np
 import torch
+from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 
 from rlnb.runtime.rank import RankInfo, current_rank, process_group
 
@@ -97,3 +100,20 @@ class Collective:
         sd = self.model.state_dict()
         broadcast_state_dict(sd, src, process_group(name))
         return {k: v.cpu().tolist() for k, v in sd.items()}
+
+
+class NaNRewardCartPole(CartPoleEnv):
+    """CartPole whose rewards turn NaN after ``nan_after`` steps: drives the NaN-loss handling tests."""
+
+    def __init__(self, nan_after: int = 200, **kwargs):
+        super().__init__(**kwargs)
+        self.nan_after, self.count = nan_after, 0
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        self.count += 1
+        return obs, (np.nan if self.count > self.nan_after else reward), terminated, truncated, info
+
+
+if "rlnb-test/NaNReward-v0" not in gym.registry:
+    gym.register("rlnb-test/NaNReward-v0", entry_point=NaNRewardCartPole, max_episode_steps=500)

@@ -203,6 +203,21 @@ class Cluster:
             for i, (host, _o, addr, w, probe, groups) in enumerate(rows)
         ]
 
+    def refresh(self, timeout_s: float = 60.0) -> list[Slot]:
+        """Re-read the workers after a failure: waits for the embedded cluster's restarted workers
+        (the Nanny restarts a killed worker at a new address), then renumbers the slots."""
+        if self._local is not None:
+            n = len(self._local.worker_spec)
+            try:
+                self.client.wait_for_workers(n, timeout=timeout_s)
+            except TimeoutError:
+                raise ClusterError(
+                    f"only some of the {n} embedded workers came back within {timeout_s:g} s"
+                ) from None
+        self._placed.clear()
+        self.slots = self._discover_slots()
+        return self.slots
+
     # ------------------------------------------------------------------ queries
     @property
     def num_slots(self) -> int:

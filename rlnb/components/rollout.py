@@ -136,9 +136,13 @@ class PolicyRollout:
             "reward_sum": float(batch["rewards"].sum()),
         }
 
-    def collect(self, steps: int, env: str, env_rank: int | None = None) -> dict:
-        """Collocated rollout: step the env rank living in this process for ``steps`` steps."""
-        env_obj: Env = local_peer(env, self.rank if env_rank is None else env_rank)
+    def collect(self, steps: int, env: str, actor: str | None = None) -> dict:
+        """Collocated rollout: step the env rank living in this process for ``steps`` steps.
+
+        With ``actor``, also hand the batch to that collocated actor rank and return the env's
+        finished episodes (``"episodes"``): the whole rollout phase in one call.
+        """
+        env_obj: Env = local_peer(env, self.rank)
         obs = env_obj.current_obs()
         traj = _Trajectory(env_obj.stages)
         for _ in range(steps):
@@ -148,7 +152,11 @@ class PolicyRollout:
                 out = env_obj.step(s, self.env_actions(actions))
                 self._record_step(traj, s, out, len(obs[s]))
                 obs[s] = out["obs"]
-        return self._finish(traj, obs)
+        summary = self._finish(traj, obs)
+        if actor is not None:
+            local_peer(actor, self.rank).set_batch([self.batch])
+            summary["episodes"] = env_obj.pop_episodes()
+        return summary
 
     def serve(self, steps: int, obs_channel, act_channel, env_keys: list[str], stages: int) -> dict:
         """Disaggregated/hybrid rollout: env ranks send observations through channels.

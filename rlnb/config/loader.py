@@ -286,6 +286,7 @@ def validate(recipe: Recipe) -> list[str]:
     need(lambda: r.steps >= 0, "runner.steps", "an integer >= 0", r.steps)
     need(lambda: r.save_interval >= 0, "runner.save_interval", "an integer >= 0", r.save_interval)
     need(lambda: r.keep_checkpoints >= 1, "runner.keep_checkpoints", "an integer >= 1", r.keep_checkpoints)
+    need(lambda: r.max_restarts >= 0, "runner.max_restarts", "an integer >= 0", r.max_restarts)
     need(lambda: r.eval_episodes >= 1, "runner.eval_episodes", "an integer >= 1", r.eval_episodes)
     need(lambda: 0.0 <= a.gamma <= 1.0, "algorithm.gamma", "a number in [0, 1]", a.gamma)
     need(lambda: 0.0 <= a.gae_lambda <= 1.0, "algorithm.gae_lambda", "a number in [0, 1]", a.gae_lambda)

@@ -43,6 +43,8 @@ class RunnerConfig:
     """``auto`` (latest complete checkpoint of ``run_dir``), a checkpoint path, or empty."""
     stop_return: float | None = None
     """Stop ``run`` once ``env/episode_return_mean`` (last 20 episodes) reaches this."""
+    max_restarts: int = 0
+    """After a lost worker, rebuild the components and resume from the last checkpoint up to this many times."""
     tensorboard: bool = True
     """Also write TensorBoard event files when ``tensorboard`` is installed."""
     wandb_project: str | None = None

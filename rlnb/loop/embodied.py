@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import html
 import json
+import logging
 import os
 import shutil
 import time
@@ -28,17 +29,26 @@ from rlnb.components.env import Env
 from rlnb.components.rollout import PolicyRollout
 from rlnb.config.loader import load_recipe, to_yaml
 from rlnb.config.schema import Recipe
-from rlnb.errors import ConfigError, PlacementError, RlnbError
+from rlnb.errors import ConfigError, PlacementError, RemoteError, RlnbError, WorkerLostError
 from rlnb.metrics import MetricLogger
 from rlnb.runtime.channel import Channel
 from rlnb.runtime.group import Group
 
+log = logging.getLogger("rlnb")
 COMPONENTS = ("env", "rollout", "actor")
 EPISODE_WINDOW = 20  # episode statistics over the last 20 finished training episodes, as SB3 reports them
 
 
 class CheckpointError(RlnbError, OSError):
     """A checkpoint could not be written or read; the previous complete checkpoint is untouched."""
+
+
+class TrainingDivergedError(RlnbError, FloatingPointError):
+    """The loss became NaN/inf; nothing was saved after it, the last good checkpoint is ``last_checkpoint``."""
+
+    def __init__(self, message: str, step: int = -1, last_checkpoint: str | None = None):
+        super().__init__(message)
+        self.step, self.last_checkpoint = step, last_checkpoint
 
 
 def default_run_dir(name: str) -> Path:
@@ -198,41 +208,28 @@ class Loop:
         t0 = time.perf_counter()
         r = self.recipe
         T = r.rollout.steps_per_rollout
-        env, rollout, actor = self.groups["env"], self.groups["rollout"], self.groups["actor"]
-        if self.env_local:
-            summaries = rollout.collect(T, "env").result()
+        env, rollout = self.groups["env"], self.groups["rollout"]
+        if self.env_local and self.batch_local:  # the fast path: one call per rank does it all
+            summaries = rollout.collect(T, "env", "actor").result()
+            for s in summaries:
+                self.episodes.extend(s.pop("episodes"))
         else:
-            obs_ch, act_ch = self.channels["obs"], self.channels["actions"]
-            n_roll = rollout.world_size
-            env_run = env.call_each("run", [(T, obs_ch, act_ch, f"env{e}") for e in env.ranks])
-            served = rollout.call_each(
-                "serve",
-                [
-                    (
-                        T,
-                        obs_ch,
-                        act_ch,
-                        [f"env{e}" for e in env.ranks if e % n_roll == k],
-                        r.env.pipeline_stages,
-                    )
-                    for k in rollout.ranks
-                ],
-            )
-            summaries = served.result()
-            env_run.result()
-        for finished in env.pop_episodes().result():
-            self.episodes.extend(finished)
-        n_act = actor.world_size
-        if self.batch_local:
-            actor.call_each("take_local_batches", [("rollout", [a]) for a in actor.ranks]).result()
-        else:
-            ch = self.channels["batches"]
-            sent = rollout.call_each("put_batch", [(ch, f"b{k}") for k in rollout.ranks])
-            actor.call_each(
-                "take_channel_batches",
-                [(ch, [f"b{k}" for k in rollout.ranks if k % n_act == a]) for a in actor.ranks],
-            ).result()
-            sent.result()
+            if self.env_local:
+                summaries = rollout.collect(T, "env").result()
+            else:
+                obs_ch, act_ch = self.channels["obs"], self.channels["actions"]
+                n_roll = rollout.world_size
+                env_run = env.call_each("run", [(T, obs_ch, act_ch, f"env{e}") for e in env.ranks])
+                served = rollout.call_each(
+                    "serve",
+                    [(T, obs_ch, act_ch, [f"env{e}" for e in env.ranks if e % n_roll == k], r.env.pipeline_stages)
+                     for k in rollout.ranks],
+                )  # fmt: skip
+                summaries = served.result()
+                env_run.result()
+            for finished in env.pop_episodes().result():
+                self.episodes.extend(finished)
+            self._hand_batches()
         steps = sum(s["steps"] for s in summaries)
         self.global_step += steps
         dt = time.perf_counter() - t0
@@ -245,6 +242,20 @@ class Loop:
         out.update(self.episode_stats())
         return self._phase("rollout", t0, out)
 
+    def _hand_batches(self) -> None:
+        rollout, actor = self.groups["rollout"], self.groups["actor"]
+        n_act = actor.world_size
+        if self.batch_local:
+            actor.call_each("take_local_batches", [("rollout", [a]) for a in actor.ranks]).result()
+            return
+        ch = self.channels["batches"]
+        sent = rollout.call_each("put_batch", [(ch, f"b{k}") for k in rollout.ranks])
+        actor.call_each(
+            "take_channel_batches",
+            [(ch, [f"b{k}" for k in rollout.ranks if k % n_act == a]) for a in actor.ranks],
+        ).result()
+        sent.result()
+
     def advantages(self) -> dict:
         """Advantage estimation on each actor rank's batch (``algorithm.advantage``)."""
         t0 = time.perf_counter()
@@ -254,7 +265,19 @@ class Loop:
     def train(self) -> dict:
         """The update (epochs x minibatches, data-parallel over actor ranks); completes and logs the step."""
         t0 = time.perf_counter()
-        per_rank = self.groups["actor"].train().result()
+        try:
+            per_rank = self.groups["actor"].train().result()
+        except RemoteError as e:
+            if e.cause_type != "FloatingPointError":
+                raise
+            found = complete_checkpoints(self.run_dir)
+            last = str(found[-1]) if found else None
+            raise TrainingDivergedError(
+                f"training diverged at step {self.step + 1}: {e.args[0]}. Nothing was saved after it; "
+                f"last good checkpoint: {last or 'none'} (lower actor.lr or check the rewards)",
+                self.step + 1,
+                last,
+            ) from e
         out = self._phase("train", t0, _mean_dicts(per_rank))
         self.step += 1
         self._log_step(out)
@@ -286,14 +309,27 @@ class Loop:
             bar = tqdm(total=steps, desc=self.recipe.name, unit="step")
         self._stop = False
         records = []
+        restarts = 0
+        target = self.step + steps
         try:
-            for _ in range(steps):
-                rec = self.step_once()
+            while self.step < target:
+                try:
+                    rec = self.step_once()
+                    if r.eval_interval and self.step % r.eval_interval == 0:
+                        self.evaluate()
+                    if r.save_interval and self.step % r.save_interval == 0:
+                        self.save()
+                except WorkerLostError as e:
+                    if restarts >= r.max_restarts:
+                        raise
+                    restarts += 1
+                    log.warning("%s; recovering (%d/%d)", e, restarts, r.max_restarts)
+                    self.recover()
+                    if bar is not None:
+                        bar.n = steps - (target - self.step)
+                        bar.refresh()
+                    continue
                 records.append(rec)
-                if r.eval_interval and self.step % r.eval_interval == 0:
-                    self.evaluate()
-                if r.save_interval and self.step % r.save_interval == 0:
-                    self.save()
                 if bar is not None:
                     ret = rec.get("env/episode_return_mean")
                     bar.set_postfix_str(f"return {ret:.1f}" if ret is not None else "")
@@ -308,6 +344,11 @@ class Loop:
     def stop(self) -> None:
         """Ask a running ``run()`` to stop at the next step boundary."""
         self._stop = True
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the last ``run()`` ended because :meth:`stop` was called."""
+        return self._stop
 
     def _solved(self) -> bool:
         target = self.recipe.runner.stop_return
@@ -404,6 +445,9 @@ class Loop:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
+        except WorkerLostError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise  # a lost worker, not a disk problem: run() may recover from it
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"could not write checkpoint {final}: {type(e).__name__}: {e}") from e
@@ -430,14 +474,46 @@ class Loop:
             state = json.loads((path / "loop.json").read_text())
             for g in self.groups.values():
                 g.load_state(str(path)).result()
-        except RlnbError as e:
-            raise CheckpointError(f"could not restore {path}: {e}") from e
+        except RemoteError as e:
+            raise CheckpointError(
+                f"could not restore {path}: {e.component}[rank {e.rank}] failed to load "
+                f"{e.component}_rank{e.rank}.pt: {e.args[0]}"
+            ) from e
         except (OSError, ValueError) as e:
             raise CheckpointError(f"could not restore {path}: {type(e).__name__}: {e}") from e
         self.step, self.global_step = state["step"], state["global_step"]
         self.episodes = deque((tuple(x) for x in state["episodes"]), maxlen=EPISODE_WINDOW)
         self.logger.truncate_after(self.step)
         return self.step
+
+    def recover(self, timeout_s: float = 120.0) -> int:
+        """After a lost worker: rebuild every component on the cluster's (restarted) workers and
+        continue from the latest complete checkpoint (or from scratch if there is none).
+
+        Returns the step the loop continues from.
+        """
+        for ch in self.channels.values():
+            with contextlib.suppress(Exception):
+                ch.close()
+        for g in self.groups.values():
+            with contextlib.suppress(Exception):
+                g.shutdown()
+        self.groups, self.channels = {}, {}
+        self.cluster.refresh(timeout_s)
+        c = self.recipe.cluster
+        self.placement = self.cluster.place(c.component_placement, required=COMPONENTS, known=COMPONENTS)
+        self._launch()
+        self.step, self.global_step, self.episodes = 0, 0, deque(maxlen=EPISODE_WINDOW)
+        self._pending = {}
+        return (
+            self.load_checkpoint("auto")
+            if complete_checkpoints(self.run_dir)
+            else self._restart_from_scratch()
+        )
+
+    def _restart_from_scratch(self) -> int:
+        self.logger.truncate_after(0)
+        return 0
 
     # ------------------------------------------------------------------ lifecycle and display
     def close(self) -> None:
@@ -506,4 +582,4 @@ def _mean_dicts(dicts: list[dict]) -> dict:
     }
 
 
-__all__ = ["COLLOCATED", "CheckpointError", "Loop", "complete_checkpoints"]
+__all__ = ["COLLOCATED", "CheckpointError", "Loop", "TrainingDivergedError", "complete_checkpoints"]

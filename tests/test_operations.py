@@ -1,0 +1,210 @@
+"""Operations: the CLI, Ctrl-C, a killed driver resumed exactly, lost workers, NaN, corrupt and full disks."""
+
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlnb
+from rlnb.loop import CheckpointError, Loop, TrainingDivergedError, complete_checkpoints
+from rlnb.metrics import read_metrics
+
+RLNB = [sys.executable, "-m", "rlnb.cli"]
+QUIET = ["runner.tensorboard=false"]
+
+
+def _numbers(records):
+    return [
+        {
+            k: v
+            for k, v in r.items()
+            if not k.startswith("time/") and k not in ("wall_time", "rollout/steps_per_s")
+        }
+        for r in records
+    ]
+
+
+def _run(args, **kw):
+    return subprocess.run([*RLNB, *args], capture_output=True, text=True, timeout=300, **kw)
+
+
+def _wait_for_records(run_dir: Path, n: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if len(read_metrics(run_dir)) >= n:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run exited early: {proc.returncode}")
+        time.sleep(0.05)
+    raise TimeoutError(f"{run_dir} never reached {n} records")
+
+
+# ---------------------------------------------------------------- CLI
+def test_cli_usage_config_errors_and_print_config():
+    r = _run(["--help"])
+    assert r.returncode == 0 and "run" in r.stdout and "eval" in r.stdout and "recipes" in r.stdout
+    assert _run(["run", "--help"]).returncode == 0
+    r = _run(["frobnicate"])
+    assert r.returncode == 2
+    r = _run(["run", "ppo_cartpole", "env.num_envs=-1", "algorithm.advantag=gae"])
+    assert r.returncode == 2
+    assert "env.num_envs: expected an integer >= 1, got -1" in r.stderr
+    assert "algorithm.advantag: unknown key" in r.stderr and "Did you mean 'advantage'?" in r.stderr
+    r = _run(["run", "ppo_cartpole", "seed=5", "--print-config"])
+    assert r.returncode == 0 and "seed: 5" in r.stdout and "id: CartPole-v1" in r.stdout
+    r = _run(["recipes"])
+    assert r.returncode == 0 and "ppo_cartpole" in r.stdout and "ppo_mujoco" in r.stdout
+
+
+def test_cli_unreachable_scheduler_exits_1():
+    r = _run(["info", "--address", "tcp://127.0.0.1:9", "--timeout-s", "2"])
+    assert r.returncode == 1 and "cannot reach the Dask scheduler at 'tcp://127.0.0.1:9'" in r.stderr
+
+
+def test_ctrl_c_stops_at_a_step_boundary_after_a_checkpoint(tmp_path):
+    proc = subprocess.Popen(
+        [*RLNB, "run", "ppo_cartpole", "runner.steps=300", "runner.stop_return=100000", *QUIET,
+         "--run-dir", str(tmp_path), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for_records(tmp_path, 3, proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "stopping at the end of this step" in err
+    steps = [r["step"] for r in read_metrics(tmp_path) if "train/policy_loss" in r]
+    ckpts = complete_checkpoints(tmp_path)
+    assert ckpts and ckpts[-1].name == f"step_{steps[-1]:06d}"  # the last completed step is saved
+
+
+def test_killed_driver_resumes_with_identical_metrics(tmp_path):
+    args = ["ppo_cartpole", "runner.steps=8", "runner.save_interval=2", "runner.stop_return=100000", *QUIET]
+    full = tmp_path / "full"
+    r = _run(["run", *args, "--run-dir", str(full), "--no-progress"])
+    assert r.returncode == 0, r.stderr
+    reference = _numbers([x for x in read_metrics(full) if "train/policy_loss" in x])
+    assert len(reference) == 8
+
+    cut = tmp_path / "cut"
+    kill_at = random.randint(3, 7)  # any step: the design makes every point safe
+    proc = subprocess.Popen(
+        [*RLNB, "run", *args, "--run-dir", str(cut), "--no-progress"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for_records(cut, kill_at, proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # driver and its workers, mid-step
+        proc.wait(timeout=30)
+    r = _run(["run", *args, "runner.resume=auto", "--run-dir", str(cut), "--no-progress"])
+    assert r.returncode == 0, r.stderr
+    resumed = _numbers([x for x in read_metrics(cut) if "train/policy_loss" in x])
+    assert resumed == reference, f"killed at record {kill_at}"
+
+
+# ---------------------------------------------------------------- lost workers
+@pytest.fixture
+def own_cluster():
+    with rlnb.Cluster(slots=2, gpus=False) as c:
+        yield c
+
+
+def _kill_when(loop: Loop, records: int, slot: int) -> threading.Thread:
+    def killer():
+        while len(loop.history) < records:
+            time.sleep(0.01)
+        os.kill(loop.cluster.slots[slot].pid, signal.SIGKILL)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    return t
+
+
+def test_lost_worker_raises_then_recover_continues(own_cluster, tmp_path):
+    overrides = ["runner.steps=6", "runner.save_interval=2", "runner.stop_return=100000", *QUIET,
+                 "cluster.component_placement={'actor,rollout,env': 1}"]  # fmt: skip
+    loop = Loop.from_recipe("ppo_cartpole", overrides, cluster=own_cluster, run_dir=tmp_path)
+    try:
+        address = own_cluster.slots[1].address
+        _kill_when(loop, 3, slot=1)
+        t0 = time.perf_counter()
+        with pytest.raises(rlnb.WorkerLostError) as e:
+            loop.run(progress=False)
+        assert time.perf_counter() - t0 < 60
+        assert e.value.address == address and e.value.component in ("env", "rollout", "actor")
+        step = loop.recover()
+        assert step == 2 and loop.step == 2  # the step-2 checkpoint
+        assert own_cluster.slots[1].address != address  # the Nanny restarted the worker
+        loop.run(progress=False)
+        assert loop.step == 6
+        assert [r["step"] for r in read_metrics(tmp_path) if "train/policy_loss" in r] == [1, 2, 3, 4, 5, 6]
+    finally:
+        loop.close()
+
+
+def test_max_restarts_recovers_automatically(own_cluster, tmp_path):
+    overrides = ["runner.steps=6", "runner.save_interval=1", "runner.max_restarts=1", "runner.stop_return=100000",
+                 *QUIET, "cluster.component_placement={'actor,rollout,env': 0}"]  # fmt: skip
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=own_cluster, run_dir=tmp_path) as loop:
+        _kill_when(loop, 2, slot=0)
+        loop.run(progress=False)
+        assert loop.step == 6
+
+
+# ---------------------------------------------------------------- bad data and disks
+def test_nan_loss_stops_clearly_and_keeps_last_good_checkpoint(cluster, tmp_path):
+    overrides = ["env.id=rlnb-test/NaNReward-v0", "env.kwargs={nan_after: 100}", "runner.save_interval=1",
+                 "runner.steps=10", *QUIET]  # fmt: skip
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+        with pytest.raises(TrainingDivergedError) as e:
+            loop.run(progress=False)
+        ckpts = complete_checkpoints(tmp_path)
+        assert e.value.step == len(ckpts) + 1  # nothing saved at or after the bad step
+        assert e.value.last_checkpoint == str(ckpts[-1])
+        assert "training diverged at step" in str(e.value) and "non-finite loss" in str(e.value)
+
+
+def test_corrupt_checkpoint_names_the_file(cluster, tmp_path):
+    with Loop.from_recipe(
+        "ppo_cartpole", ["runner.steps=1", *QUIET], cluster=cluster, run_dir=tmp_path
+    ) as loop:
+        loop.run(progress=False)
+        path = loop.save()
+    (path / "actor_rank0.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"actor\[rank 0\] failed to load actor_rank0.pt"):
+        Loop.resume(tmp_path, cluster=cluster)
+
+
+def _limit_file_size(nbytes: int):
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a too-large write then fails with EFBIG, like ENOSPC
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def test_full_disk_leaves_no_partial_checkpoint(own_cluster, tmp_path):
+    with Loop.from_recipe(
+        "ppo_cartpole", ["runner.steps=2", *QUIET], cluster=own_cluster, run_dir=tmp_path
+    ) as loop:
+        loop.run(1, progress=False)
+        first = loop.save()
+        loop.run(1, progress=False)
+        own_cluster.client.run(_limit_file_size, 1000)  # every worker: files over 1 kB cannot be written
+        with pytest.raises(CheckpointError, match="could not write checkpoint .*step_000002"):
+            loop.save()
+        assert complete_checkpoints(tmp_path) == [first]
+        assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+        state = torch.load(first / "actor_rank0.pt", weights_only=False)
+        assert state["step"] == 1
+    assert json.loads((first / "loop.json").read_text())["step"] == 1
