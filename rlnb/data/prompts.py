@@ -1,0 +1,111 @@
+"""Prompts with reference answers."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlnb.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+class ArithmeticTask:
+    """``a+b=`` with a held-out split of operand pairs never seen in training.
+
+    Args:
+        max_operand: operands are drawn from ``0..max_operand`` (difficulty).
+        ops: operators, from ``+``, ``-`` and ``*``.
+        held_out_frac: fraction of all operand pairs kept for evaluation.
+        seed: the split and the sampling order.
+
+    Example:
+        >>> task = ArithmeticTask(max_operand=9, seed=0)
+        >>> p = task.train[0]; p.prompt.endswith("="), p.answer == str(eval(p.prompt[:-1]))
+        (True, True)
+    """
+
+    def __init__(self, max_operand: int = 20, ops: str = "+", held_out_frac: float = 0.2, seed: int = 0):
+        if max_operand < 1:
+            raise ConfigError(
+                f"data.max_operand: expected an integer >= 1, got {max_operand}", "data.max_operand"
+            )
+        bad = set(ops) - set("+-*")
+        if not ops or bad:
+            raise ConfigError(f"data.ops: expected characters from '+-*', got {ops!r}", "data.ops")
+        problems = [
+            Problem(f"{a}{op}{b}=", str(eval(f"{a}{op}{b}")))
+            for op in ops
+            for a in range(max_operand + 1)
+            for b in range(max_operand + 1)
+        ]
+        random.Random(seed).shuffle(problems)
+        n_eval = max(1, int(len(problems) * held_out_frac))
+        self.held_out, self.train = problems[:n_eval], problems[n_eval:]
+        self._rng = random.Random(seed + 1)
+        self._order: list[int] = []
+        self.position = 0  # how many training prompts were drawn: saved in checkpoints
+
+    def sample(self, n: int) -> list[Problem]:
+        """The next ``n`` training problems (an endless shuffled stream, reproducible from ``position``)."""
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(self.position, len(self.train))
+            if i == 0 or not self._order:
+                self._order = list(range(len(self.train)))
+                random.Random(hash((epoch, len(self.train))) & 0xFFFFFFFF).shuffle(self._order)
+            out.append(self.train[self._order[i]])
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+        self._order = []
+        if self.position % len(self.train):  # rebuild the current epoch's order
+            epoch = self.position // len(self.train)
+            self._order = list(range(len(self.train)))
+            random.Random(hash((epoch, len(self.train))) & 0xFFFFFFFF).shuffle(self._order)
+
+
+def load_qa_file(
+    path: str | Path, question_key: str = "question", answer_key: str = "answer"
+) -> list[Problem]:
+    """Problems from a local ``.jsonl`` or ``.parquet`` file in the common question/answer layout.
+
+    GSM8K-style answers (worked solution then ``#### 72``) keep only the final answer.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"data.path: {str(path)!r} does not exist", "data.path")
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    elif path.suffix == ".parquet":
+        import pandas as pd
+
+        rows = pd.read_parquet(path).to_dict("records")
+    else:
+        raise ConfigError(f"data.path: expected a .jsonl or .parquet file, got {path.name!r}", "data.path")
+    out = []
+    for i, row in enumerate(rows):
+        missing = [k for k in (question_key, answer_key) if k not in row]
+        if missing:
+            raise ConfigError(
+                f"data.path: row {i} of {path.name} has no {missing} (keys: {sorted(row)})", "data.path"
+            )
+        answer = str(row[answer_key])
+        out.append(
+            Problem(
+                str(row[question_key]),
+                answer.rsplit("####", 1)[1].strip() if "####" in answer else answer.strip(),
+            )
+        )
+    return out

@@ -1,0 +1,486 @@
+"""What every loop shares: placement on a cluster, weight sync and batch hand-off between actor and
+rollout, ``run()`` with restarts, atomic checkpoints, exact resume, recovery, metrics and views.
+
+A loop subclass names its components and implements ``_launch``, ``rollout``, ``advantages``,
+``evaluate`` and ``_log_step``; the phases stay public so a notebook can call one per cell.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from rlnb.cluster.cluster import Cluster, default_cpu_slots
+from rlnb.cluster.placement import resolve_placement
+from rlnb.config.loader import load_recipe, to_yaml
+from rlnb.config.schema import Recipe
+from rlnb.errors import ConfigError, PlacementError, RemoteError, RlnbError, WorkerLostError
+from rlnb.metrics import MetricLogger
+from rlnb.runtime.channel import Channel
+from rlnb.runtime.group import Group
+
+log = logging.getLogger("rlnb")
+
+
+class CheckpointError(RlnbError, OSError):
+    """A checkpoint could not be written or read; the previous complete checkpoint is untouched."""
+
+
+class TrainingDivergedError(RlnbError, FloatingPointError):
+    """The loss became NaN/inf; nothing was saved after it, the last good checkpoint is ``last_checkpoint``."""
+
+    def __init__(self, message: str, step: int = -1, last_checkpoint: str | None = None):
+        super().__init__(message)
+        self.step, self.last_checkpoint = step, last_checkpoint
+
+
+def default_run_dir(name: str) -> Path:
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (partial ``.tmp-*`` directories are ignored)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.exists():
+        return []
+    return sorted(p for p in root.glob("step_*") if (p / "COMPLETE").exists())
+
+
+def mean_dicts(dicts: list[dict]) -> dict:
+    """Per-key mean of the numeric entries that every rank reported."""
+    keys = dicts[0].keys()
+    return {
+        k: float(np.mean([d[k] for d in dicts]))
+        for k in keys
+        if all(isinstance(d.get(k), (int, float)) for d in dicts)
+    }
+
+
+class LoopBase:
+    """The machinery of a loop; see :class:`rlnb.loop.Loop` and :class:`rlnb.loop.GRPOLoop`.
+
+    Args:
+        recipe: a validated :class:`rlnb.config.Recipe`.
+        cluster: a :class:`rlnb.Cluster`; ``None`` starts one from ``recipe.cluster`` (and closes it on ``close()``).
+        run_dir: where metrics and checkpoints go (default ``recipe.runner.run_dir`` or ``runs/<name>-<time>``).
+    """
+
+    COMPONENTS: tuple[str, ...] = ("rollout", "actor")
+    SUMMARY_KEYS: tuple[str, ...] = ()  # metrics shown by _repr_html_ and the progress bar (first one)
+
+    def __init__(self, recipe: Recipe, cluster: Cluster | None = None, run_dir: str | Path | None = None):
+        t0 = time.perf_counter()
+        self.recipe = recipe
+        c = recipe.cluster
+        comps = self.COMPONENTS
+        if (
+            cluster is None
+        ):  # check the placement against the cluster we are about to start, before starting it
+            if c.address is None:
+                resolve_placement(
+                    c.component_placement, c.slots or default_cpu_slots(), required=comps, known=comps
+                )
+            cluster = Cluster(c.address, slots=c.slots)
+            self._own_cluster = True
+        else:
+            self._own_cluster = False
+        self.cluster = cluster
+        self.groups: dict[str, Group] = {}
+        self.channels: dict[str, Channel] = {}
+        self.logger = None
+        try:
+            self.placement = cluster.place(c.component_placement, required=comps, known=comps)
+            for dev in (recipe.actor.device, recipe.rollout.device):
+                cluster.check_device(dev)
+            self._check_rank_counts()
+            self.run_dir = Path(run_dir or recipe.runner.run_dir or default_run_dir(recipe.name))
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "recipe.yaml").write_text(to_yaml(recipe))
+            self._prepare()
+            self._launch()
+        except BaseException:
+            self.close()
+            raise
+        self.step = 0
+        self._reset_state()
+        self._pending: dict[str, float] = {}
+        self._stop = False
+        self.logger = MetricLogger(
+            self.run_dir, recipe.runner.tensorboard, recipe.runner.wandb_project, asdict(recipe)
+        )
+        self.startup_s = time.perf_counter() - t0
+        if recipe.runner.resume:
+            self.load_checkpoint(recipe.runner.resume)
+
+    @classmethod
+    def from_recipe(cls, recipe, overrides=None, cluster: Cluster | None = None, run_dir=None):
+        """Build from a recipe file or bundled name plus dotted overrides."""
+        if not isinstance(recipe, Recipe):
+            recipe = load_recipe(recipe, overrides)
+        elif overrides:
+            raise ConfigError(
+                "pass overrides with a recipe path, or edit the Recipe object directly", "overrides"
+            )
+        return cls(recipe, cluster, run_dir)
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, cluster: Cluster | None = None, overrides=None):
+        """Rebuild a run from its directory and continue from its latest complete checkpoint."""
+        run_dir = Path(run_dir)
+        if not (run_dir / "recipe.yaml").exists():
+            raise CheckpointError(f"{run_dir} is not a run directory (no recipe.yaml)")
+        recipe = load_recipe(
+            run_dir / "recipe.yaml", [*(overrides or []), "runner.resume=auto", f"runner.run_dir={run_dir}"]
+        )
+        return cls(recipe, cluster, run_dir)
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _prepare(self) -> None:
+        """Driver-side set-up before the components start (data, model files...)."""
+
+    def _launch(self) -> None:
+        raise NotImplementedError
+
+    def _reset_state(self) -> None:
+        """Loop-side state of a fresh run (episode windows, counters...)."""
+
+    def _extra_state(self) -> dict:
+        """Loop-side state saved in checkpoints (JSON)."""
+        return {}
+
+    def _load_extra_state(self, state: dict) -> None:
+        pass
+
+    def _solved(self) -> bool:
+        return False
+
+    def _check_rank_counts(self) -> None:
+        n_roll, n_act = len(self.placement["rollout"]), len(self.placement["actor"])
+        if n_roll % n_act:
+            raise PlacementError(
+                f"component_placement: {n_roll} rollout rank(s) cannot feed {n_act} actor rank(s) evenly; "
+                "place rollout on a multiple of the actor's slots", "component_placement"
+            )  # fmt: skip
+
+    def _launch_links(self) -> None:
+        """Channels for whatever is not collocated between actor and rollout."""
+        p = self.placement
+        self.batch_local = p["rollout"] == p["actor"]  # batches and weights move in-process
+        if not self.batch_local:
+            timeout = self.recipe.cluster.call_timeout_s
+            self.channels["batches"] = Channel.create(
+                self.cluster, "batches", slot=p["actor"][0], timeout_s=timeout
+            )
+            self.channels["weights"] = Channel.create(
+                self.cluster, "weights", slot=p["rollout"][0], timeout_s=timeout
+            )
+
+    @property
+    def mode(self) -> str:
+        """``collocated``, ``disaggregated`` or ``hybrid`` (from the placement)."""
+        return self.placement.mode
+
+    # ------------------------------------------------------------------ shared phases
+    def sync_weights(self) -> dict:
+        """Actor -> rollout weights, stamped with the policy version (= training steps done)."""
+        t0 = time.perf_counter()
+        actor, rollout = self.groups["actor"], self.groups["rollout"]
+        if self.batch_local:
+            rollout.call_each(
+                "load_from_local_actor", [("actor", r, self.step) for r in rollout.ranks]
+            ).result()
+        else:
+            ch = self.channels["weights"]
+            keys = [f"w{r}" for r in rollout.ranks]
+            done = rollout.call_each("load_from_channel", [(ch, k) for k in keys])
+            actor.on(0).publish_weights(ch, keys, self.step).result()
+            done.result()
+        return self._phase("sync", t0, {"version": self.step})
+
+    def _hand_batches(self) -> None:
+        """Rollout rank ``k``'s batch goes to actor rank ``k % actor ranks`` (in-process when collocated)."""
+        rollout, actor = self.groups["rollout"], self.groups["actor"]
+        n_act = actor.world_size
+        if self.batch_local:
+            actor.call_each("take_local_batches", [("rollout", [a]) for a in actor.ranks]).result()
+            return
+        ch = self.channels["batches"]
+        sent = rollout.call_each("put_batch", [(ch, f"b{k}") for k in rollout.ranks])
+        actor.call_each(
+            "take_channel_batches",
+            [(ch, [f"b{k}" for k in rollout.ranks if k % n_act == a]) for a in actor.ranks],
+        ).result()
+        sent.result()
+
+    def rollout(self) -> dict:
+        raise NotImplementedError
+
+    def advantages(self) -> dict:
+        """Advantage estimation on each actor rank's batch (``algorithm.advantage``)."""
+        t0 = time.perf_counter()
+        per_rank = self.groups["actor"].compute_advantages().result()
+        return self._phase("advantages", t0, mean_dicts(per_rank))
+
+    def train(self) -> dict:
+        """The update (data-parallel over actor ranks); completes and logs the step."""
+        t0 = time.perf_counter()
+        try:
+            per_rank = self.groups["actor"].train().result()
+        except RemoteError as e:
+            if e.cause_type != "FloatingPointError":
+                raise
+            found = complete_checkpoints(self.run_dir)
+            last = str(found[-1]) if found else None
+            raise TrainingDivergedError(
+                f"training diverged at step {self.step + 1}: {e.args[0]}. Nothing was saved after it; "
+                f"last good checkpoint: {last or 'none'} (lower actor.lr or check the rewards)",
+                self.step + 1,
+                last,
+            ) from e
+        out = self._phase("train", t0, mean_dicts(per_rank))
+        self.step += 1
+        self._log_step(out)
+        return out
+
+    def step_once(self) -> dict:
+        """All phases of one step; returns the step's metric record."""
+        self.sync_weights()
+        self.rollout()
+        self.advantages()
+        self.train()
+        return self.logger.history[-1]
+
+    def evaluate(self, *args, **kwargs) -> dict:
+        raise NotImplementedError
+
+    def run(self, steps: int | None = None, progress: bool = True, live: bool = False) -> list[dict]:
+        """Run ``steps`` steps (default: up to ``runner.steps``) with evaluation, checkpoints and early stop.
+
+        ``live=True`` shows the notebook dashboard (needs ipywidgets); ``progress`` a text progress bar.
+        A lost worker is recovered from up to ``runner.max_restarts`` times.
+        """
+        r = self.recipe.runner
+        steps = r.steps - self.step if steps is None else steps
+        bar = None
+        if live:
+            from rlnb.widgets import show_dashboard
+
+            show_dashboard(self, total=self.step + steps)
+        elif progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=steps, desc=self.recipe.name, unit="step")
+        self._stop = False
+        records = []
+        restarts = 0
+        target = self.step + steps
+        try:
+            while self.step < target:
+                try:
+                    rec = self.step_once()
+                    if r.eval_interval and self.step % r.eval_interval == 0:
+                        self.evaluate()
+                    if r.save_interval and self.step % r.save_interval == 0:
+                        self.save()
+                except WorkerLostError as e:
+                    if restarts >= r.max_restarts:
+                        raise
+                    restarts += 1
+                    log.warning("%s; recovering (%d/%d)", e, restarts, r.max_restarts)
+                    self.recover()
+                    if bar is not None:
+                        bar.n = steps - (target - self.step)
+                        bar.refresh()
+                    continue
+                records.append(rec)
+                if bar is not None:
+                    key = self.SUMMARY_KEYS[0] if self.SUMMARY_KEYS else None
+                    value = rec.get(key) if key else None
+                    bar.set_postfix_str(
+                        f"{key.split('/')[-1]} {value:.3g}" if isinstance(value, (int, float)) else ""
+                    )
+                    bar.update(1)
+                if self._solved() or self._stop:
+                    break
+        finally:
+            if bar is not None:
+                bar.close()
+        return records
+
+    def stop(self) -> None:
+        """Ask a running ``run()`` to stop at the next step boundary."""
+        self._stop = True
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the last ``run()`` ended because :meth:`stop` was called."""
+        return self._stop
+
+    # ------------------------------------------------------------------ metrics
+    def _phase(self, name: str, t0: float, out: dict) -> dict:
+        dt = time.perf_counter() - t0
+        self._pending[f"time/{name}_s"] = dt
+        for k, v in out.items():
+            if v is not None and k != "version" and isinstance(v, (int, float)):
+                self._pending[f"{name}/{k}"] = v
+        out["time_s"] = dt
+        return out
+
+    def _log_step(self, train_out: dict) -> None:
+        self._log_record({})
+
+    def _log_record(self, record: dict) -> dict:
+        """Merge the pending phase metrics (train/, time/, advantages/...) into ``record`` and log it."""
+        p = self._pending
+        record = {**record, "time/step_s": sum(v for k, v in p.items() if k.startswith("time/"))}
+        for k, v in p.items():
+            if k.startswith(("train/", "time/", "advantages/")):
+                record[k] = v
+        self._pending = {}
+        return self.logger.log(self.step, record)
+
+    @property
+    def history(self) -> list[dict]:
+        return self.logger.history
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def save(self) -> Path:
+        """Write a complete checkpoint atomically: into a temporary directory, then renamed.
+
+        Every rank writes its own component state (big state stays on workers). A failure (disk
+        full...) removes the partial directory and raises :class:`CheckpointError`; the previous
+        complete checkpoint stays the latest.
+        """
+        final = self.checkpoint_dir / f"step_{self.step:06d}"
+        tmp = self.checkpoint_dir / f".tmp-step_{self.step:06d}-{uuid.uuid4().hex[:6]}"
+        try:
+            tmp.mkdir(parents=True)
+            pending = [g.save_state(str(tmp)) for g in self.groups.values()]
+            for res in pending:
+                res.result()
+            state = {
+                "step": self.step,
+                "placement": {k: list(v) for k, v in self.placement.slots.items()},
+                **self._extra_state(),
+            }
+            (tmp / "loop.json").write_text(json.dumps(state))
+            (tmp / "COMPLETE").write_text("ok\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except WorkerLostError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise  # a lost worker, not a disk problem: run() may recover from it
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"could not write checkpoint {final}: {type(e).__name__}: {e}") from e
+        for old in complete_checkpoints(self.run_dir)[: -self.recipe.runner.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load_checkpoint(self, which: str | Path = "auto") -> int:
+        """Restore every component and the loop state; ``"auto"`` picks the latest complete checkpoint."""
+        if str(which) == "auto":
+            found = complete_checkpoints(self.run_dir)
+            if not found:
+                return self.step  # nothing saved yet: start fresh
+            path = found[-1]
+        else:
+            path = Path(which)
+            if not (path / "COMPLETE").exists():
+                raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
+        try:
+            state = json.loads((path / "loop.json").read_text())
+            for g in self.groups.values():
+                g.load_state(str(path)).result()
+        except RemoteError as e:
+            raise CheckpointError(
+                f"could not restore {path}: {e.component}[rank {e.rank}] failed to load "
+                f"{e.component}_rank{e.rank}.pt: {e.args[0]}"
+            ) from e
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"could not restore {path}: {type(e).__name__}: {e}") from e
+        self.step = state["step"]
+        self._load_extra_state(state)
+        self.logger.truncate_after(self.step)
+        return self.step
+
+    def recover(self, timeout_s: float = 120.0) -> int:
+        """After a lost worker: rebuild every component on the cluster's (restarted) workers and
+        continue from the latest complete checkpoint (or from scratch if there is none).
+
+        Returns the step the loop continues from.
+        """
+        self._free_components()
+        self.cluster.refresh(timeout_s)
+        c = self.recipe.cluster
+        self.placement = self.cluster.place(
+            c.component_placement, required=self.COMPONENTS, known=self.COMPONENTS
+        )
+        self._launch()
+        self.step, self._pending = 0, {}
+        self._reset_state()
+        if complete_checkpoints(self.run_dir):
+            return self.load_checkpoint("auto")
+        self.logger.truncate_after(0)
+        return 0
+
+    # ------------------------------------------------------------------ lifecycle and display
+    def _free_components(self) -> None:
+        for ch in self.channels.values():
+            with contextlib.suppress(Exception):  # a lost worker took its queues with it
+                ch.close()
+        for g in self.groups.values():
+            with contextlib.suppress(Exception):
+                g.shutdown()
+        self.groups, self.channels = {}, {}
+
+    def close(self) -> None:
+        """Free the groups and channels (and the cluster, if this loop started it)."""
+        self._free_components()
+        if self.logger is not None:
+            self.logger.close()
+        if self._own_cluster and self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<rlnb.{type(self).__name__} {self.recipe.name} step={getattr(self, 'step', 0)} mode={self.placement.mode}>"
+
+    def _repr_html_(self) -> str:
+        last = self.history[-1] if self.history else {}
+        rows = "".join(
+            f"<tr><td>{html.escape(c)}</td><td>{', '.join(map(str, s))}</td></tr>"
+            for c, s in self.placement.slots.items()
+        )
+        metrics = "".join(
+            f"<tr><td>{k}</td><td>{last[k]:.4g}</td></tr>"
+            for k in self.SUMMARY_KEYS
+            if isinstance(last.get(k), (int, float))
+        )
+        return (
+            f"<div><b>rlnb {type(self).__name__}</b> <code>{html.escape(self.recipe.name)}</code> · step {self.step} · "
+            f"{self.placement.mode} · run dir <code>{html.escape(str(self.run_dir))}</code>"
+            f"<table><tr><th>component</th><th>slots</th></tr>{rows}</table>"
+            f"<table><tr><th>metric</th><th>last</th></tr>{metrics}</table></div>"
+        )
