@@ -57,9 +57,9 @@ def _run(args) -> int:
     if args.print_config:
         print(to_yaml(recipe), end="")
         return 0
-    from rlnb.loop import Loop
+    from rlnb.loop import loop_class
 
-    loop = Loop.from_recipe(recipe)
+    loop = loop_class(recipe).from_recipe(recipe)
     print(
         f"rlnb: run directory {loop.run_dir} ({loop.mode}, start-up {loop.startup_s:.1f} s)", file=sys.stderr
     )
@@ -73,13 +73,12 @@ def _run(args) -> int:
     try:
         loop.run(progress=not args.no_progress)
         path = loop.save()
-        summary = loop.evaluate()
-        stats = loop.episode_stats()
-        ret = stats["episode_return_mean"]
+        final = loop.evaluate()
+        evals = ", ".join(
+            f"{k}={v:.3f}" for k, v in final.items() if k.startswith("eval/") and isinstance(v, float)
+        )
         print(
-            f"rlnb: step {loop.step}, {loop.global_step} env steps; train return (last 20) "
-            f"{'n/a' if ret is None else f'{ret:.1f}'}; eval return {summary['eval/return_mean']:.1f}; "
-            f"checkpoint {path}; metrics {loop.run_dir / 'metrics.jsonl'}",
+            f"rlnb: {loop.summary()}; {evals}; checkpoint {path}; metrics {loop.run_dir / 'metrics.jsonl'}",
             file=sys.stderr,
         )
     finally:
@@ -89,9 +88,15 @@ def _run(args) -> int:
 
 
 def _eval(args) -> int:
-    from rlnb.loop import Loop
+    from pathlib import Path
 
-    loop = Loop.resume(args.run_dir)
+    from rlnb.config import load_recipe
+    from rlnb.loop import loop_class
+
+    recipe_file = Path(args.run_dir) / "recipe.yaml"
+    if not recipe_file.exists():
+        raise ConfigError(f"{args.run_dir} is not a run directory (no recipe.yaml)", "run_dir")
+    loop = loop_class(load_recipe(recipe_file)).resume(args.run_dir)
     try:
         res = loop.evaluate(args.episodes)
         print(

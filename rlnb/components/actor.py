@@ -24,7 +24,52 @@ def _cfg(cls, value):
     return cls(**value)
 
 
-class PPOActor:
+class ActorBase:
+    """What every actor component shares: data-parallel set-up, weight publishing, batch intake.
+
+    A subclass has ``self.policy`` (the trained module), ``self.model`` (what its train step calls),
+    ``self.device``, ``self.cfg`` (an :class:`ActorConfig`), ``world_size``, and implements
+    ``policy_state()`` and ``set_batch(batches)``.
+    """
+
+    def setup_data_parallel(self) -> str:
+        """Wrap the policy in DDP over the default process group (call after ``init_process_group``)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        from rlnb.runtime.rank import process_group
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        ddp = DistributedDataParallel(self.policy, device_ids=ids, process_group=process_group("default"))
+        self.model = torch.compile(ddp) if getattr(self.cfg, "compile", False) else ddp
+        return "ddp"
+
+    def publish_weights(self, channel, keys: list[str], version: int) -> int:
+        """Disaggregated weight sync: put the weights once per rollout rank key (worker to worker)."""
+        state = self.policy_state()
+        for k in keys:
+            channel.put({"state": state, "version": version}, key=k)
+        return version
+
+    def take_local_batches(self, rollout: str, ranks: list[int]) -> dict:
+        """Collocated hand-off: the batches of rollout ranks in this process, no copy."""
+        return self.set_batch([local_peer(rollout, r).take_batch() for r in ranks])
+
+    def take_channel_batches(self, channel, keys: list[str]) -> dict:
+        """Disaggregated hand-off: one batch per key from a channel."""
+        return self.set_batch([channel.get(key=k) for k in keys])
+
+    def _mean_over_ranks(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        from rlnb.runtime.collective import all_reduce_
+        from rlnb.runtime.rank import process_group
+
+        return float(
+            all_reduce_(torch.tensor([value], device=self.device), process_group("default"), average=True)
+        )
+
+
+class PPOActor(ActorBase):
     """PPO (CleanRL's ``ppo.py`` update) as a component.
 
     Args:
@@ -64,30 +109,10 @@ class PPOActor:
         if self.cfg.compile:
             self.model = torch.compile(self.model)
 
-    # ------------------------------------------------------------------ distribution
-    def setup_data_parallel(self) -> str:
-        """Wrap the policy in DDP over the default process group (call after ``init_process_group``)."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        from rlnb.runtime.rank import process_group
-
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = DistributedDataParallel(self.policy, device_ids=ids, process_group=process_group("default"))
-        self.model = torch.compile(ddp) if self.cfg.compile else ddp
-        return "ddp"
-
     def policy_state(self) -> dict[str, torch.Tensor]:
-        """Weights for the rollout (a detached copy)."""
+        """Weights for the rollout (a detached CPU copy)."""
         return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.state_dict().items()}
 
-    def publish_weights(self, channel, keys: list[str], version: int) -> int:
-        """Disaggregated weight sync: put the weights once per rollout rank key (worker to worker)."""
-        state = self.policy_state()
-        for k in keys:
-            channel.put({"state": state, "version": version}, key=k)
-        return version
-
-    # ------------------------------------------------------------------ data in
     def set_batch(self, batches: list[dict]) -> dict:
         """Take one or more rollout batches (concatenated along the env axis)."""
         keys = ("obs", "actions", "logprobs", "values", "rewards", "dones")
@@ -96,14 +121,6 @@ class PPOActor:
         batch["version"] = min(b["version"] for b in batches)
         self.batch = batch
         return {"steps": int(batch["rewards"].numel()), "version": batch["version"]}
-
-    def take_local_batches(self, rollout: str, ranks: list[int]) -> dict:
-        """Collocated hand-off: the batches of rollout ranks in this process, no copy."""
-        return self.set_batch([local_peer(rollout, r).take_batch() for r in ranks])
-
-    def take_channel_batches(self, channel, keys: list[str]) -> dict:
-        """Disaggregated hand-off: one batch per key from a channel."""
-        return self.set_batch([channel.get(key=k) for k in keys])
 
     # ------------------------------------------------------------------ phases
     def compute_advantages(self) -> dict:
@@ -178,14 +195,6 @@ class PPOActor:
         self.optimizer.step()
         metrics["loss"] = float(loss.detach())
         return metrics
-
-    def _mean_over_ranks(self, value: float) -> float:
-        if self.world_size == 1:
-            return value
-        from rlnb.runtime.collective import all_reduce_
-        from rlnb.runtime.rank import process_group
-
-        return float(all_reduce_(torch.tensor([value]), process_group("default"), average=True))
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -50,7 +50,35 @@ class _Trajectory:
         }
 
 
-class PolicyRollout:
+class RolloutBase:
+    """What every rollout component shares: weight intake (in-process or by channel) and batch hand-off.
+
+    A subclass implements ``load_weights(state_dict, version)`` and fills ``self.batch``.
+    """
+
+    version: int = 0
+    batch: dict | None = None
+
+    def load_from_local_actor(self, actor: str, rank: int, version: int) -> int:
+        """Collocated weight sync: copy from the actor rank in this process (a memcpy, no transfer)."""
+        return self.load_weights(local_peer(actor, rank).policy_state(), version)
+
+    def load_from_channel(self, channel, key: str) -> int:
+        """Disaggregated weight sync: take the weights the actor published under ``key``."""
+        msg = channel.get(key=key)
+        return self.load_weights(msg["state"], msg["version"])
+
+    def take_batch(self) -> dict:
+        """The last collected batch (in-process hand-off to a collocated actor)."""
+        return self.batch
+
+    def put_batch(self, channel, key: str) -> int:
+        """Send the last batch to an actor rank through a channel (worker to worker)."""
+        channel.put(self.batch, key=key)
+        return self.batch["version"]
+
+
+class PolicyRollout(RolloutBase):
     """Runs an actor-critic policy: ``act``, ``collect`` (collocated env) or ``serve`` (env over channels).
 
     Args:
@@ -91,17 +119,6 @@ class PolicyRollout:
         self.version = version
         return version
 
-    def load_from_local_actor(self, actor: str, rank: int, version: int) -> int:
-        """Collocated weight sync: copy from the actor rank in this process (a memcpy, no transfer)."""
-        return self.load_weights(local_peer(actor, rank).policy_state(), version)
-
-    def load_from_channel(self, channel, key: str) -> int:
-        """Disaggregated weight sync: take the weights the actor published under ``key``."""
-        msg = channel.get(key=key)
-        return self.load_weights(msg["state"], msg["version"])
-
-    # ------------------------------------------------------------------ acting
-    @torch.no_grad()
     def act(self, obs, deterministic: bool = False):
         """``(actions [n, ...] numpy, logprobs [n], values [n])`` for a batch of observations."""
         obs_t = torch.as_tensor(obs, device=self.device)
@@ -186,15 +203,6 @@ class PolicyRollout:
         return self._finish(traj, [self.stage_obs[k] for k in keys])
 
     # ------------------------------------------------------------------ batch hand-off
-    def take_batch(self) -> dict:
-        """The last collected batch (in-process hand-off to a collocated actor)."""
-        return self.batch
-
-    def put_batch(self, channel, key: str) -> int:
-        """Send the last batch to an actor rank through a channel (worker to worker)."""
-        channel.put(self.batch, key=key)
-        return self.batch["version"]
-
     def sample(self, n: int = 4) -> dict:
         """The first ``n`` steps of the last batch, small enough to look at in a notebook."""
         return {

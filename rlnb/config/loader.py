@@ -288,6 +288,18 @@ def validate(recipe: Recipe) -> list[str]:
     need(lambda: r.keep_checkpoints >= 1, "runner.keep_checkpoints", "an integer >= 1", r.keep_checkpoints)
     need(lambda: r.max_restarts >= 0, "runner.max_restarts", "an integer >= 0", r.max_restarts)
     need(lambda: r.eval_episodes >= 1, "runner.eval_episodes", "an integer >= 1", r.eval_episodes)
+    need(
+        lambda: 0.0 <= recipe.data.sft_noise <= 1.0,
+        "data.sft_noise",
+        "a number in [0, 1]",
+        recipe.data.sft_noise,
+    )
+    need(
+        lambda: 0.0 < recipe.data.held_out_frac < 1.0,
+        "data.held_out_frac",
+        "a number in (0, 1)",
+        recipe.data.held_out_frac,
+    )
     need(lambda: 0.0 <= a.gamma <= 1.0, "algorithm.gamma", "a number in [0, 1]", a.gamma)
     need(lambda: 0.0 <= a.gae_lambda <= 1.0, "algorithm.gae_lambda", "a number in [0, 1]", a.gae_lambda)
     need(lambda: a.clip_coef > 0, "algorithm.clip_coef", "a number > 0", a.clip_coef)
@@ -345,6 +357,8 @@ def validate(recipe: Recipe) -> list[str]:
         err = check_env_id(e.id)
         if err:
             errs.append(err)
+    if recipe.rollout.backend in ("hf", "vllm"):
+        errs.extend(_check_lm(recipe))
     if not isinstance(recipe.cluster.component_placement, dict) or not recipe.cluster.component_placement:
         errs.append(
             f"cluster.component_placement: expected a mapping like {{actor: 0}}, got {recipe.cluster.component_placement!r}"
@@ -355,6 +369,39 @@ def validate(recipe: Recipe) -> list[str]:
         "a number > 0",
         recipe.cluster.call_timeout_s,
     )
+    return errs
+
+
+def _check_lm(recipe: Recipe) -> list[str]:
+    """LM-RL checks: model path, data, batch sizes."""
+    errs = []
+    a, d, act, ro = recipe.algorithm, recipe.data, recipe.actor, recipe.rollout
+    if act.model_path is None:
+        errs.append("actor.model_path: expected a model directory for rollout.backend=hf/vllm, got nothing")
+    elif not act.build_if_missing and not (Path(act.model_path) / "config.json").exists():
+        errs.append(
+            f"actor.model_path: {act.model_path!r} has no config.json (not a save_pretrained directory); "
+            "fix the path or set actor.build_if_missing=true to build a tiny LM there"
+        )
+    if d.task == "file" and (d.path is None or not Path(d.path).exists()):
+        errs.append(f"data.path: data.task=file needs an existing .jsonl/.parquet file, got {d.path!r}")
+    for key, value, low in (
+        ("data.prompts_per_step", d.prompts_per_step, 1), ("data.eval_size", d.eval_size, 1),
+        ("rollout.max_new_tokens", ro.max_new_tokens, 1), ("actor.micro_batch_size", act.micro_batch_size, 1),
+        ("actor.sft_steps", act.sft_steps, 0), ("actor.sft_batch_size", act.sft_batch_size, 1),
+    ):  # fmt: skip
+        if isinstance(value, int) and value < low:
+            errs.append(f"{key}: expected an integer >= {low}, got {value!r}")
+    if isinstance(ro.temperature, float) and ro.temperature <= 0:
+        errs.append(f"rollout.temperature: expected a number > 0, got {ro.temperature!r}")
+    if isinstance(ro.top_p, float) and not 0 < ro.top_p <= 1:
+        errs.append(f"rollout.top_p: expected a number in (0, 1], got {ro.top_p!r}")
+    batch = d.prompts_per_step * a.group_size if isinstance(d.prompts_per_step, int) else 0
+    if batch and isinstance(a.num_minibatches, int) and a.num_minibatches >= 1 and batch % a.num_minibatches:
+        errs.append(
+            f"algorithm.num_minibatches: {a.num_minibatches} must divide the batch of "
+            f"data.prompts_per_step x algorithm.group_size = {batch} sequences"
+        )
     return errs
 
 

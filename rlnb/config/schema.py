@@ -114,6 +114,20 @@ class ModelConfig:
 
 
 @dataclass
+class TinyLMConfig:
+    """A small causal LM built locally when ``actor.model_path`` does not exist yet."""
+
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    """Architecture of the ``transformers`` config."""
+    hidden_size: int = 64
+    """Hidden width."""
+    num_layers: int = 2
+    """Transformer layers."""
+    num_heads: int = 4
+    """Attention heads (must divide ``hidden_size``)."""
+
+
+@dataclass
 class ActorConfig:
     """The training component."""
 
@@ -129,6 +143,20 @@ class ActorConfig:
     """``auto``: the slot's device."""
     torch_threads: int = 1
     """Intra-op threads per rank (one slot = one core on CPU)."""
+    model_path: str | None = None
+    """LM RL: a Hugging Face model directory (``save_pretrained`` layout), loaded with ``from_pretrained``."""
+    build_if_missing: bool = True
+    """LM RL: build a tiny LM (``actor.tiny_lm``) at ``model_path`` if nothing is there."""
+    tiny_lm: TinyLMConfig = field(default_factory=TinyLMConfig)
+    """LM RL: the tiny LM to build."""
+    micro_batch_size: int = 64
+    """LM RL: sequences per forward/backward; gradients accumulate over a minibatch."""
+    sft_steps: int = 0
+    """LM RL: supervised warm-start steps on the answers before RL (0: none)."""
+    sft_lr: float = 3e-3
+    """LM RL: learning rate of the warm start."""
+    sft_batch_size: int = 64
+    """LM RL: sequences per warm-start step (over all actor ranks)."""
 
 
 @dataclass
@@ -141,6 +169,14 @@ class RolloutConfig:
     """Env steps per env per training step (T)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: the slot's device."""
+    max_new_tokens: int = 8
+    """LM RL: tokens generated per completion at most."""
+    temperature: float = 1.0
+    """LM RL: sampling temperature (the actor's log-probs use the same)."""
+    top_p: float = 1.0
+    """LM RL: nucleus sampling threshold."""
+    gpu_memory_utilization: float = 0.3
+    """vLLM: fraction of GPU memory for weights and KV cache."""
 
 
 @dataclass
@@ -175,10 +211,26 @@ class RewardConfig:
 class DataConfig:
     """Prompt data (LM RL)."""
 
-    task: str = "arithmetic"
-    """``arithmetic`` (procedural) or ``jsonl``/``parquet`` for local files."""
+    task: Literal["arithmetic", "file"] = "arithmetic"
+    """``arithmetic`` (procedural) or ``file`` (local ``.jsonl``/``.parquet`` at ``path``)."""
     path: str | None = None
     """Local data file (question/answer layout, GSM8K-style ``#### answer``)."""
+    max_operand: int = 20
+    """Arithmetic: operands from 0 to this (difficulty)."""
+    ops: str = "+"
+    """Arithmetic: operators to use, from ``+-*``."""
+    held_out_frac: float = 0.2
+    """Fraction of problems held out for evaluation."""
+    prompts_per_step: int = 16
+    """Prompts per training step (each sampled ``algorithm.group_size`` times)."""
+    eval_size: int = 200
+    """Held-out problems per evaluation."""
+    sft_noise: float = 0.0
+    """Fraction of warm-start answers made deliberately wrong (off by one): an imperfect teacher for RL to beat."""
+    question_key: str = "question"
+    """File data: the question column."""
+    answer_key: str = "answer"
+    """File data: the answer column (GSM8K-style ``#### 72`` keeps the final answer)."""
 
 
 @dataclass

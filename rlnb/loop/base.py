@@ -161,6 +161,13 @@ class LoopBase:
     def _load_extra_state(self, state: dict) -> None:
         pass
 
+    def _save_extra(self, directory: Path) -> None:
+        """Extra files in a checkpoint being written (e.g. a Hugging Face export)."""
+
+    def summary(self) -> str:
+        """One line for the CLI at the end of a run."""
+        return f"step {self.step}"
+
     def _solved(self) -> bool:
         return False
 
@@ -194,6 +201,10 @@ class LoopBase:
     def sync_weights(self) -> dict:
         """Actor -> rollout weights, stamped with the policy version (= training steps done)."""
         t0 = time.perf_counter()
+        self._sync()
+        return self._phase("sync", t0, {"version": self.step})
+
+    def _sync(self) -> None:
         actor, rollout = self.groups["actor"], self.groups["rollout"]
         if self.batch_local:
             rollout.call_each(
@@ -205,7 +216,6 @@ class LoopBase:
             done = rollout.call_each("load_from_channel", [(ch, k) for k in keys])
             actor.on(0).publish_weights(ch, keys, self.step).result()
             done.result()
-        return self._phase("sync", t0, {"version": self.step})
 
     def _hand_batches(self) -> None:
         """Rollout rank ``k``'s batch goes to actor rank ``k % actor ranks`` (in-process when collocated)."""
@@ -378,6 +388,7 @@ class LoopBase:
                 **self._extra_state(),
             }
             (tmp / "loop.json").write_text(json.dumps(state))
+            self._save_extra(tmp)
             (tmp / "COMPLETE").write_text("ok\n")
             if final.exists():
                 shutil.rmtree(final)

@@ -157,6 +157,7 @@ class Loop(LoopBase):
     def evaluate(self, episodes: int | None = None) -> dict:
         """Deterministic episodes on fresh envs (seeded apart from training); logs ``eval/return_mean``."""
         t0 = time.perf_counter()
+        self._sync()  # evaluate the current weights
         n = episodes or self.recipe.runner.eval_episodes
         res = (
             self.groups["rollout"]
@@ -187,6 +188,12 @@ class Loop(LoopBase):
                 "env/episode_len_mean": stats["episode_len_mean"],
                 "rollout/steps_per_s": self._pending.get("rollout/steps_per_s"),
             }
+        )
+
+    def summary(self) -> str:
+        ret = self.episode_stats()["episode_return_mean"]
+        return f"step {self.step}, {self.global_step} env steps; train return (last 20) " + (
+            "n/a" if ret is None else f"{ret:.1f}"
         )
 
     def sample(self, n: int = 4) -> dict:

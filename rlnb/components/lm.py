@@ -1,0 +1,460 @@
+"""LM RL components: HF (and vLLM) rollout, reward, and an actor for GRPO-style training.
+
+Batch layout (B = prompts x group_size sequences, L = prompt + response tokens, left-padded)::
+
+    input_ids [B, L]  attention_mask [B, L]  response_mask [B, L] (1 on generated tokens incl. EOS)
+    logprobs [B, L]   (behaviour log-probs on response tokens, 0 elsewhere)
+    rewards [B]       group_index [B]   version (policy version that generated it)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from rlnb.algorithms import get_advantage, get_policy_loss, get_reward, kl_penalty
+from rlnb.algorithms.losses import masked_mean
+from rlnb.components.actor import ActorBase
+from rlnb.components.rollout import RolloutBase, resolve_device
+from rlnb.config.schema import AlgorithmConfig
+from rlnb.models.lm import load_lm, token_logprobs
+from rlnb.runtime.rank import RankInfo, local_peer
+
+
+def _pad_left(rows: list[list[int]], pad: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
+
+
+def _micro_batches(n: int, size: int):
+    for start in range(0, n, size):
+        yield slice(start, min(n, start + size))
+
+
+class RewardWorker:
+    """Applies a registered reward (``math``, ``arithmetic``...) to completions; may sit on its own slot."""
+
+    def __init__(self, name: str = "arithmetic", rank_info: RankInfo | None = None):
+        self.name = name
+        self.fn = get_reward(name)
+
+    def score(self, completions: list[str], answers: list[str]) -> list[float]:
+        return [self.fn(c, a) for c, a in zip(completions, answers)]
+
+    def state_dict(self) -> dict:  # stateless; kept so every component checkpoints the same way
+        return {"name": self.name}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.name = state["name"]
+        self.fn = get_reward(self.name)
+
+
+class HFRollout(RolloutBase):
+    """Batched sampling with ``transformers`` ``generate``.
+
+    Args:
+        model_path: a ``save_pretrained`` directory.
+        max_new_tokens, temperature, top_p: sampling parameters.
+        seed: rank ``r`` seeds each call from ``seed + r`` and a call counter (reproducible).
+    """
+
+    def __init__(
+        self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+        device: str = "auto", torch_threads: int = 1, rank_info: RankInfo | None = None,
+    ):  # fmt: skip
+        torch.set_num_threads(torch_threads)
+        self.rank = rank_info.rank if rank_info else 0
+        self.device = resolve_device(device, rank_info)
+        self.model, self.tok = load_lm(model_path, self.device)
+        self.model.eval().requires_grad_(False)
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.seed, self.calls = seed + 1009 * self.rank, 0
+        self.version = 0
+        self.batch = None
+        self.offloaded = False
+
+    def load_weights(self, state_dict: dict, version: int) -> int:
+        self.model.load_state_dict(state_dict)
+        self.version = version
+        return version
+
+    # GPU memory for collocated training: park the rollout model on the CPU while the actor trains
+    def offload(self) -> bool:
+        if self.device.type == "cuda" and not self.offloaded:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+            self.offloaded = True
+        return self.offloaded
+
+    def onload(self) -> bool:
+        if self.offloaded:
+            self.model.to(self.device)
+            self.offloaded = False
+        return not self.offloaded
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[str], n: int, greedy: bool):
+        self.onload()
+        enc = self.tok(prompts, return_tensors="pt", padding=True).to(self.device)
+        torch.manual_seed(self.seed * 1_000_003 + self.calls)
+        self.calls += 1
+        out = self.model.generate(
+            **enc, do_sample=not greedy, temperature=self.temperature if not greedy else None,
+            top_p=self.top_p if not greedy else None, top_k=None, max_new_tokens=self.max_new_tokens,
+            num_return_sequences=n, pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
+            return_dict_in_generate=True, output_scores=True,
+        )  # fmt: skip
+        prompt_len = enc["input_ids"].shape[1]
+        seqs = out.sequences  # (B*n, P+R)
+        response = seqs[:, prompt_len:]  # (B*n, R)
+        # response mask: tokens up to and including the first EOS
+        is_eos = response == self.tok.eos_token_id
+        after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
+        resp_mask = (~after_eos).long()
+        # behaviour log-probs of the sampled tokens under the sampling distribution
+        logp = self.model.compute_transition_scores(seqs, out.scores, normalize_logits=True)  # (B*n, R)
+        logp = torch.where(resp_mask.bool(), logp, torch.zeros_like(logp)).float()
+        attn = torch.cat([enc["attention_mask"].repeat_interleave(n, 0), resp_mask], dim=1)
+        zeros = torch.zeros(seqs.shape[0], prompt_len, dtype=torch.long, device=seqs.device)
+        texts = self.tok.batch_decode(
+            response * resp_mask + self.tok.pad_token_id * (1 - resp_mask), skip_special_tokens=True
+        )
+        return {
+            "input_ids": seqs.cpu(),
+            "attention_mask": attn.cpu(),
+            "response_mask": torch.cat([zeros, resp_mask], dim=1).cpu(),
+            "logprobs": torch.cat([zeros.float(), logp], dim=1).cpu(),
+        }, texts
+
+    def generate(self, prompts: list[str], answers: list[str], n: int, reward: str | None = None) -> dict:
+        """Sample ``n`` completions per prompt and keep the batch; score in-process if ``reward`` is collocated.
+
+        Returns a summary with the completion texts (to score elsewhere) unless scored here.
+        """
+        batch, texts = self._generate(prompts, n, greedy=False)
+        batch["group_index"] = torch.arange(len(prompts)).repeat_interleave(n)
+        batch["answers"] = [a for a in answers for _ in range(n)]
+        batch["texts"] = texts
+        batch["version"] = self.version
+        self.batch = batch
+        lengths = batch["response_mask"].sum(-1).float()
+        summary = {
+            "sequences": len(texts),
+            "tokens": int(lengths.sum()),
+            "response_len_mean": float(lengths.mean()),
+        }
+        if reward is not None:
+            summary.update(self.set_rewards(local_peer(reward, self.rank).score(texts, batch["answers"])))
+        else:
+            summary["texts"], summary["answers"] = texts, batch["answers"]
+        return summary
+
+    def set_rewards(self, rewards: list[float]) -> dict:
+        r = torch.tensor(rewards, dtype=torch.float32)
+        self.batch["rewards"] = r
+        return {"reward_mean": float(r.mean()), "accuracy": float((r >= 1.0).float().mean())}
+
+    def complete(self, prompts: list[str]) -> list[str]:
+        """Greedy completions (evaluation, samples in notebooks)."""
+        return self._generate(prompts, 1, greedy=True)[1]
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls, "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls, self.version = state["calls"], state["version"]
+
+
+class VLLMWorkerExtension:  # pragma: no cover - runs inside vLLM's GPU worker processes
+    """Methods vLLM adds to its workers (``worker_extension_cls``), called with ``collective_rpc``."""
+
+    def rlnb_load_weights(self, state: dict) -> bool:
+        self.model_runner.model.load_weights(weights=[(k, v.to(self.device)) for k, v in state.items()])
+        return True
+
+
+class VLLMRollout(HFRollout):  # pragma: no cover - needs a CUDA GPU and the `vllm` extra
+    """Sampling with ``vllm.LLM`` in the worker; weights are reloaded in place after each sync.
+
+    Same outputs contract as :class:`HFRollout` (token ids, response mask, behaviour log-probs).
+    """
+
+    def __init__(
+        self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+        device: str = "auto", torch_threads: int = 1, gpu_memory_utilization: float = 0.3,
+        rank_info: RankInfo | None = None,
+    ):  # fmt: skip
+        from transformers import AutoTokenizer
+        from vllm import LLM
+
+        self.rank = rank_info.rank if rank_info else 0
+        self.device = resolve_device(device, rank_info)
+        self.tok = AutoTokenizer.from_pretrained(model_path)
+        self.llm = LLM(
+            model=model_path, enforce_eager=True, gpu_memory_utilization=gpu_memory_utilization, seed=seed + self.rank,
+            worker_extension_cls="rlnb.components.lm.VLLMWorkerExtension",
+        )  # fmt: skip
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.seed, self.calls, self.version, self.batch, self.offloaded = seed, 0, 0, None, False
+
+    def load_weights(self, state_dict: dict, version: int) -> int:
+        self.llm.collective_rpc("rlnb_load_weights", args=(state_dict,))
+        self.version = version
+        return version
+
+    def offload(self) -> bool:
+        self.llm.sleep(level=1)  # frees the KV cache and offloads weights while the actor trains
+        self.offloaded = True
+        return True
+
+    def onload(self) -> bool:
+        if self.offloaded:
+            self.llm.wake_up()
+            self.offloaded = False
+        return True
+
+    def _generate(self, prompts: list[str], n: int, greedy: bool):
+        from vllm import SamplingParams
+
+        self.onload()
+        params = SamplingParams(
+            n=n, temperature=0.0 if greedy else self.temperature, top_p=1.0 if greedy else self.top_p,
+            max_tokens=self.max_new_tokens, logprobs=0, seed=self.seed * 1_000_003 + self.calls,
+        )  # fmt: skip
+        self.calls += 1
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        rows, logps, texts, prompt_rows = [], [], [], []
+        for out in outs:
+            for o in out.outputs:
+                ids = list(o.token_ids)
+                prompt_rows.append(list(out.prompt_token_ids))
+                rows.append(ids)
+                logps.append([lp[t].logprob for lp, t in zip(o.logprobs, ids)])
+                texts.append(o.text)
+        prompt = _pad_left(prompt_rows, self.tok.pad_token_id)
+        width = max(len(r) for r in rows)
+        resp = torch.tensor([r + [self.tok.pad_token_id] * (width - len(r)) for r in rows])
+        resp_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        logp = torch.tensor([lp + [0.0] * (width - len(lp)) for lp in logps])
+        zeros = torch.zeros(len(rows), prompt.shape[1], dtype=torch.long)
+        return {
+            "input_ids": torch.cat([prompt, resp], dim=1),
+            "attention_mask": torch.cat([(prompt != self.tok.pad_token_id).long(), resp_mask], dim=1),
+            "response_mask": torch.cat([zeros, resp_mask], dim=1),
+            "logprobs": torch.cat([zeros.float(), logp], dim=1),
+        }, texts
+
+
+class LMActor(ActorBase):
+    """Trains a causal LM: SFT warm start, then GRPO/PPO-clip updates with an optional KL to a frozen reference.
+
+    Args:
+        model_path: a ``save_pretrained`` directory (the reference model loads from it too).
+        algorithm: :class:`rlnb.config.AlgorithmConfig` (advantage, loss, group_size, kl_coef, agg...).
+        lr: AdamW learning rate; micro_batch_size: sequences per forward/backward.
+        temperature: the rollout's sampling temperature (log-probs are of the same distribution).
+    """
+
+    def __init__(
+        self, model_path: str, algorithm, lr: float = 1e-3, micro_batch_size: int = 64, temperature: float = 1.0,
+        max_grad_norm: float = 1.0, seed: int = 0, device: str = "auto", torch_threads: int = 1,
+        rank_info: RankInfo | None = None,
+    ):  # fmt: skip
+        torch.set_num_threads(torch_threads)
+        self.algo = algorithm if isinstance(algorithm, AlgorithmConfig) else AlgorithmConfig(**algorithm)
+        self.cfg = None
+        self.rank = rank_info.rank if rank_info else 0
+        self.world_size = rank_info.world_size if rank_info else 1
+        self.device = resolve_device(device, rank_info)
+        torch.manual_seed(seed)
+        self.policy, self.tok = load_lm(model_path, self.device)
+        self.model = self.policy
+        self.ref = None
+        if self.algo.kl_coef > 0:
+            self.ref = load_lm(model_path, self.device)[0].eval().requires_grad_(False)
+        self.lr, self.micro_batch_size, self.temperature = lr, micro_batch_size, temperature
+        self.max_grad_norm = max_grad_norm
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=0.0)
+        self.generator = torch.Generator().manual_seed(seed + 104729 * (self.rank + 1))
+        self.advantage_fn = get_advantage(self.algo.advantage)
+        self.loss_fn = get_policy_loss(self.algo.policy_loss)
+        self.step = 0
+        self.batch: dict | None = None
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.state_dict().items()}
+
+    # ------------------------------------------------------------------ SFT
+    def sft(
+        self, prompts: list[str], answers: list[str], steps: int, batch_size: int, lr: float,
+        wrong_answers: list[str] | None = None, wrong_prob: float = 0.0,
+    ) -> list[float]:  # fmt: skip
+        """Supervised warm start: cross-entropy on the answer tokens (and EOS) of ``prompt + answer``.
+
+        With ``wrong_answers``, each time a problem is drawn its answer is replaced by the wrong one
+        with probability ``wrong_prob``: an imperfect teacher, wrong on every problem now and then.
+        """
+
+        def encode(ans: list[str]):
+            enc = [self.tok(p)["input_ids"] for p in prompts]
+            tgt = [self.tok(a)["input_ids"] + [self.tok.eos_token_id] for a in ans]
+            return [p + a for p, a in zip(enc, tgt)], [[0] * len(p) + [1] * len(a) for p, a in zip(enc, tgt)]
+
+        rows, marks = encode(answers)
+        if wrong_answers is not None:
+            wrong_rows, wrong_marks = encode(wrong_answers)
+            rows, marks = rows + wrong_rows, marks + wrong_marks
+        ids = _pad_left(rows, self.tok.pad_token_id)
+        attn = _pad_left([[1] * len(r) for r in rows], 0)
+        target = _pad_left(marks, 0)
+        n = len(prompts)
+        opt = torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / max(1, steps))
+        losses = []
+        for _ in range(steps):
+            idx = torch.randint(0, n, (batch_size,), generator=self.generator)
+            if wrong_answers is not None:  # the wrong variant of a problem sits at index + n
+                idx = idx + n * (torch.rand(batch_size, generator=self.generator) < wrong_prob).long()
+            b_ids, b_attn, b_tgt = (
+                ids[idx].to(self.device),
+                attn[idx].to(self.device),
+                target[idx].to(self.device),
+            )
+            logp = token_logprobs(self.model, b_ids, b_attn)  # (b, L)
+            loss = -masked_mean(logp, b_tgt)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+        if self.ref is not None:  # the reference is the warm-started model
+            self.ref.load_state_dict(self.policy.state_dict())
+        return losses
+
+    # ------------------------------------------------------------------ RL
+    def set_batch(self, batches: list[dict]) -> dict:
+        width = max(b["input_ids"].shape[1] for b in batches)
+
+        def pad(t, value):  # left-pad to a common width
+            return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+
+        batch = {
+            "input_ids": torch.cat([pad(b["input_ids"], self.tok.pad_token_id) for b in batches]),
+            "attention_mask": torch.cat([pad(b["attention_mask"], 0) for b in batches]),
+            "response_mask": torch.cat([pad(b["response_mask"], 0) for b in batches]),
+            "logprobs": torch.cat([pad(b["logprobs"], 0.0) for b in batches]),
+            "rewards": torch.cat([b["rewards"] for b in batches]),
+            "version": min(b["version"] for b in batches),
+        }
+        self.batch = batch
+        return {"sequences": int(batch["rewards"].numel()), "version": batch["version"]}
+
+    @torch.no_grad()
+    def _logprobs(self, model, b: dict) -> torch.Tensor:
+        out = []
+        for sl in _micro_batches(b["input_ids"].shape[0], self.micro_batch_size):
+            ids, attn = b["input_ids"][sl].to(self.device), b["attention_mask"][sl].to(self.device)
+            out.append(token_logprobs(model, ids, attn, self.temperature).cpu())
+        return torch.cat(out)
+
+    def compute_advantages(self) -> dict:
+        """Recompute old log-probs with the actor, reference log-probs (if KL), and group advantages."""
+        b, a = self.batch, self.algo
+        b["old_logprobs"] = self._logprobs(self.policy, b)  # [B, L]
+        if self.ref is not None:
+            b["ref_logprobs"] = self._logprobs(self.ref, b)
+        mask = b["response_mask"].float()
+        kwargs = {"rewards": b["rewards"], "response_mask": mask}
+        if a.advantage in ("grpo", "rloo", "reinforce_pp_baseline"):
+            kwargs["group_size"] = a.group_size
+        if a.advantage == "grpo":
+            kwargs["scale"] = a.scale
+        adv, _ = self.advantage_fn(**kwargs)  # [B, L]
+        b["advantages"] = adv
+        drift = masked_mean((b["old_logprobs"] - b["logprobs"]).abs(), mask)
+        return {"advantage_abs_mean": float(masked_mean(adv.abs(), mask)), "logprob_drift": float(drift)}
+
+    def train(self) -> dict:
+        """``update_epochs`` x ``num_minibatches`` updates, micro-batched with gradient accumulation."""
+        a, b = self.algo, self.batch
+        if "advantages" not in b:
+            self.compute_advantages()
+        n = b["input_ids"].shape[0]
+        mb = max(1, n // a.num_minibatches)
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(a.update_epochs):
+            perm = torch.randperm(n, generator=self.generator)
+            for start in range(0, n - mb + 1, mb):
+                metrics = self._update(perm[start : start + mb])
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+        self.step += 1
+        return {k: v / max(1, count) for k, v in sums.items()}
+
+    def _update(self, idx: torch.Tensor) -> dict:
+        a, b = self.algo, self.batch
+        mask_all = b["response_mask"][idx].float()
+        total_tokens, total_seqs = mask_all.sum().clamp(min=1), len(idx)
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics: dict[str, float] = {}
+        micro = list(_micro_batches(len(idx), self.micro_batch_size))
+        for i, sl in enumerate(micro):
+            j = idx[sl]
+            ids, attn = b["input_ids"][j].to(self.device), b["attention_mask"][j].to(self.device)
+            mask = b["response_mask"][j].float().to(self.device)
+            sync = self.world_size > 1 and i < len(micro) - 1
+            with self.model.no_sync() if sync else contextlib.nullcontext():
+                logp = token_logprobs(self.model, ids, attn, self.temperature)  # (m, L)
+                loss, m = self.loss_fn(
+                    logprobs=logp, old_logprobs=b["old_logprobs"][j].to(self.device),
+                    advantages=b["advantages"][j].to(self.device), mask=mask, clip_coef=a.clip_coef,
+                    clip_coef_high=a.clip_coef_high, dual_clip=a.dual_clip, agg=a.agg,
+                )  # fmt: skip
+                if self.ref is not None:
+                    kl = masked_mean(
+                        kl_penalty(logp, b["ref_logprobs"][j].to(self.device), a.kl_estimator), mask
+                    )
+                    loss = loss + a.kl_coef * kl
+                    m["kl"] = float(kl)
+                # each micro-batch's share of the minibatch mean (tokens for token-mean, sequences otherwise)
+                share = mask.sum() / total_tokens if a.agg == "token-mean" else len(j) / total_seqs
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite loss {float(loss)} at training step {self.step}")
+                (loss * share).backward()
+            for k, v in m.items():
+                metrics[k] = metrics.get(k, 0.0) + float(v) * float(share)
+            metrics["loss"] = metrics.get("loss", 0.0) + float(loss.detach()) * float(share)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        metrics["grad_norm"] = float(grad_norm) if math.isfinite(float(grad_norm)) else float("nan")
+        return metrics
+
+    def export_hf(self, path: str) -> str:
+        """Write the current model in Hugging Face format (``save_pretrained``)."""
+        self.policy.save_pretrained(path)
+        self.tok.save_pretrained(path)
+        return path
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "ref": self.ref.state_dict() if self.ref is not None else None,
+            "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ref is not None and state["ref"] is not None:
+            self.ref.load_state_dict(state["ref"])
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step = state["step"]

@@ -1,0 +1,251 @@
+"""The LM RL loop: SFT warm start, then GRPO with an HF (or vLLM) rollout, a reward component and an actor.
+
+Example (one phase per notebook cell):
+    >>> loop = GRPOLoop.from_recipe("grpo_arith")   # doctest: +SKIP
+    >>> loop.sft(); loop.evaluate()                    # doctest: +SKIP
+    >>> loop.sync_weights(); loop.rollout(); loop.advantages(); loop.train()   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
+from rlnb.data.prompts import ArithmeticTask, Problem, load_qa_file
+from rlnb.errors import PlacementError
+from rlnb.loop.base import LoopBase
+from rlnb.models.lm import build_tiny_lm
+from rlnb.runtime.group import Group
+
+
+class _FileTask:
+    """Problems from a local file, split like :class:`ArithmeticTask` (same sampling interface)."""
+
+    def __init__(self, problems: list[Problem], held_out_frac: float, seed: int):
+        problems = list(problems)
+        random.Random(seed).shuffle(problems)
+        n_eval = max(1, int(len(problems) * held_out_frac))
+        self.held_out, self.train = problems[:n_eval], problems[n_eval:]
+        self.position = 0
+
+    def sample(self, n: int) -> list[Problem]:
+        out = [self.train[(self.position + i) % len(self.train)] for i in range(n)]
+        self.position += n
+        return out
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+class GRPOLoop(LoopBase):
+    """GRPO for language models, phase by phase: ``sft()``, then ``sync_weights()`` -> ``rollout()``
+    (generate + reward) -> ``advantages()`` -> ``train()``; ``evaluate()`` reports held-out accuracy."""
+
+    COMPONENTS = ("rollout", "actor", "reward")
+    SUMMARY_KEYS = (
+        "reward/accuracy",
+        "eval/accuracy",
+        "reward/mean",
+        "train/clip_frac",
+        "rollout/tokens_per_s",
+    )
+
+    # ------------------------------------------------------------------ set-up
+    def _check_rank_counts(self) -> None:
+        super()._check_rank_counts()
+        n_roll = len(self.placement["rollout"])
+        per_step = self.recipe.data.prompts_per_step
+        if per_step % n_roll:
+            raise PlacementError(
+                f"data.prompts_per_step={per_step} cannot be split evenly over {n_roll} rollout rank(s)",
+                "data.prompts_per_step",
+            )
+
+    def _prepare(self) -> None:
+        r = self.recipe
+        path = Path(r.actor.model_path).resolve()
+        if not (path / "config.json").exists():  # validated already: build_if_missing is on
+            t = r.actor.tiny_lm
+            build_tiny_lm(path, t.hidden_size, t.num_layers, t.num_heads, t.arch, seed=r.seed)
+        self.model_path = str(path)
+        d = r.data
+        if d.task == "arithmetic":
+            self.task = ArithmeticTask(d.max_operand, d.ops, d.held_out_frac, seed=r.seed)
+        else:
+            self.task = _FileTask(load_qa_file(d.path, d.question_key, d.answer_key), d.held_out_frac, r.seed)
+
+    def _launch(self) -> None:
+        r, cl, p = self.recipe, self.cluster, self.placement
+        timeout = r.cluster.call_timeout_s
+        ro = r.rollout
+        rollout_cls, extra = (
+            (VLLMRollout, {"gpu_memory_utilization": ro.gpu_memory_utilization})
+            if ro.backend == "vllm"
+            else (HFRollout, {})
+        )
+        self.groups["rollout"] = Group.launch(
+            rollout_cls, cl, p["rollout"], name="rollout", call_timeout_s=timeout,
+            kwargs={"model_path": self.model_path, "max_new_tokens": ro.max_new_tokens, "temperature": ro.temperature,
+                    "top_p": ro.top_p, "seed": r.seed, "device": ro.device, "torch_threads": r.actor.torch_threads, **extra},
+        )  # fmt: skip
+        self.groups["actor"] = actor = Group.launch(
+            LMActor, cl, p["actor"], name="actor", call_timeout_s=timeout,
+            kwargs={"model_path": self.model_path, "algorithm": asdict(r.algorithm), "lr": r.actor.lr,
+                    "micro_batch_size": r.actor.micro_batch_size, "temperature": ro.temperature,
+                    "max_grad_norm": r.algorithm.max_grad_norm, "seed": r.seed, "device": r.actor.device,
+                    "torch_threads": r.actor.torch_threads},
+        )  # fmt: skip
+        self.groups["reward"] = Group.launch(
+            RewardWorker,
+            cl,
+            p["reward"],
+            name="reward",
+            kwargs={"name": r.reward.name},
+            call_timeout_s=timeout,
+        )
+        if actor.world_size > 1:
+            actor.init_process_group(timeout_s=min(timeout, 300))
+            actor.setup_data_parallel().result()
+        self.reward_local = p["reward"] == p["rollout"]
+        self._launch_links()
+
+    def _reset_state(self) -> None:
+        self.sft_done = False
+        self.task.position = 0
+
+    def _extra_state(self) -> dict:
+        return {"data": self.task.state_dict(), "sft_done": self.sft_done}
+
+    def _load_extra_state(self, state: dict) -> None:
+        self.task.load_state_dict(state["data"])
+        self.sft_done = state["sft_done"]
+
+    def _save_extra(self, directory: Path) -> None:
+        self.groups["actor"].on(0).export_hf(str(directory / "hf")).result()
+
+    # ------------------------------------------------------------------ phases
+    def sft(self, steps: int | None = None) -> dict:
+        """Supervised warm start on the training answers (``actor.sft_steps``); exports ``<run_dir>/sft_model``."""
+        t0 = time.perf_counter()
+        r = self.recipe
+        steps = r.actor.sft_steps if steps is None else steps
+        prompts = [p.prompt for p in self.task.train]
+        answers = [p.answer for p in self.task.train]
+        # data.sft_noise > 0: an imperfect teacher, off by one on a fraction of its demonstrations
+        wrong = (
+            [str(int(a) + 1) if a.lstrip("-").isdigit() else a for a in answers] if r.data.sft_noise else None
+        )
+        actor = self.groups["actor"]
+        per_rank = max(1, r.actor.sft_batch_size // actor.world_size)
+        losses = actor.sft(
+            prompts, answers, steps, per_rank, r.actor.sft_lr, wrong, r.data.sft_noise
+        ).result()[0]
+        actor.on(0).export_hf(str(self.run_dir / "sft_model")).result()
+        self.sft_done = True
+        out = {
+            "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None,
+            "steps": steps,
+        }
+        record = {f"sft/{k}": v for k, v in out.items() if v is not None}
+        record["time/sft_s"] = time.perf_counter() - t0
+        self.logger.log(self.step, record)
+        return record
+
+    def rollout(self) -> dict:
+        """Sample ``algorithm.group_size`` completions for ``data.prompts_per_step`` prompts, score, hand over."""
+        t0 = time.perf_counter()
+        r = self.recipe
+        rollout, reward = self.groups["rollout"], self.groups["reward"]
+        problems = self.task.sample(r.data.prompts_per_step)
+        shards = _shard(problems, rollout.world_size)
+        G = r.algorithm.group_size
+        if self.reward_local:  # score in-process next to the rollout
+            summaries = rollout.call_each(
+                "generate", [([p.prompt for p in s], [p.answer for p in s], G, "reward") for s in shards]
+            ).result()
+        else:
+            summaries = rollout.call_each(
+                "generate", [([p.prompt for p in s], [p.answer for p in s], G) for s in shards]
+            ).result()
+            n_rew = reward.world_size
+            scored = [reward.on(k % n_rew).score(s["texts"], s["answers"]) for k, s in enumerate(summaries)]
+            stats = rollout.call_each("set_rewards", [(res.result()[0],) for res in scored]).result()
+            for s, st in zip(summaries, stats):
+                s.update(st)
+        self._hand_batches()
+        if self.batch_local:
+            rollout.offload().result()  # frees GPU memory for training when collocated (no-op on CPU)
+        dt = time.perf_counter() - t0
+        n = sum(s["sequences"] for s in summaries)
+        out = {
+            "tokens_per_s": sum(s["tokens"] for s in summaries) / dt,
+            "response_len_mean": sum(s["response_len_mean"] * s["sequences"] for s in summaries) / n,
+            "reward_mean": sum(s["reward_mean"] * s["sequences"] for s in summaries) / n,
+            "accuracy": sum(s["accuracy"] * s["sequences"] for s in summaries) / n,
+        }
+        return self._phase("rollout", t0, out)
+
+    def evaluate(self, size: int | None = None) -> dict:
+        """Greedy answers to held-out problems, scored by the reward: logs ``eval/accuracy``."""
+        t0 = time.perf_counter()
+        self._sync()  # evaluate the current weights
+        problems = self.task.held_out[: size or self.recipe.data.eval_size]
+        rollout = self.groups["rollout"]
+        texts = [
+            t
+            for part in rollout.call_each(
+                "complete", [([p.prompt for p in s],) for s in _shard(problems, rollout.world_size)]
+            ).result()
+            for t in part
+        ]
+        scores = self.groups["reward"].on(0).score(texts, [p.answer for p in problems]).result()[0]
+        record = {
+            "eval/accuracy": sum(1.0 for s in scores if s >= 1.0) / len(scores),
+            "eval/reward_mean": sum(scores) / len(scores),
+            "eval/size": len(scores),
+            "time/eval_s": time.perf_counter() - t0,
+        }
+        self.logger.log(self.step, record)
+        self.last_samples = [(p.prompt, t, p.answer) for p, t in zip(problems[:8], texts[:8])]
+        return record
+
+    def run(self, steps: int | None = None, progress: bool = True, live: bool = False) -> list[dict]:
+        """The whole pipeline: SFT (if ``actor.sft_steps`` and not done), ``eval/accuracy`` at step 0, then GRPO."""
+        if self.step == 0 and not self.sft_done:
+            if self.recipe.actor.sft_steps > 0:
+                self.sft()
+            self.evaluate()
+        return super().run(steps, progress, live)
+
+    # ------------------------------------------------------------------ metrics
+    def _log_step(self, train_out: dict) -> None:
+        p = self._pending
+        self._log_record(
+            {
+                "reward/mean": p.get("rollout/reward_mean"),
+                "reward/accuracy": p.get("rollout/accuracy"),
+                "rollout/tokens_per_s": p.get("rollout/tokens_per_s"),
+                "rollout/response_len_mean": p.get("rollout/response_len_mean"),
+            }
+        )
+
+    def summary(self) -> str:
+        evals = [r["eval/accuracy"] for r in self.history if "eval/accuracy" in r]
+        first = f"{evals[0]:.3f}" if evals else "n/a"
+        return (
+            f"step {self.step}; held-out accuracy after SFT {first}, latest {evals[-1]:.3f}"
+            if evals
+            else f"step {self.step}"
+        )
+
+
+def _shard(items: list, n: int) -> list[list]:
+    size = -(-len(items) // n)
+    return [items[i * size : (i + 1) * size] for i in range(n)]

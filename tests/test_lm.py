@@ -1,0 +1,194 @@
+"""LM RL: tiny LM built locally, data loaders, the rollout contract, GRPO that raises reward, resume."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from rlnb.components.lm import HFRollout, LMActor, RewardWorker
+from rlnb.config import AlgorithmConfig, RecipeError, load_recipe
+from rlnb.data import ArithmeticTask, load_qa_file
+from rlnb.errors import ConfigError
+from rlnb.loop import GRPOLoop, complete_checkpoints
+from rlnb.models.lm import build_tiny_lm, load_lm, token_logprobs
+from rlnb.runtime import rank as rank_mod
+from tests.conftest import requires_gpu
+
+QUIET = ["runner.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory):
+    return str(
+        build_tiny_lm(tmp_path_factory.mktemp("lm") / "tiny", hidden_size=32, num_layers=1, num_heads=2)
+    )
+
+
+def test_tiny_lm_round_trip_and_missing_path(tiny_lm, tmp_path):
+    model, tok = load_lm(tiny_lm)
+    assert model.config.model_type == "qwen2" and model.config.vocab_size == len(tok)
+    ids = tok(["12+3="], return_tensors="pt")["input_ids"]
+    assert tok.decode(ids[0]) == "12+3="
+    llama = build_tiny_lm(tmp_path / "llama", 32, 1, 2, arch="llama")
+    assert load_lm(llama)[0].config.model_type == "llama"
+    with pytest.raises(ConfigError, match="has no config.json: not a saved model"):
+        load_lm(tmp_path / "nothing")
+    with pytest.raises(ConfigError, match="must be divisible"):
+        build_tiny_lm(tmp_path / "bad", hidden_size=30, num_heads=4)
+
+
+def test_arithmetic_task_split_and_position():
+    task = ArithmeticTask(max_operand=9, ops="+-", held_out_frac=0.25, seed=3)
+    train, held = {p.prompt for p in task.train}, {p.prompt for p in task.held_out}
+    assert not train & held and len(train) + len(held) == 200 and len(held) == 50
+    assert all(str(eval(p.prompt[:-1])) == p.answer for p in task.train)
+    first = task.sample(300)  # wraps over epochs
+    again = ArithmeticTask(max_operand=9, ops="+-", held_out_frac=0.25, seed=3)
+    again.sample(120)
+    state = again.state_dict()
+    resumed = ArithmeticTask(max_operand=9, ops="+-", held_out_frac=0.25, seed=3)
+    resumed.load_state_dict(state)
+    assert resumed.sample(180) == first[120:]
+    with pytest.raises(ConfigError, match="data.ops: expected characters from"):
+        ArithmeticTask(ops="/")
+
+
+def test_qa_file_loaders(tmp_path):
+    rows = [{"question": "Natalia sold 48 clips and half as many more. How many?", "answer": "48/2 = 24\n48+24 = 72\n#### 72"},
+            {"question": "2+2?", "answer": "4"}]  # fmt: skip
+    path = tmp_path / "gsm.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    problems = load_qa_file(path)
+    assert [p.answer for p in problems] == ["72", "4"] and problems[0].prompt.startswith("Natalia")
+    import pandas as pd
+
+    pd.DataFrame(rows).to_parquet(tmp_path / "gsm.parquet")
+    assert load_qa_file(tmp_path / "gsm.parquet") == problems
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"q": "x"}))
+    with pytest.raises(ConfigError, match=r"row 0 of bad.jsonl has no \['question', 'answer'\]"):
+        load_qa_file(tmp_path / "bad.jsonl")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_qa_file(tmp_path / "missing.jsonl")
+
+
+def test_hf_rollout_contract_and_logprob_agreement(tiny_lm):
+    ro = HFRollout(tiny_lm, max_new_tokens=5, seed=0)
+    rank_mod._PEERS[("reward-test", 0)] = RewardWorker("arithmetic")
+    s = ro.generate(["1+2=", "13+4="], ["3", "17"], n=4, reward="reward-test")
+    b = ro.take_batch()
+    B, L = b["input_ids"].shape
+    assert B == 8 and b["response_mask"].shape == (B, L) and b["logprobs"].shape == (B, L)
+    assert b["rewards"].shape == (8,) and 0.0 <= s["reward_mean"] <= 1.0
+    assert b["group_index"].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    resp = b["response_mask"].bool()
+    assert (b["logprobs"][~resp] == 0).all() and (b["logprobs"][resp] < 0).all()
+    # the actor's recomputed log-probs of the same tokens match the sampler's
+    model, _ = load_lm(tiny_lm)
+    with torch.no_grad():
+        again = token_logprobs(model, b["input_ids"], b["attention_mask"])
+    assert torch.allclose(again[resp], b["logprobs"][resp], atol=1e-4)
+    # two generations with the same seed and call count are identical
+    ro2 = HFRollout(tiny_lm, max_new_tokens=5, seed=0)
+    ro2.generate(["1+2=", "13+4="], ["3", "17"], n=4, reward="reward-test")
+    assert torch.equal(ro2.take_batch()["input_ids"], b["input_ids"])
+    del rank_mod._PEERS[("reward-test", 0)]
+
+
+def test_sft_then_grpo_update_moves_the_right_way(tiny_lm):
+    algo = AlgorithmConfig(
+        advantage="grpo", policy_loss="ppo", group_size=4, num_minibatches=1, update_epochs=1
+    )
+    actor = LMActor(tiny_lm, algo, lr=1e-4, micro_batch_size=8, seed=0)
+    losses = actor.sft(["1+1=", "2+2="] * 8, ["2", "4"] * 8, steps=30, batch_size=8, lr=3e-3)
+    assert losses[-1] < losses[0] / 2
+    ro = HFRollout(tiny_lm, max_new_tokens=3, seed=1)
+    ro.load_weights(actor.policy_state(), 1)
+    ro.generate(["1+1=", "2+2="], ["2", "4"], n=4)
+    ro.set_rewards([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    actor.set_batch([ro.take_batch()])
+    actor.compute_advantages()
+    b = actor.batch
+    old, adv, mask = b["old_logprobs"], b["advantages"], b["response_mask"].float()
+    actor.train()
+    with torch.no_grad():
+        new = token_logprobs(actor.policy, b["input_ids"], b["attention_mask"])
+    assert float(((new - old) * adv * mask).sum()) > 0  # rewarded tokens up, the others down
+
+
+GRPO_SMALL = [
+    "data.max_operand=9", "actor.sft_steps=150", "actor.tiny_lm.hidden_size=64", "runner.eval_interval=0",
+    "data.eval_size=40", *QUIET,
+]  # fmt: skip
+
+
+def test_grpo_raises_reward(cluster, tmp_path):
+    overrides = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "runner.steps=60"]
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        loop.run(progress=False)
+        rewards = [r["reward/mean"] for r in loop.history if "reward/mean" in r]
+        assert len(rewards) == 60
+        first, last = sum(rewards[:15]) / 15, sum(rewards[-15:]) / 15
+        assert last > first + 0.05, (first, last)
+        assert (tmp_path / "run" / "sft_model" / "config.json").exists()  # HF-format warm start
+        assert any("eval/accuracy" in r and r["step"] == 0 for r in loop.history)
+        for k in (
+            "rollout/tokens_per_s",
+            "rollout/response_len_mean",
+            "reward/accuracy",
+            "train/clip_frac",
+            "time/train_s",
+        ):
+            assert k in loop.history[-1], k
+
+
+def test_grpo_resume_is_exact_and_reward_can_sit_elsewhere(cluster, tmp_path):
+    base = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "runner.steps=4", "runner.save_interval=2",
+            "actor.sft_steps=20", "cluster.component_placement={'actor,rollout': 0, reward: 1}"]  # fmt: skip
+
+    def numbers(records):
+        return [
+            {
+                k: v
+                for k, v in r.items()
+                if not k.startswith("time/") and k not in ("wall_time", "rollout/tokens_per_s")
+            }
+            for r in records
+        ]
+
+    with GRPOLoop.from_recipe("grpo_arith", base, cluster=cluster, run_dir=tmp_path / "full") as loop:
+        assert not loop.reward_local
+        full = numbers(loop.run(progress=False))
+    assert (complete_checkpoints(tmp_path / "full")[-1] / "hf" / "config.json").exists()
+    with GRPOLoop.from_recipe("grpo_arith", base, cluster=cluster, run_dir=tmp_path / "cut") as loop:
+        loop.run(2, progress=False)
+    with GRPOLoop.resume(tmp_path / "cut", cluster=cluster) as loop:
+        assert loop.step == 2 and loop.sft_done
+        assert numbers(loop.run(progress=False)) == full[2:]
+
+
+def test_lm_recipe_errors():
+    with pytest.raises(RecipeError) as e:
+        load_recipe("grpo_arith", ["actor.model_path=/nonexistent/model", "actor.build_if_missing=false",
+                                   "algorithm.group_size=1", "rollout.temperature=0", "data.task=file"])  # fmt: skip
+    msg = str(e.value)
+    assert "actor.model_path: '/nonexistent/model' has no config.json" in msg
+    assert "algorithm.group_size: grpo needs at least 2 samples per prompt, got 1" in msg
+    assert "rollout.temperature: expected a number > 0, got 0.0" in msg
+    assert "data.path: data.task=file needs an existing .jsonl/.parquet file, got None" in msg
+
+
+@requires_gpu
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm not installed (extra `vllm`, CUDA only)"
+)
+def test_vllm_rollout_contract(tiny_lm):
+    from rlnb.components.lm import VLLMRollout
+
+    ro = VLLMRollout(tiny_lm, max_new_tokens=4, device="cuda")
+    ro.generate(["1+2="], ["3"], n=4)
+    b = ro.take_batch()
+    assert b["input_ids"].shape[0] == 4 and b["response_mask"].sum() > 0
+    model, _ = load_lm(tiny_lm)
+    ro.load_weights({k: v.clone() for k, v in model.state_dict().items()}, version=3)
+    assert ro.version == 3
