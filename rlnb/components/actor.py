@@ -88,6 +88,8 @@ class PPOActor(ActorBase):
         act_space,
         total_steps: int = 1,
         seed: int = 0,
+        advantage_fn=None,
+        loss_fn=None,
         rank_info: RankInfo | None = None,
     ):
         self.cfg, self.algo = _cfg(ActorConfig, actor), _cfg(AlgorithmConfig, algorithm)
@@ -103,8 +105,9 @@ class PPOActor(ActorBase):
         self.total_steps = max(1, total_steps)
         self.step = 0
         self.model = self.policy  # what the train step calls: DDP and/or compiled wrappers of policy
-        self.advantage_fn = get_advantage(self.algo.advantage)
-        self.loss_fn = get_policy_loss(self.algo.policy_loss)
+        # functions resolved by the driver travel with the call, so ones registered in a notebook work here
+        self.advantage_fn = advantage_fn or get_advantage(self.algo.advantage)
+        self.loss_fn = loss_fn or get_policy_loss(self.algo.policy_loss)
         self.batch: dict | None = None
         if self.cfg.compile:
             self.model = torch.compile(self.model)

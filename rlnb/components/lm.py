@@ -36,9 +36,9 @@ def _micro_batches(n: int, size: int):
 class RewardWorker:
     """Applies a registered reward (``math``, ``arithmetic``...) to completions; may sit on its own slot."""
 
-    def __init__(self, name: str = "arithmetic", rank_info: RankInfo | None = None):
+    def __init__(self, name: str = "arithmetic", fn=None, rank_info: RankInfo | None = None):
         self.name = name
-        self.fn = get_reward(name)
+        self.fn = fn or get_reward(name)  # fn: resolved by the driver (notebook-registered rewards work)
 
     def score(self, completions: list[str], answers: list[str]) -> list[float]:
         return [self.fn(c, a) for c, a in zip(completions, answers)]
@@ -48,7 +48,6 @@ class RewardWorker:
 
     def load_state_dict(self, state: dict) -> None:
         self.name = state["name"]
-        self.fn = get_reward(self.name)
 
 
 class HFRollout(RolloutBase):
@@ -260,7 +259,7 @@ class LMActor(ActorBase):
     def __init__(
         self, model_path: str, algorithm, lr: float = 1e-3, micro_batch_size: int = 64, temperature: float = 1.0,
         max_grad_norm: float = 1.0, seed: int = 0, device: str = "auto", torch_threads: int = 1,
-        rank_info: RankInfo | None = None,
+        advantage_fn=None, loss_fn=None, rank_info: RankInfo | None = None,
     ):  # fmt: skip
         torch.set_num_threads(torch_threads)
         self.algo = algorithm if isinstance(algorithm, AlgorithmConfig) else AlgorithmConfig(**algorithm)
@@ -278,8 +277,8 @@ class LMActor(ActorBase):
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=0.0)
         self.generator = torch.Generator().manual_seed(seed + 104729 * (self.rank + 1))
-        self.advantage_fn = get_advantage(self.algo.advantage)
-        self.loss_fn = get_policy_loss(self.algo.policy_loss)
+        self.advantage_fn = advantage_fn or get_advantage(self.algo.advantage)
+        self.loss_fn = loss_fn or get_policy_loss(self.algo.policy_loss)
         self.step = 0
         self.batch: dict | None = None
 
@@ -363,7 +362,13 @@ class LMActor(ActorBase):
     def compute_advantages(self) -> dict:
         """Recompute old log-probs with the actor, reference log-probs (if KL), and group advantages."""
         b, a = self.batch, self.algo
-        b["old_logprobs"] = self._logprobs(self.policy, b)  # [B, L]
+        # One on-policy pass over the batch: the old log-probs are the current ones, detached in the
+        # loss (as TRL does), so the recompute is skipped. Otherwise recompute them with the actor.
+        single_pass = a.update_epochs == 1 and a.num_minibatches == 1 and b["version"] == self.step
+        if single_pass:
+            b["old_logprobs"] = None
+        else:
+            b["old_logprobs"] = self._logprobs(self.policy, b)  # [B, L]
         if self.ref is not None:
             b["ref_logprobs"] = self._logprobs(self.ref, b)
         mask = b["response_mask"].float()
@@ -374,8 +379,10 @@ class LMActor(ActorBase):
             kwargs["scale"] = a.scale
         adv, _ = self.advantage_fn(**kwargs)  # [B, L]
         b["advantages"] = adv
-        drift = masked_mean((b["old_logprobs"] - b["logprobs"]).abs(), mask)
-        return {"advantage_abs_mean": float(masked_mean(adv.abs(), mask)), "logprob_drift": float(drift)}
+        out = {"advantage_abs_mean": float(masked_mean(adv.abs(), mask))}
+        if b["old_logprobs"] is not None:  # how far the sampler's log-probs are from the actor's
+            out["logprob_drift"] = float(masked_mean((b["old_logprobs"] - b["logprobs"]).abs(), mask))
+        return out
 
     def train(self) -> dict:
         """``update_epochs`` x ``num_minibatches`` updates, micro-batched with gradient accumulation."""
@@ -410,8 +417,9 @@ class LMActor(ActorBase):
             sync = self.world_size > 1 and i < len(micro) - 1
             with self.model.no_sync() if sync else contextlib.nullcontext():
                 logp = token_logprobs(self.model, ids, attn, self.temperature)  # (m, L)
+                old = logp.detach() if b["old_logprobs"] is None else b["old_logprobs"][j].to(self.device)
                 loss, m = self.loss_fn(
-                    logprobs=logp, old_logprobs=b["old_logprobs"][j].to(self.device),
+                    logprobs=logp, old_logprobs=old,
                     advantages=b["advantages"][j].to(self.device), mask=mask, clip_coef=a.clip_coef,
                     clip_coef_high=a.clip_coef_high, dual_clip=a.dual_clip, agg=a.agg,
                 )  # fmt: skip

@@ -273,24 +273,70 @@ class LoopBase:
     def evaluate(self, *args, **kwargs) -> dict:
         raise NotImplementedError
 
-    def run(self, steps: int | None = None, progress: bool = True, live: bool = False) -> list[dict]:
+    def dashboard(self, total: int | None = None, plot_every: int = 10):
+        """A live notebook dashboard of this loop (progress, curves, phase times, metrics)."""
+        from rlnb.widgets import dashboard_for  # the widget layer is imported only when asked for
+
+        return dashboard_for(self, total=total or self.recipe.runner.steps, plot_every=plot_every)
+
+    def run(
+        self, steps: int | None = None, progress: bool = True, live: bool = False, background: bool = False
+    ):
         """Run ``steps`` steps (default: up to ``runner.steps``) with evaluation, checkpoints and early stop.
 
-        ``live=True`` shows the notebook dashboard (needs ipywidgets); ``progress`` a text progress bar.
-        A lost worker is recovered from up to ``runner.max_restarts`` times.
+        Args:
+            steps: how many steps (default: the rest of ``runner.steps``).
+            progress: a text progress bar (ignored with ``live``).
+            live: show the notebook dashboard (needs ipywidgets).
+            background: run in a thread and return it at once; the notebook stays responsive and
+                :meth:`stop` ends the run at a step boundary. :meth:`join` waits for it.
+
+        A lost worker is recovered from up to ``runner.max_restarts`` times. Returns the step records
+        (or the thread, with ``background``).
         """
         r = self.recipe.runner
         steps = r.steps - self.step if steps is None else steps
-        bar = None
         if live:
             from rlnb.widgets import show_dashboard
 
             show_dashboard(self, total=self.step + steps)
-        elif progress:
+            progress = False
+        if background:
+            import threading
+
+            self._stop = False
+            self._error = None
+
+            def target():
+                try:
+                    self._run_steps(steps, progress=False)
+                except BaseException as e:  # surfaced by join()
+                    self._error = e
+
+            self._thread = threading.Thread(target=target, name=f"rlnb-{self.recipe.name}", daemon=True)
+            self._thread.start()
+            return self._thread
+        self._stop = False
+        return self._run_steps(steps, progress)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for a background run; re-raise its error, if any."""
+        thread = getattr(self, "_thread", None)
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TimeoutError(f"the background run is still going after {timeout} s")
+        if getattr(self, "_error", None) is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def _run_steps(self, steps: int, progress: bool) -> list[dict]:
+        r = self.recipe.runner
+        bar = None
+        if progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=steps, desc=self.recipe.name, unit="step")
-        self._stop = False
         records = []
         restarts = 0
         target = self.step + steps

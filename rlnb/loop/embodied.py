@@ -14,6 +14,7 @@ from dataclasses import asdict
 
 import numpy as np
 
+from rlnb.algorithms import get_advantage, get_policy_loss
 from rlnb.components.actor import PPOActor
 from rlnb.components.env import Env
 from rlnb.components.rollout import PolicyRollout
@@ -83,7 +84,8 @@ class Loop(LoopBase):
         self.groups["actor"] = actor = Group.launch(
             PPOActor, cl, p["actor"], name="actor", call_timeout_s=timeout,
             kwargs={"actor": asdict(r.actor), "algorithm": asdict(r.algorithm), "obs_space": obs_space,
-                    "act_space": act_space, "total_steps": r.runner.steps, "seed": r.seed},
+                    "act_space": act_space, "total_steps": r.runner.steps, "seed": r.seed,
+                    "advantage_fn": get_advantage(r.algorithm.advantage), "loss_fn": get_policy_loss(r.algorithm.policy_loss)},
         )  # fmt: skip
         if actor.world_size > 1:
             actor.init_process_group(timeout_s=min(timeout, 300))

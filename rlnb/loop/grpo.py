@@ -216,13 +216,13 @@ class GRPOLoop(LoopBase):
         self.last_samples = [(p.prompt, t, p.answer) for p, t in zip(problems[:8], texts[:8])]
         return record
 
-    def run(self, steps: int | None = None, progress: bool = True, live: bool = False) -> list[dict]:
+    def _run_steps(self, steps: int, progress: bool) -> list[dict]:
         """The whole pipeline: SFT (if ``actor.sft_steps`` and not done), ``eval/accuracy`` at step 0, then GRPO."""
         if self.step == 0 and not self.sft_done:
             if self.recipe.actor.sft_steps > 0:
                 self.sft()
             self.evaluate()
-        return super().run(steps, progress, live)
+        return super()._run_steps(steps, progress)
 
     # ------------------------------------------------------------------ metrics
     def _log_step(self, train_out: dict) -> None:

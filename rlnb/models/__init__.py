@@ -1,5 +1,13 @@
-"""Policies: MLP and CNN actor-critics with categorical or Gaussian heads."""
+"""Policies (MLP/CNN actor-critics) and LM helpers (tiny LM factory, loading by path, token log-probs)."""
 
+from rlnb.models.lm import build_char_tokenizer, build_tiny_lm, load_lm, token_logprobs
 from rlnb.models.policies import ActorCritic, build_policy
 
-__all__ = ["ActorCritic", "build_policy"]
+__all__ = [
+    "ActorCritic",
+    "build_char_tokenizer",
+    "build_policy",
+    "build_tiny_lm",
+    "load_lm",
+    "token_logprobs",
+]

@@ -1,0 +1,127 @@
+"""GRPO step time: rlnb vs TRL's GRPOTrainer (no vLLM), same model, prompts and sizes, in one run.
+
+Both train the same locally built causal LM (a few million parameters) on the same arithmetic
+prompts: 16 prompts per step, 8 completions each (group size 8), completions of up to 32 tokens,
+one PPO-clip update per step, no KL term, no warm start. Prints seconds per step, generated
+tokens/s and the ratio rlnb/TRL, and where rlnb's step time goes.
+
+Run: ``.venv/bin/python bench/grpo_vs_trl.py [--steps 12]`` (needs ``pip install trl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rlnb.algorithms import get_reward
+from rlnb.data import ArithmeticTask
+from rlnb.models.lm import build_tiny_lm
+
+GROUP, PROMPTS, TOKENS = 8, 16, 32
+
+
+def trl_run(model_path: str, steps: int, seed: int) -> tuple[float, float]:
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    task = ArithmeticTask(max_operand=99, seed=seed)
+    rows = [{"prompt": p.prompt, "answer": p.answer} for p in task.train[: PROMPTS * (steps + 2)]]
+    reward = get_reward("arithmetic")
+
+    def arithmetic(completions, answer, **_):
+        return [reward(c, a) for c, a in zip(completions, answer)]
+
+    times: list[float] = []
+    lengths: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t0)
+
+        def on_log(self, args, state, control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    tok = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out, per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
+            max_completion_length=TOKENS, max_steps=steps, learning_rate=2e-4, beta=0.0, num_iterations=1,
+            temperature=1.0, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+            seed=seed, disable_tqdm=True, dataloader_num_workers=0,
+        )  # fmt: skip
+        trainer = GRPOTrainer(
+            model=model_path, reward_funcs=arithmetic, args=args, train_dataset=Dataset.from_list(rows),
+            processing_class=tok, callbacks=[Clock()],
+        )  # fmt: skip
+        trainer.train()
+    step_s = statistics.median(times[1:])
+    tokens = (statistics.mean(lengths) if lengths else TOKENS) * PROMPTS * GROUP
+    return step_s, tokens / step_s
+
+
+def rlnb_run(model_path: str, steps: int, seed: int, placement: str) -> tuple[float, float, dict]:
+    from rlnb.loop import GRPOLoop
+
+    overrides = [
+        f"seed={seed}", f"actor.model_path={model_path}", "actor.sft_steps=0", f"runner.steps={steps}",
+        "runner.eval_interval=0", "runner.save_interval=0", "runner.tensorboard=false", f"algorithm.group_size={GROUP}",
+        f"data.prompts_per_step={PROMPTS}", f"rollout.max_new_tokens={TOKENS}", "data.max_operand=99",
+        "actor.lr=0.0002", "actor.micro_batch_size=128", f"cluster.component_placement={{'actor,rollout,reward': {placement}}}",
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory() as run_dir:
+        loop = GRPOLoop.from_recipe("grpo_arith", overrides, run_dir=run_dir)
+        try:
+            recs = [loop.step_once() for _ in range(steps)]
+        finally:
+            loop.close()
+    recs = recs[1:]
+    step_s = statistics.median(r["time/step_s"] for r in recs)
+    tokens = statistics.mean(r["rollout/response_len_mean"] for r in recs) * PROMPTS * GROUP
+    phases = {
+        k: statistics.median(r[k] for r in recs)
+        for k in ("time/sync_s", "time/rollout_s", "time/advantages_s", "time/train_s")
+    }
+    return step_s, tokens / step_s, phases
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as d:
+        path = str(build_tiny_lm(Path(d) / "lm", hidden_size=256, num_layers=4, num_heads=4, seed=args.seed))
+        from rlnb.models.lm import load_lm
+
+        n_params = sum(p.numel() for p in load_lm(path)[0].parameters())
+        print(
+            f"model: Qwen2, {n_params / 1e6:.2f} M parameters; {PROMPTS} prompts x {GROUP} completions of <= {TOKENS} tokens"
+        )
+        trl_step, trl_tps = trl_run(path, args.steps, args.seed)
+        print(f"TRL  GRPOTrainer: {trl_step:.3f} s/step  {trl_tps:8.0f} generated tokens/s", flush=True)
+        for placement, label in (
+            ("0", "1 slot (same core count as TRL)"),
+            ("0-1", "2 slots, DDP (default cluster)"),
+        ):
+            our_step, our_tps, phases = rlnb_run(path, args.steps, args.seed, placement)
+            print(f"rlnb GRPOLoop, {label}: {our_step:.3f} s/step  {our_tps:8.0f} generated tokens/s  "
+                  f"ratio rlnb/TRL {our_step / trl_step:.2f}")  # fmt: skip
+            print(
+                "  step breakdown (median s): "
+                + ", ".join(f"{k.split('/')[1][:-2]} {v:.3f}" for k, v in phases.items())
+            )
+
+
+if __name__ == "__main__":
+    main()

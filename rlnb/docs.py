@@ -1,0 +1,97 @@
+"""Generate the reference pages of the docs from the code, so they cannot drift from it.
+
+Run: ``python -m rlnb.docs docs/reference`` (the docs build does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+import typing
+from pathlib import Path
+
+from rlnb.config.loader import _type_name, field_docs
+from rlnb.config.schema import Recipe
+
+
+def recipe_reference() -> str:
+    """Markdown: every recipe key with its type, default and docstring."""
+    lines = [
+        "# Recipe reference",
+        "",
+        "Generated from the config dataclasses (`rlnb/config/schema.py`). Every key has a default; a recipe names",
+        "only what differs. Override any key on the command line with a dotted path: `rlnb run RECIPE env.num_envs=16`.",
+        "",
+    ]
+
+    def section(cls, prefix: str):
+        hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
+        rows, subs = [], []
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            key = f"{prefix}{f.name}"
+            if dataclasses.is_dataclass(tp):
+                subs.append((tp, key + "."))
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append(f"| `{key}` | {_type_name(tp)} | `{default!r}` | {docs.get(f.name, '')} |")
+        if rows:
+            lines.extend(
+                [
+                    f"## `{prefix.rstrip('.') or 'top level'}`",
+                    "",
+                    (inspect.getdoc(cls) or "").split("\n")[0],
+                    "",
+                ]
+            )
+            lines.extend(["| key | type | default | meaning |", "|---|---|---|---|", *rows, ""])
+        for sub, p in subs:
+            section(sub, p)
+
+    section(Recipe, "")
+    return "\n".join(lines)
+
+
+def algorithm_reference() -> str:
+    """Markdown: every registered advantage, policy loss and reward with its docstring."""
+    from rlnb.algorithms import ADVANTAGES, POLICY_LOSSES, REWARDS, kl_penalty
+
+    lines = [
+        "# Algorithm reference",
+        "",
+        "Generated from the registries (`rlnb/algorithms/`). Names are case-insensitive.",
+        "",
+    ]
+    for title, reg in (("Advantages", ADVANTAGES), ("Policy losses", POLICY_LOSSES), ("Rewards", REWARDS)):
+        lines.extend([f"## {title}", ""])
+        for name in reg.names():
+            fn = reg.get(name)
+            sig = str(inspect.signature(fn)).replace("*", "\\*")
+            lines.extend([f"### `{name}`", "", f"`{fn.__name__}{sig}`", "", inspect.getdoc(fn) or "", ""])
+    lines.extend(
+        [
+            "## KL estimators",
+            "",
+            "`kl_penalty(logprobs, ref_logprobs, kind)`",
+            "",
+            inspect.getdoc(kl_penalty),
+            "",
+        ]
+    )
+    return "\n".join(lines)
+
+
+def write_reference(out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pages = {"recipe.md": recipe_reference(), "algorithms.md": algorithm_reference()}
+    for name, text in pages.items():
+        (out / name).write_text(text + "\n")
+    return [out / n for n in pages]
+
+
+if __name__ == "__main__":
+    for p in write_reference(sys.argv[1] if len(sys.argv) > 1 else "docs/reference"):
+        print(p)

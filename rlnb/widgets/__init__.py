@@ -1,0 +1,14 @@
+"""Notebook widgets: the only layer that imports ipywidgets and hvplot. They observe, never drive, a run."""
+
+from rlnb.widgets.cluster_view import cluster_view, refresh_cluster_view
+from rlnb.widgets.dashboard import Dashboard, dashboard_for, show_dashboard
+from rlnb.widgets.model import DashboardModel
+
+__all__ = [
+    "Dashboard",
+    "DashboardModel",
+    "cluster_view",
+    "dashboard_for",
+    "refresh_cluster_view",
+    "show_dashboard",
+]

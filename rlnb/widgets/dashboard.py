@@ -1,0 +1,97 @@
+"""The live dashboard widget (ipywidgets + HoloViews/hvplot), a view of :class:`DashboardModel`."""
+
+from __future__ import annotations
+
+import html
+
+import ipywidgets as w
+
+from rlnb.widgets.model import DashboardModel
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    body = "".join(
+        f"<tr><td style='padding-right:1em'>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
+        for k, v in rows
+    )
+    return f"<table>{body}</table>"
+
+
+class Dashboard(w.VBox):
+    """Progress bar with ETA, live curves, per-phase time breakdown and the latest metrics.
+
+    It observes a :class:`DashboardModel` (fed by the loop's metric stream); it never drives the run.
+    Curves redraw every ``plot_every`` updates.
+    """
+
+    def __init__(self, model: DashboardModel, title: str = "rlnb", plot_every: int = 10):
+        self.model = model
+        self.plot_every = plot_every
+        self.bar = w.FloatProgress(
+            value=0.0, min=0.0, max=1.0, description=title, layout=w.Layout(width="60%")
+        )
+        self.label = w.Label(value=model.progress_text())
+        self.plots = w.Output(layout=w.Layout(min_height="260px"))
+        self.phases = w.HTML()
+        self.metrics = w.HTML()
+        super().__init__(
+            [w.HBox([self.bar, self.label]), self.plots, w.HBox([w.VBox([w.HTML("<b>time per phase (s)</b>"), self.phases]),
+                                                              w.VBox([w.HTML("<b>latest metrics</b>"), self.metrics])])]
+        )  # fmt: skip
+        model.observe(self._render)
+        self._render(model)
+
+    def _render(self, model: DashboardModel) -> None:
+        self.bar.value = model.fraction
+        self.bar.bar_style = "success" if model.done else ""
+        self.label.value = model.progress_text()
+        total = sum(model.phase_s.values()) or 1.0
+        self.phases.value = _table(
+            [
+                (p, f"{s:.3f}  {'█' * int(20 * s / total)}")
+                for p, s in sorted(model.phase_s.items(), key=lambda kv: -kv[1])
+            ]
+        )
+        keys = [k for k in sorted(model.latest) if not k.startswith("time/")][:16]
+        self.metrics.value = _table([(k, f"{model.latest[k]:.4g}") for k in keys])
+        if model.updates % self.plot_every == 0 or model.done:
+            self._plot(model)
+
+    def _plot(self, model: DashboardModel) -> None:
+        curves = model.curves()
+        if not curves:
+            return
+        import holoviews as hv
+        import hvplot.pandas  # noqa: F401  (registers .hvplot)
+        import pandas as pd
+
+        panels = []
+        for title, data in curves:
+            frame = pd.DataFrame(
+                [(k, s, v) for k, points in data.items() for s, v in points],
+                columns=["metric", "step", "value"],
+            )
+            panels.append(
+                frame.hvplot.line(x="step", y="value", by="metric", title=title, height=220, width=320)
+            )
+        # append_display_data works from any thread (a background run), unlike `with output:`
+        self.plots.outputs = ()
+        self.plots.append_display_data(hv.Layout(panels).cols(2))
+
+
+def show_dashboard(loop, total: int | None = None) -> Dashboard:
+    """Display a dashboard for ``loop`` and keep it updated from its metric stream."""
+    from IPython.display import display
+
+    dash = loop.dashboard(total=total)
+    display(dash)
+    return dash
+
+
+def dashboard_for(loop, total: int | None = None, plot_every: int = 10) -> Dashboard:
+    """A dashboard observing ``loop``'s metric logger (history replayed first)."""
+    model = DashboardModel(total=total, start_step=loop.step)
+    for record in loop.history:
+        model.update(record)
+    loop.logger.add_listener(model.update)
+    return Dashboard(model, title=loop.recipe.name, plot_every=plot_every)

@@ -1,0 +1,78 @@
+"""Widgets driven without a browser: the model after N updates, the view's widget state, background runs."""
+
+import time
+
+import pytest
+
+from rlnb.loop import Loop
+from rlnb.widgets import Dashboard, DashboardModel, cluster_view
+
+
+def _records(n: int):
+    for i in range(1, n + 1):
+        yield {
+            "step": i,
+            "env/episode_return_mean": 10.0 * i,
+            "train/policy_loss": -0.01 * i,
+            "train/approx_kl": 0.001,
+            "rollout/steps_per_s": 1000.0,
+            "time/rollout_s": 0.02,
+            "time/train_s": 0.05,
+            "time/step_s": 0.07,
+        }
+
+
+def test_model_state_after_updates():
+    model = DashboardModel(total=10)
+    seen = []
+    model.observe(lambda m: seen.append(m.step))
+    for rec in _records(4):
+        model.update(rec)
+    assert seen == [1, 2, 3, 4] and model.step == 4 and model.fraction == 0.4
+    assert model.series["env/episode_return_mean"] == [(1, 10.0), (2, 20.0), (3, 30.0), (4, 40.0)]
+    assert model.phase_s == {"rollout": 0.02, "train": 0.05}  # time/step_s is the total, not a phase
+    assert model.latest["train/policy_loss"] == pytest.approx(-0.04)
+    assert model.eta_s is not None and model.eta_s >= 0
+    assert [title for title, _ in model.curves()] == [
+        "return / reward",
+        "losses",
+        "KL / clipping",
+        "throughput",
+    ]
+    assert model.progress_text().startswith("step 4/10 · ETA")
+    for rec in _records(10):
+        model.update(rec)
+    assert model.done and model.fraction == 1.0 and model.progress_text().endswith("done")
+
+
+def test_dashboard_view_follows_the_model():
+    model = DashboardModel(total=5)
+    dash = Dashboard(model, title="test", plot_every=2)
+    for rec in _records(3):
+        model.update(rec)
+    assert dash.bar.value == pytest.approx(0.6) and dash.label.value.startswith("step 3/5")
+    assert "rollout" in dash.phases.value and "train" in dash.phases.value
+    assert "env/episode_return_mean" in dash.metrics.value and "30" in dash.metrics.value
+    assert len(dash.plots.outputs) == 1  # curves drawn (every 2nd update)
+    for rec in _records(5):
+        model.update(rec)
+    assert dash.bar.bar_style == "success"
+
+
+def test_loop_dashboard_background_run_and_stop(cluster, tmp_path):
+    overrides = ["runner.steps=200", "runner.stop_return=100000", "runner.tensorboard=false"]
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+        dash = loop.dashboard()
+        thread = loop.run(background=True)
+        t0 = time.perf_counter()
+        while loop.step < 3:  # the notebook's thread stays free while the loop trains
+            time.sleep(0.01)
+            assert time.perf_counter() - t0 < 60
+        loop.stop()
+        loop.join(timeout=60)
+        assert not thread.is_alive()
+        stopped_at = loop.step
+        assert 3 <= stopped_at < 200 and loop.stopped
+        assert dash.model.step == stopped_at and dash.bar.value == pytest.approx(stopped_at / 200)
+        assert len(loop.history) == stopped_at  # no half-finished step
+        assert "<table>" in loop._repr_html_() and "slot" in cluster_view(cluster).value
