@@ -31,7 +31,7 @@ class Dashboard(w.VBox):
             value=0.0, min=0.0, max=1.0, description=title, layout=w.Layout(width="60%")
         )
         self.label = w.Label(value=model.progress_text())
-        self.plots = w.Output(layout=w.Layout(min_height="260px"))
+        self.plots = w.Image(format="png", layout=w.Layout(min_height="260px"))
         self.phases = w.HTML()
         self.metrics = w.HTML()
         super().__init__(
@@ -58,25 +58,63 @@ class Dashboard(w.VBox):
             self._plot(model)
 
     def _plot(self, model: DashboardModel) -> None:
+        """Redraw the curves: built with hvplot, rendered by HoloViews' matplotlib backend to a PNG.
+
+        A PNG in an ``Image`` widget needs no JavaScript in the page, so it updates from a background
+        run's thread and renders the same in JupyterLab, Voila and VS Code.
+        """
         curves = model.curves()
         if not curves:
             return
-        import holoviews as hv
-        import hvplot.pandas  # noqa: F401  (registers .hvplot)
-        import pandas as pd
+        self.plots.value = render_curves_png(curves)
 
-        panels = []
-        for title, data in curves:
-            frame = pd.DataFrame(
-                [(k, s, v) for k, points in data.items() for s, v in points],
-                columns=["metric", "step", "value"],
-            )
-            panels.append(
-                frame.hvplot.line(x="step", y="value", by="metric", title=title, height=220, width=320)
-            )
-        # append_display_data works from any thread (a background run), unlike `with output:`
-        self.plots.outputs = ()
-        self.plots.append_display_data(hv.Layout(panels).cols(2))
+
+def render_curves_png(curves) -> bytes:
+    """PNG bytes of the dashboard's curve panels (2 per row)."""
+    import io
+
+    import holoviews as hv
+    import hvplot.pandas  # noqa: F401  (registers .hvplot)
+    import pandas as pd
+
+    _load_plotting_extension()
+    panels = []
+    for title, data in curves:
+        frame = pd.DataFrame(
+            [(k, s, v) for k, points in data.items() for s, v in points], columns=["metric", "step", "value"]
+        )
+        panel = frame.hvplot.line(x="step", y="value", by="metric", title=title)
+        panels.append(panel.opts(hv.opts.NdOverlay(fig_inches=(4.2, 2.6), backend="matplotlib")))
+    layout = (
+        hv.Layout(panels)
+        .cols(2)
+        .opts(hv.opts.Layout(shared_axes=False, sublabel_format="", backend="matplotlib"))
+    )
+    fig = hv.render(layout, backend="matplotlib")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return buf.getvalue()
+
+
+_extension_loaded = False
+
+
+def _load_plotting_extension() -> None:
+    """Select HoloViews' matplotlib renderer once (headless Agg: no display, no page JavaScript)."""
+    global _extension_loaded
+    if not _extension_loaded:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import holoviews as hv
+
+        hv.Store.set_current_backend("matplotlib") if "matplotlib" in hv.Store.renderers else None
+        import holoviews.plotting.mpl  # noqa: F401  (registers the matplotlib backend)
+
+        _extension_loaded = True
 
 
 def show_dashboard(loop, total: int | None = None) -> Dashboard:
