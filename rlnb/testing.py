@@ -59,9 +59,13 @@ class Echo:
         return os.getpid()
 
     def produce(self, channel, n: int, numel: int, key: str = "default"):
-        """Put ``n`` float32 tensors of ``numel`` elements (value = index) into ``channel``."""
+        """Put ``n`` float32 tensors of ``numel`` elements (value = index) into ``channel``.
+
+        One buffer is refilled for every item: ``put`` has copied the data out when it returns.
+        """
+        buf = torch.empty(numel)
         for i in range(n):
-            channel.put(torch.full((numel,), float(i)), key=key)
+            channel.put(buf.fill_(float(i)), key=key)
         return n
 
     def consume(self, channel, n: int, key: str = "default", timeout: float = 60):

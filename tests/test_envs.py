@@ -1,6 +1,7 @@
 """The Env component in-process: autoreset, truncation bootstrap inputs, statistics, exact state."""
 
 import numpy as np
+import pytest
 
 from rlnb.components import Env
 from rlnb.config import EnvConfig
@@ -51,3 +52,52 @@ def test_pipeline_stages_split_envs_and_seeds_differ():
     assert not np.allclose(obs[0], obs[1])
     other_rank = Env(EnvConfig(id="CartPole-v1", num_envs=4, pipeline_stages=2), seed=1, rank_info=None)
     assert np.allclose(other_rank.reset()[0], obs[0])  # same seed, same rank -> same start
+
+
+def test_policies_cnn_gaussian_and_shared_trunk():
+    import gymnasium as gym
+    import torch
+
+    from rlnb.config import ModelConfig
+    from rlnb.models import build_policy
+
+    images = gym.spaces.Box(0, 255, (3, 64, 64), dtype=np.uint8)
+    cnn = build_policy(ModelConfig(kind="cnn"), images, gym.spaces.Discrete(5))
+    obs = torch.randint(0, 255, (2, 3, 64, 64), dtype=torch.uint8)
+    actions, logp, value = cnn.act(obs, torch.Generator().manual_seed(0))
+    assert actions.shape == (2,) and logp.shape == (2,) and value.shape == (2,)
+    lp, ent, v = cnn(obs, actions)
+    assert torch.allclose(lp, logp) and (ent > 0).all()
+    box = gym.spaces.Box(-1, 1, (3,), dtype=np.float32)
+    gauss = build_policy(ModelConfig(shared_trunk=True), gym.spaces.Box(-np.inf, np.inf, (4,)), box)
+    a, lp, _ = gauss.act(torch.zeros(5, 4), torch.Generator().manual_seed(0))
+    assert a.shape == (5, 3) and torch.allclose(gauss(torch.zeros(5, 4), a)[0], lp, atol=1e-5)
+    from rlnb.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'cnn' needs \(C, H, W\) observations"):
+        build_policy(ModelConfig(kind="cnn"), gym.spaces.Box(-1, 1, (4,)), gym.spaces.Discrete(2))
+
+
+def test_compiled_train_step_matches_eager():
+    import torch
+
+    from rlnb.components import Env, PolicyRollout, PPOActor
+    from rlnb.config import load_recipe
+    from rlnb.runtime import rank as rank_mod
+
+    losses = []
+    for compile_ in (False, True):
+        r = load_recipe(
+            "ppo_cartpole", [f"actor.compile={str(compile_).lower()}", "algorithm.update_epochs=2"]
+        )
+        env = Env(r.env, seed=0)
+        rank_mod._PEERS[("env-c", 0)] = env
+        obs_space, act_space = env.spaces()
+        rollout = PolicyRollout(r.actor.model, obs_space, act_space, seed=0)
+        actor = PPOActor(r.actor, r.algorithm, obs_space, act_space, total_steps=10, seed=0)
+        rollout.load_weights(actor.policy_state(), 0)
+        rollout.collect(16, "env-c")
+        actor.set_batch([rollout.take_batch()])
+        losses.append(actor.train()["loss"])
+        del rank_mod._PEERS[("env-c", 0)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)

@@ -192,3 +192,23 @@ def test_vllm_rollout_contract(tiny_lm):
     model, _ = load_lm(tiny_lm)
     ro.load_weights({k: v.clone() for k, v in model.state_dict().items()}, version=3)
     assert ro.version == 3
+
+
+def test_micro_batches_accumulate_to_the_full_batch_gradient_and_kl(tiny_lm):
+    ro = HFRollout(tiny_lm, max_new_tokens=3, seed=2)
+    ro.generate(["1+1=", "2+3="], ["2", "5"], n=4)
+    ro.set_rewards([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    batch = ro.take_batch()
+    updated = []
+    for micro in (8, 2):
+        algo = AlgorithmConfig(advantage="grpo", policy_loss="ppo", group_size=4, num_minibatches=1,
+                               update_epochs=1, kl_coef=0.1, kl_estimator="k3")  # fmt: skip
+        actor = LMActor(tiny_lm, algo, lr=1e-3, micro_batch_size=micro, seed=0)
+        actor.set_batch([dict(batch)])
+        actor.compute_advantages()
+        metrics = actor.train()
+        assert metrics["kl"] == pytest.approx(
+            0.0, abs=1e-6
+        )  # the reference equals the policy before the update
+        updated.append(torch.cat([p.detach().flatten() for p in actor.policy.parameters()]))
+    assert torch.allclose(updated[0], updated[1], atol=1e-6)  # 4 micro-batches of 2 == one batch of 8
