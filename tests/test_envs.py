@@ -67,7 +67,7 @@ def test_policies_cnn_gaussian_and_shared_trunk():
     actions, logp, value = cnn.act(obs, torch.Generator().manual_seed(0))
     assert actions.shape == (2,) and logp.shape == (2,) and value.shape == (2,)
     lp, ent, v = cnn(obs, actions)
-    assert torch.allclose(lp, logp) and (ent > 0).all()
+    assert torch.allclose(lp, logp) and (ent > 0).all() and torch.allclose(v, value)
     box = gym.spaces.Box(-1, 1, (3,), dtype=np.float32)
     gauss = build_policy(ModelConfig(shared_trunk=True), gym.spaces.Box(-np.inf, np.inf, (4,)), box)
     a, lp, _ = gauss.act(torch.zeros(5, 4), torch.Generator().manual_seed(0))
@@ -79,7 +79,6 @@ def test_policies_cnn_gaussian_and_shared_trunk():
 
 
 def test_compiled_train_step_matches_eager():
-    import torch
 
     from rlnb.components import Env, PolicyRollout, PPOActor
     from rlnb.config import load_recipe
