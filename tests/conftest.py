@@ -17,6 +17,14 @@ def has_cuda() -> bool:
 requires_gpu = pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU; this machine has none")
 
 
+WALL_CLOCK = ("wall_time", "rollout/steps_per_s", "rollout/tokens_per_s")
+
+
+def without_wall_clock(record: dict) -> dict:
+    """A metric record without wall-clock quantities (they differ run to run; everything else must not)."""
+    return {k: v for k, v in record.items() if not k.startswith("time/") and k not in WALL_CLOCK}
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """One embedded 2-slot CPU cluster shared by the runtime tests that do not break it."""

@@ -13,7 +13,7 @@ from rlnb.errors import ConfigError
 from rlnb.loop import GRPOLoop, complete_checkpoints
 from rlnb.models.lm import build_tiny_lm, load_lm, token_logprobs
 from rlnb.runtime import rank as rank_mod
-from tests.conftest import requires_gpu
+from tests.conftest import requires_gpu, without_wall_clock
 
 QUIET = ["runner.tensorboard=false"]
 
@@ -147,14 +147,7 @@ def test_grpo_resume_is_exact_and_reward_can_sit_elsewhere(cluster, tmp_path):
             "actor.sft_steps=20", "cluster.component_placement={'actor,rollout': 0, reward: 1}"]  # fmt: skip
 
     def numbers(records):
-        return [
-            {
-                k: v
-                for k, v in r.items()
-                if not k.startswith("time/") and k not in ("wall_time", "rollout/tokens_per_s")
-            }
-            for r in records
-        ]
+        return [without_wall_clock(r) for r in records]
 
     with GRPOLoop.from_recipe("grpo_arith", base, cluster=cluster, run_dir=tmp_path / "full") as loop:
         assert not loop.reward_local

@@ -17,20 +17,15 @@ import torch
 import rlnb
 from rlnb.loop import CheckpointError, Loop, TrainingDivergedError, complete_checkpoints
 from rlnb.metrics import read_metrics
+from tests.conftest import without_wall_clock
+
+
+def numbers(records):
+    return [without_wall_clock(r) for r in records]
+
 
 RLNB = [sys.executable, "-m", "rlnb.cli"]
 QUIET = ["runner.tensorboard=false"]
-
-
-def _numbers(records):
-    return [
-        {
-            k: v
-            for k, v in r.items()
-            if not k.startswith("time/") and k not in ("wall_time", "rollout/steps_per_s")
-        }
-        for r in records
-    ]
 
 
 def _run(args, **kw):
@@ -95,7 +90,7 @@ def test_killed_driver_resumes_with_identical_metrics(tmp_path):
     full = tmp_path / "full"
     r = _run(["run", *args, "--run-dir", str(full), "--no-progress"])
     assert r.returncode == 0, r.stderr
-    reference = _numbers([x for x in read_metrics(full) if "train/policy_loss" in x])
+    reference = numbers([x for x in read_metrics(full) if "train/policy_loss" in x])
     assert len(reference) == 8
 
     cut = tmp_path / "cut"
@@ -111,7 +106,7 @@ def test_killed_driver_resumes_with_identical_metrics(tmp_path):
         proc.wait(timeout=30)
     r = _run(["run", *args, "runner.resume=auto", "--run-dir", str(cut), "--no-progress"])
     assert r.returncode == 0, r.stderr
-    resumed = _numbers([x for x in read_metrics(cut) if "train/policy_loss" in x])
+    resumed = numbers([x for x in read_metrics(cut) if "train/policy_loss" in x])
     assert resumed == reference, f"killed at record {kill_at}"
 
 

@@ -10,20 +10,12 @@ from rlnb.config import load_recipe
 from rlnb.errors import PlacementError
 from rlnb.loop import Loop, complete_checkpoints
 from rlnb.metrics import read_metrics
+from tests.conftest import without_wall_clock
 
 FAST = [
     "runner.stop_return=195",
     "runner.tensorboard=false",
 ]  # the recipe's lr schedule; stop at the threshold
-
-
-def _numbers(record: dict) -> dict:
-    """A metric record without wall-clock quantities (those differ run to run)."""
-    return {
-        k: v
-        for k, v in record.items()
-        if not k.startswith("time/") and k not in ("wall_time", "rollout/steps_per_s")
-    }
 
 
 def test_collocated_cartpole_learns(cluster, tmp_path):
@@ -113,7 +105,7 @@ def test_same_seed_same_metrics(cluster, tmp_path):
             cluster=cluster,
             run_dir=tmp_path / str(i),
         ) as loop:
-            runs.append([_numbers(r) for r in loop.run(progress=False)])
+            runs.append([without_wall_clock(r) for r in loop.run(progress=False)])
     assert runs[0] == runs[1]
     with Loop.from_recipe(
         "ppo_cartpole",
@@ -121,21 +113,21 @@ def test_same_seed_same_metrics(cluster, tmp_path):
         cluster=cluster,
         run_dir=tmp_path / "s2",
     ) as loop:
-        other = [_numbers(r) for r in loop.run(progress=False)]
+        other = [without_wall_clock(r) for r in loop.run(progress=False)]
     assert other != runs[0]
 
 
 def test_resume_reproduces_the_uninterrupted_run(cluster, tmp_path):
     base = ["runner.steps=4", "runner.save_interval=2", "runner.tensorboard=false"]
     with Loop.from_recipe("ppo_cartpole", base, cluster=cluster, run_dir=tmp_path / "full") as loop:
-        full = [_numbers(r) for r in loop.run(progress=False)]
+        full = [without_wall_clock(r) for r in loop.run(progress=False)]
     assert [p.name for p in complete_checkpoints(tmp_path / "full")] == ["step_000002", "step_000004"]
     # a second run stops after its step-2 checkpoint, then resumes in a fresh Loop
     with Loop.from_recipe("ppo_cartpole", base, cluster=cluster, run_dir=tmp_path / "cut") as loop:
         loop.run(2, progress=False)
     with Loop.resume(tmp_path / "cut", cluster=cluster) as loop:
         assert loop.step == 2
-        resumed = [_numbers(r) for r in loop.run(progress=False)]
+        resumed = [without_wall_clock(r) for r in loop.run(progress=False)]
     assert resumed == full[2:]
     lines = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4]

@@ -130,7 +130,7 @@ class PolicyRollout(RolloutBase):
         return np.clip(a, self.low, self.high) if self.low is not None and not self.policy.discrete else a
 
     @torch.no_grad()
-    def _record_step(self, traj: _Trajectory, stage: int, out: dict, n: int):
+    def _record_step(self, traj: _Trajectory, stage: int, out: dict):
         """Rewards/dones of a step; truncated episodes get ``gamma * V(final_obs)`` added to their reward."""
         reward = torch.as_tensor(out["reward"], dtype=torch.float32).clone()
         if out["final_obs"] is not None and len(out["final_idx"]):
@@ -167,7 +167,7 @@ class PolicyRollout(RolloutBase):
                 actions, logprob, value = self.act(obs[s])
                 traj.add(s, obs=torch.as_tensor(obs[s]), actions=actions, logprobs=logprob, values=value)
                 out = env_obj.step(s, self.env_actions(actions))
-                self._record_step(traj, s, out, len(obs[s]))
+                self._record_step(traj, s, out)
                 obs[s] = out["obs"]
         summary = self._finish(traj, obs)
         if actor is not None:
@@ -190,7 +190,7 @@ class PolicyRollout(RolloutBase):
             for i, k in enumerate(keys):
                 if t > 0:
                     out = obs_channel.get(key=k)
-                    self._record_step(traj, i, out, len(out["obs"]))
+                    self._record_step(traj, i, out)
                     self.stage_obs[k] = out["obs"]
                 obs = self.stage_obs[k]
                 actions, logprob, value = self.act(obs)
@@ -198,7 +198,7 @@ class PolicyRollout(RolloutBase):
                 act_channel.put(self.env_actions(actions), key=k)
         for i, k in enumerate(keys):
             out = obs_channel.get(key=k)
-            self._record_step(traj, i, out, len(out["obs"]))
+            self._record_step(traj, i, out)
             self.stage_obs[k] = out["obs"]
         return self._finish(traj, [self.stage_obs[k] for k in keys])
 

@@ -180,8 +180,8 @@ class GRPOLoop(LoopBase):
             for s, st in zip(summaries, stats):
                 s.update(st)
         self._hand_batches()
-        if self.batch_local:
-            rollout.offload().result()  # frees GPU memory for training when collocated (no-op on CPU)
+        if self.batch_local and self.cluster.has_gpus and self.recipe.rollout.device != "cpu":
+            rollout.offload().result()  # frees GPU memory for the collocated actor's training
         dt = time.perf_counter() - t0
         n = sum(s["sequences"] for s in summaries)
         out = {

@@ -58,6 +58,16 @@ HEADER = 64  # byte 0 of a pooled segment: 1 while a message occupies it, 0 once
 POOL_MAX_BYTES = 1 << 30  # past this a producer parks tensors in one-off files (unlinked by the reader)
 
 
+def _new_shm_file(nbytes: int):
+    """A new shared-memory file of ``nbytes``, named after this process, and its uint8 mapping."""
+    import torch
+
+    path = os.path.join(_shm_dir(), f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
+    return path, torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
 class _SegmentPool:
     """Shared-memory segments a producer process reuses: on this kind of VM a fresh 16 MiB mapping
     costs ~15 ms of page faults, a copy into an already-faulted segment ~1.8 ms. Readers copy the
@@ -68,7 +78,6 @@ class _SegmentPool:
         self.total = 0
 
     def acquire(self, nbytes: int):
-        import torch
 
         for path, cap, mapping in self.segments:
             if cap >= nbytes + HEADER and int(mapping[0]) == 0:
@@ -77,10 +86,7 @@ class _SegmentPool:
         cap = max(1 << 20, 1 << (nbytes + HEADER - 1).bit_length())
         if self.total + cap > POOL_MAX_BYTES:
             return None
-        path = os.path.join(_shm_dir(), f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        with open(path, "wb") as f:
-            f.truncate(cap)
-        mapping = torch.from_file(path, shared=True, size=cap, dtype=torch.uint8)
+        path, mapping = _new_shm_file(cap)
         mapping[0] = 1
         self.segments.append((path, cap, mapping))
         self.total += cap
@@ -120,11 +126,8 @@ def _pack(item, node: str):
             path, cap, mapping = seg
             mapping[HEADER : HEADER + nbytes].view(t.dtype).copy_(t.reshape(-1))  # the producer's one copy
             return _ShmRef(path, node, dtype, tuple(t.shape), is_np, nbytes, HEADER, cap)
-        path = os.path.join(_shm_dir(), f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        with open(path, "wb") as f:
-            f.truncate(nbytes)
-        mapped = torch.from_file(path, shared=True, size=t.numel(), dtype=t.dtype)
-        mapped.copy_(t.reshape(-1))
+        path, mapping = _new_shm_file(nbytes)
+        mapping.view(t.dtype).copy_(t.reshape(-1))
         return _ShmRef(path, node, dtype, tuple(t.shape), is_np, nbytes)
     return item
 

@@ -13,7 +13,6 @@ import contextlib
 import html
 import itertools
 import os
-import time
 from collections import Counter as _Counter
 from collections.abc import Sequence
 
@@ -51,7 +50,6 @@ class GroupResult:
         self._owners = list(owners) if owners is not None else [group] * len(self.ranks)
         self.timeout_s = timeout_s
         self.durations_s: list[float | None] = [None] * len(self.ranks)
-        self._started = time.perf_counter()
         self._pending = set(range(len(self.ranks)))
         loop = group.cluster.client.loop.asyncio_loop
         self._cf = asyncio.run_coroutine_threadsafe(self._gather(actor_futures), loop)
