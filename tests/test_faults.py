@@ -16,6 +16,8 @@ def test_killed_worker_mid_call_and_after():
         g = rlnb.Group.launch(Echo, cluster, "0-1")
         pid = g.on(1).pid().result(30)[0]
         assert pid == cluster.slots[1].pid
+        ch = rlnb.Channel.create(cluster, "doomed", slot=1)
+        ch.put("before", key="k")
         running = g.sleep(4)  # both ranks busy; rank 1's process is about to die
         time.sleep(0.3)
         os.kill(pid, signal.SIGKILL)
@@ -37,6 +39,11 @@ def test_killed_worker_mid_call_and_after():
         with pytest.raises(rlnb.WorkerLostError, match=r"echo\[rank 1\]"):
             g.on(1).noop().result(timeout=60)
         assert time.perf_counter() - t0 < 10
+        # the channel hosted by the dead worker: a typed error naming it, at once
+        t0 = time.perf_counter()
+        with pytest.raises(rlnb.WorkerLostError, match="channel 'doomed'"):
+            ch.get(key="k", timeout=30)
+        assert time.perf_counter() - t0 < 5
         # the surviving rank is fine
         assert g.on(0).add(1).result(30) == [1]
 

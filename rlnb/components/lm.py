@@ -428,7 +428,7 @@ class LMActor(ActorBase):
                         kl_penalty(logp, b["ref_logprobs"][j].to(self.device), a.kl_estimator), mask
                     )
                     loss = loss + a.kl_coef * kl
-                    m["kl"] = float(kl)
+                    m["kl"] = float(kl.detach())
                 # each micro-batch's share of the minibatch mean (tokens for token-mean, sequences otherwise)
                 share = mask.sum() / total_tokens if a.agg == "token-mean" else len(j) / total_seqs
                 if not torch.isfinite(loss):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import mmap
 import os
 import socket
 import tempfile
@@ -70,8 +71,9 @@ def _new_shm_file(nbytes: int):
 
 class _SegmentPool:
     """Shared-memory segments a producer process reuses: on this kind of VM a fresh 16 MiB mapping
-    costs ~15 ms of page faults, a copy into an already-faulted segment ~1.8 ms. Readers copy the
-    data out and clear the header byte; the producer then reuses the segment."""
+    costs ~15 ms of page faults, a copy into an already-faulted segment ~1.8 ms. A reader maps the
+    segment without copying and clears the header byte once its tensor is freed (see
+    :class:`_Lease`); the producer then reuses the segment."""
 
     def __init__(self):
         self.segments: list[tuple[str, int, object]] = []  # (path, capacity, uint8 mapping)
@@ -100,7 +102,38 @@ class _SegmentPool:
 
 
 _POOL = _SegmentPool()
-_READ_MAPS: dict[str, object] = {}  # reader side: producer segments mapped once
+_READ_MAPS: dict[str, mmap.mmap] = {}  # reader side: producer segments mapped once
+
+
+class _Lease:
+    """Holds a reader's claim on a pooled segment; freeing it (with the last tensor viewing the
+    segment) hands the segment back to its producer."""
+
+    __slots__ = ("mapping",)
+
+    def __init__(self, mapping: mmap.mmap):
+        self.mapping = mapping
+
+    def __del__(self):
+        with contextlib.suppress(ValueError):  # the mapping was closed at interpreter exit
+            self.mapping[0] = 0
+
+
+class _LeasedBytes(np.ndarray):
+    """A uint8 view of a segment carrying its :class:`_Lease`; tensors made with ``torch.from_numpy``
+    keep it (and so the lease) alive for as long as their storage lives, views included."""
+
+
+def _leased_view(path: str, capacity: int, offset: int, nbytes: int) -> np.ndarray:
+    mapping = _READ_MAPS.get(path)
+    if mapping is None:
+        with open(path, "r+b") as f:
+            mapping = _READ_MAPS[path] = mmap.mmap(f.fileno(), capacity)
+    view = np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=offset).view(_LeasedBytes)
+    view._lease = _Lease(mapping)
+    return view
+
+
 atexit.register(_POOL.close)
 
 
@@ -139,14 +172,9 @@ def _unpack(item):
     if isinstance(item, _ShmRef):
         dtype = getattr(torch, item.dtype)
         numel = int(np.prod(item.shape)) if item.shape else 1
-        if item.capacity:  # a pooled segment: copy out, then hand the segment back to its producer
-            mapping = _READ_MAPS.get(item.path)
-            if mapping is None:
-                mapping = _READ_MAPS[item.path] = torch.from_file(
-                    item.path, shared=True, size=item.capacity, dtype=torch.uint8
-                )
-            t = mapping[item.offset : item.offset + item.nbytes].view(dtype).view(item.shape).clone()
-            mapping[0] = 0
+        if item.capacity:  # a pooled segment: a zero-copy view, handed back when the tensor is freed
+            raw = _leased_view(item.path, item.capacity, item.offset, item.nbytes)
+            t = torch.from_numpy(raw).view(dtype).view(item.shape)
         else:  # a one-off file: map it (zero-copy) and unlink it; the pages live as long as the tensor
             t = torch.from_file(item.path, shared=True, size=numel, dtype=dtype).view(item.shape)
             os.unlink(item.path)
@@ -170,23 +198,33 @@ def _refs(item):
 
 
 class ChannelServer:
-    """The Dask actor holding the queues. All methods are coroutines on the worker's event loop."""
+    """The Dask actor holding the queues. All methods are coroutines on the worker's event loop.
+
+    Clients reach it over its worker's direct-call socket when they can (see
+    :mod:`rlnb.runtime.direct`: about a tenth of a Dask actor call here), else as a Dask actor.
+    """
+
+    DIRECT_OPS = frozenset({"put", "get", "qsize", "keys", "stats", "close"})
 
     def __init__(self, name: str, maxsize: int):
+        from rlnb.runtime import direct
+
         self.name, self.maxsize = name, maxsize
         self.queues: dict[str, deque] = {}
         self._cond: asyncio.Condition | None = None
         self.node = _HOSTNAME
         self.closed = False
         self.counts = {"items": 0, "shm_tensors": 0, "shm_bytes": 0}
+        self.direct = direct.serve(self)
 
     def _c(self) -> asyncio.Condition:
         if self._cond is None:
             self._cond = asyncio.Condition()
         return self._cond
 
-    async def node_name(self) -> str:
-        return self.node
+    async def contact(self) -> tuple:
+        """``(node, direct offer or None)``: where the queues live and how to reach them directly."""
+        return self.node, self.direct
 
     async def put(self, key: str, item, timeout_s: float | None):
         cond = self._c()
@@ -259,9 +297,18 @@ class Channel:
     Methods block (with a timeout) and have ``a``-prefixed async twins for notebooks and async code.
     """
 
-    def __init__(self, server, name: str, node: str, maxsize: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self,
+        server,
+        name: str,
+        node: str,
+        maxsize: int,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        direct_offer: tuple | None = None,
+    ):
         self._server, self.name, self.node, self.maxsize = server, name, node, maxsize
         self.timeout_s = timeout_s
+        self._direct = direct_offer
 
     @classmethod
     def create(
@@ -280,8 +327,8 @@ class Channel:
             ChannelServer, name, maxsize, actor=True, workers=[address], allow_other_workers=False, pure=False
         )
         server = cluster.bind(fut.result(timeout=60))
-        node = _resolve(server.node_name(), 60)
-        channel = cls(server, name, node, maxsize, timeout_s)
+        node, offer = _resolve(server.contact(), 60)
+        channel = cls(server, name, node, maxsize, timeout_s, offer)
         cluster._channels.append(channel)
         return channel
 
@@ -289,7 +336,7 @@ class Channel:
     def put(self, item, key: str = "default", timeout: float | None = None) -> None:
         """Append ``item`` to queue ``key``; waits while the queue holds ``maxsize`` items."""
         timeout = self.timeout_s if timeout is None else timeout
-        status, size = _resolve(self._server.put(key, _pack(item, self.node), timeout), timeout + 30)
+        status, size = self._ask("put", (key, _pack(item, self.node), timeout), timeout + 30)
         if status == "timeout":
             raise ChannelTimeoutError(
                 f"channel {self.name!r} key {key!r}: queue stayed full ({size}/{self.maxsize}) for {timeout:g} s"
@@ -303,7 +350,7 @@ class Channel:
         """Like :meth:`get` but raises ``queue.Empty`` at once when the queue is empty."""
         import queue
 
-        status, items = _resolve(self._server.get(key, 1, 0, _HOSTNAME), 30)
+        status, items = self._ask("get", (key, 1, 0, _HOSTNAME), 30)
         if status != "ok":
             raise queue.Empty(f"channel {self.name!r} key {key!r} is empty")
         return _unpack(items[0])
@@ -311,7 +358,7 @@ class Channel:
     def get_batch(self, n: int, key: str = "default", timeout: float | None = None) -> list:
         """Remove and return ``n`` items of queue ``key`` in order, waiting until there are ``n``."""
         timeout = self.timeout_s if timeout is None else timeout
-        status, items = _resolve(self._server.get(key, n, timeout, _HOSTNAME), timeout + 30)
+        status, items = self._ask("get", (key, n, timeout, _HOSTNAME), timeout + 30)
         if status == "timeout":
             raise ChannelTimeoutError(
                 f"channel {self.name!r} key {key!r}: waited {timeout:g} s for {n} item(s), {items} queued"
@@ -320,19 +367,52 @@ class Channel:
 
     def qsize(self, key: str | None = "default") -> int:
         """Items queued under ``key`` (``None``: all keys)."""
-        return _resolve(self._server.qsize(key), 30)
+        return self._ask("qsize", (key,), 30)
 
     def keys(self) -> list[str]:
         """Keys that have queued items."""
-        return _resolve(self._server.keys(), 30)
+        return self._ask("keys", (), 30)
 
     def stats(self) -> dict:
         """Counters: items put, tensors and bytes moved through shared memory."""
-        return _resolve(self._server.stats(), 30)
+        return self._ask("stats", (), 30)
 
     def close(self) -> int:
         """Drop queued items and free their shared memory."""
-        return _resolve(self._server.close(), 30)
+        return self._ask("close", (), 30)
+
+    def _ask(self, op: str, args: tuple, timeout: float):
+        """Run ``op`` on the queue server: over its direct socket when offered, else as a Dask actor call."""
+        from rlnb.runtime import direct
+
+        if self._direct is None or not direct.enabled():
+            return _resolve(getattr(self._server, op)(*args), timeout)
+        pending = direct.link_for(self._direct).send(op, args)
+        if not pending.wait(timeout):
+            pending.discard()
+            raise ChannelTimeoutError(
+                f"channel {self.name!r}: no answer from its worker within {timeout:g} s"
+            )
+        status, value, _ = pending.read()
+        if status == "ok":
+            return value
+        from rlnb.errors import RemoteError, WorkerLostError
+
+        where = f"tcp://{self._direct[0]}:{self._direct[1]} (direct)"
+        if status == "lost":
+            raise WorkerLostError(
+                f"the channel's worker is gone ({value})", f"channel {self.name!r}", 0, where, op
+            )
+        err = RemoteError(
+            f"{value['type']}: {value['message']}",
+            f"channel {self.name!r}",
+            0,
+            where,
+            op,
+            remote_traceback=value["traceback"],
+            cause_type=value["type"],
+        )
+        raise err from value.get("exception")
 
     # ---- async API
     async def aput(self, item, key: str = "default", timeout: float | None = None) -> None:

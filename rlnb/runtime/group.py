@@ -13,6 +13,9 @@ import contextlib
 import html
 import itertools
 import os
+import select
+import threading
+import time
 from collections import Counter as _Counter
 from collections.abc import Sequence
 
@@ -21,6 +24,8 @@ from distributed.protocol import to_serialize
 from rlnb.cluster.cluster import Cluster
 from rlnb.cluster.placement import parse_slots
 from rlnb.errors import RemoteError, RemoteTimeoutError, WorkerLostError, did_you_mean
+from rlnb.runtime import direct
+from rlnb.runtime.direct import DirectLink, PendingCall
 from rlnb.runtime.rank import RankHost, RankInfo
 
 DEFAULT_CALL_TIMEOUT_S = 600.0
@@ -41,7 +46,7 @@ class GroupResult:
         group: Group,
         method: str,
         ranks: Sequence[int],
-        actor_futures: list,
+        calls: list,
         timeout_s: float,
         owners=None,
     ):
@@ -51,8 +56,26 @@ class GroupResult:
         self.timeout_s = timeout_s
         self.durations_s: list[float | None] = [None] * len(self.ranks)
         self._pending = set(range(len(self.ranks)))
-        loop = group.cluster.client.loop.asyncio_loop
-        self._cf = asyncio.run_coroutine_threadsafe(self._gather(actor_futures), loop)
+        self._values: list = [None] * len(self.ranks)
+        self._failure: Exception | None = None
+        self._lock = threading.Lock()
+        # Calls are either all direct (PendingCall: read here, on the waiting thread) or all Dask
+        # coroutines (gathered on the client's event loop).
+        self._direct = all(isinstance(c, PendingCall) for c in calls)
+        if self._direct:
+            self._calls, self._cf = list(calls), None
+        else:
+            loop = group.cluster.client.loop.asyncio_loop
+            self._cf = asyncio.run_coroutine_threadsafe(self._gather(calls), loop)
+
+    def _settle(self, i: int, reply) -> None:
+        """Record rank ``i``'s ``(status, value, duration_s)``, raising its typed error if it failed."""
+        status, value, duration = reply
+        self._pending.discard(i)
+        self.durations_s[i] = duration
+        if status != "ok":
+            raise self._owners[i]._error(self.ranks[i], self.method, status, value)
+        self._values[i] = value
 
     async def _gather(self, coros):
         async def one(i, coro):
@@ -61,42 +84,75 @@ class GroupResult:
             except Exception as e:  # OSError "Unable to contact Actor's worker", RuntimeError "lost"
                 return i, ("lost", e, 0.0)
 
-        values: list = [None] * len(coros)
         tasks = {asyncio.ensure_future(one(i, c)) for i, c in enumerate(coros)}
         while tasks:
             done, tasks = await asyncio.wait(
                 tasks, timeout=LIVENESS_CHECK_S, return_when=asyncio.FIRST_COMPLETED
             )
             for task in done:
-                i, (status, value, duration) = task.result()
-                self._pending.discard(i)
-                self.durations_s[i] = duration
-                if status != "ok":
-                    raise self._owners[i]._error(self.ranks[i], self.method, status, value)
-                values[i] = value
+                self._settle(*task.result())
             if not done:  # nothing finished for a while: is every pending rank's worker still there?
-                await self._check_alive()
-        return values
+                self._raise_if_lost(await self.group.cluster.client.scheduler.identity())
+        return self._values
 
-    async def _check_alive(self):
-        identity = await self.group.cluster.client.scheduler.identity()
+    def _raise_if_lost(self, identity: dict) -> None:
         alive = identity.get("workers", {})
         for i in sorted(self._pending):
             owner, rank = self._owners[i], self.ranks[i]
             if owner.infos[rank].address not in alive:
                 raise owner._error(rank, self.method, "lost", "the scheduler no longer lists this worker")
 
+    def _read_direct(self, timeout: float | None) -> bool:
+        """Read the replies that arrive within ``timeout`` seconds; True once all are in."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        quiet_since = time.monotonic()
+        while self._pending:
+            if self._failure is not None:
+                raise self._failure
+            wait = (
+                LIVENESS_CHECK_S if deadline is None else min(LIVENESS_CHECK_S, deadline - time.monotonic())
+            )
+            waiting = [self._calls[i] for i in self._pending if self._calls[i].reply is None]
+            ready = select.select(waiting, [], [], max(wait, 0))[0] if waiting else []
+            for i in sorted(self._pending):
+                call = self._calls[i]
+                if call.reply is not None or call in ready:
+                    try:
+                        self._settle(i, call.read())
+                    except RemoteError as e:
+                        self._failure = e
+                        for j in self._pending:  # their replies will never be read
+                            self._calls[j].discard()
+                        raise
+                    quiet_since = time.monotonic()
+            if not self._pending:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            if time.monotonic() - quiet_since >= LIVENESS_CHECK_S:  # is each pending rank's worker alive?
+                client = self.group.cluster.client
+                fut = asyncio.run_coroutine_threadsafe(client.scheduler.identity(), client.loop.asyncio_loop)
+                with contextlib.suppress(TimeoutError, OSError):
+                    self._raise_if_lost(fut.result(10))
+                quiet_since = time.monotonic()
+        return True
+
     def result(self, timeout: float | None = None) -> list:
         """Block until every rank returned (list in rank order) or one failed; ``timeout`` in seconds."""
         timeout = self.timeout_s if timeout is None else timeout
-        try:
-            return self._cf.result(timeout=timeout)
-        except TimeoutError:
-            if self._cf.done():  # the remote error itself was a TimeoutError
-                raise
-            i = min(self._pending) if self._pending else 0
-            pending = [f"{self._owners[j].name}[{self.ranks[j]}]" for j in sorted(self._pending)]
-            raise self._owners[i]._timeout_error(self.ranks[i], self.method, timeout, pending) from None
+        if self._direct:
+            with self._lock:
+                if self._read_direct(timeout):
+                    return self._values
+        else:
+            try:
+                return self._cf.result(timeout=timeout)
+            except TimeoutError:
+                if self._cf.done():  # the remote error itself was a TimeoutError
+                    raise
+        i = min(self._pending) if self._pending else 0
+        pending = [f"{self._owners[j].name}[{self.ranks[j]}]" for j in sorted(self._pending)]
+        raise self._owners[i]._timeout_error(self.ranks[i], self.method, timeout, pending) from None
 
     def wait(self, timeout: float | None = None) -> GroupResult:
         """Like :meth:`result` but returns ``self`` (for chaining and timings)."""
@@ -104,9 +160,16 @@ class GroupResult:
         return self
 
     def done(self) -> bool:
-        return self._cf.done()
+        if not self._direct:
+            return self._cf.done()
+        with self._lock:
+            with contextlib.suppress(RemoteError):
+                self._read_direct(0)
+            return not self._pending or self._failure is not None
 
     def __await__(self):
+        if self._direct:
+            return asyncio.to_thread(self.result).__await__()
         return asyncio.wait_for(asyncio.wrap_future(self._cf), self.timeout_s).__await__()
 
     def __repr__(self) -> str:
@@ -129,6 +192,7 @@ class Group:
         self.call_timeout_s = timeout_s
         self._ranks = list(range(len(infos)))
         self._closed = False
+        self._links: list[DirectLink] | None = None  # direct sockets to the ranks, when reachable
 
     # ------------------------------------------------------------------ launch
     @classmethod
@@ -223,7 +287,8 @@ class Group:
                     f"could not start: {e}", name, info.rank, info.address, "__init__"
                 ) from None
         group = cls(name, cluster, component_cls, hosts, infos, call_timeout_s)
-        group._raw("ready", (), {}, group._ranks, label="__init__").result(start_timeout_s)
+        ready = group._raw("ready", (), {}, group._ranks, label="__init__").result(start_timeout_s)
+        group._links = _direct_links([r["direct"] for r in ready])
         for info in infos:
             cluster._register(info.slot, f"{name}[{info.rank}]")
         return group
@@ -264,17 +329,37 @@ class Group:
             if r not in self._ranks:
                 raise ValueError(f"{self.name}: rank {r} not in {self._ranks}")
         view = Group(self.name, self.cluster, self.cls, self._hosts, self.infos, self.call_timeout_s)
-        view._ranks = ranks
+        view._ranks, view._links = ranks, self._links
         return view
 
-    def _submit(self, rank: int, op: str, args: tuple):
-        """A coroutine calling ``op`` on the rank's host actor; awaited on the client's event loop."""
+    def _start(self, op: str, per_rank: list[tuple[int, tuple]], use_dask: bool = False) -> list:
+        """Start ``op`` on each ``(rank, args)``: a :class:`PendingCall` on the rank's direct socket,
+        or (without one) a coroutine calling its Dask actor, awaited on the client's event loop.
+        Arguments are encoded once per distinct tuple, all before anything is sent."""
         if self._closed:
-            raise RemoteError("group was shut down", self.name, rank, self.infos[rank].address, op)
-        return _call_host(self._hosts[rank], op, args)
+            r = per_rank[0][0]
+            raise RemoteError("group was shut down", self.name, r, self.infos[r].address, op)
+        if self._links is None or use_dask:
+            return [_call_host(self._hosts[r], op, a) for r, a in per_rank]
+        encoded: dict[int, list] = {}
+        try:
+            for _, a in per_rank:
+                if id(a) not in encoded:
+                    encoded[id(a)] = direct.dumps(a)
+        except Exception as e:  # raised while pickling, before anything was sent
+            method = per_rank[0][1][0] if op == "call" else op
+            raise TypeError(
+                f"{self.name}.{method}(): an argument cannot be sent to the ranks: {type(e).__name__}: {e}"
+            ) from e
+        return [self._links[r].send(op, encoded[id(a)]) for r, a in per_rank]
+
+    @property
+    def transport(self) -> str:
+        """``"direct"`` (the ranks' own sockets) or ``"dask"`` (Dask actor rpc)."""
+        return "dask" if self._links is None else "direct"
 
     def _raw(self, op: str, args: tuple, kwargs: dict, ranks, label: str | None = None) -> GroupResult:
-        futures = [self._submit(r, op, args) for r in ranks]
+        futures = self._start(op, [(r, args) for r in ranks])
         return GroupResult(self, label or op, ranks, futures, self.call_timeout_s)
 
     # ------------------------------------------------------------------ errors
@@ -324,7 +409,7 @@ class Group:
         return self._each("load_state", [(self.state_path(directory, r),) for r in self._ranks], "load_state")
 
     def _each(self, op: str, per_rank_args: list[tuple], label: str) -> GroupResult:
-        futures = [self._submit(r, op, a) for r, a in zip(self._ranks, per_rank_args)]
+        futures = self._start(op, list(zip(self._ranks, per_rank_args)))
         return GroupResult(self, label, self._ranks, futures, self.call_timeout_s)
 
     # ------------------------------------------------------------------ process groups
@@ -351,7 +436,9 @@ class Group:
             self._raw("destroy_groups", (), {}, list(range(len(self.infos)))).result(30)
         for info in self.infos:
             self.cluster._unregister(f"{self.name}[{info.rank}]")
-        self._hosts = []
+        for link in self._links or ():
+            link.close()
+        self._hosts, self._links = [], None
         self._closed = True
 
     def __repr__(self) -> str:
@@ -369,6 +456,22 @@ class Group:
             f"({html.escape(self.cls.__name__)}, {len(self._ranks)} ranks)"
             f"<table><tr><th>rank</th><th>slot</th><th>device</th><th>node</th><th>worker</th></tr>{rows}</table></div>"
         )
+
+
+def _direct_links(offers: list) -> list[DirectLink] | None:
+    """Direct links to every rank, or ``None`` (Dask rpc for the whole group) if any rank offers
+    none, ``RLNB_DIRECT_CALLS=0``, or one cannot be reached from here (e.g. a firewall)."""
+    if not direct.enabled() or any(o is None for o in offers):
+        return None
+    links = [DirectLink(*o) for o in offers]
+    try:
+        for link in links:
+            link.give_back(link.connect(timeout_s=5.0))
+    except OSError:
+        for link in links:
+            link.close()
+        return None
+    return links
 
 
 async def _call_host(actor, op: str, args: tuple):
@@ -426,8 +529,9 @@ def init_collective(
     world = len(members)
     g0, r0 = members[0]
     (host, port) = _single(g0, r0, "open_store", (name, world, timeout_s), timeout_s)
+    use_dask = any(g.transport == "dask" for g in groups)  # one call cannot mix the two transports
     futures = [
-        g._submit(r, "join_group", (name, host, port, global_rank, world, backend, timeout_s))
+        g._start("join_group", [(r, (name, host, port, global_rank, world, backend, timeout_s))], use_dask)[0]
         for global_rank, (g, r) in enumerate(members)
     ]
     GroupResult(
@@ -442,4 +546,4 @@ def init_collective(
 
 
 def _single(group: Group, rank: int, op: str, args: tuple, timeout_s: float):
-    return GroupResult(group, op, [rank], [group._submit(rank, op, args)], timeout_s).result()[0]
+    return GroupResult(group, op, [rank], group._start(op, [(rank, args)]), timeout_s).result()[0]

@@ -139,11 +139,15 @@ class RankHost:
             _PEERS[(info.component, info.rank)] = self.obj
         except Exception as e:  # reported by ready(), with its traceback
             self.init_error = pack_exception(e)
+        from rlnb.runtime import direct
+
+        self.direct = direct.serve(self) if self.init_error is None else None
 
     def ready(self):
+        """``{"pid", "direct"}``: the worker's process id and how to reach this host without Dask's rpc."""
         if self.init_error is not None:
             return ("err", self.init_error, 0.0)
-        return ("ok", os.getpid(), 0.0)
+        return ("ok", {"pid": os.getpid(), "direct": self.direct}, 0.0)
 
     def call(self, method: str, args: tuple, kwargs: dict):
         t0 = time.perf_counter()
@@ -197,6 +201,9 @@ class RankHost:
     def destroy_groups(self):
         import torch.distributed as dist
 
+        from rlnb.runtime import direct
+
+        direct.unserve(self)
         if "default" in self.collectives and dist.is_initialized():
             dist.destroy_process_group()
         self.collectives.clear()

@@ -1,0 +1,382 @@
+"""Direct calls: the driver talks to rank hosts over their own sockets instead of Dask's rpc.
+
+A Dask actor call costs ~1-2 ms on a 2-core VM, most of it in Dask's comm layer and event-loop
+hops. Group calls are the per-step heartbeat of a training loop, so each worker process also runs
+a small :class:`CallServer`: one thread per driver connection reads a request, runs it on the
+worker's **actor thread** (exactly where Dask runs actor methods, with the same thread state, so a
+component sees no difference and calls from both paths never overlap), and writes the reply.
+
+An async host (a channel's queue server, :attr:`DIRECT_OPS`) has its coroutines run on the
+worker's event loop instead, where Dask would run them.
+
+A request starts with ``!32s16s`` (host key, operation). Then, in both directions: ``!IQ`` (number of out-of-band buffers, pickle length), one ``!Q`` length
+per buffer, the pickle (cloudpickle, protocol 5), then the buffers: arrays and large CPU tensors
+travel as raw bytes, outside the pickle, without a copy on the sending side. A connection starts
+with the server's random token (handed out through Dask, in ``RankHost.ready``), so the port
+accepts nothing that could not already talk to the Dask worker. ``tls://`` clusters keep Dask's
+rpc (the direct port is not encrypted), as does ``RLNB_DIRECT_CALLS=0``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import secrets
+import socket
+import struct
+import threading
+import time
+import uuid
+
+import cloudpickle
+
+_REQ = struct.Struct("!32s16s")  # a request starts with the host's key and the operation
+_HEAD = struct.Struct("!IQ")
+_LEN = struct.Struct("!Q")
+TOKEN_BYTES = 16
+OUT_OF_BAND_MIN_BYTES = 64 * 1024  # tensors this big travel outside the pickle
+RANK_OPS = frozenset(
+    {"call", "ready", "save_state", "load_state", "open_store", "join_group", "destroy_groups"}
+)
+
+
+def enabled() -> bool:
+    """Whether the driver should use direct calls (``RLNB_DIRECT_CALLS=0`` turns them off)."""
+    return os.environ.get("RLNB_DIRECT_CALLS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+# ---------------------------------------------------------------------------------- encoding
+def _tensor_from_bytes(buf, dtype: str, shape: tuple):
+    import torch
+
+    flat = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).view(shape)
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle (notebook-defined classes and functions travel by value, as with Dask), plus
+    big CPU tensors as out-of-band buffers (torch would otherwise copy them into the pickle)."""
+
+    def reducer_override(self, obj):
+        torch = _torch_if_loaded()
+        if (
+            torch is not None
+            and type(obj) is torch.Tensor
+            and obj.layout == torch.strided
+            and obj.device.type == "cpu"
+            and not obj.requires_grad
+            and obj.numel() * obj.element_size() >= OUT_OF_BAND_MIN_BYTES
+        ):
+            t = obj.contiguous()
+            raw = t.view(-1).view(torch.uint8).numpy()
+            dtype = str(t.dtype).removeprefix("torch.")
+            return _tensor_from_bytes, (pickle.PickleBuffer(raw), dtype, tuple(t.shape))
+        return super().reducer_override(obj)
+
+
+def _torch_if_loaded():
+    import sys
+
+    return sys.modules.get("torch")
+
+
+def dumps(obj) -> list:
+    """``obj`` as a list of byte-like parts ready to send (header, pickle, raw buffers)."""
+    import io
+
+    buffers: list[pickle.PickleBuffer] = []
+    f = io.BytesIO()
+    _Pickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
+    payload = f.getbuffer()
+    raws = [b.raw() for b in buffers]
+    head = _HEAD.pack(len(raws), payload.nbytes) + b"".join(_LEN.pack(r.nbytes) for r in raws)
+    return [head, payload, *raws]
+
+
+def loads(payload, buffers):
+    return pickle.loads(payload, buffers=buffers)
+
+
+def send_parts(sock: socket.socket, parts: list) -> None:
+    total = sum(memoryview(p).nbytes for p in parts)
+    if total <= 256 * 1024:  # one syscall for small messages
+        sock.sendall(b"".join(parts))
+    else:
+        for p in parts:
+            sock.sendall(p)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionResetError("connection closed by the other end")
+        got += k
+    return buf
+
+
+def recv_message(sock: socket.socket):
+    """One message: ``(payload, buffers)``. Raises ``ConnectionError`` when the peer is gone."""
+    nbufs, plen = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
+    lens = [_LEN.unpack_from(b)[0] for b in (_recv_exact(sock, _LEN.size) for _ in range(nbufs))]
+    payload = _recv_exact(sock, plen)
+    return payload, [_recv_exact(sock, n) for n in lens]
+
+
+# ---------------------------------------------------------------------------------- worker side
+class CallServer:
+    """One per Dask worker: answers direct calls to the rank hosts living on it."""
+
+    def __init__(self, worker):
+        from distributed.worker import _run_actor  # the function Dask runs actor methods with
+
+        self._run_actor = _run_actor
+        self.worker = worker
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self.hosts: dict[str, object] = {}
+        ip = worker.address.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+        family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        self.sock = socket.create_server((ip, 0), family=family)
+        self.address = (ip, self.sock.getsockname()[1])
+        threading.Thread(target=self._accept, name="rlnb-direct-accept", daemon=True).start()
+
+    def register(self, host) -> tuple:
+        key = uuid.uuid4().hex  # 32 characters, as the request header expects
+        self.hosts[key] = host
+        return (*self.address, self.token, key)
+
+    def unregister(self, host) -> None:
+        for key in [k for k, h in self.hosts.items() if h is host]:
+            del self.hosts[key]
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), name="rlnb-direct-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket):
+        with conn:
+            try:
+                if not secrets.compare_digest(bytes(_recv_exact(conn, TOKEN_BYTES)), self.token):
+                    return
+                while True:
+                    key, op = (b.rstrip(b"\0").decode() for b in _REQ.unpack(_recv_exact(conn, _REQ.size)))
+                    payload, buffers = recv_message(conn)
+                    host = self.hosts.get(key)
+                    if host is not None and hasattr(host, "DIRECT_OPS"):
+                        send_parts(conn, self._execute_async(host, op, payload, buffers))
+                        continue
+                    w = self.worker
+                    reply = w.executors["actor"].submit(
+                        self._run_actor,
+                        self._execute,
+                        (host, op, payload, buffers),
+                        {},
+                        w.execution_state,
+                        "rlnb-direct-call",
+                        w.active_threads,
+                        w.active_threads_lock,
+                    )
+                    send_parts(conn, reply.result())
+            except Exception:  # the driver went away, or the worker is closing: the driver sees EOF
+                return
+
+    def _execute(self, host, op: str, payload, buffers) -> list:
+        """On the actor thread (where Dask runs actor methods): decode, run, encode the reply."""
+        from rlnb.runtime.rank import pack_exception
+
+        t0 = time.perf_counter()
+        try:
+            if host is None:
+                reply = ("lost", "this rank was shut down", 0.0)
+            elif op not in RANK_OPS:
+                raise ValueError(f"unknown rank-host operation {op!r}")
+            else:  # arguments are unpickled here too: Dask actor handles in them bind to this worker
+                reply = getattr(host, op)(*loads(payload, buffers))
+        except Exception as e:  # e.g. an argument that cannot be unpickled here
+            reply = ("err", pack_exception(e), time.perf_counter() - t0)
+        return _encode_reply(reply)
+
+    def _execute_async(self, host, op: str, payload, buffers) -> list:
+        """Run an async host's coroutine on the worker's event loop; the reply as ``(status, value, s)``."""
+        import asyncio
+
+        from rlnb.runtime.rank import pack_exception
+
+        t0 = time.perf_counter()
+        try:
+            if op not in host.DIRECT_OPS:
+                raise ValueError(f"unknown operation {op!r} for {type(host).__name__}")
+            coro = getattr(host, op)(*loads(payload, buffers))
+            out = asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop).result()
+            reply = ("ok", out, time.perf_counter() - t0)
+        except Exception as e:
+            reply = ("err", pack_exception(e), time.perf_counter() - t0)
+        return _encode_reply(reply)
+
+
+def _encode_reply(reply: tuple) -> list:
+    from rlnb.runtime.rank import pack_exception
+
+    try:
+        return dumps(reply)
+    except Exception as e:
+        err = TypeError(f"the result could not be sent back: {type(e).__name__}: {e}")
+        return dumps(("err", pack_exception(err), reply[2]))
+
+
+_SERVERS: dict[str, CallServer] = {}
+_SERVERS_LOCK = threading.Lock()
+
+
+def serve(host) -> tuple | None:
+    """Register a rank host with its worker's call server (started on first use).
+
+    Returns ``(ip, port, token, key)`` for the driver, or ``None`` when direct calls cannot be
+    offered (not inside a Dask worker, a non-TCP comm such as ``tls://``, or no socket).
+    """
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except (ImportError, ValueError):
+        return None
+    if not worker.address.startswith("tcp://"):
+        return None
+    with _SERVERS_LOCK:
+        server = _SERVERS.get(worker.address)
+        if server is None:
+            try:
+                server = _SERVERS[worker.address] = CallServer(worker)
+            except (OSError, ImportError):
+                return None
+    return server.register(host)
+
+
+def unserve(host) -> None:
+    for server in list(_SERVERS.values()):
+        server.unregister(host)
+
+
+# ---------------------------------------------------------------------------------- driver side
+class DirectLink:
+    """The driver's connections to one rank host: a pool of sockets, one per call in flight."""
+
+    def __init__(self, ip: str, port: int, token: bytes, key: str):
+        self.address, self.token, self.key = (ip, port), token, key
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def connect(self, timeout_s: float = 10.0) -> socket.socket:
+        sock = socket.create_connection(self.address, timeout=timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(None)
+        sock.sendall(self.token)
+        return sock
+
+    def send(self, op: str, args: tuple | list) -> PendingCall:
+        """Send one request (``args``: a tuple, or already :func:`dumps`-encoded); read the reply
+        from the returned :class:`PendingCall`."""
+        parts = [
+            _REQ.pack(self.key.encode(), op.encode()),
+            *(args if isinstance(args, list) else dumps(args)),
+        ]
+        with self._lock:
+            sock = self._idle.pop() if self._idle else None
+        try:
+            sock = sock or self.connect()
+            send_parts(sock, parts)
+        except OSError as e:
+            if sock is not None:
+                sock.close()
+            return PendingCall(self, None, ("lost", e, 0.0))
+        return PendingCall(self, sock, None)
+
+    def give_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._idle.append(sock)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for s in idle:
+            s.close()
+
+
+class PendingCall:
+    """One request in flight on its own socket; ``read()`` blocks for the reply."""
+
+    def __init__(self, link: DirectLink, sock: socket.socket | None, reply):
+        self.link, self.sock, self.reply = link, sock, reply
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Whether the reply (or the end of the connection) arrives within ``timeout`` seconds."""
+        import select
+
+        return self.reply is not None or bool(select.select([self], [], [], timeout)[0])
+
+    def read(self):
+        """The host's ``(status, value, duration_s)``; status ``"lost"`` if the connection broke."""
+        if self.reply is None:
+            try:
+                payload, buffers = recv_message(self.sock)
+                self.reply = loads(payload, buffers)
+            except (OSError, EOFError) as e:
+                self.sock.close()
+                self.sock, self.reply = None, ("lost", e, 0.0)
+            except Exception as e:  # a reply that cannot be unpickled in the driver
+                from rlnb.runtime.rank import pack_exception
+
+                self.link.give_back(self.sock)
+                self.sock, self.reply = None, ("err", pack_exception(e), 0.0)
+            else:
+                self.link.give_back(self.sock)
+                self.sock = None
+        return self.reply
+
+    def discard(self) -> None:
+        """Drop a call whose reply will not be read: its socket is closed, never reused."""
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+            self.sock = None
+
+    def __del__(self):
+        self.discard()
+
+
+_LINKS: dict[tuple, DirectLink] = {}
+_LINKS_LOCK = threading.Lock()
+
+
+def link_for(offer: tuple) -> DirectLink:
+    """This process's (pooled) link to the host that made ``offer`` (see :func:`serve`)."""
+    key = tuple(offer)
+    with _LINKS_LOCK:
+        link = _LINKS.get(key)
+        if link is None:
+            link = _LINKS[key] = DirectLink(*offer)
+        return link
+
+
+__all__ = [
+    "CallServer",
+    "DirectLink",
+    "PendingCall",
+    "dumps",
+    "enabled",
+    "link_for",
+    "loads",
+    "serve",
+    "unserve",
+]

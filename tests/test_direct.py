@@ -1,0 +1,184 @@
+"""Direct calls (the ranks' own sockets) and zero-copy channel reads, against the Dask path."""
+
+import gc
+import glob
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+import rlnb
+from rlnb.runtime import direct
+from rlnb.testing import Echo
+
+
+@pytest.fixture(scope="module")
+def echo(cluster):
+    g = rlnb.Group.launch(Echo, cluster, "0-1", kwargs={"offset": 5})
+    yield g
+    g.shutdown()
+
+
+@pytest.fixture(scope="module")
+def echo_dask(cluster):
+    os.environ["RLNB_DIRECT_CALLS"] = "0"
+    try:
+        g = rlnb.Group.launch(Echo, cluster, "0-1", kwargs={"offset": 5})
+    finally:
+        del os.environ["RLNB_DIRECT_CALLS"]
+    yield g
+    g.shutdown()
+
+
+def test_transport_is_direct_unless_turned_off(echo, echo_dask):
+    assert echo.transport == "direct" and echo.on(1).transport == "direct"
+    assert echo_dask.transport == "dask"
+    for g in (echo, echo_dask):
+        assert g.add(1).result(30) == [6, 6]
+        assert [w["rank"] for w in g.whoami().result(30)] == [0, 1]
+
+
+def test_both_transports_run_component_code_on_the_dask_actor_thread(echo, echo_dask):
+    threads = echo.thread().result(30)
+    assert all("Dask-Actor-Threads" in t for t in threads), threads
+    assert threads == echo_dask.thread().result(30)  # the very same thread per worker
+
+
+def _tensors():
+    big = torch.randn(512, 300)  # 600 KiB: travels out of band
+    return {
+        "big": big,
+        "strided": big.t(),  # not contiguous
+        "bf16": torch.randn(300, 256).to(torch.bfloat16),
+        "ints": torch.arange(100_000, dtype=torch.int64).view(1000, 100),
+        "small": torch.tensor([1.5, -2.0]),
+        "empty": torch.zeros(0, 3),
+        "grad": torch.ones(3, requires_grad=True),
+        "array": np.arange(200_000, dtype=np.float32).reshape(400, 500),
+        "nested": [{"x": torch.full((128, 1024), 7.0)}, ("text", 3)],
+    }
+
+
+def _assert_same(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad
+        assert torch.equal(a.detach(), b.detach())
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("transport", ["direct", "dask"])
+def test_tensors_and_arrays_round_trip_exactly(transport, echo, echo_dask):
+    g = echo if transport == "direct" else echo_dask
+    sent = _tensors()
+    if transport == "dask":
+        del sent["bf16"]  # Dask's own serialisation cannot send bfloat16 tensors; the direct path can
+    for got in g.echo(sent).result(60):
+        _assert_same(sent, got)
+
+
+def test_encoding_keeps_big_tensors_out_of_the_pickle():
+    t = torch.randn(256, 256)
+    parts = direct.dumps({"t": t})
+    _head, payload, *buffers = parts
+    assert len(buffers) == 1 and memoryview(buffers[0]).nbytes == t.numel() * 4
+    assert memoryview(payload).nbytes < 1000
+    out = direct.loads(payload, [bytearray(b) for b in buffers])
+    assert torch.equal(out["t"], t)
+
+
+def test_notebook_functions_and_classes_travel_by_value(echo):
+    class Scaler:  # defined here, unknown to the workers by import
+        def __init__(self, k):
+            self.k = k
+
+    offset = 3
+    assert echo.apply(lambda s: s.k * 2 + offset, Scaler(10)).result(30) == [23, 23]
+
+
+def test_unsendable_argument_and_result_are_clear_errors(echo):
+    import threading
+
+    with pytest.raises(TypeError, match=r"echo\.echo\(\): an argument cannot be sent"):
+        echo.echo(threading.Lock())
+    with pytest.raises(rlnb.RemoteError, match="could not be sent back") as e:
+        echo.on(1).unpicklable().result(30)
+    assert (e.value.component, e.value.rank) == ("echo", 1)
+    assert echo.add(1).result(30) == [6, 6]  # the connections are still usable
+
+
+def test_direct_port_refuses_a_wrong_token(echo):
+    import time
+
+    link = echo._links[0]
+    request = (
+        b"\0" * direct.TOKEN_BYTES  # not the token
+        + direct._REQ.pack(link.key.encode(), b"call")
+        + b"".join(direct.dumps(("sleep", (3.0,), {})))
+    )
+    with socket.create_connection(link.address, timeout=5) as s:
+        s.settimeout(5)
+        try:
+            s.sendall(request)
+            assert s.recv(1) == b""  # closed
+        except ConnectionResetError:
+            pass  # closed while we were still sending
+    t0 = time.perf_counter()
+    assert echo.on(0).add(0).result(30) == [5]
+    assert time.perf_counter() - t0 < 1.5  # the rank never ran the 3 s sleep
+
+
+def test_channel_reader_keeps_what_it_holds_and_frees_what_it_drops(cluster):
+    ch = rlnb.Channel.create(cluster, "leases")
+    n = 1 << 20  # 4 MiB of float32: pooled shared memory
+    mine = f"/dev/shm/rlnb-ch-{os.getpid()}-*"
+    before = set(glob.glob(mine))
+    ch.put(torch.full((n,), 1.0))
+    a = ch.get(timeout=10)  # a zero-copy view: its segment stays taken while `a` lives
+    ch.put(torch.full((n,), 2.0))
+    b = ch.get(timeout=10)
+    assert float(a.min()) == float(a.max()) == 1.0  # not overwritten by the second put
+    assert float(b.min()) == float(b.max()) == 2.0
+    view = a[10:20]  # a view keeps the segment too
+    segments = set(glob.glob(mine)) - before
+    assert len(segments) == 2
+    del a, b
+    gc.collect()
+    ch.put(torch.full((n,), 3.0))  # reuses the segment `b` had: no new file
+    c = ch.get(timeout=10)
+    assert float(c[0]) == 3.0 and float(view[0]) == 1.0
+    assert set(glob.glob(mine)) - before == segments
+    del c, view
+    ch.close()
+
+
+def test_channel_ops_work_over_both_transports(cluster):
+    ch = rlnb.Channel.create(cluster, "both", maxsize=1)
+    assert ch._direct is not None
+    os.environ["RLNB_DIRECT_CALLS"] = "0"
+    try:
+        ch.put({"a": torch.arange(4)}, key="k")
+        with pytest.raises(rlnb.ChannelTimeoutError, match="queue stayed full"):
+            ch.put(1, key="k", timeout=0.2)
+    finally:
+        del os.environ["RLNB_DIRECT_CALLS"]
+    with pytest.raises(rlnb.ChannelTimeoutError, match="queue stayed full"):
+        ch.put(1, key="k", timeout=0.2)
+    assert ch.qsize("k") == 1 and ch.keys() == ["k"]
+    assert torch.equal(ch.get(key="k", timeout=5)["a"], torch.arange(4))
+    with pytest.raises(rlnb.ChannelTimeoutError, match="waited 0.2 s"):
+        ch.get(key="k", timeout=0.2)
+    assert ch.stats()["items"] == 1
