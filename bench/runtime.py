@@ -122,7 +122,7 @@ def main():
     print(f"ratio rlnb 2-rank / plain Dask 2-at-once (p50): {np.median(g2) / np.median(d2):.2f}")
 
     print("\n== channel worker -> worker (same node) ==")
-    for mib, n in ((1, 200), (16, 40)):
+    for mib, n in ((1, 400), (16, 100)):
         nbytes = mib * 1024 * 1024
         items_s, gbs = channel_throughput(cluster, group, nbytes, n)
         floor = pipe_throughput(nbytes, n)

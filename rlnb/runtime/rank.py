@@ -93,6 +93,35 @@ def _as_current(host):
         _local.host = prev
 
 
+_MALLOC_TUNED: list[bool] = []
+
+
+def tune_malloc() -> bool:
+    """Let glibc keep freed memory for reuse in this worker process (once; Linux/glibc only).
+
+    Dask's nanny starts workers with ``MALLOC_TRIM_THRESHOLD_=65536``, which also pins glibc's mmap
+    threshold at 128 KiB: every tensor above that is a fresh ``mmap`` whose pages fault in again on
+    each training step. Measured here on a tiny Qwen2 train step: 0.55 s in a plain process, 0.77-0.93 s
+    with Dask's setting, 0.44-0.47 s after this call. It raises the mmap threshold to 32 MiB (glibc's
+    maximum) and the trim threshold to 256 MiB. ``RLNB_MALLOC_TUNING=0`` leaves malloc alone.
+    """
+    if _MALLOC_TUNED or os.environ.get("RLNB_MALLOC_TUNING", "1") in ("0", "false", "no", "off"):
+        return bool(_MALLOC_TUNED and _MALLOC_TUNED[0])
+    ok = False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+        ok = bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(
+            libc.mallopt(m_trim_threshold, 256 << 20)
+        )
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        pass
+    _MALLOC_TUNED.append(ok)
+    return ok
+
+
 def pack_exception(exc: BaseException) -> dict:
     """An exception as plain data, keeping the object itself when it pickles."""
     try:
@@ -121,6 +150,7 @@ class RankHost:
         self._stores: dict[str, object] = {}
         self.obj = None
         self.init_error: dict | None = None
+        tune_malloc()
         os.environ.update(
             RANK=str(info.rank),
             WORLD_SIZE=str(info.world_size),
