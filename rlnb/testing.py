@@ -63,8 +63,8 @@ class Echo:
 
         return threading.Lock()
 
-    def page_faults_per_alloc(self) -> float:
-        return page_faults_per_alloc()
+    def mmapped_bytes_of_a_1mib_tensor(self) -> int:
+        return mmapped_bytes_of_a_1mib_tensor()
 
     def fail(self, message: str = "boom"):
         raise ValueError(message)
@@ -97,20 +97,24 @@ class Echo:
         return [float(channel.get(key=key, timeout=timeout)[0]) for _ in range(n)]
 
 
-def page_faults_per_alloc(n: int = 20) -> float:
-    """Minor page faults per allocate-fill-free cycle of a 1 MiB tensor in this process: ~256 when
-    every such tensor is a fresh ``mmap`` (Dask's malloc setting), ~0 when freed memory is reused."""
-    import resource
+def mmapped_bytes_of_a_1mib_tensor() -> int:
+    """Bytes glibc ``mmap``-ed to hold one new 1 MiB tensor (``mallinfo2().hblkhd`` before and after):
+    ~1 MiB under Dask's ``MALLOC_TRIM_THRESHOLD_`` (each such tensor is a fresh mapping whose pages
+    fault in on first touch), 0 once freed heap memory is reused."""
+    import ctypes
 
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"
+        )]  # fmt: skip
+
+    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    mallinfo2.restype = MallInfo2
+    before = mallinfo2().hblkhd
     t = torch.empty(1 << 18)
-    t.fill_(1.0)
+    grown = mallinfo2().hblkhd - before
     del t
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(n):
-        t = torch.empty(1 << 18)
-        t.fill_(1.0)
-        del t
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / n
+    return grown
 
 
 class FailsToStart:
