@@ -100,6 +100,21 @@ def test_encoding_keeps_big_tensors_out_of_the_pickle():
     assert torch.equal(out["t"], t)
 
 
+def test_in_process_copy_is_independent_and_main_objects_use_cloudpickle():
+    big, small = torch.zeros(256, 256), torch.zeros(3)
+    out = direct.copy_by_pickle({"big": big, "small": small, "arr": np.zeros(100_000)})
+    big += 1
+    small += 1
+    assert float(out["big"].sum()) == 0 and float(out["small"].sum()) == 0  # copies, not views
+    out["big"] += 2  # and writable
+    assert float(big[0, 0]) == 1
+
+    class Local:  # plain pickle cannot send this (a local class): cloudpickle does
+        pass
+
+    assert type(direct.copy_by_pickle(Local())).__name__ == "Local"
+
+
 def test_notebook_functions_and_classes_travel_by_value(echo):
     class Scaler:  # defined here, unknown to the workers by import
         def __init__(self, k):

@@ -21,6 +21,7 @@ import mmap
 import os
 import socket
 import tempfile
+import threading
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -102,6 +103,8 @@ class _SegmentPool:
 
 
 _POOL = _SegmentPool()
+_SENDERS: dict[tuple, object] = {}  # per process and channel: puts whose replies are read later
+_SENDERS_LOCK = threading.Lock()
 _READ_MAPS: dict[str, mmap.mmap] = {}  # reader side: producer segments mapped once
 
 
@@ -198,97 +201,129 @@ def _refs(item):
 
 
 class ChannelServer:
-    """The Dask actor holding the queues. All methods are coroutines on the worker's event loop.
+    """The queues, in a Dask actor on one worker.
 
-    Clients reach it over its worker's direct-call socket when they can (see
-    :mod:`rlnb.runtime.direct`: about a tenth of a Dask actor call here), else as a Dask actor.
+    The queue state is guarded by one ``threading.Condition``. Direct-call clients
+    (:mod:`rlnb.runtime.direct`) run an operation on their connection's thread in the worker, and a
+    client living in the same process calls it in-process: a blocked ``get`` wakes as soon as a
+    ``put`` appends, without a hop through the event loop. The async methods are the Dask-actor
+    route (``RLNB_DIRECT_CALLS=0``); blocking ones wait on a thread of their own, never on the
+    worker's event loop.
     """
-
-    DIRECT_OPS = frozenset({"put", "get", "qsize", "keys", "stats", "close"})
 
     def __init__(self, name: str, maxsize: int):
         from rlnb.runtime import direct
 
         self.name, self.maxsize = name, maxsize
         self.queues: dict[str, deque] = {}
-        self._cond: asyncio.Condition | None = None
+        self._cv = threading.Condition()
         self.node = _HOSTNAME
         self.closed = False
         self.counts = {"items": 0, "shm_tensors": 0, "shm_bytes": 0}
+        self._waiters = None  # threads for blocking Dask-actor calls, made on first use
         self.direct = direct.serve(self)
 
-    def _c(self) -> asyncio.Condition:
-        if self._cond is None:
-            self._cond = asyncio.Condition()
-        return self._cond
+    # ---- the operations, thread-safe; ``direct_call`` is what the call server runs
+    def direct_call(self, op: str, args: tuple):
+        if op not in ("put", "get", "qsize", "keys", "stats", "close"):
+            raise ValueError(f"channel {self.name!r}: unknown operation {op!r}")
+        return getattr(self, f"_{op}")(*args)
+
+    def _put(self, key: str, item, timeout_s: float | None):
+        with self._cv:
+            q = self.queues.setdefault(key, deque())
+            full = self.maxsize > 0 and len(q) >= self.maxsize
+            if full and not self._cv.wait_for(lambda: len(q) < self.maxsize, timeout_s):
+                return ("timeout", len(q))
+            q.append(item)
+            self._cv.notify_all()
+            self.counts["items"] += 1
+            for ref in _refs(item):
+                self.counts["shm_tensors"] += 1
+                self.counts["shm_bytes"] += ref.nbytes
+            return ("ok", len(q))
+
+    def _get(self, key: str, n: int, timeout_s: float | None, node: str, exact: bool = True):
+        """Take ``n`` items (``exact=False``: up to ``n``, at least 1); ``timeout_s=0`` never waits."""
+        need = n if exact else 1
+        with self._cv:
+            q = self.queues.setdefault(key, deque())
+            if len(q) < need:
+                if timeout_s == 0:
+                    return ("empty", None)
+                if not self._cv.wait_for(lambda: len(q) >= need, timeout_s):
+                    return ("timeout", len(q))
+            items = [q.popleft() for _ in range(min(n, len(q)))]
+            self._cv.notify_all()
+        if node != self.node:  # the consumer cannot see our shared memory: send values
+            items = [_unpack(i) for i in items]
+        return ("ok", items)
+
+    def _qsize(self, key: str | None) -> int:
+        with self._cv:
+            if key is None:
+                return sum(len(q) for q in self.queues.values())
+            return len(self.queues.get(key, ()))
+
+    def _keys(self) -> list[str]:
+        with self._cv:
+            return [k for k, q in self.queues.items() if q]
+
+    def _stats(self) -> dict:
+        with self._cv:
+            return dict(self.counts)
+
+    def _close(self) -> int:
+        dropped = 0
+        with self._cv:
+            for q in self.queues.values():
+                while q:
+                    for ref in _refs(q.popleft()):
+                        with contextlib.suppress(FileNotFoundError):
+                            if ref.capacity:  # release the producer's segment for reuse
+                                with open(ref.path, "r+b") as f:
+                                    f.write(b"\0")
+                            else:
+                                os.unlink(ref.path)
+                    dropped += 1
+            self.closed = True
+            self._cv.notify_all()
+        return dropped
+
+    # ---- the Dask-actor route (coroutines on the worker's event loop)
+    async def _blocking(self, fn, *args):
+        if self._waiters is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            # its own threads: blocked gets must never starve the loop's default executor
+            self._waiters = ThreadPoolExecutor(64, thread_name_prefix=f"rlnb-channel-{self.name}")
+        return await asyncio.get_running_loop().run_in_executor(self._waiters, fn, *args)
 
     async def contact(self) -> tuple:
         """``(node, direct offer or None)``: where the queues live and how to reach them directly."""
         return self.node, self.direct
 
     async def put(self, key: str, item, timeout_s: float | None):
-        cond = self._c()
-        q = self.queues.setdefault(key, deque())
-        async with cond:
-            if self.maxsize > 0 and len(q) >= self.maxsize:
-                try:
-                    await asyncio.wait_for(cond.wait_for(lambda: len(q) < self.maxsize), timeout_s)
-                except asyncio.TimeoutError:
-                    return ("timeout", len(q))
-            q.append(item)
-            cond.notify_all()
-        self.counts["items"] += 1
-        for ref in _refs(item):
-            self.counts["shm_tensors"] += 1
-            self.counts["shm_bytes"] += ref.nbytes
-        return ("ok", len(q))
+        return await self._blocking(self._put, key, item, timeout_s)
+
+    async def get(self, key: str, n: int, timeout_s: float | None, node: str, exact: bool = True):
+        if timeout_s == 0:
+            return self._get(key, n, 0, node, exact)
+        return await self._blocking(self._get, key, n, timeout_s, node, exact)
+
+    async def qsize(self, key: str | None) -> int:
+        return self._qsize(key)
+
+    async def keys(self) -> list[str]:
+        return self._keys()
 
     async def stats(self) -> dict:
         """Items put so far, and how many tensors/bytes of them went through shared memory."""
-        return dict(self.counts)
-
-    async def get(self, key: str, n: int, timeout_s: float | None, node: str, exact: bool = True):
-        """Take ``n`` items (``exact=False``: up to ``n``, at least 1); ``timeout_s=0`` never waits."""
-        cond = self._c()
-        q = self.queues.setdefault(key, deque())
-        need = n if exact else 1
-        async with cond:
-            if len(q) < need:
-                if timeout_s == 0:
-                    return ("empty", None)
-                try:
-                    await asyncio.wait_for(cond.wait_for(lambda: len(q) >= need), timeout_s)
-                except asyncio.TimeoutError:
-                    return ("timeout", len(q))
-            items = [q.popleft() for _ in range(min(n, len(q)))]
-            cond.notify_all()
-        if node != self.node:  # the consumer cannot see our shared memory: send values
-            items = [_unpack(i) for i in items]
-        return ("ok", items)
-
-    async def qsize(self, key: str | None) -> int:
-        if key is None:
-            return sum(len(q) for q in self.queues.values())
-        return len(self.queues.get(key, ()))
-
-    async def keys(self) -> list[str]:
-        return [k for k, q in self.queues.items() if q]
+        return self._stats()
 
     async def close(self) -> int:
         """Drop every queued item, freeing its shared memory. Returns how many were dropped."""
-        dropped = 0
-        for q in self.queues.values():
-            while q:
-                for ref in _refs(q.popleft()):
-                    with contextlib.suppress(FileNotFoundError):
-                        if ref.capacity:  # release the producer's segment for reuse
-                            with open(ref.path, "r+b") as f:
-                                f.write(b"\0")
-                        else:
-                            os.unlink(ref.path)
-                dropped += 1
-        self.closed = True
-        return dropped
+        return self._close()
 
 
 class Channel:
@@ -336,7 +371,12 @@ class Channel:
     def put(self, item, key: str = "default", timeout: float | None = None) -> None:
         """Append ``item`` to queue ``key``; waits while the queue holds ``maxsize`` items."""
         timeout = self.timeout_s if timeout is None else timeout
-        status, size = self._ask("put", (key, _pack(item, self.node), timeout), timeout + 30)
+        args = (key, _pack(item, self.node), timeout)
+        if self.maxsize == 0 and self._remote_direct():  # nothing to wait for: check the reply later
+            for reply in self._puts().send("put", args, timeout + 30):
+                self._value("put", reply)
+            return
+        status, size = self._ask("put", args, timeout + 30)
         if status == "timeout":
             raise ChannelTimeoutError(
                 f"channel {self.name!r} key {key!r}: queue stayed full ({size}/{self.maxsize}) for {timeout:g} s"
@@ -381,19 +421,45 @@ class Channel:
         """Drop queued items and free their shared memory."""
         return self._ask("close", (), 30)
 
+    def _remote_direct(self) -> bool:
+        from rlnb.runtime import direct
+
+        return self._direct is not None and direct.enabled() and direct.local_host(self._direct) is None
+
+    def _puts(self):
+        """This process's ordered connection for puts to an unbounded channel (replies read later)."""
+        from rlnb.runtime import direct
+
+        with _SENDERS_LOCK:
+            sender = _SENDERS.get(self._direct)
+            if sender is None:
+                sender = _SENDERS[self._direct] = direct.OrderedSender(direct.link_for(self._direct))
+        return sender
+
     def _ask(self, op: str, args: tuple, timeout: float):
         """Run ``op`` on the queue server: over its direct socket when offered, else as a Dask actor call."""
         from rlnb.runtime import direct
 
         if self._direct is None or not direct.enabled():
             return _resolve(getattr(self._server, op)(*args), timeout)
+        here = direct.local_host(self._direct)
+        if here is not None:  # the queues live in this process: no socket (items still copied)
+            return here.direct_call(op, direct.copy_by_pickle(args) if op == "put" else args)
+        sender = _SENDERS.get(self._direct)
+        if sender is not None and sender.unread:  # earlier puts land first: read-your-writes
+            for reply in sender.drain(timeout):
+                self._value("put", reply)
         pending = direct.link_for(self._direct).send(op, args)
         if not pending.wait(timeout):
             pending.discard()
             raise ChannelTimeoutError(
                 f"channel {self.name!r}: no answer from its worker within {timeout:g} s"
             )
-        status, value, _ = pending.read()
+        return self._value(op, pending.read())
+
+    def _value(self, op: str, reply: tuple):
+        """The value of a direct reply ``(status, value, duration_s)``, or its typed error."""
+        status, value, _ = reply
         if status == "ok":
             return value
         from rlnb.errors import RemoteError, WorkerLostError

@@ -6,8 +6,9 @@ a small :class:`CallServer`: one thread per driver connection reads a request, r
 worker's **actor thread** (exactly where Dask runs actor methods, with the same thread state, so a
 component sees no difference and calls from both paths never overlap), and writes the reply.
 
-An async host (a channel's queue server, :attr:`DIRECT_OPS`) has its coroutines run on the
-worker's event loop instead, where Dask would run them.
+A host with a thread-safe ``direct_call(op, args)`` (a channel's queue server) is called on the
+connection's thread instead: a blocked ``get`` there is woken by a ``put`` on another connection
+without any hop through the actor thread or the event loop.
 
 A request starts with ``!32s16s`` (host key, operation). Then, in both directions: ``!IQ`` (number of out-of-band buffers, pickle length), one ``!Q`` length
 per buffer, the pickle (cloudpickle, protocol 5), then the buffers: arrays and large CPU tensors
@@ -20,11 +21,13 @@ rpc (the direct port is not encrypted), as does ``RLNB_DIRECT_CALLS=0``.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 import secrets
 import socket
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -54,40 +57,60 @@ def _tensor_from_bytes(buf, dtype: str, shape: tuple):
     return flat.view(getattr(torch, dtype)).view(shape)
 
 
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle (notebook-defined classes and functions travel by value, as with Dask), plus
-    big CPU tensors as out-of-band buffers (torch would otherwise copy them into the pickle)."""
+def _reduce_tensor(obj):
+    """CPU tensors as raw bytes (torch's own pickling is slow: ~50 us even for a tiny tensor), big
+    ones out of band; ``None`` (pickle as usual) for anything else, e.g. a tensor that needs grad."""
+    torch = sys.modules.get("torch")
+    if (
+        torch is None
+        or type(obj) is not torch.Tensor
+        or obj.layout != torch.strided
+        or obj.device.type != "cpu"
+        or obj.requires_grad
+        or obj.is_quantized
+        or obj.is_conj()
+        or obj.is_neg()
+    ):
+        return None
+    t = obj.contiguous()
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    data = pickle.PickleBuffer(raw) if raw.nbytes >= OUT_OF_BAND_MIN_BYTES else bytearray(raw)
+    return _tensor_from_bytes, (data, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+
+
+class _FastPickler(pickle.Pickler):
+    """The standard pickler, with tensors as raw bytes."""
 
     def reducer_override(self, obj):
-        torch = _torch_if_loaded()
-        if (
-            torch is not None
-            and type(obj) is torch.Tensor
-            and obj.layout == torch.strided
-            and obj.device.type == "cpu"
-            and not obj.requires_grad
-            and obj.numel() * obj.element_size() >= OUT_OF_BAND_MIN_BYTES
-        ):
-            t = obj.contiguous()
-            raw = t.view(-1).view(torch.uint8).numpy()
-            dtype = str(t.dtype).removeprefix("torch.")
-            return _tensor_from_bytes, (pickle.PickleBuffer(raw), dtype, tuple(t.shape))
-        return super().reducer_override(obj)
+        out = _reduce_tensor(obj)
+        return NotImplemented if out is None else out
 
 
-def _torch_if_loaded():
-    import sys
+class _CloudPickler(cloudpickle.Pickler):
+    """cloudpickle, for what the standard pickler cannot send (lambdas, classes and functions defined
+    in a notebook travel by value, as with Dask), with tensors as raw bytes."""
 
-    return sys.modules.get("torch")
+    def reducer_override(self, obj):
+        out = _reduce_tensor(obj)
+        return super().reducer_override(obj) if out is None else out
 
 
 def dumps(obj) -> list:
-    """``obj`` as a list of byte-like parts ready to send (header, pickle, raw buffers)."""
-    import io
+    """``obj`` as a list of byte-like parts ready to send (header, pickle, raw buffers).
 
+    Like Dask: the standard pickler first, cloudpickle when that fails or refers to ``__main__``
+    (which the receiving process does not have).
+    """
     buffers: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
-    _Pickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
+    try:
+        _FastPickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
+        fast = b"__main__" not in f.getbuffer()
+    except Exception:
+        fast = False
+    if not fast:
+        buffers, f = [], io.BytesIO()
+        _CloudPickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
     payload = f.getbuffer()
     raws = [b.raw() for b in buffers]
     head = _HEAD.pack(len(raws), payload.nbytes) + b"".join(_LEN.pack(r.nbytes) for r in raws)
@@ -170,8 +193,8 @@ class CallServer:
                     key, op = (b.rstrip(b"\0").decode() for b in _REQ.unpack(_recv_exact(conn, _REQ.size)))
                     payload, buffers = recv_message(conn)
                     host = self.hosts.get(key)
-                    if host is not None and hasattr(host, "DIRECT_OPS"):
-                        send_parts(conn, self._execute_async(host, op, payload, buffers))
+                    if host is not None and hasattr(host, "direct_call"):
+                        send_parts(conn, self._execute_here(host, op, payload, buffers))
                         continue
                     w = self.worker
                     reply = w.executors["actor"].submit(
@@ -204,19 +227,13 @@ class CallServer:
             reply = ("err", pack_exception(e), time.perf_counter() - t0)
         return _encode_reply(reply)
 
-    def _execute_async(self, host, op: str, payload, buffers) -> list:
-        """Run an async host's coroutine on the worker's event loop; the reply as ``(status, value, s)``."""
-        import asyncio
-
+    def _execute_here(self, host, op: str, payload, buffers) -> list:
+        """Run a thread-safe host's operation on this connection's thread."""
         from rlnb.runtime.rank import pack_exception
 
         t0 = time.perf_counter()
         try:
-            if op not in host.DIRECT_OPS:
-                raise ValueError(f"unknown operation {op!r} for {type(host).__name__}")
-            coro = getattr(host, op)(*loads(payload, buffers))
-            out = asyncio.run_coroutine_threadsafe(coro, self.worker.loop.asyncio_loop).result()
-            reply = ("ok", out, time.perf_counter() - t0)
+            reply = ("ok", host.direct_call(op, loads(payload, buffers)), time.perf_counter() - t0)
         except Exception as e:
             reply = ("err", pack_exception(e), time.perf_counter() - t0)
         return _encode_reply(reply)
@@ -258,6 +275,21 @@ def serve(host) -> tuple | None:
             except (OSError, ImportError):
                 return None
     return server.register(host)
+
+
+def local_host(offer: tuple):
+    """The host object behind ``offer`` if it lives in this very process, else ``None``."""
+    ip, port, _, key = offer
+    for server in list(_SERVERS.values()):
+        if server.address == (ip, port):
+            return server.hosts.get(key)
+    return None
+
+
+def copy_by_pickle(obj):
+    """A copy of ``obj`` made the way a direct call would send it (for in-process calls)."""
+    _head, payload, *buffers = dumps(obj)
+    return loads(payload, [bytearray(b) for b in buffers])
 
 
 def unserve(host) -> None:
@@ -355,6 +387,59 @@ class PendingCall:
         self.discard()
 
 
+class OrderedSender:
+    """Requests sent on one connection now, their replies read later in order ("fire now, check
+    later"). The server handles a connection's requests one after another, so order is kept."""
+
+    MAX_UNREAD = 64
+
+    def __init__(self, link: DirectLink):
+        self.link, self.sock, self.unread = link, None, 0
+        self.lock = threading.Lock()
+
+    def send(self, op: str, args: tuple, timeout_s: float) -> list:
+        """Send a request; returns the replies that had to be read first to bound the backlog."""
+        parts = [_REQ.pack(self.link.key.encode(), op.encode()), *dumps(args)]
+        with self.lock:
+            replies = self._drain(timeout_s) if self.unread >= self.MAX_UNREAD else []
+            try:
+                if self.sock is None:
+                    self.sock = self.link.connect()
+                send_parts(self.sock, parts)
+            except OSError as e:
+                self._reset()
+                return [*replies, ("lost", e, 0.0)]
+            self.unread += 1
+            return replies
+
+    def drain(self, timeout_s: float) -> list:
+        """Read every reply not read yet, in order (``("lost", error, 0)`` if the connection broke)."""
+        with self.lock:
+            return self._drain(timeout_s)
+
+    def _drain(self, timeout_s: float) -> list:
+        import select
+
+        replies = []
+        while self.unread:
+            try:
+                if not select.select([self.sock], [], [], timeout_s)[0]:
+                    raise TimeoutError(f"no reply within {timeout_s:g} s")
+                payload, buffers = recv_message(self.sock)
+                replies.append(loads(payload, buffers))
+                self.unread -= 1
+            except (OSError, EOFError) as e:
+                self._reset()
+                replies.append(("lost", e, 0.0))
+        return replies
+
+    def _reset(self) -> None:
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+        self.sock, self.unread = None, 0
+
+
 _LINKS: dict[tuple, DirectLink] = {}
 _LINKS_LOCK = threading.Lock()
 
@@ -372,11 +457,14 @@ def link_for(offer: tuple) -> DirectLink:
 __all__ = [
     "CallServer",
     "DirectLink",
+    "OrderedSender",
     "PendingCall",
+    "copy_by_pickle",
     "dumps",
     "enabled",
     "link_for",
     "loads",
+    "local_host",
     "serve",
     "unserve",
 ]
