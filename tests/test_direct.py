@@ -211,3 +211,27 @@ def test_workers_reuse_freed_memory_instead_of_mapping_each_tensor(echo):
     )
     assert untuned >= 1 << 20  # the check can tell: a fresh mapping for the tensor
     assert echo.mmapped_bytes_of_a_1mib_tensor().result(30) == [0, 0]
+
+
+def test_calls_work_with_file_descriptors_above_1024(cluster):
+    """A long notebook session can hold many files; select() would fail past fd 1023, poll() does not."""
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1400:
+        pytest.skip("the open-file limit is too low to get a descriptor above 1024")
+    pipes = [os.pipe() for _ in range(600)]
+    try:
+        g = rlnb.Group.launch(Echo, cluster, "0-1")
+        socks = [link.connect() for link in g._links]
+        assert min(s.fileno() for s in socks) > 1024  # what the calls below get too
+        for s in socks:
+            s.close()
+        assert g.add(2).result(30) == [2, 2]
+        ch = rlnb.Channel.create(cluster, "many-fds", slot=1)
+        ch.put("x")
+        assert ch.get(timeout=10) == "x"
+        g.shutdown()
+    finally:
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)

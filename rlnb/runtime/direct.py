@@ -25,6 +25,7 @@ import io
 import os
 import pickle
 import secrets
+import select
 import socket
 import struct
 import sys
@@ -298,6 +299,19 @@ def unserve(host) -> None:
 
 
 # ---------------------------------------------------------------------------------- driver side
+def readable(objs: list, timeout_s: float | None) -> list:
+    """Those of ``objs`` (sockets or objects with ``fileno()``) with data or EOF to read within
+    ``timeout_s`` seconds (``None``: wait forever). ``poll``, not ``select``: any fd number works."""
+    poller = select.poll()
+    by_fd = {}
+    for o in objs:
+        fd = o.fileno()
+        by_fd[fd] = o
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+    ms = None if timeout_s is None else max(0, int(timeout_s * 1000 + 0.999))
+    return [by_fd[fd] for fd, _ in poller.poll(ms)]
+
+
 class DirectLink:
     """The driver's connections to one rank host: a pool of sockets, one per call in flight."""
 
@@ -353,9 +367,7 @@ class PendingCall:
 
     def wait(self, timeout: float | None) -> bool:
         """Whether the reply (or the end of the connection) arrives within ``timeout`` seconds."""
-        import select
-
-        return self.reply is not None or bool(select.select([self], [], [], timeout)[0])
+        return self.reply is not None or bool(readable([self], timeout))
 
     def read(self):
         """The host's ``(status, value, duration_s)``; status ``"lost"`` if the connection broke."""
@@ -418,12 +430,10 @@ class OrderedSender:
             return self._drain(timeout_s)
 
     def _drain(self, timeout_s: float) -> list:
-        import select
-
         replies = []
         while self.unread:
             try:
-                if not select.select([self.sock], [], [], timeout_s)[0]:
+                if not readable([self.sock], timeout_s):
                     raise TimeoutError(f"no reply within {timeout_s:g} s")
                 payload, buffers = recv_message(self.sock)
                 replies.append(loads(payload, buffers))

@@ -13,7 +13,6 @@ import contextlib
 import html
 import itertools
 import os
-import select
 import threading
 import time
 from collections import Counter as _Counter
@@ -113,7 +112,7 @@ class GroupResult:
                 LIVENESS_CHECK_S if deadline is None else min(LIVENESS_CHECK_S, deadline - time.monotonic())
             )
             waiting = [self._calls[i] for i in self._pending if self._calls[i].reply is None]
-            ready = select.select(waiting, [], [], max(wait, 0))[0] if waiting else []
+            ready = direct.readable(waiting, max(wait, 0)) if waiting else []
             for i in sorted(self._pending):
                 call = self._calls[i]
                 if call.reply is not None or call in ready:
