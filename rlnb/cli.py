@@ -35,6 +35,13 @@ def _demo(args) -> int:
             print(
                 f"  rank {who['rank']}/{who['world_size']} on slot {who['slot']} ({who['device']}) pid {who['pid']}"
             )
+        lat = []
+        for _ in range(200):
+            t = time.perf_counter()
+            group.noop().result(30)
+            lat.append(time.perf_counter() - t)
+        lat.sort()
+        print(f"no-op call on {group.world_size} ranks ({group.transport}): p50 {lat[100] * 1e3:.2f} ms")
         ch = rlnb.Channel.create(cluster, "demo", maxsize=2)
         consumer = group.on(group.world_size - 1).consume(ch, 4, key="t")
         group.on(0).produce(ch, 4, 1 << 20, key="t").result(60)

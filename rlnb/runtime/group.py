@@ -452,7 +452,7 @@ class Group:
         )
         return (
             f"<div><b>rlnb Group</b> <code>{html.escape(self.name)}</code> "
-            f"({html.escape(self.cls.__name__)}, {len(self._ranks)} ranks)"
+            f"({html.escape(self.cls.__name__)}, {len(self._ranks)} ranks, {self.transport} calls)"
             f"<table><tr><th>rank</th><th>slot</th><th>device</th><th>node</th><th>worker</th></tr>{rows}</table></div>"
         )
 
