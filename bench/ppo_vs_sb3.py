@@ -60,7 +60,7 @@ def rlnb_time_to_solve(seed: int) -> tuple[float, int, float, bool]:
             loop.close()
 
 
-def pipelining_gain(steps: int = 4) -> tuple[float, float]:
+def pipelining_gain(hidden: tuple[int, ...], steps: int = 4) -> tuple[float, float]:
     """Env steps/s of the rollout phase, env on its own slot, with 1 and 2 pipeline stages."""
     import rlnb
     from rlnb.loop import Loop
@@ -71,7 +71,7 @@ def pipelining_gain(steps: int = 4) -> tuple[float, float]:
             overrides = [
                 "env.id=rlnb/SlowCartPole-v1", "env.kwargs={step_cost_ms: 1.0}", "env.num_envs=8",
                 f"env.pipeline_stages={stages}", "rollout.steps_per_rollout=32", "runner.tensorboard=false",
-                "cluster.component_placement={'actor,rollout': 0, env: 1}",
+                f"actor.model.hidden_sizes={list(hidden)}", "cluster.component_placement={'actor,rollout': 0, env: 1}",
             ]  # fmt: skip
             with (
                 tempfile.TemporaryDirectory() as d,
@@ -108,10 +108,12 @@ def main():
         f"median env steps/s: SB3 {statistics.median(n / t for t, n in sb3):.0f}, rlnb {statistics.median(n / t for t, n, *_ in ours):.0f}"
     )
     print(f"rlnb start-up (cluster + components, median): {statistics.median(s for *_, s, _ in ours):.2f} s")
-    one, two = pipelining_gain()
-    print(
-        f"\npipelining (env step ~1 ms, env on its own slot): 1 stage {one:.0f} steps/s, 2 stages {two:.0f} steps/s -> gain {two / one:.2f}x"
-    )
+    print("\npipelining (8 envs, env step ~1 ms each, env on its own slot):")
+    for hidden in ((64, 64), (1024, 1024)):
+        one, two = pipelining_gain(hidden)
+        print(
+            f"  MLP {hidden}: 1 stage {one:.0f} steps/s, 2 stages {two:.0f} steps/s -> gain {two / one:.2f}x"
+        )
 
 
 if __name__ == "__main__":
