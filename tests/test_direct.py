@@ -235,3 +235,40 @@ def test_calls_work_with_file_descriptors_above_1024(cluster):
         for r, w in pipes:
             os.close(r)
             os.close(w)
+
+
+def _hosts_served() -> int:
+    from rlnb.runtime import direct as d
+
+    return sum(len(s.hosts) for s in d._SERVERS.values())
+
+
+def test_a_group_dropped_without_shutdown_is_freed_on_its_workers(cluster):
+    import time
+
+    before = cluster.client.run(_hosts_served)
+    g = rlnb.Group.launch(Echo, cluster, "0-1")
+    assert g.noop().result(30) == [None, None]
+    during = cluster.client.run(_hosts_served)
+    assert all(during[a] == before[a] + 1 for a in before)
+    for info in g.infos:
+        cluster._unregister(f"{g.name}[{info.rank}]")
+    del g
+    gc.collect()
+    deadline = time.monotonic() + 15
+    while cluster.client.run(_hosts_served) != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cluster.client.run(_hosts_served) == before  # Dask released the actors; the call servers let go
+
+
+def test_cluster_close_closes_the_drivers_channel_sockets():
+    from rlnb.runtime import channel as c
+    from rlnb.runtime import direct as d
+
+    with rlnb.Cluster(slots=1, gpus=False) as cl:
+        ch = rlnb.Channel.create(cl, "bye")
+        for i in range(3):
+            ch.put(i)
+        assert ch.get_batch(3, timeout=10) == [0, 1, 2]
+        assert tuple(ch._direct) in d._LINKS and ch._direct in c._SENDERS
+    assert tuple(ch._direct) not in d._LINKS and ch._direct not in c._SENDERS

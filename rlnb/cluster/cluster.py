@@ -294,6 +294,7 @@ class Cluster:
         for ch in self._channels:
             with contextlib.suppress(Exception):  # its worker may be gone already
                 ch.close()
+            ch.release_links()
         self._channels.clear()
         try:
             self.client.close()

@@ -421,6 +421,18 @@ class Channel:
         """Drop queued items and free their shared memory."""
         return self._ask("close", (), 30)
 
+    def release_links(self) -> None:
+        """Close this process's sockets to the channel's worker (``Cluster.close`` calls it)."""
+        from rlnb.runtime import direct
+
+        if self._direct is None:
+            return
+        with _SENDERS_LOCK:
+            sender = _SENDERS.pop(self._direct, None)
+        if sender is not None:
+            sender.close()
+        direct.drop_link(self._direct)
+
     def _remote_direct(self) -> bool:
         from rlnb.runtime import direct
 

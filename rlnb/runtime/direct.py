@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 
 import cloudpickle
 
@@ -160,7 +161,9 @@ class CallServer:
         self._run_actor = _run_actor
         self.worker = worker
         self.token = secrets.token_bytes(TOKEN_BYTES)
-        self.hosts: dict[str, object] = {}
+        # weak: a host lives as long as Dask keeps its actor (a group or channel dropped without
+        # shutdown is freed as usual; a call to it then gets "shut down")
+        self.hosts: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
         ip = worker.address.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
         self.sock = socket.create_server((ip, 0), family=family)
@@ -276,6 +279,14 @@ def serve(host) -> tuple | None:
             except (OSError, ImportError):
                 return None
     return server.register(host)
+
+
+def drop_link(offer: tuple) -> None:
+    """Close and forget this process's link to ``offer`` (its worker is going away)."""
+    with _LINKS_LOCK:
+        link = _LINKS.pop(tuple(offer), None)
+    if link is not None:
+        link.close()
 
 
 def local_host(offer: tuple):
@@ -443,6 +454,10 @@ class OrderedSender:
                 replies.append(("lost", e, 0.0))
         return replies
 
+    def close(self) -> None:
+        with self.lock:
+            self._reset()
+
     def _reset(self) -> None:
         if self.sock is not None:
             with contextlib.suppress(OSError):
@@ -470,6 +485,7 @@ __all__ = [
     "OrderedSender",
     "PendingCall",
     "copy_by_pickle",
+    "drop_link",
     "dumps",
     "enabled",
     "link_for",
