@@ -272,3 +272,57 @@ def test_cluster_close_closes_the_drivers_channel_sockets():
         assert ch.get_batch(3, timeout=10) == [0, 1, 2]
         assert tuple(ch._direct) in d._LINKS and ch._direct in c._SENDERS
     assert tuple(ch._direct) not in d._LINKS and ch._direct not in c._SENDERS
+
+
+def test_channel_falls_back_to_dask_when_its_direct_port_is_unreachable(cluster, monkeypatch):
+    """A firewall that drops packets to the direct port (simulated: a full accept queue) -> Dask's rpc."""
+    from rlnb.runtime import channel as c
+
+    monkeypatch.setattr(direct, "CONNECT_TIMEOUT_S", 0.5)
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(0)
+    held = socket.create_connection(blackhole.getsockname(), timeout=1)  # fills the queue
+    try:
+        ch = rlnb.Channel.create(cluster, "firewalled", maxsize=0)
+        _, _, token, key = ch._direct
+        ch._direct = ("127.0.0.1", blackhole.getsockname()[1], token, key)
+        ch.put({"x": 1})  # an unbounded put: the ordered sender finds the port unreachable
+        ch.put({"x": 2})
+        assert ch._direct in c._UNREACHABLE
+        assert ch.get_batch(2, timeout=10) == [{"x": 1}, {"x": 2}]  # both arrived, through Dask
+        assert ch.qsize() == 0
+    finally:
+        held.close()
+        blackhole.close()
+
+
+def test_group_launch_falls_back_to_dask_when_ranks_are_unreachable(cluster, monkeypatch):
+    def no_route(self, timeout_s=None):
+        raise direct.Unreachable("simulated: no route to the direct port")
+
+    monkeypatch.setattr(direct.DirectLink, "connect", no_route)
+    g = rlnb.Group.launch(Echo, cluster, "0-1", kwargs={"offset": 1})
+    try:
+        assert g.transport == "dask"
+        assert g.add(1).result(30) == [2, 2]
+    finally:
+        g.shutdown()
+
+
+def test_direct_port_range_from_the_environment(monkeypatch):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        base = probe.getsockname()[1]
+    monkeypatch.setenv("RLNB_DIRECT_PORTS", f"{base}-{base + 5}")
+    first = direct._listen("127.0.0.1", socket.AF_INET)
+    second = direct._listen("127.0.0.1", socket.AF_INET)  # the first port is taken now
+    try:
+        ports = [first.getsockname()[1], second.getsockname()[1]]
+        assert base <= ports[0] < ports[1] <= base + 5
+    finally:
+        first.close()
+        second.close()
+    monkeypatch.setenv("RLNB_DIRECT_PORTS", "91OO-9199")
+    with pytest.raises(ValueError, match="RLNB_DIRECT_PORTS: expected a port or a range"):
+        direct._listen("127.0.0.1", socket.AF_INET)

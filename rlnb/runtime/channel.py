@@ -105,6 +105,7 @@ class _SegmentPool:
 _POOL = _SegmentPool()
 _SENDERS: dict[tuple, object] = {}  # per process and channel: puts whose replies are read later
 _SENDERS_LOCK = threading.Lock()
+_UNREACHABLE: set[tuple] = set()  # direct offers this process cannot connect to (it uses Dask's rpc)
 _READ_MAPS: dict[str, mmap.mmap] = {}  # reader side: producer segments mapped once
 
 
@@ -373,9 +374,13 @@ class Channel:
         timeout = self.timeout_s if timeout is None else timeout
         args = (key, _pack(item, self.node), timeout)
         if self.maxsize == 0 and self._remote_direct():  # nothing to wait for: check the reply later
-            for reply in self._puts().send("put", args, timeout + 30):
+            replies = self._puts().send("put", args, timeout + 30)
+            unreachable = bool(replies) and replies[-1][0] == "unreachable"
+            for reply in replies[:-1] if unreachable else replies:
                 self._value("put", reply)
-            return
+            if not unreachable:
+                return
+            self._fall_back("put", replies[-1])  # then the put below takes Dask's route
         status, size = self._ask("put", args, timeout + 30)
         if status == "timeout":
             raise ChannelTimeoutError(
@@ -433,10 +438,29 @@ class Channel:
             sender.close()
         direct.drop_link(self._direct)
 
+    def _use_direct(self) -> bool:
+        from rlnb.runtime import direct
+
+        return self._direct is not None and direct.enabled() and self._direct not in _UNREACHABLE
+
     def _remote_direct(self) -> bool:
         from rlnb.runtime import direct
 
-        return self._direct is not None and direct.enabled() and direct.local_host(self._direct) is None
+        return self._use_direct() and direct.local_host(self._direct) is None
+
+    def _fall_back(self, op: str, reply: tuple) -> bool:
+        """After an ``unreachable`` reply: use Dask's rpc for this channel from now on, in this process."""
+        if reply[0] != "unreachable":
+            return False
+        import logging
+
+        logging.getLogger("rlnb").warning(
+            "channel %r: its worker's direct-call port is unreachable from here (%s); using Dask's rpc",
+            self.name,
+            reply[1],
+        )
+        _UNREACHABLE.add(self._direct)
+        return True
 
     def _puts(self):
         """This process's ordered connection for puts to an unbounded channel (replies read later)."""
@@ -452,7 +476,7 @@ class Channel:
         """Run ``op`` on the queue server: over its direct socket when offered, else as a Dask actor call."""
         from rlnb.runtime import direct
 
-        if self._direct is None or not direct.enabled():
+        if not self._use_direct():
             return _resolve(getattr(self._server, op)(*args), timeout)
         here = direct.local_host(self._direct)
         if here is not None:  # the queues live in this process: no socket (items still copied)
@@ -462,6 +486,8 @@ class Channel:
             for reply in sender.drain(timeout):
                 self._value("put", reply)
         pending = direct.link_for(self._direct).send(op, args)
+        if pending.reply is not None and self._fall_back(op, pending.reply):
+            return self._ask(op, args, timeout)
         if not pending.wait(timeout):
             pending.discard()
             raise ChannelTimeoutError(
@@ -477,7 +503,7 @@ class Channel:
         from rlnb.errors import RemoteError, WorkerLostError
 
         where = f"tcp://{self._direct[0]}:{self._direct[1]} (direct)"
-        if status == "lost":
+        if status in ("lost", "unreachable"):
             raise WorkerLostError(
                 f"the channel's worker is gone ({value})", f"channel {self.name!r}", 0, where, op
             )

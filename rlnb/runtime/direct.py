@@ -21,6 +21,7 @@ rpc (the direct port is not encrypted), as does ``RLNB_DIRECT_CALLS=0``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import pickle
@@ -166,7 +167,7 @@ class CallServer:
         self.hosts: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
         ip = worker.address.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        self.sock = socket.create_server((ip, 0), family=family)
+        self.sock = _listen(ip, family)
         self.address = (ip, self.sock.getsockname()[1])
         threading.Thread(target=self._accept, name="rlnb-direct-accept", daemon=True).start()
 
@@ -253,6 +254,27 @@ def _encode_reply(reply: tuple) -> list:
         return dumps(("err", pack_exception(err), reply[2]))
 
 
+def _listen(ip: str, family) -> socket.socket:
+    """A listening socket on ``ip``: a free port, or the first free one of ``RLNB_DIRECT_PORTS``
+    (``"9100-9199"``) for clusters whose firewalls only open known ports."""
+    spec = os.environ.get("RLNB_DIRECT_PORTS", "").strip()
+    if not spec:
+        return socket.create_server((ip, 0), family=family)
+    lo, _, hi = spec.partition("-")
+    try:
+        ports = range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise ValueError(
+            f"RLNB_DIRECT_PORTS: expected a port or a range like 9100-9199, got {spec!r}"
+        ) from None
+    for port in ports:
+        try:
+            return socket.create_server((ip, port), family=family)
+        except OSError:
+            continue
+    raise OSError(f"RLNB_DIRECT_PORTS={spec}: no free port on {ip}")
+
+
 _SERVERS: dict[str, CallServer] = {}
 _SERVERS_LOCK = threading.Lock()
 
@@ -276,7 +298,12 @@ def serve(host) -> tuple | None:
         if server is None:
             try:
                 server = _SERVERS[worker.address] = CallServer(worker)
-            except (OSError, ImportError):
+            except (OSError, ImportError) as e:
+                import logging
+
+                logging.getLogger("rlnb").warning(
+                    "worker %s offers no direct calls (%s); its ranks use Dask's rpc", worker.address, e
+                )
                 return None
     return server.register(host)
 
@@ -323,6 +350,15 @@ def readable(objs: list, timeout_s: float | None) -> list:
     return [by_fd[fd] for fd, _ in poller.poll(ms)]
 
 
+CONNECT_TIMEOUT_S = 5.0
+_UNREACHABLE_ERRNOS = {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ETIMEDOUT, errno.EHOSTDOWN}
+
+
+class Unreachable(ConnectionError):
+    """A direct-call port cannot be reached from here (unlike a refused connection, which means the
+    process behind it is gone): the caller should use Dask's rpc instead."""
+
+
 class DirectLink:
     """The driver's connections to one rank host: a pool of sockets, one per call in flight."""
 
@@ -331,8 +367,15 @@ class DirectLink:
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
 
-    def connect(self, timeout_s: float = 10.0) -> socket.socket:
-        sock = socket.create_connection(self.address, timeout=timeout_s)
+    def connect(self, timeout_s: float | None = None) -> socket.socket:
+        """A new connection. Raises :class:`Unreachable` when the port cannot be reached at all
+        (no route, or a firewall dropping packets) rather than refused (the process is gone)."""
+        try:
+            sock = socket.create_connection(self.address, timeout=timeout_s or CONNECT_TIMEOUT_S)
+        except (TimeoutError, OSError) as e:
+            if isinstance(e, TimeoutError) or e.errno in _UNREACHABLE_ERRNOS:
+                raise Unreachable(f"{self.address[0]}:{self.address[1]}: {e}") from e
+            raise
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(None)
         sock.sendall(self.token)
@@ -350,6 +393,8 @@ class DirectLink:
         try:
             sock = sock or self.connect()
             send_parts(sock, parts)
+        except Unreachable as e:
+            return PendingCall(self, None, ("unreachable", e, 0.0))
         except OSError as e:
             if sock is not None:
                 sock.close()
@@ -431,7 +476,7 @@ class OrderedSender:
                 send_parts(self.sock, parts)
             except OSError as e:
                 self._reset()
-                return [*replies, ("lost", e, 0.0)]
+                return [*replies, ("unreachable" if isinstance(e, Unreachable) else "lost", e, 0.0)]
             self.unread += 1
             return replies
 
@@ -484,6 +529,7 @@ __all__ = [
     "DirectLink",
     "OrderedSender",
     "PendingCall",
+    "Unreachable",
     "copy_by_pickle",
     "drop_link",
     "dumps",

@@ -364,7 +364,7 @@ class Group:
     # ------------------------------------------------------------------ errors
     def _error(self, rank: int, method: str, status: str, value) -> RemoteError:
         info = self.infos[rank]
-        if status == "lost":
+        if status in ("lost", "unreachable"):
             return WorkerLostError(
                 f"worker process is gone or unreachable ({value if isinstance(value, str) else f'{type(value).__name__}: {value}'})",
                 self.name,
