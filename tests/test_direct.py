@@ -326,3 +326,21 @@ def test_direct_port_range_from_the_environment(monkeypatch):
     monkeypatch.setenv("RLNB_DIRECT_PORTS", "91OO-9199")
     with pytest.raises(ValueError, match="RLNB_DIRECT_PORTS: expected a port or a range"):
         direct._listen("127.0.0.1", socket.AF_INET)
+
+
+def test_objects_defined_in_main_travel_by_value():
+    """What a notebook defines lives in ``__main__``, which a worker does not have."""
+    import sys
+
+    main = sys.modules["__main__"]
+
+    def plus_one(x):
+        return x + 1
+
+    plus_one.__module__, plus_one.__qualname__ = "__main__", "rlnb_test_plus_one"
+    main.rlnb_test_plus_one = plus_one  # so the standard pickler would send it by reference
+    try:
+        _head, payload, *buffers = direct.dumps(plus_one)
+    finally:
+        del main.rlnb_test_plus_one  # as in a worker: no such name in its __main__
+    assert direct.loads(payload, buffers)(1) == 2

@@ -10,9 +10,10 @@ A host with a thread-safe ``direct_call(op, args)`` (a channel's queue server) i
 connection's thread instead: a blocked ``get`` there is woken by a ``put`` on another connection
 without any hop through the actor thread or the event loop.
 
-A request starts with ``!32s16s`` (host key, operation). Then, in both directions: ``!IQ`` (number of out-of-band buffers, pickle length), one ``!Q`` length
-per buffer, the pickle (cloudpickle, protocol 5), then the buffers: arrays and large CPU tensors
-travel as raw bytes, outside the pickle, without a copy on the sending side. A connection starts
+A request starts with ``!32s16s`` (host key, operation). Then, in both directions: ``!IQ`` (number
+of out-of-band buffers, pickle length), one ``!Q`` length per buffer, the pickle (protocol 5; the
+standard pickler, or cloudpickle for what it cannot send), then the buffers: arrays and large CPU
+tensors travel as raw bytes, outside the pickle, without a copy on the sending side. A connection starts
 with the server's random token (handed out through Dask, in ``RankHost.ready``), so the port
 accepts nothing that could not already talk to the Dask worker. ``tls://`` clusters keep Dask's
 rpc (the direct port is not encrypted), as does ``RLNB_DIRECT_CALLS=0``.
@@ -108,7 +109,7 @@ def dumps(obj) -> list:
     f = io.BytesIO()
     try:
         _FastPickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
-        fast = b"__main__" not in f.getbuffer()
+        fast = b"__main__" not in f.getvalue()  # (a memoryview would test for an int, not a substring)
     except Exception:
         fast = False
     if not fast:
