@@ -166,6 +166,7 @@ class CallServer:
         # weak: a host lives as long as Dask keeps its actor (a group or channel dropped without
         # shutdown is freed as usual; a call to it then gets "shut down")
         self.hosts: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
         ip = worker.address.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
         self.sock = _listen(ip, family)
@@ -174,12 +175,14 @@ class CallServer:
 
     def register(self, host) -> tuple:
         key = uuid.uuid4().hex  # 32 characters, as the request header expects
-        self.hosts[key] = host
+        with self._lock:
+            self.hosts[key] = host
         return (*self.address, self.token, key)
 
     def unregister(self, host) -> None:
-        for key in [k for k, h in self.hosts.items() if h is host]:
-            del self.hosts[key]
+        with self._lock:
+            for key in [k for k, h in list(self.hosts.items()) if h is host]:
+                del self.hosts[key]
 
     def _accept(self):
         while True:
@@ -224,7 +227,7 @@ class CallServer:
         t0 = time.perf_counter()
         try:
             if host is None:
-                reply = ("lost", "this rank was shut down", 0.0)
+                reply = ("lost", "it was shut down (or freed) on this worker", 0.0)
             elif op not in RANK_OPS:
                 raise ValueError(f"unknown rank-host operation {op!r}")
             else:  # arguments are unpickled here too: Dask actor handles in them bind to this worker
