@@ -344,3 +344,23 @@ def test_objects_defined_in_main_travel_by_value():
     finally:
         del main.rlnb_test_plus_one  # as in a worker: no such name in its __main__
     assert direct.loads(payload, buffers)(1) == 2
+
+
+def test_process_group_across_a_direct_and_a_dask_group(cluster, monkeypatch):
+    """One call cannot mix transports: init_collective then uses Dask's rpc for every rank."""
+    from rlnb.testing import Collective
+
+    actor = rlnb.Group.launch(Collective, cluster, "0", name="actor")
+    monkeypatch.setenv("RLNB_DIRECT_CALLS", "0")
+    rollout = rlnb.Group.launch(Collective, cluster, "1", name="rollout")
+    monkeypatch.delenv("RLNB_DIRECT_CALLS")
+    try:
+        assert (actor.transport, rollout.transport) == ("direct", "dask")
+        assert rlnb.init_collective([actor, rollout], name="mixed") == "gloo"
+        actor.set_weights(1.5).result(30)
+        send, recv = actor.broadcast_weights(0, "mixed"), rollout.broadcast_weights(0, "mixed")
+        expected = {"weight": [[1.5] * 3] * 2, "bias": [1.5, 1.5]}
+        assert send.result(60) == recv.result(60) == [expected]
+    finally:
+        actor.shutdown()
+        rollout.shutdown()
