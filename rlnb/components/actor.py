@@ -28,8 +28,8 @@ class ActorBase:
     """What every actor component shares: data-parallel set-up, weight publishing, batch intake.
 
     A subclass has ``self.policy`` (the trained module), ``self.model`` (what its train step calls),
-    ``self.device``, ``self.cfg`` (an :class:`ActorConfig`), ``world_size``, and implements
-    ``policy_state()`` and ``set_batch(batches)``.
+    ``self.device``, ``self.cfg`` (an :class:`ActorConfig`), ``world_size``, ``optimizer``,
+    ``generator``, ``step``, and implements ``policy_state()`` and ``set_batch(batches)``.
     """
 
     def setup_data_parallel(self) -> str:
@@ -57,6 +57,24 @@ class ActorBase:
     def take_channel_batches(self, channel, keys: list[str]) -> dict:
         """Disaggregated hand-off: one batch per key from a channel."""
         return self.set_batch([channel.get(key=k) for k in keys])
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Weights, optimizer, both RNGs and the step: what an exact resume needs."""
+        return {
+            "policy": self.policy.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step = state["step"]
 
     def _mean_over_ranks(self, value: float) -> float:
         if self.world_size == 1:
@@ -198,20 +216,3 @@ class PPOActor(ActorBase):
         self.optimizer.step()
         metrics["loss"] = float(loss.detach())
         return metrics
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict:
-        return {
-            "policy": self.policy.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "generator": self.generator.get_state(),
-            "torch_rng": torch.get_rng_state(),
-            "step": self.step,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.policy.load_state_dict(state["policy"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.generator.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
-        self.step = state["step"]

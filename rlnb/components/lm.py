@@ -449,20 +449,9 @@ class LMActor(ActorBase):
         return path
 
     def state_dict(self) -> dict:
-        return {
-            "model": self.policy.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "ref": self.ref.state_dict() if self.ref is not None else None,
-            "generator": self.generator.get_state(),
-            "torch_rng": torch.get_rng_state(),
-            "step": self.step,
-        }
+        return {**super().state_dict(), "ref": self.ref.state_dict() if self.ref is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
-        self.policy.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        super().load_state_dict(state)
         if self.ref is not None and state["ref"] is not None:
             self.ref.load_state_dict(state["ref"])
-        self.generator.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
-        self.step = state["step"]
