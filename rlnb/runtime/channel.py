@@ -380,7 +380,7 @@ class Channel:
                 self._value("put", reply)
             if not unreachable:
                 return
-            self._fall_back("put", replies[-1])  # then the put below takes Dask's route
+            self._fall_back(replies[-1])  # then the put below takes Dask's route
         status, size = self._ask("put", args, timeout + 30)
         if status == "timeout":
             raise ChannelTimeoutError(
@@ -448,7 +448,7 @@ class Channel:
 
         return self._use_direct() and direct.local_host(self._direct) is None
 
-    def _fall_back(self, op: str, reply: tuple) -> bool:
+    def _fall_back(self, reply: tuple) -> bool:
         """After an ``unreachable`` reply: use Dask's rpc for this channel from now on, in this process."""
         if reply[0] != "unreachable":
             return False
@@ -486,7 +486,7 @@ class Channel:
             for reply in sender.drain(timeout):
                 self._value("put", reply)
         pending = direct.link_for(self._direct).send(op, args)
-        if pending.reply is not None and self._fall_back(op, pending.reply):
+        if pending.reply is not None and self._fall_back(pending.reply):
             return self._ask(op, args, timeout)
         if not pending.wait(timeout):
             pending.discard()
@@ -500,23 +500,10 @@ class Channel:
         status, value, _ = reply
         if status == "ok":
             return value
-        from rlnb.errors import RemoteError, WorkerLostError
+        from rlnb.runtime.rank import remote_error
 
         where = f"tcp://{self._direct[0]}:{self._direct[1]} (direct)"
-        if status in ("lost", "unreachable"):
-            raise WorkerLostError(
-                f"the channel's worker is gone ({value})", f"channel {self.name!r}", 0, where, op
-            )
-        err = RemoteError(
-            f"{value['type']}: {value['message']}",
-            f"channel {self.name!r}",
-            0,
-            where,
-            op,
-            remote_traceback=value["traceback"],
-            cause_type=value["type"],
-        )
-        raise err from value.get("exception")
+        raise remote_error(status, value, f"channel {self.name!r}", 0, where, op)
 
     # ---- async API
     async def aput(self, item, key: str = "default", timeout: float | None = None) -> None:

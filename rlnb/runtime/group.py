@@ -25,7 +25,7 @@ from rlnb.cluster.placement import parse_slots
 from rlnb.errors import RemoteError, RemoteTimeoutError, WorkerLostError, did_you_mean
 from rlnb.runtime import direct
 from rlnb.runtime.direct import DirectLink, PendingCall
-from rlnb.runtime.rank import RankHost, RankInfo
+from rlnb.runtime.rank import RankHost, RankInfo, remote_error
 
 DEFAULT_CALL_TIMEOUT_S = 600.0
 LIVENESS_CHECK_S = 1.0  # while a call runs, how often to ask the scheduler whether its workers live
@@ -101,40 +101,39 @@ class GroupResult:
             if owner.infos[rank].address not in alive:
                 raise owner._error(rank, self.method, "lost", "the scheduler no longer lists this worker")
 
-    def _read_direct(self, timeout: float | None) -> bool:
-        """Read the replies that arrive within ``timeout`` seconds; True once all are in."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _read_direct(self, timeout: float) -> bool:
+        """Read the replies that arrive within ``timeout`` seconds; True once all are in. The first
+        failure is kept (and raised again by later calls); the other replies are then dropped."""
+        if self._failure is not None:
+            raise self._failure
+        try:
+            self._read_replies(time.monotonic() + timeout)
+        except RemoteError as e:
+            self._failure = e
+            for j in self._pending:  # their replies will never be read
+                self._calls[j].discard()
+            raise
+        return not self._pending
+
+    def _read_replies(self, deadline: float) -> None:
         quiet_since = time.monotonic()
         while self._pending:
-            if self._failure is not None:
-                raise self._failure
-            wait = (
-                LIVENESS_CHECK_S if deadline is None else min(LIVENESS_CHECK_S, deadline - time.monotonic())
-            )
+            wait = min(LIVENESS_CHECK_S, deadline - time.monotonic())
             waiting = [self._calls[i] for i in self._pending if self._calls[i].reply is None]
             ready = direct.readable(waiting, max(wait, 0)) if waiting else []
             for i in sorted(self._pending):
                 call = self._calls[i]
                 if call.reply is not None or call in ready:
-                    try:
-                        self._settle(i, call.read())
-                    except RemoteError as e:
-                        self._failure = e
-                        for j in self._pending:  # their replies will never be read
-                            self._calls[j].discard()
-                        raise
+                    self._settle(i, call.read())
                     quiet_since = time.monotonic()
-            if not self._pending:
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
+            if not self._pending or time.monotonic() >= deadline:
+                return
             if time.monotonic() - quiet_since >= LIVENESS_CHECK_S:  # is each pending rank's worker alive?
                 client = self.group.cluster.client
                 fut = asyncio.run_coroutine_threadsafe(client.scheduler.identity(), client.loop.asyncio_loop)
                 with contextlib.suppress(TimeoutError, OSError):
                     self._raise_if_lost(fut.result(10))
                 quiet_since = time.monotonic()
-        return True
 
     def result(self, timeout: float | None = None) -> list:
         """Block until every rank returned (list in rank order) or one failed; ``timeout`` in seconds."""
@@ -363,26 +362,7 @@ class Group:
 
     # ------------------------------------------------------------------ errors
     def _error(self, rank: int, method: str, status: str, value) -> RemoteError:
-        info = self.infos[rank]
-        if status in ("lost", "unreachable"):
-            return WorkerLostError(
-                f"worker process is gone or unreachable ({value if isinstance(value, str) else f'{type(value).__name__}: {value}'})",
-                self.name,
-                rank,
-                info.address,
-                method,
-            )
-        err = RemoteError(
-            f"{value['type']}: {value['message']}",
-            self.name,
-            rank,
-            info.address,
-            method,
-            remote_traceback=value["traceback"],
-            cause_type=value["type"],
-        )
-        err.__cause__ = value.get("exception")
-        return err
+        return remote_error(status, value, self.name, rank, self.infos[rank].address, method)
 
     def _timeout_error(
         self, rank: int, method: str, timeout: float, pending: list[str]

@@ -137,6 +137,29 @@ def pack_exception(exc: BaseException) -> dict:
     }
 
 
+def remote_error(status: str, value, component: str, rank: int, address: str, method: str):
+    """The typed error for a failed remote reply: ``WorkerLostError`` when the worker is gone
+    (``value`` says why), else ``RemoteError`` from a :func:`pack_exception` dict."""
+    from rlnb.errors import RemoteError, WorkerLostError
+
+    if status in ("lost", "unreachable"):
+        why = value if isinstance(value, str) else f"{type(value).__name__}: {value}"
+        return WorkerLostError(
+            f"worker process is gone or unreachable ({why})", component, rank, address, method
+        )
+    err = RemoteError(
+        f"{value['type']}: {value['message']}",
+        component,
+        rank,
+        address,
+        method,
+        remote_traceback=value["traceback"],
+        cause_type=value["type"],
+    )
+    err.__cause__ = value.get("exception")
+    return err
+
+
 class RankHost:
     """The Dask actor hosting one rank of a component: builds it, calls it, times each call.
 
