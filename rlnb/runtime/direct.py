@@ -48,9 +48,14 @@ RANK_OPS = frozenset(
 )
 
 
+def env_flag(name: str) -> bool:
+    """An on-by-default switch from the environment: ``0``, ``false``, ``no`` or ``off`` turn it off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
     """Whether the driver should use direct calls (``RLNB_DIRECT_CALLS=0`` turns them off)."""
-    return os.environ.get("RLNB_DIRECT_CALLS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_flag("RLNB_DIRECT_CALLS")
 
 
 # ---------------------------------------------------------------------------------- encoding
@@ -538,6 +543,7 @@ __all__ = [
     "drop_link",
     "dumps",
     "enabled",
+    "env_flag",
     "link_for",
     "loads",
     "local_host",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import inspect
 import os
 import pickle
@@ -93,9 +94,7 @@ def _as_current(host):
         _local.host = prev
 
 
-_MALLOC_TUNED: list[bool] = []
-
-
+@functools.cache
 def tune_malloc() -> bool:
     """Let glibc keep freed memory for reuse in this worker process (once; Linux/glibc only).
 
@@ -105,21 +104,20 @@ def tune_malloc() -> bool:
     with Dask's setting, 0.44-0.47 s after this call. It raises the mmap threshold to 32 MiB (glibc's
     maximum) and the trim threshold to 256 MiB. ``RLNB_MALLOC_TUNING=0`` leaves malloc alone.
     """
-    if _MALLOC_TUNED or os.environ.get("RLNB_MALLOC_TUNING", "1") in ("0", "false", "no", "off"):
-        return bool(_MALLOC_TUNED and _MALLOC_TUNED[0])
-    ok = False
+    from rlnb.runtime.direct import env_flag
+
+    if not env_flag("RLNB_MALLOC_TUNING"):
+        return False
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
-        ok = bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(
+        return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(
             libc.mallopt(m_trim_threshold, 256 << 20)
         )
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
-        pass
-    _MALLOC_TUNED.append(ok)
-    return ok
+        return False
 
 
 def pack_exception(exc: BaseException) -> dict:
