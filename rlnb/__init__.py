@@ -2,14 +2,18 @@
 
 Example:
     >>> import rlnb
-    >>> cluster = rlnb.Cluster(slots=2)                          # doctest: +SKIP
-    >>> group = rlnb.Group.launch(MyComponent, cluster, "0-1")   # doctest: +SKIP
+    >>> cluster = rlnb.Cluster(slots=2)                                               # doctest: +SKIP
+    >>> env = rlnb.Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=8)        # doctest: +SKIP
+    >>> rollout = rlnb.PolicyRollout.launch(cluster, "0")                             # doctest: +SKIP
+    >>> actor = rlnb.PPOActor.launch(cluster, "1", lr=1e-3)                           # doctest: +SKIP
+    >>> loop = rlnb.Loop(env=env, rollout=rollout, actor=actor)                       # doctest: +SKIP
 """
 
 from rlnb.cluster import Cluster, Placement, Slot
 from rlnb.errors import (
     ChannelTimeoutError,
     ClusterError,
+    ComponentError,
     ConfigError,
     PlacementError,
     RemoteError,
@@ -22,24 +26,56 @@ from rlnb.runtime import Channel, Group, GroupResult, RankInfo, current_rank, in
 
 __version__ = "0.1.0"
 
+# components and loops import torch: loaded on first use, so `import rlnb` (and the CLI) stays quick
+_LAZY = {
+    "Env": "rlnb.components",
+    "HFRollout": "rlnb.components",
+    "LMActor": "rlnb.components",
+    "PPOActor": "rlnb.components",
+    "PolicyRollout": "rlnb.components",
+    "RewardWorker": "rlnb.components",
+    "launch": "rlnb.components",
+    "Loop": "rlnb.loop",
+    "GRPOLoop": "rlnb.loop",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'rlnb' has no attribute {name!r}")
+
+
 __all__ = [
     "Channel",
     "ChannelTimeoutError",
     "Cluster",
     "ClusterError",
+    "ComponentError",
     "ConfigError",
+    "Env",
+    "GRPOLoop",
     "Group",
     "GroupResult",
+    "HFRollout",
+    "LMActor",
+    "Loop",
+    "PPOActor",
     "Placement",
     "PlacementError",
+    "PolicyRollout",
     "RankInfo",
     "RemoteError",
     "RemoteTimeoutError",
+    "RewardWorker",
     "RlnbError",
     "Slot",
     "UnknownNameError",
     "WorkerLostError",
     "current_rank",
     "init_collective",
+    "launch",
     "process_group",
 ]

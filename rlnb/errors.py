@@ -113,3 +113,17 @@ class RemoteTimeoutError(RemoteError, TimeoutError):
 
 class ChannelTimeoutError(RlnbError, TimeoutError):
     """A channel ``get``/``put`` did not complete within its timeout."""
+
+
+class ComponentError(ConfigError):
+    """A component, or an object given to one (env, policy, reward...), does not fit where it is used.
+
+    Attributes:
+        component: the component (group) it belongs to.
+        obj: a short name of the object (``MyPolicy``, ``make_env``...).
+        member: the method, output or argument that is missing or wrong.
+    """
+
+    def __init__(self, message: str, component: str = "?", obj: str = "?", member: str = "?"):
+        super().__init__(f"{component}: {obj}.{member}: {message}", key=member)
+        self.component, self.obj, self.member = component, obj, member

@@ -12,7 +12,7 @@ from rlnb.algorithms._checks import check_choice, check_positive, check_same_sha
 from rlnb.algorithms.registry import Registry
 from rlnb.errors import ConfigError
 
-ADVANTAGES = Registry("advantage")
+ADVANTAGES = Registry("advantage", key="algorithm.advantage")
 register_advantage = ADVANTAGES.register
 
 
@@ -21,7 +21,7 @@ def get_advantage(name: str):
     return ADVANTAGES.get(name, key="algorithm.advantage")
 
 
-@register_advantage("gae")
+@register_advantage("gae", layouts=("trajectory",))
 def gae(rewards, values, dones, last_values, gamma: float = 0.99, gae_lambda: float = 0.95):
     """Generalised Advantage Estimation (Schulman et al. 2016).
 
@@ -79,7 +79,7 @@ def _to_tokens(seq_values, response_mask):
     return seq_values[:, None] * response_mask.float()  # [B, L]
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", layouts=("sequence",))
 def grpo(rewards, group_size: int, scale: str = "group", eps: float = 1e-6, response_mask=None):
     """GRPO (Shao et al. 2024): reward minus its group's mean, over a std.
 
@@ -103,7 +103,7 @@ def grpo(rewards, group_size: int, scale: str = "group", eps: float = 1e-6, resp
     return _to_tokens(adv, response_mask), _to_tokens(rewards.float(), response_mask)
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", layouts=("sequence",))
 def rloo(rewards, group_size: int, response_mask=None):
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024): baseline = mean of the other samples of the group.
 
@@ -140,14 +140,14 @@ def _token_returns(rewards, response_mask, kl, kl_coef: float, gamma: float):
     last = (m.cumsum(dim=1) == m.sum(dim=1, keepdim=True)) & (m > 0)  # [B, L] one-hot on the last token
     token_rewards = token_rewards + last.float() * rewards.float()[:, None]
     returns = torch.zeros_like(m)
-    running = torch.zeros(m.shape[0])
+    running = torch.zeros(m.shape[0], device=m.device)
     for t in reversed(range(m.shape[1])):
         running = token_rewards[:, t] + gamma * running * m[:, t]
         returns[:, t] = running
     return returns * m
 
 
-@register_advantage("reinforce_pp")
+@register_advantage("reinforce_pp", layouts=("sequence",))
 def reinforce_pp(
     rewards, response_mask=None, kl=None, kl_coef: float = 0.0, gamma: float = 1.0, eps: float = 1e-8
 ):
@@ -167,7 +167,7 @@ def reinforce_pp(
     return _whiten(returns, response_mask, eps), returns
 
 
-@register_advantage("reinforce_pp_baseline")
+@register_advantage("reinforce_pp_baseline", layouts=("sequence",))
 def reinforce_pp_baseline(
     rewards,
     group_size: int,

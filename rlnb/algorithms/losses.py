@@ -12,7 +12,7 @@ from rlnb.algorithms._checks import check_choice, check_positive, check_same_sha
 from rlnb.algorithms.registry import Registry
 from rlnb.errors import ConfigError
 
-POLICY_LOSSES = Registry("policy loss")
+POLICY_LOSSES = Registry("policy loss", key="algorithm.policy_loss")
 register_policy_loss = POLICY_LOSSES.register
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
@@ -189,8 +189,8 @@ def entropy_bonus(entropy, mask=None):
     return masked_mean(entropy, mask)
 
 
-@register_policy_loss("actor_critic")
-def actor_critic(
+@register_policy_loss("ppo_clip_value_entropy", aliases=("actor_critic", "ppo_actor_critic"))
+def ppo_clip_value_entropy(
     logprobs,
     old_logprobs,
     advantages,

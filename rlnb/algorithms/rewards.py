@@ -11,22 +11,28 @@ import re
 
 from rlnb.algorithms.registry import Registry
 
-REWARDS = Registry("reward")
+REWARDS = Registry("reward", key="reward.name")
 register_reward = REWARDS.register
 log = logging.getLogger("rlnb.rewards")
 _warned: set[str] = set()
 
 
 class SafeReward:
-    """Wraps a reward function: exceptions become 0.0, logged once."""
+    """Wraps a reward function: exceptions become 0.0, logged once.
+
+    The function is called with the inputs it accepts among ``completion``, ``answer`` and ``prompt``
+    (by keyword: the reward contract, the same for built-ins and functions defined in a notebook).
+    """
 
     def __init__(self, name: str, fn):
-        self.name, self.fn = name, fn
-        functools.update_wrapper(self, fn)
+        self.name = name
+        self.entry = REWARDS.entry(fn)
+        self.fn = self.entry.fn
+        functools.update_wrapper(self, getattr(fn, "fn", fn))
 
-    def __call__(self, completion: str, answer: str) -> float:
+    def __call__(self, completion: str, answer: str, prompt: str | None = None) -> float:
         try:
-            return float(self.fn(completion, answer))
+            return float(self.entry(completion=completion, answer=answer, prompt=prompt))
         except Exception as e:
             if self.name not in _warned:
                 _warned.add(self.name)

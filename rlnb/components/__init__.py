@@ -1,7 +1,19 @@
-"""Components: plain classes usable in-process, placed on a cluster with ``rlnb.Group.launch``."""
+"""Components: plain classes usable in-process, placed on a cluster with ``Cls.launch(cluster, slots, ...)``
+(or ``rlnb.launch(MyClass, cluster, slots, ...)`` for a class of your own)."""
 
 from rlnb.components.actor import PPOActor
 from rlnb.components.env import Env
+from rlnb.components.launch import launch
+from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
 from rlnb.components.rollout import PolicyRollout
 
-__all__ = ["Env", "PPOActor", "PolicyRollout"]
+__all__ = [
+    "Env",
+    "HFRollout",
+    "LMActor",
+    "PPOActor",
+    "PolicyRollout",
+    "RewardWorker",
+    "VLLMRollout",
+    "launch",
+]

@@ -2,26 +2,44 @@
 
 Data-parallel over its ranks with ``DistributedDataParallel`` on the group's default process group
 (gloo on CPU, NCCL on GPU); each rank trains on the batch of its own rollout ranks.
+
+Example (in-process; ``PPOActor.launch(cluster, "1", ...)`` places the same on a cluster):
+    >>> import gymnasium as gym
+    >>> actor = PPOActor(policy_loss="ppo", lr=1e-3)
+    >>> actor.bind_spaces(gym.spaces.Box(-1, 1, (4,)), gym.spaces.Discrete(2))["policy"]
+    'ActorCritic'
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from rlnb.algorithms import get_advantage, get_policy_loss
-from rlnb.components.rollout import _model_config, resolve_device
+from rlnb.algorithms.contract import EMBODIED, check_algorithm
+from rlnb.algorithms.losses import entropy_bonus, value_loss
+from rlnb.components.launch import launcher
+from rlnb.components.rollout import resolve_device
 from rlnb.config.schema import ActorConfig, AlgorithmConfig
-from rlnb.models.policies import build_policy
+from rlnb.errors import ConfigError, did_you_mean
+from rlnb.models.policies import make_policy
 from rlnb.runtime.rank import RankInfo, local_peer
 
 
-def _cfg(cls, value):
-    if isinstance(value, cls):
-        return value
-    value = dict(value)
-    if cls is ActorConfig and isinstance(value.get("model"), dict):
-        value["model"] = _model_config(value["model"])
-    return cls(**value)
+def with_settings(actor: ActorConfig, algorithm: AlgorithmConfig, settings: dict, owner: str):
+    """``actor`` and ``algorithm`` with ``settings`` (field names of either) applied; unknown names refused."""
+    actor_fields = {f.name for f in dataclasses.fields(ActorConfig)}
+    algo_fields = {f.name for f in dataclasses.fields(AlgorithmConfig)}
+    for name in settings:
+        if name not in actor_fields | algo_fields:
+            raise ConfigError(
+                f"{owner}: unknown setting {name!r}; settings are fields of ActorConfig or AlgorithmConfig."
+                + did_you_mean(name, actor_fields | algo_fields),
+                name,
+            )
+    actor = dataclasses.replace(actor, **{k: v for k, v in settings.items() if k in actor_fields})
+    algorithm = dataclasses.replace(algorithm, **{k: v for k, v in settings.items() if k in algo_fields})
+    return actor, algorithm
 
 
 class ActorBase:
@@ -42,6 +60,19 @@ class ActorBase:
         ddp = DistributedDataParallel(self.policy, device_ids=ids, process_group=process_group("default"))
         self.model = torch.compile(ddp) if getattr(self.cfg, "compile", False) else ddp
         return "ddp"
+
+    def describe(self) -> dict:
+        """The settings a loop reads from its actor (algorithm choices and coefficients)."""
+        return {
+            "advantage": self.advantage.name,
+            "policy_loss": self.loss.name,
+            "algorithm": dataclasses.asdict(self.algo),
+        }
+
+    def set_total_steps(self, total_steps: int) -> int:
+        """The run's length in training steps, for schedules such as ``anneal_lr`` (a loop sets it)."""
+        self.total_steps = max(1, int(total_steps))
+        return self.total_steps
 
     def publish_weights(self, channel, keys: list[str], version: int) -> int:
         """Disaggregated weight sync: put the weights once per rollout rank key (worker to worker)."""
@@ -91,44 +122,79 @@ class PPOActor(ActorBase):
     """PPO (CleanRL's ``ppo.py`` update) as a component.
 
     Args:
-        actor: :class:`rlnb.config.ActorConfig` (model, lr, compile...).
+        actor: :class:`rlnb.config.ActorConfig` (model, lr, compile...); default ``ActorConfig()``.
         algorithm: :class:`rlnb.config.AlgorithmConfig` (advantage, loss, coefficients).
-        obs_space, act_space: gymnasium spaces of one env.
+        obs_space, act_space: gymnasium spaces of one env; without them the policy is built by
+            :meth:`bind_spaces`, which a loop calls with its env's spaces.
         total_steps: training steps of the run (for learning-rate annealing).
         seed: seed of the minibatch shuffling (rank ``r`` uses ``seed + r``) and of the initial weights.
+        policy: the policy (see :func:`rlnb.models.make_policy`): an ``nn.Module`` class or factory
+            defined anywhere, a notebook cell included; default ``actor.model`` (the built-in MLP/CNN).
+        advantage, policy_loss: registered names or functions; override ``algorithm``'s.
+        **settings: any field of ``ActorConfig`` or ``AlgorithmConfig`` by name (``lr=1e-3``, ``clip_coef=0.1``).
+
+    The loss is called with every input of :data:`rlnb.algorithms.contract.EMBODIED` it accepts. A loss
+    that takes no ``values`` (e.g. ``ppo``) is the policy term only: the actor then adds
+    ``vf_coef * value_loss - ent_coef * entropy`` itself, so the value head still learns.
     """
+
+    launch = launcher("actor")
 
     def __init__(
         self,
-        actor,
-        algorithm,
-        obs_space,
-        act_space,
+        actor=None,
+        algorithm=None,
+        obs_space=None,
+        act_space=None,
         total_steps: int = 1,
         seed: int = 0,
         advantage_fn=None,
         loss_fn=None,
         rank_info: RankInfo | None = None,
+        *,
+        policy=None,
+        advantage=None,
+        policy_loss=None,
+        **settings,
     ):
-        self.cfg, self.algo = _cfg(ActorConfig, actor), _cfg(AlgorithmConfig, algorithm)
+        actor = actor if isinstance(actor, ActorConfig) else ActorConfig(**(actor or {}))
+        algorithm = (
+            algorithm if isinstance(algorithm, AlgorithmConfig) else AlgorithmConfig(**(algorithm or {}))
+        )
+        self.cfg, self.algo = with_settings(actor, algorithm, settings, "actor")
         torch.set_num_threads(self.cfg.torch_threads)
         self.rank = rank_info.rank if rank_info else 0
         self.world_size = rank_info.world_size if rank_info else 1
-        torch.manual_seed(seed)  # identical initial weights on every rank
+        self.name = rank_info.component if rank_info else "actor"
+        self.seed = seed
         self.device = resolve_device(self.cfg.device, rank_info)
-        self.policy = build_policy(self.cfg.model, obs_space, act_space).to(self.device)
-        # fused Adam: one kernel for all parameters (the default on CPU loops over tensors in Python)
-        self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.cfg.lr, eps=1e-5, fused=True)
+        self.policy_spec = self.cfg.model if policy is None else policy
         self.generator = torch.Generator().manual_seed(seed + 104729 * (self.rank + 1))
         self.total_steps = max(1, total_steps)
         self.step = 0
-        self.model = self.policy  # what the train step calls: DDP and/or compiled wrappers of policy
-        # functions resolved by the driver travel with the call, so ones registered in a notebook work here
-        self.advantage_fn = advantage_fn or get_advantage(self.algo.advantage)
-        self.loss_fn = loss_fn or get_policy_loss(self.algo.policy_loss)
+        # names resolve here; functions (and registry entries resolved by the driver) travel by value,
+        # so ones registered in a notebook cell work on workers exactly like the built-ins
+        self.advantage, self.loss = check_algorithm(
+            EMBODIED,
+            advantage_fn or advantage or self.algo.advantage,
+            loss_fn or policy_loss or self.algo.policy_loss,
+        )
         self.batch: dict | None = None
-        if self.cfg.compile:
-            self.model = torch.compile(self.model)
+        self.policy = None
+        if obs_space is not None and act_space is not None:
+            self.bind_spaces(obs_space, act_space)
+
+    def bind_spaces(self, obs_space, act_space) -> dict:
+        """Build the policy and its optimizer for these spaces (once; later calls keep them)."""
+        if self.policy is None:
+            torch.manual_seed(self.seed)  # identical initial weights on every rank
+            self.policy = make_policy(self.policy_spec, obs_space, act_space, self.name).to(self.device)
+            # fused Adam: one kernel for all parameters (the default on CPU loops over tensors in Python)
+            self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.cfg.lr, eps=1e-5, fused=True)
+            self.model = self.policy  # what the train step calls: DDP and/or compiled wrappers of policy
+            if self.cfg.compile:
+                self.model = torch.compile(self.model)
+        return {"policy": type(getattr(self.policy, "module", self.policy)).__name__}
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """Weights for the rollout (a detached CPU copy)."""
@@ -145,39 +211,50 @@ class PPOActor(ActorBase):
 
     # ------------------------------------------------------------------ phases
     def compute_advantages(self) -> dict:
-        """Run the advantage estimator on the current batch."""
-        b = self.batch
-        adv, ret = self.advantage_fn(
+        """Run the advantage estimator on the current batch (every input of the contract it accepts)."""
+        b, algo = self.batch, self.algo
+        advantages, returns = self.advantage(
             rewards=b["rewards"], values=b["values"], dones=b["dones"], last_values=b["last_values"],
-            gamma=self.algo.gamma, gae_lambda=self.algo.gae_lambda,
+            gamma=algo.gamma, gae_lambda=algo.gae_lambda,
         )  # fmt: skip
-        b["advantages"], b["returns"] = adv, ret  # [T, N]
+        for key, x in (("advantages", advantages), ("returns", returns)):
+            if not isinstance(x, torch.Tensor) or x.shape != b["rewards"].shape:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ConfigError(
+                    f"algorithm.advantage {self.advantage.name!r}: expected (advantages, returns) of shape "
+                    f"{tuple(b['rewards'].shape)} ([T, N], like rewards); {key} has {got}",
+                    "algorithm.advantage",
+                )
+        b["advantages"], b["returns"] = advantages, returns  # [T, N]
         return {
-            "advantage_mean": float(adv.mean()),
-            "advantage_std": float(adv.std()),
-            "return_mean": float(ret.mean()),
+            "advantage_mean": float(advantages.mean()),
+            "advantage_std": float(advantages.std()),
+            "return_mean": float(returns.mean()),
         }
 
     def train(self) -> dict:
         """``update_epochs`` passes of ``num_minibatches`` minibatches over the batch; returns mean metrics."""
-        a, b = self.algo, self.batch
+        algo, b = self.algo, self.batch
         if "advantages" not in b:
             self.compute_advantages()
         if self.cfg.anneal_lr:
-            frac = 1.0 - self.step / self.total_steps
+            frac = max(0.0, 1.0 - self.step / self.total_steps)
             for g in self.optimizer.param_groups:
                 g["lr"] = frac * self.cfg.lr
         flat = {
             k: b[k].reshape(-1, *b[k].shape[2:])
             for k in ("obs", "actions", "logprobs", "values", "advantages", "returns")
         }
+        if "prox_logprobs" in self.loss.needs:  # the policy at the start of this update (decoupled PPO)
+            with torch.no_grad():
+                flat["prox_logprobs"] = self.policy(flat["obs"], flat["actions"])[0]
         n = flat["logprobs"].shape[0]  # T * N of this rank
         # each rank takes num_minibatches steps per epoch: DDP then averages gradients over ranks,
         # so a step sees (ranks x mb_size) samples, as one rank would with the whole batch
-        mb_size = max(1, n // a.num_minibatches)
+        mb_size = max(1, n // algo.num_minibatches)
         sums: dict[str, float] = {}
         count, epochs_run = 0, 0
-        for _ in range(a.update_epochs):
+        for _ in range(algo.update_epochs):
             perm = torch.randperm(n, generator=self.generator)
             for start in range(0, n - mb_size + 1, mb_size):
                 idx = perm[start : start + mb_size]
@@ -186,7 +263,7 @@ class PPOActor(ActorBase):
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
             epochs_run += 1
-            if a.target_kl is not None and self._mean_over_ranks(metrics["approx_kl"]) > a.target_kl:
+            if algo.target_kl is not None and self._mean_over_ranks(metrics["approx_kl"]) > algo.target_kl:
                 break
         self.step += 1
         out = {k: v / max(count, 1) for k, v in sums.items()}
@@ -199,20 +276,35 @@ class PPOActor(ActorBase):
         return out
 
     def _train_minibatch(self, mb: dict) -> dict:
-        logprob, entropy, value = self.model(mb["obs"], mb["actions"])  # (M,), (M,), (M,)
-        a = self.algo
-        loss, metrics = self.loss_fn(
-            logprobs=logprob, old_logprobs=mb["logprobs"], advantages=mb["advantages"], values=value,
-            old_values=mb["values"], returns=mb["returns"], entropy=entropy, clip_coef=a.clip_coef,
-            vf_coef=a.vf_coef, ent_coef=a.ent_coef, clip_vloss=a.clip_vloss, norm_adv=a.norm_adv,
+        # every tensor is one minibatch, [M]
+        logprob, entropy, value = self.model(mb["obs"], mb["actions"])
+        algo, loss_fn = self.algo, self.loss
+        advantages = mb["advantages"]
+        full_objective = "values" in loss_fn.needs  # the loss has its own value and entropy terms
+        if not full_objective and algo.norm_adv and advantages.numel() > 1:
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        loss, metrics = loss_fn(
+            logprobs=logprob, old_logprobs=mb["logprobs"], prox_logprobs=mb.get("prox_logprobs"),
+            advantages=advantages, values=value, old_values=mb["values"], returns=mb["returns"],
+            entropy=entropy, clip_coef=algo.clip_coef, clip_coef_high=algo.clip_coef_high,
+            dual_clip=algo.dual_clip, vf_coef=algo.vf_coef, ent_coef=algo.ent_coef,
+            clip_vloss=algo.clip_vloss, norm_adv=algo.norm_adv,
         )  # fmt: skip
+        if not full_objective:  # a policy-only loss: the value head and the entropy bonus are added here
+            v_loss = value_loss(
+                value, mb["values"], mb["returns"], None, algo.clip_coef if algo.clip_vloss else None
+            )
+            ent = entropy_bonus(entropy)
+            metrics = {**metrics, "policy_loss": float(loss.detach()), "value_loss": float(v_loss.detach()),
+                       "entropy": float(ent.detach())}  # fmt: skip
+            loss = loss - algo.ent_coef * ent + algo.vf_coef * v_loss
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"non-finite loss {loss.item()} at training step {self.step}; metrics {metrics}"
             )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), a.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), algo.max_grad_norm)
         self.optimizer.step()
         metrics["loss"] = float(loss.detach())
         return metrics

@@ -1,51 +1,90 @@
 """Env component: vectorised gymnasium envs split into pipeline stages, with episode statistics.
 
-A plain class: use it in-process, or place it with ``rlnb.Group.launch(Env, cluster, ...)``.
+A plain class: use it in-process, or place it with ``Env.launch(cluster, "0", ...)``.
 
 Example:
-    >>> env = Env(EnvConfig(id="CartPole-v1", num_envs=4), seed=1)
+    >>> env = Env(make_env="CartPole-v1", num_envs=4, seed=1)
     >>> obs = env.reset()[0]                         # one array per stage: (num_envs, 4)
     >>> out = env.step(0, np.zeros(4, dtype=np.int64))
 """
 
 from __future__ import annotations
 
-import pickle
-from dataclasses import asdict
+import dataclasses
 
+import cloudpickle
 import numpy as np
 
+from rlnb.components.launch import launcher
 from rlnb.config.schema import EnvConfig
 from rlnb.envs.gym_envs import RunningMeanStd, make_vector_env
+from rlnb.errors import ComponentError, ConfigError, did_you_mean
 from rlnb.runtime.rank import RankInfo
 
 
-def _env_config(cfg) -> EnvConfig:
-    return cfg if isinstance(cfg, EnvConfig) else EnvConfig(**cfg)
+def _env_config(cfg, settings: dict | None = None) -> EnvConfig:
+    cfg = cfg if isinstance(cfg, EnvConfig) else EnvConfig(**(cfg or {}))
+    if settings:
+        names = [f.name for f in dataclasses.fields(EnvConfig)]
+        for key in settings:
+            if key not in names:
+                raise ConfigError(
+                    f"env: unknown setting {key!r}; settings are fields of EnvConfig: {', '.join(names)}."
+                    + did_you_mean(key, names),
+                    key,
+                )
+        cfg = dataclasses.replace(cfg, **settings)
+    if cfg.num_envs % cfg.pipeline_stages:
+        raise ConfigError(
+            f"env.pipeline_stages: {cfg.pipeline_stages} stages must divide env.num_envs={cfg.num_envs}",
+            "pipeline_stages",
+        )
+    return cfg
 
 
 class Env:
     """``num_envs`` environments of one rank, as ``pipeline_stages`` vector envs of equal size.
 
     Args:
-        config: an :class:`rlnb.config.EnvConfig` (or its dict).
+        config: an :class:`rlnb.config.EnvConfig` (or its dict); default ``EnvConfig()``.
         seed: base seed; env ``i`` of rank ``r`` resets with ``seed + 10_000 * r + i``.
         gamma: discount, for reward normalisation.
+        make_env: a registered gymnasium id, or a ``gymnasium.Env`` class or factory (called with
+            ``config.kwargs``) defined anywhere, a notebook cell included; default ``config.id``.
+        **settings: any field of ``EnvConfig`` by name (``num_envs=8``, ``pipeline_stages=2``...).
     """
 
-    def __init__(self, config, seed: int = 0, gamma: float = 0.99, rank_info: RankInfo | None = None):
-        self.cfg = _env_config(config)
+    launch = launcher("env")
+
+    def __init__(
+        self,
+        config=None,
+        seed: int = 0,
+        gamma: float = 0.99,
+        rank_info: RankInfo | None = None,
+        *,
+        make_env=None,
+        **settings,
+    ):
+        if isinstance(make_env, str):
+            settings["id"] = make_env
+            make_env = None
+        self.cfg = _env_config(config, settings)
+        self.make_env = make_env
+        self.name = rank_info.component if rank_info else "env"
         self.rank = rank_info.rank if rank_info else 0
         self.stages = self.cfg.pipeline_stages
         self.per_stage = self.cfg.num_envs // self.stages
         self.seed = seed + 10_000 * self.rank
         self.gamma = gamma
         self.envs = [
-            make_vector_env(self.cfg.id, self.per_stage, self.cfg.vector_mode, self.cfg.kwargs)
+            make_vector_env(make_env or self.cfg.id, self.per_stage, self.cfg.vector_mode, self.cfg.kwargs)
             for _ in range(self.stages)
         ]
         self.observation_space = self.envs[0].single_observation_space
         self.action_space = self.envs[0].single_action_space
+        if make_env is not None:
+            self._check_spaces()
         n = self.cfg.num_envs
         self.obs: list[np.ndarray | None] = [None] * self.stages
         self.ep_return, self.ep_len = np.zeros(n), np.zeros(n, dtype=np.int64)
@@ -54,6 +93,25 @@ class Env:
         self.ret_rms = RunningMeanStd(()) if self.cfg.normalize_reward else None
         self.disc_return = np.zeros(n)
         self.started = False
+
+    def _check_spaces(self) -> None:
+        import gymnasium as gym
+
+        label = getattr(self.make_env, "__name__", type(self.make_env).__name__)
+        if not isinstance(self.observation_space, gym.spaces.Box):
+            raise ComponentError(
+                f"expected a gymnasium.spaces.Box observation space, got {self.observation_space}",
+                self.name, label, "observation_space",
+            )  # fmt: skip
+        if not isinstance(self.action_space, (gym.spaces.Box, gym.spaces.Discrete)):
+            raise ComponentError(
+                f"expected a Discrete or Box action space, got {self.action_space}",
+                self.name, label, "action_space",
+            )  # fmt: skip
+
+    def spec(self) -> dict:
+        """What builds fresh envs like these (for evaluation): ``{"config", "make_env"}``."""
+        return {"config": self.cfg, "make_env": self.make_env}
 
     # ------------------------------------------------------------------ stepping
     def reset(self) -> list[np.ndarray]:
@@ -147,13 +205,16 @@ class Env:
         return self.observation_space, self.action_space
 
     def state_dict(self) -> dict:
-        """Everything needed to continue exactly: the pickled sync vector envs (with their RNGs) and counters."""
+        """Everything needed to continue exactly: the pickled sync vector envs (with their RNGs) and counters.
+
+        Envs are pickled with ``cloudpickle``, so an env class defined in a notebook cell checkpoints too.
+        """
         if self.cfg.vector_mode != "sync":
             raise RuntimeError(
                 "exact env checkpoints need env.vector_mode=sync (async envs live in subprocesses)"
             )
         return {
-            "envs": pickle.dumps(self.envs),
+            "envs": cloudpickle.dumps(self.envs),
             "obs": self.obs,
             "ep_return": self.ep_return,
             "ep_len": self.ep_len,
@@ -162,13 +223,13 @@ class Env:
             "ret_rms": self.ret_rms,
             "disc_return": self.disc_return,
             "started": self.started,
-            "config": asdict(self.cfg),
+            "config": dataclasses.asdict(self.cfg),
         }
 
     def load_state_dict(self, state: dict) -> None:
         for env in self.envs:
             env.close()
-        self.envs = pickle.loads(state["envs"])
+        self.envs = cloudpickle.loads(state["envs"])
         for k in ("obs", "ep_return", "ep_len", "finished", "obs_rms", "ret_rms", "disc_return", "started"):
             setattr(self, k, state[k])
 

@@ -14,11 +14,15 @@ import math
 
 import torch
 
-from rlnb.algorithms import get_advantage, get_policy_loss, get_reward, kl_penalty
+from rlnb.algorithms import kl_penalty
+from rlnb.algorithms.contract import LM, check_algorithm, check_reward
 from rlnb.algorithms.losses import masked_mean
-from rlnb.components.actor import ActorBase
+from rlnb.algorithms.rewards import SafeReward
+from rlnb.components.actor import ActorBase, with_settings
+from rlnb.components.launch import launcher
 from rlnb.components.rollout import RolloutBase, resolve_device
-from rlnb.config.schema import AlgorithmConfig
+from rlnb.config.schema import ActorConfig, AlgorithmConfig
+from rlnb.errors import ConfigError
 from rlnb.models.lm import load_lm, token_logprobs
 from rlnb.runtime.rank import RankInfo, local_peer
 
@@ -34,14 +38,30 @@ def _micro_batches(n: int, size: int):
 
 
 class RewardWorker:
-    """Applies a registered reward (``math``, ``arithmetic``...) to completions; may sit on its own slot."""
+    """Applies a reward to completions; may sit on its own slot or next to the rollout.
+
+    Args:
+        name: a registered reward (``math``, ``arithmetic``...).
+        fn: instead, a function (e.g. defined in a notebook cell) taking some of ``completion``,
+            ``answer`` and ``prompt`` by keyword and returning a float.
+
+    Example:
+        >>> RewardWorker(fn=lambda completion, answer: float(completion.strip() == answer)).score(["4"], ["4"])
+        [1.0]
+    """
+
+    launch = launcher("reward")
 
     def __init__(self, name: str = "arithmetic", fn=None, rank_info: RankInfo | None = None):
-        self.name = name
-        self.fn = fn or get_reward(name)  # fn: resolved by the driver (notebook-registered rewards work)
+        entry = check_reward(fn if fn is not None else name)  # refuses a function the loop cannot call
+        self.name = entry.name
+        self.fn = SafeReward(entry.name, entry)
 
-    def score(self, completions: list[str], answers: list[str]) -> list[float]:
-        return [self.fn(c, a) for c, a in zip(completions, answers)]
+    def score(
+        self, completions: list[str], answers: list[str], prompts: list[str] | None = None
+    ) -> list[float]:
+        prompts = prompts or [None] * len(completions)
+        return [self.fn(c, a, p) for c, a, p in zip(completions, answers, prompts)]
 
     def state_dict(self) -> dict:  # stateless; kept so every component checkpoints the same way
         return {"name": self.name}
@@ -51,13 +71,15 @@ class RewardWorker:
 
 
 class HFRollout(RolloutBase):
-    """Batched sampling with ``transformers`` ``generate``.
+    """Batched sampling with ``transformers`` ``generate``; ``HFRollout.launch(cluster, "0", model_path=...)``.
 
     Args:
         model_path: a ``save_pretrained`` directory.
         max_new_tokens, temperature, top_p: sampling parameters.
         seed: rank ``r`` seeds each call from ``seed + r`` and a call counter (reproducible).
     """
+
+    launch = launcher("rollout")
 
     def __init__(
         self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
@@ -66,6 +88,7 @@ class HFRollout(RolloutBase):
         torch.set_num_threads(torch_threads)
         self.rank = rank_info.rank if rank_info else 0
         self.device = resolve_device(device, rank_info)
+        self.model_path = model_path
         self.model, self.tok = load_lm(model_path, self.device)
         self.model.eval().requires_grad_(False)
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
@@ -135,6 +158,7 @@ class HFRollout(RolloutBase):
         batch, texts = self._generate(prompts, n, greedy=False)
         batch["group_index"] = torch.arange(len(prompts)).repeat_interleave(n)
         batch["answers"] = [a for a in answers for _ in range(n)]
+        batch["prompts"] = [p for p in prompts for _ in range(n)]
         batch["texts"] = texts
         batch["version"] = self.version
         self.batch = batch
@@ -145,9 +169,14 @@ class HFRollout(RolloutBase):
             "response_len_mean": float(lengths.mean()),
         }
         if reward is not None:
-            summary.update(self.set_rewards(local_peer(reward, self.rank).score(texts, batch["answers"])))
+            scores = local_peer(reward, self.rank).score(texts, batch["answers"], batch["prompts"])
+            summary.update(self.set_rewards(scores))
         else:
-            summary["texts"], summary["answers"] = texts, batch["answers"]
+            summary["texts"], summary["answers"], summary["prompts"] = (
+                texts,
+                batch["answers"],
+                batch["prompts"],
+            )
         return summary
 
     def set_rewards(self, rewards: list[float]) -> dict:
@@ -254,15 +283,30 @@ class LMActor(ActorBase):
         algorithm: :class:`rlnb.config.AlgorithmConfig` (advantage, loss, group_size, kl_coef, agg...).
         lr: AdamW learning rate; micro_batch_size: sequences per forward/backward.
         temperature: the rollout's sampling temperature (log-probs are of the same distribution).
+        advantage, policy_loss: registered names or functions; override ``algorithm``'s.
+        **settings: any field of ``AlgorithmConfig`` by name (``group_size=8``, ``kl_coef=0.01``...).
+
+    Advantages and losses get every input of :data:`rlnb.algorithms.contract.LM` they accept. The
+    ``old_logprobs`` a loss gets are the actor's own recomputation of the sampling policy; a loss that
+    also takes ``prox_logprobs`` (decoupled PPO) gets the rollout's behaviour log-probs as
+    ``old_logprobs`` and the recomputation as ``prox_logprobs``. An advantage that takes ``kl``
+    (REINFORCE++) puts the KL to the reference in its returns; otherwise, with ``kl_coef > 0``, the KL
+    is a loss term.
     """
 
+    launch = launcher("actor")
+
     def __init__(
-        self, model_path: str, algorithm, lr: float = 1e-3, micro_batch_size: int = 64, temperature: float = 1.0,
+        self, model_path: str, algorithm=None, lr: float = 1e-3, micro_batch_size: int = 64, temperature: float = 1.0,
         max_grad_norm: float = 1.0, seed: int = 0, device: str = "auto", torch_threads: int = 1,
-        advantage_fn=None, loss_fn=None, rank_info: RankInfo | None = None,
+        advantage_fn=None, loss_fn=None, rank_info: RankInfo | None = None, *, advantage=None, policy_loss=None,
+        **settings,
     ):  # fmt: skip
         torch.set_num_threads(torch_threads)
-        self.algo = algorithm if isinstance(algorithm, AlgorithmConfig) else AlgorithmConfig(**algorithm)
+        algorithm = (
+            algorithm if isinstance(algorithm, AlgorithmConfig) else AlgorithmConfig(**(algorithm or {}))
+        )
+        _, self.algo = with_settings(ActorConfig(), algorithm, settings, "actor")
         self.cfg = None
         self.rank = rank_info.rank if rank_info else 0
         self.world_size = rank_info.world_size if rank_info else 1
@@ -277,10 +321,20 @@ class LMActor(ActorBase):
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=0.0)
         self.generator = torch.Generator().manual_seed(seed + 104729 * (self.rank + 1))
-        self.advantage_fn = advantage_fn or get_advantage(self.algo.advantage)
-        self.loss_fn = loss_fn or get_policy_loss(self.algo.policy_loss)
+        self.advantage, self.loss = check_algorithm(
+            LM,
+            advantage_fn or advantage or self.algo.advantage,
+            loss_fn or policy_loss or self.algo.policy_loss,
+        )
+        # where the KL to the reference goes: into the returns (an advantage taking `kl`) or the loss
+        self.kl_in_advantage = self.ref is not None and (
+            self.advantage.accepts is None or "kl" in self.advantage.accepts
+        )
         self.step = 0
         self.batch: dict | None = None
+
+    def bind_spaces(self, *spaces) -> dict:  # the LM loop has no spaces: the model is built already
+        return {"policy": type(self.policy).__name__}
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.state_dict().items()}
@@ -372,12 +426,23 @@ class LMActor(ActorBase):
         if self.ref is not None:
             b["ref_logprobs"] = self._logprobs(self.ref, b)
         mask = b["response_mask"].float()
-        kwargs = {"rewards": b["rewards"], "response_mask": mask}
-        if a.advantage in ("grpo", "rloo", "reinforce_pp_baseline"):
-            kwargs["group_size"] = a.group_size
-        if a.advantage == "grpo":
-            kwargs["scale"] = a.scale
-        adv, _ = self.advantage_fn(**kwargs)  # [B, L]
+        offered = {
+            "rewards": b["rewards"], "response_mask": mask, "group_size": a.group_size, "scale": a.scale,
+            "kl_coef": a.kl_coef, "gamma": a.gamma,
+        }  # fmt: skip
+        if self.kl_in_advantage:
+            current = b["old_logprobs"] if b["old_logprobs"] is not None else self._logprobs(self.policy, b)
+            offered["kl"] = kl_penalty(current, b["ref_logprobs"], a.kl_estimator) * mask  # [B, L]
+        adv, _ = self.advantage(**offered)
+        if isinstance(adv, torch.Tensor) and adv.shape == b["rewards"].shape:
+            adv = adv[:, None] * mask  # per-sequence advantages, broadcast over response tokens
+        if not isinstance(adv, torch.Tensor) or adv.shape != mask.shape:
+            got = tuple(adv.shape) if isinstance(adv, torch.Tensor) else type(adv).__name__
+            raise ConfigError(
+                f"algorithm.advantage {self.advantage.name!r}: expected advantages of shape {tuple(mask.shape)} "
+                f"([B, L], like response_mask) or {tuple(b['rewards'].shape)} ([B]); got {got}",
+                "algorithm.advantage",
+            )
         b["advantages"] = adv
         out = {"advantage_abs_mean": float(masked_mean(adv.abs(), mask))}
         if b["old_logprobs"] is not None:  # how far the sampler's log-probs are from the actor's
@@ -417,13 +482,15 @@ class LMActor(ActorBase):
             sync = self.world_size > 1 and i < len(micro) - 1
             with self.model.no_sync() if sync else contextlib.nullcontext():
                 logp = token_logprobs(self.model, ids, attn, self.temperature)  # (m, L)
-                old = logp.detach() if b["old_logprobs"] is None else b["old_logprobs"][j].to(self.device)
-                loss, m = self.loss_fn(
-                    logprobs=logp, old_logprobs=old,
-                    advantages=b["advantages"][j].to(self.device), mask=mask, clip_coef=a.clip_coef,
-                    clip_coef_high=a.clip_coef_high, dual_clip=a.dual_clip, agg=a.agg,
+                # the sampling policy as the actor computes it (the proximal policy of decoupled PPO)
+                prox = logp.detach() if b["old_logprobs"] is None else b["old_logprobs"][j].to(self.device)
+                decoupled = "prox_logprobs" in self.loss.needs
+                loss, m = self.loss(
+                    logprobs=logp, old_logprobs=b["logprobs"][j].to(self.device) if decoupled else prox,
+                    prox_logprobs=prox, advantages=b["advantages"][j].to(self.device), mask=mask,
+                    clip_coef=a.clip_coef, clip_coef_high=a.clip_coef_high, dual_clip=a.dual_clip, agg=a.agg,
                 )  # fmt: skip
-                if self.ref is not None:
+                if self.ref is not None and not self.kl_in_advantage:
                     kl = masked_mean(
                         kl_penalty(logp, b["ref_logprobs"][j].to(self.device), a.kl_estimator), mask
                     )

@@ -10,12 +10,13 @@ Batch layout (all tensors, T = steps, N = envs of the rank)::
 
 from __future__ import annotations
 
+import gymnasium as gym
 import numpy as np
 import torch
 
-from rlnb.components.env import Env, _env_config
-from rlnb.config.schema import ModelConfig
-from rlnb.models.policies import build_policy
+from rlnb.components.env import Env
+from rlnb.components.launch import launcher
+from rlnb.models.policies import make_policy
 from rlnb.runtime.rank import RankInfo, local_peer
 
 
@@ -24,10 +25,6 @@ def resolve_device(device: str, rank_info: RankInfo | None) -> torch.device:
     if device == "auto":
         device = rank_info.device if rank_info else ("cuda:0" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def _model_config(cfg) -> ModelConfig:
-    return cfg if isinstance(cfg, ModelConfig) else ModelConfig(**cfg)
 
 
 class _Trajectory:
@@ -82,36 +79,58 @@ class PolicyRollout(RolloutBase):
     """Runs an actor-critic policy: ``act``, ``collect`` (collocated env) or ``serve`` (env over channels).
 
     Args:
-        model: :class:`rlnb.config.ModelConfig` (or dict) of the policy.
-        obs_space, act_space: gymnasium spaces of one env.
+        model: :class:`rlnb.config.ModelConfig` (or dict) of the built-in policy (default ``ModelConfig()``).
+        obs_space, act_space: gymnasium spaces of one env; without them the policy is built by
+            :meth:`bind_spaces`, which a loop calls with its env's spaces.
         gamma: discount, for bootstrapping truncated episodes.
         seed: sampling seed; rank ``r`` uses ``seed + r``.
+        policy: instead of ``model``, an ``nn.Module`` class or factory (see
+            :func:`rlnb.models.make_policy`), e.g. defined in a notebook cell.
+
+    Override :meth:`act` in a subclass to change how actions are chosen (e.g. exploration noise).
     """
+
+    launch = launcher("rollout")
 
     def __init__(
         self,
-        model,
-        obs_space,
-        act_space,
+        model=None,
+        obs_space=None,
+        act_space=None,
         gamma: float = 0.99,
         seed: int = 0,
         torch_threads: int = 1,
         device: str = "auto",
         rank_info: RankInfo | None = None,
+        *,
+        policy=None,
     ):
         torch.set_num_threads(torch_threads)
         self.rank = rank_info.rank if rank_info else 0
+        self.name = rank_info.component if rank_info else "rollout"
         self.device = resolve_device(device, rank_info)
-        self.policy = build_policy(_model_config(model), obs_space, act_space).to(self.device)
-        self.policy.requires_grad_(False)
-        # continuous actions are sampled unbounded (their log-prob is of that sample) and clipped for the env
-        self.low = getattr(act_space, "low", None)
-        self.high = getattr(act_space, "high", None)
+        self.policy_spec = model if policy is None else policy
+        self.policy = None
         self.gamma = gamma
-        self.generator = torch.Generator(self.device).manual_seed(seed + 7919 * (self.rank + 1))
+        self.seed = seed + 7919 * (self.rank + 1)
+        self.generator = torch.Generator(self.device).manual_seed(self.seed)
         self.version = 0
         self.batch: dict | None = None
         self.stage_obs: dict[str, list] = {}  # channel mode: latest obs per env key and stage
+        if obs_space is not None and act_space is not None:
+            self.bind_spaces(obs_space, act_space)
+
+    def bind_spaces(self, obs_space, act_space) -> dict:
+        """Build the policy for these spaces (once; later calls keep it)."""
+        if self.policy is None:
+            self.policy = make_policy(self.policy_spec, obs_space, act_space, self.name).to(self.device)
+            self.policy.requires_grad_(False)
+            torch.manual_seed(self.seed)  # policies sampling from torch.distributions use the global RNG
+        self.discrete = isinstance(act_space, gym.spaces.Discrete)
+        # continuous actions are sampled unbounded (their log-prob is of that sample) and clipped for the env
+        self.low = getattr(act_space, "low", None)
+        self.high = getattr(act_space, "high", None)
+        return {"policy": type(getattr(self.policy, "module", self.policy)).__name__}
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, state_dict: dict, version: int) -> int:
@@ -127,7 +146,7 @@ class PolicyRollout(RolloutBase):
 
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         a = actions.numpy()
-        return np.clip(a, self.low, self.high) if self.low is not None and not self.policy.discrete else a
+        return np.clip(a, self.low, self.high) if self.low is not None and not self.discrete else a
 
     @torch.no_grad()
     def _record_step(self, traj: _Trajectory, stage: int, out: dict):
@@ -211,11 +230,13 @@ class PolicyRollout(RolloutBase):
         }
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, env_config, episodes: int, seed: int) -> dict:
-        """Deterministic episodes on fresh envs; returns ``return_mean``, ``return_std``, ``len_mean``."""
-        cfg = _env_config(env_config)
+    def evaluate(self, env_spec: dict, episodes: int, seed: int) -> dict:
+        """Deterministic episodes on fresh envs built from ``env_spec`` (:meth:`Env.spec`); returns
+        ``return_mean``, ``return_std``, ``len_mean``."""
         n = min(episodes, 8)
-        env = Env(type(cfg)(**{**cfg.__dict__, "num_envs": n, "pipeline_stages": 1}), seed=seed)
+        env = Env(
+            env_spec["config"], seed=seed, make_env=env_spec.get("make_env"), num_envs=n, pipeline_stages=1
+        )
         obs = env.reset()[0]
         returns: list[tuple[float, int]] = []
         while len(returns) < episodes:

@@ -345,6 +345,19 @@ def validate(recipe: Recipe) -> list[str]:
             errs.append(
                 f"{key}: unknown {reg.kind} {value!r}; registered: {', '.join(reg.names())}.{did_you_mean(value, reg.names())}"
             )
+    if all(
+        isinstance(v, str) and v in reg
+        for v, reg in ((a.advantage, ADVANTAGES), (a.policy_loss, POLICY_LOSSES))
+    ):
+        from rlnb.algorithms.contract import EMBODIED, LM, check_algorithm, check_reward
+
+        lm = recipe.rollout.backend in ("hf", "vllm")
+        try:  # a combination the loop cannot serve is refused here, before any worker starts
+            check_algorithm(LM if lm else EMBODIED, a.advantage, a.policy_loss)
+            if lm and recipe.reward.name in REWARDS:
+                check_reward(recipe.reward.name)
+        except ConfigError as err:
+            errs.append(str(err))
     if (
         a.advantage in ("grpo", "rloo", "reinforce_pp_baseline")
         and isinstance(a.group_size, int)

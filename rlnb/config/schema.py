@@ -57,8 +57,8 @@ class AlgorithmConfig:
 
     advantage: str = "gae"
     """Registered advantage estimator: ``gae``, ``grpo``, ``rloo``, ``reinforce_pp``, ..."""
-    policy_loss: str = "actor_critic"
-    """Registered policy loss: ``actor_critic`` (PPO with value head), ``ppo``, ``decoupled_ppo``, ..."""
+    policy_loss: str = "ppo_clip_value_entropy"
+    """Registered policy loss: ``ppo_clip_value_entropy`` (PPO-clip + value loss - entropy bonus; old name ``actor_critic``), ``ppo``, ``decoupled_ppo``, ..."""
     gamma: float = 0.99
     """Discount factor."""
     gae_lambda: float = 0.95

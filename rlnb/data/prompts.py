@@ -94,18 +94,40 @@ def load_qa_file(
         rows = pd.read_parquet(path).to_dict("records")
     else:
         raise ConfigError(f"data.path: expected a .jsonl or .parquet file, got {path.name!r}", "data.path")
+    return problems_from_records(rows, question_key, answer_key, where=f"data.path: {path.name}")
+
+
+def problems_from_records(
+    records, question_key: str = "question", answer_key: str = "answer", where: str = "prompts"
+) -> list[Problem]:
+    """Problems from any iterable of prompt/answer records: dicts, or a ``datasets.Dataset``.
+
+    The question is ``record[question_key]`` (or ``record["prompt"]``); GSM8K-style answers (worked
+    solution then ``#### 72``) keep only the final answer.
+
+    Example:
+        >>> problems_from_records([{"prompt": "2+2=", "answer": "4"}])
+        [Problem(prompt='2+2=', answer='4')]
+    """
     out = []
-    for i, row in enumerate(rows):
-        missing = [k for k in (question_key, answer_key) if k not in row]
-        if missing:
+    for i, row in enumerate(records):
+        if not hasattr(row, "keys"):
             raise ConfigError(
-                f"data.path: row {i} of {path.name} has no {missing} (keys: {sorted(row)})", "data.path"
+                f"{where}: record {i} is a {type(row).__name__}; expected a mapping with "
+                f"{question_key!r} (or 'prompt') and {answer_key!r} keys",
+                "prompts",
             )
+        q_key = question_key if question_key in row else "prompt"
+        missing = [k for k in (q_key, answer_key) if k not in row]
+        if missing:
+            raise ConfigError(f"{where}: record {i} has no {missing} (keys: {sorted(row.keys())})", "prompts")
         answer = str(row[answer_key])
         out.append(
             Problem(
-                str(row[question_key]),
+                str(row[q_key]),
                 answer.rsplit("####", 1)[1].strip() if "####" in answer else answer.strip(),
             )
         )
+    if not out:
+        raise ConfigError(f"{where}: no records", "prompts")
     return out

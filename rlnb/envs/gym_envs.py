@@ -32,17 +32,22 @@ if "rlnb/SlowCartPole-v1" not in gym.registry:
 
 
 def make_vector_env(
-    env_id: str, num_envs: int, mode: str = "sync", kwargs: dict | None = None
+    env_id, num_envs: int, mode: str = "sync", kwargs: dict | None = None
 ) -> gym.vector.VectorEnv:
     """``num_envs`` copies of ``env_id`` in a vector env with ``AutoresetMode.SAME_STEP``.
+
+    ``env_id`` is a registered gymnasium id, or a ``gymnasium.Env`` class or factory called with ``kwargs``.
 
     On the step an episode ends, the returned obs is already the reset obs and the last obs of the
     episode is in ``info["final_obs"]`` (mask ``info["_final_obs"]``). Built from picklable
     ``functools.partial`` factories, so a sync vector env can be pickled into a checkpoint.
     """
-    if env_id.startswith("maniskill:"):
+    if callable(env_id):
+        fns = [functools.partial(env_id, **(kwargs or {})) for _ in range(num_envs)]
+    elif env_id.startswith("maniskill:"):
         return ManiSkillVector(env_id.removeprefix("maniskill:"), num_envs, kwargs)
-    fns = [functools.partial(gym.make, env_id, **(kwargs or {})) for _ in range(num_envs)]
+    else:
+        fns = [functools.partial(gym.make, env_id, **(kwargs or {})) for _ in range(num_envs)]
     if mode == "sync":
         return SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
     return AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP, shared_memory=True)

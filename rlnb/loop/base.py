@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from rlnb.cluster.cluster import Cluster, default_cpu_slots
-from rlnb.cluster.placement import resolve_placement
+from rlnb.cluster.placement import Placement, resolve_placement
 from rlnb.config.loader import load_recipe, to_yaml
 from rlnb.config.schema import Recipe
-from rlnb.errors import ConfigError, PlacementError, RemoteError, RlnbError, WorkerLostError
+from rlnb.errors import ComponentError, ConfigError, PlacementError, RemoteError, RlnbError, WorkerLostError
 from rlnb.metrics import MetricLogger
 from rlnb.runtime.channel import Channel
 from rlnb.runtime.group import Group
@@ -66,6 +66,21 @@ def mean_dicts(dicts: list[dict]) -> dict:
     }
 
 
+def objects_recipe(name: str, seed: int, runner, **sections) -> Recipe:
+    """The recipe of a loop built from launched components: its runner settings, and what the loop
+    reads from its components (filled in when they are composed)."""
+    from rlnb.config.loader import load_recipe
+    from rlnb.config.schema import RunnerConfig
+
+    if runner is None or isinstance(runner, RunnerConfig):
+        runner = runner or RunnerConfig()
+    elif isinstance(runner, dict):
+        runner = load_recipe(None, {f"runner.{k}": v for k, v in runner.items()}).runner
+    else:
+        raise ConfigError(f"runner: expected a RunnerConfig or a dict, got {type(runner).__name__}", "runner")
+    return Recipe(name=name, seed=seed, runner=runner, **sections)
+
+
 class LoopBase:
     """The machinery of a loop; see :class:`rlnb.loop.Loop` and :class:`rlnb.loop.GRPOLoop`.
 
@@ -76,38 +91,51 @@ class LoopBase:
     """
 
     COMPONENTS: tuple[str, ...] = ("rollout", "actor")
+    ROLE_METHODS: dict[str, tuple[str, ...]] = {}  # what the loop calls on each role's component
+    ROLE_BASES: dict[str, str] = {}  # the built-in class to subclass for each role
     SUMMARY_KEYS: tuple[str, ...] = ()  # metrics shown by _repr_html_ and the progress bar (first one)
 
-    def __init__(self, recipe: Recipe, cluster: Cluster | None = None, run_dir: str | Path | None = None):
+    def __init__(
+        self,
+        recipe: Recipe,
+        cluster: Cluster | None = None,
+        run_dir: str | Path | None = None,
+        components: dict[str, Group] | None = None,
+    ):
         t0 = time.perf_counter()
         self.recipe = recipe
         c = recipe.cluster
         comps = self.COMPONENTS
-        if (
-            cluster is None
-        ):  # check the placement against the cluster we are about to start, before starting it
+        self.built_from_objects = components is not None
+        self.cluster = None
+        self._own_cluster = False
+        self.groups: dict[str, Group] = {}
+        self.channels: dict[str, Channel] = {}
+        self.logger = None
+        if components is not None:
+            cluster = self._adopt(components)
+        elif cluster is None:
+            # check the placement against the cluster we are about to start, before starting it
             if c.address is None:
                 resolve_placement(
                     c.component_placement, c.slots or default_cpu_slots(), required=comps, known=comps
                 )
             cluster = Cluster(c.address, slots=c.slots)
             self._own_cluster = True
-        else:
-            self._own_cluster = False
         self.cluster = cluster
-        self.groups: dict[str, Group] = {}
-        self.channels: dict[str, Channel] = {}
-        self.logger = None
         try:
-            self.placement = cluster.place(c.component_placement, required=comps, known=comps)
-            for dev in (recipe.actor.device, recipe.rollout.device):
-                cluster.check_device(dev)
-            self._check_rank_counts()
+            if components is None:
+                self.placement = cluster.place(c.component_placement, required=comps, known=comps)
+                for dev in (recipe.actor.device, recipe.rollout.device):
+                    cluster.check_device(dev)
+                self._check_rank_counts()
             self.run_dir = Path(run_dir or recipe.runner.run_dir or default_run_dir(recipe.name))
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "recipe.yaml").write_text(to_yaml(recipe))
             self._prepare()
-            self._launch()
+            if components is None:
+                self._launch()
+            self._compose()
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "recipe.yaml").write_text(to_yaml(self.recipe))
         except BaseException:
             self.close()
             raise
@@ -116,11 +144,62 @@ class LoopBase:
         self._pending: dict[str, float] = {}
         self._stop = False
         self.logger = MetricLogger(
-            self.run_dir, recipe.runner.tensorboard, recipe.runner.wandb_project, asdict(recipe)
+            self.run_dir, recipe.runner.tensorboard, recipe.runner.wandb_project, asdict(self.recipe)
         )
         self.startup_s = time.perf_counter() - t0
         if recipe.runner.resume:
             self.load_checkpoint(recipe.runner.resume)
+
+    def _adopt(self, components: dict) -> Cluster:
+        """Take groups launched by the user (``Env.launch(...)``...): check each is a launched group of a
+        class with the methods its role needs, on one cluster, under distinct names."""
+        names = {}
+        for role in self.COMPONENTS:
+            group = components.get(role)
+            if group is None:
+                raise ConfigError(
+                    f"{type(self).__name__}: missing component {role!r}; pass {role}=<Cls>.launch(cluster, slots, ...)",
+                    role,
+                )
+            if not isinstance(group, Group):
+                raise ComponentError(
+                    f"expected a launched group (e.g. {role}=PolicyRollout.launch(cluster, '0', ...)), "
+                    f"got {type(group).__name__}; rlnb.launch(MyClass, cluster, slots, ...) places a class of your own",
+                    role, type(group).__name__, role,
+                )  # fmt: skip
+            missing = [
+                m for m in self.ROLE_METHODS.get(role, ()) if not callable(getattr(group.cls, m, None))
+            ]
+            if missing:
+                raise ComponentError(
+                    f"lacks method(s) {', '.join(missing)} that the {role} of {type(self).__name__} calls; "
+                    f"subclass the built-in {self.ROLE_BASES.get(role, role)} and override what you change",
+                    group.name, group.cls.__name__, missing[0],
+                )  # fmt: skip
+            if group.name in names:
+                raise ConfigError(
+                    f"{role} and {names[group.name]} are both named {group.name!r}; launch one with name=...",
+                    role,
+                )
+            names[group.name] = role
+        clusters = {id(g.cluster) for g in components.values()}
+        if len(clusters) > 1:
+            raise ConfigError("components were launched on different clusters; use one cluster", "cluster")
+        self.groups = {role: components[role] for role in self.COMPONENTS}
+        self.placement = Placement({role: tuple(i.slot for i in g.infos) for role, g in self.groups.items()})
+        return next(iter(components.values())).cluster
+
+    def _bind_checked(self, results) -> list:
+        """Results of set-up calls on the user's components; a :class:`ComponentError` raised on a worker
+        is raised here as itself (it names the component, the object and what does not fit)."""
+        try:
+            return [r.result() for r in results]
+        except RemoteError as e:
+            if isinstance(e.__cause__, ComponentError):
+                raise e.__cause__ from None
+            if isinstance(e.__cause__, ConfigError):
+                raise ConfigError(f"{e.component}: {e.__cause__}", e.__cause__.key) from None
+            raise
 
     @classmethod
     def from_recipe(cls, recipe, overrides=None, cluster: Cluster | None = None, run_dir=None):
@@ -149,6 +228,11 @@ class LoopBase:
         """Driver-side set-up before the components start (data, model files...)."""
 
     def _launch(self) -> None:
+        """Recipe path: launch each component through its public ``launch`` into ``self.groups``."""
+        raise NotImplementedError
+
+    def _compose(self) -> None:
+        """Wire launched components into this loop (both paths): spaces, process groups, channels."""
         raise NotImplementedError
 
     def _reset_state(self) -> None:
@@ -184,7 +268,7 @@ class LoopBase:
         p = self.placement
         self.batch_local = p["rollout"] == p["actor"]  # batches and weights move in-process
         if not self.batch_local:
-            timeout = self.recipe.cluster.call_timeout_s
+            timeout = self.groups["actor"].call_timeout_s
             self.channels["batches"] = Channel.create(
                 self.cluster, "batches", slot=p["actor"][0], timeout_s=timeout
             )
@@ -208,7 +292,7 @@ class LoopBase:
         actor, rollout = self.groups["actor"], self.groups["rollout"]
         if self.batch_local:
             rollout.call_each(
-                "load_from_local_actor", [("actor", r, self.step) for r in rollout.ranks]
+                "load_from_local_actor", [(actor.name, r, self.step) for r in rollout.ranks]
             ).result()
         else:
             ch = self.channels["weights"]
@@ -222,7 +306,7 @@ class LoopBase:
         rollout, actor = self.groups["rollout"], self.groups["actor"]
         n_act = actor.world_size
         if self.batch_local:
-            actor.call_each("take_local_batches", [("rollout", [a]) for a in actor.ranks]).result()
+            actor.call_each("take_local_batches", [(rollout.name, [a]) for a in actor.ranks]).result()
             return
         ch = self.channels["batches"]
         sent = rollout.call_each("put_batch", [(ch, f"b{k}") for k in rollout.ranks])
@@ -482,13 +566,18 @@ class LoopBase:
 
         Returns the step the loop continues from.
         """
+        old = dict(self.groups)
         self._free_components()
         self.cluster.refresh(timeout_s)
-        c = self.recipe.cluster
-        self.placement = self.cluster.place(
-            c.component_placement, required=self.COMPONENTS, known=self.COMPONENTS
-        )
-        self._launch()
+        if self.built_from_objects:  # the same classes and arguments, on the same slots
+            self.groups = {role: g.relaunch() for role, g in old.items()}
+        else:
+            c = self.recipe.cluster
+            self.placement = self.cluster.place(
+                c.component_placement, required=self.COMPONENTS, known=self.COMPONENTS
+            )
+            self._launch()
+        self._compose()
         self.step, self._pending = 0, {}
         self._reset_state()
         if complete_checkpoints(self.run_dir):

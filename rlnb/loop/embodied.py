@@ -8,20 +8,26 @@ Example (one phase per notebook cell):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
-from dataclasses import asdict
 
 import numpy as np
 
-from rlnb.algorithms import get_advantage, get_policy_loss
+from rlnb.algorithms.contract import EMBODIED, check_algorithm
 from rlnb.components.actor import PPOActor
 from rlnb.components.env import Env
 from rlnb.components.rollout import PolicyRollout
+from rlnb.config.schema import AlgorithmConfig, Recipe, RolloutConfig
 from rlnb.errors import ConfigError, PlacementError
-from rlnb.loop.base import CheckpointError, LoopBase, TrainingDivergedError, complete_checkpoints
+from rlnb.loop.base import (
+    CheckpointError,
+    LoopBase,
+    TrainingDivergedError,
+    complete_checkpoints,
+    objects_recipe,
+)
 from rlnb.runtime.channel import Channel
-from rlnb.runtime.group import Group
 
 EPISODE_WINDOW = 20  # episode statistics over the last 20 finished training episodes, as SB3 reports them
 
@@ -33,13 +39,37 @@ class Loop(LoopBase):
     path); otherwise observations and actions flow through channels, with ``env.pipeline_stages``
     stages interleaved. Actor and rollout on the same slots swap weights and batches in-process.
 
+    Build it from a recipe (``Loop.from_recipe("ppo_cartpole")``) or from components you launched::
+
+        env = rlnb.Env.launch(cluster, "0", make_env=MyEnv, num_envs=8)
+        rollout = rlnb.PolicyRollout.launch(cluster, "0", policy=MyPolicy)
+        actor = rlnb.PPOActor.launch(cluster, "0", policy=MyPolicy, advantage="gae", lr=1e-3)
+        loop = rlnb.Loop(env=env, rollout=rollout, actor=actor, steps_per_rollout=64)
+
+    The recipe path launches the same classes through the same ``launch`` calls.
+
     Args:
-        recipe: a validated :class:`rlnb.config.Recipe`.
+        recipe: a validated :class:`rlnb.config.Recipe` (the recipe path).
         cluster: a :class:`rlnb.Cluster`; ``None`` starts one from ``recipe.cluster`` (and closes it on ``close()``).
         run_dir: where metrics and checkpoints go (default ``recipe.runner.run_dir`` or ``runs/<name>-<time>``).
+        env, rollout, actor: launched groups (the objects path); the loop owns them from then on
+            (``close()`` shuts them down). Subclasses of the built-ins, or classes with the same methods.
+        steps_per_rollout: objects path: env steps per env per training step (T).
+        runner: objects path: a :class:`rlnb.config.RunnerConfig` (or dict): steps, checkpoints, stop_return...
+        name: objects path: the run's name (run directory, views).
+        seed: objects path: seed of evaluation episodes.
     """
 
     COMPONENTS = ("env", "rollout", "actor")
+    ROLE_METHODS = {
+        "env": ("spaces", "spec", "run", "pop_episodes", "current_obs", "step", "state_dict", "load_state_dict"),
+        "rollout": ("bind_spaces", "collect", "serve", "load_weights", "load_from_local_actor",
+                    "load_from_channel", "put_batch", "take_batch", "evaluate", "sample"),
+        "actor": ("bind_spaces", "describe", "set_batch", "take_local_batches", "take_channel_batches",
+                  "compute_advantages", "train", "policy_state", "publish_weights", "set_total_steps",
+                  "state_dict", "load_state_dict"),
+    }  # fmt: skip
+    ROLE_BASES = {"env": "rlnb.Env", "rollout": "rlnb.PolicyRollout", "actor": "rlnb.PPOActor"}
     SUMMARY_KEYS = (
         "env/episode_return_mean",
         "train/policy_loss",
@@ -47,6 +77,39 @@ class Loop(LoopBase):
         "train/approx_kl",
         "rollout/steps_per_s",
     )
+
+    def __init__(
+        self,
+        recipe: Recipe | None = None,
+        cluster=None,
+        run_dir=None,
+        *,
+        env=None,
+        rollout=None,
+        actor=None,
+        steps_per_rollout: int = 128,
+        runner=None,
+        name: str = "custom",
+        seed: int = 1,
+    ):
+        components = {"env": env, "rollout": rollout, "actor": actor}
+        if recipe is None:
+            if all(c is None for c in components.values()):
+                raise ConfigError(
+                    "Loop: pass a recipe (Loop.from_recipe('ppo_cartpole')) or env=, rollout=, actor= "
+                    "groups (Env.launch(cluster, '0', ...)...)",
+                    "recipe",
+                )
+            recipe = objects_recipe(
+                name, seed, runner, rollout=RolloutConfig(steps_per_rollout=steps_per_rollout)
+            )
+            super().__init__(recipe, None, run_dir, components=components)
+        elif any(c is not None for c in components.values()):
+            raise ConfigError(
+                "Loop: pass either a recipe or env=, rollout=, actor= groups, not both", "recipe"
+            )
+        else:
+            super().__init__(recipe, cluster, run_dir)
 
     # ------------------------------------------------------------------ set-up
     def _check_rank_counts(self) -> None:
@@ -66,34 +129,48 @@ class Loop(LoopBase):
             )  # fmt: skip
 
     def _launch(self) -> None:
-        r, cl = self.recipe, self.cluster
-        p = self.placement
+        """The recipe path: the same public ``launch`` calls a notebook makes."""
+        r, cl, p = self.recipe, self.cluster, self.placement
         timeout = r.cluster.call_timeout_s
-        self.env_local = p["env"] == p["rollout"]  # the rollout steps its env rank in-process
-        self.groups["env"] = env = Group.launch(
-            Env, cl, p["env"], kwargs={"config": asdict(r.env), "seed": r.seed, "gamma": r.algorithm.gamma},
-            name="env", call_timeout_s=timeout,
+        self.groups["env"] = Env.launch(
+            cl, p["env"], config=r.env, seed=r.seed, gamma=r.algorithm.gamma, call_timeout_s=timeout
+        )
+        self.groups["rollout"] = PolicyRollout.launch(
+            cl, p["rollout"], model=r.actor.model, gamma=r.algorithm.gamma, seed=r.seed,
+            torch_threads=r.actor.torch_threads, device=r.rollout.device, call_timeout_s=timeout,
         )  # fmt: skip
+        # registry entries resolved here travel by value: ones registered in a notebook cell work too
+        advantage, loss = check_algorithm(EMBODIED, r.algorithm.advantage, r.algorithm.policy_loss)
+        self.groups["actor"] = PPOActor.launch(
+            cl, p["actor"], actor=r.actor, algorithm=r.algorithm, total_steps=r.runner.steps, seed=r.seed,
+            advantage=advantage, policy_loss=loss, call_timeout_s=timeout,
+        )  # fmt: skip
+
+    def _compose(self) -> None:
+        env, rollout, actor = (self.groups[k] for k in self.COMPONENTS)
+        p = self.placement
         obs_space, act_space = env.on(0).spaces().result()[0]
-        self.groups["rollout"] = Group.launch(
-            PolicyRollout, cl, p["rollout"], name="rollout", call_timeout_s=timeout,
-            kwargs={"model": asdict(r.actor.model), "obs_space": obs_space, "act_space": act_space,
-                    "gamma": r.algorithm.gamma, "seed": r.seed, "torch_threads": r.actor.torch_threads,
-                    "device": r.rollout.device},
-        )  # fmt: skip
-        self.groups["actor"] = actor = Group.launch(
-            PPOActor, cl, p["actor"], name="actor", call_timeout_s=timeout,
-            kwargs={"actor": asdict(r.actor), "algorithm": asdict(r.algorithm), "obs_space": obs_space,
-                    "act_space": act_space, "total_steps": r.runner.steps, "seed": r.seed,
-                    "advantage_fn": get_advantage(r.algorithm.advantage), "loss_fn": get_policy_loss(r.algorithm.policy_loss)},
-        )  # fmt: skip
+        self.env_spec = env.on(0).spec().result()[0]
+        self._bind_checked(
+            [rollout.bind_spaces(obs_space, act_space), actor.bind_spaces(obs_space, act_space)]
+        )
+        if self.built_from_objects:  # the recipe records what the components were built with
+            described = actor.on(0).describe().result()[0]
+            algorithm = AlgorithmConfig(**described["algorithm"])
+            algorithm.advantage, algorithm.policy_loss = described["advantage"], described["policy_loss"]
+            self.recipe = dataclasses.replace(self.recipe, env=self.env_spec["config"], algorithm=algorithm)
+            self.recipe.cluster.component_placement = {k: ",".join(map(str, v)) for k, v in p.slots.items()}
+            self._check_rank_counts()
+            actor.set_total_steps(self.recipe.runner.steps).result()
+        timeout = actor.call_timeout_s
+        self.env_local = p["env"] == p["rollout"]  # the rollout steps its env rank in-process
         if actor.world_size > 1:
             actor.init_process_group(timeout_s=min(timeout, 300))
             actor.setup_data_parallel().result()
         if not self.env_local:
             slot = p["rollout"][0]  # on the rollout's worker: its gets/puts skip the network
-            self.channels["obs"] = Channel.create(cl, "obs", slot=slot, timeout_s=timeout)
-            self.channels["actions"] = Channel.create(cl, "actions", slot=slot, timeout_s=timeout)
+            self.channels["obs"] = Channel.create(self.cluster, "obs", slot=slot, timeout_s=timeout)
+            self.channels["actions"] = Channel.create(self.cluster, "actions", slot=slot, timeout_s=timeout)
         self._launch_links()
 
     def _reset_state(self) -> None:
@@ -115,12 +192,12 @@ class Loop(LoopBase):
         T = r.rollout.steps_per_rollout
         env, rollout = self.groups["env"], self.groups["rollout"]
         if self.env_local and self.batch_local:  # the fast path: one call per rank does it all
-            summaries = rollout.collect(T, "env", "actor").result()
+            summaries = rollout.collect(T, env.name, self.groups["actor"].name).result()
             for s in summaries:
                 self.episodes.extend(s.pop("episodes"))
         else:
             if self.env_local:
-                summaries = rollout.collect(T, "env").result()
+                summaries = rollout.collect(T, env.name).result()
             else:
                 obs_ch, act_ch = self.channels["obs"], self.channels["actions"]
                 n_roll = rollout.world_size
@@ -162,10 +239,7 @@ class Loop(LoopBase):
         self._sync()  # evaluate the current weights
         n = episodes or self.recipe.runner.eval_episodes
         res = (
-            self.groups["rollout"]
-            .on(0)
-            .evaluate(asdict(self.recipe.env), n, self.recipe.seed + 1_000_003)
-            .result()[0]
+            self.groups["rollout"].on(0).evaluate(self.env_spec, n, self.recipe.seed + 1_000_003).result()[0]
         )
         record = {f"eval/{k}": v for k, v in res.items()}
         record["time/eval_s"] = time.perf_counter() - t0

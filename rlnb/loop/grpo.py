@@ -8,15 +8,17 @@ Example (one phase per notebook cell):
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
-from dataclasses import asdict
 from pathlib import Path
 
+from rlnb.algorithms.contract import LM, check_algorithm, check_reward
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
-from rlnb.data.prompts import ArithmeticTask, Problem, load_qa_file
-from rlnb.errors import PlacementError
-from rlnb.loop.base import LoopBase
+from rlnb.config.schema import AlgorithmConfig, DataConfig, Recipe, RolloutConfig
+from rlnb.data.prompts import ArithmeticTask, Problem, load_qa_file, problems_from_records
+from rlnb.errors import ComponentError, ConfigError, PlacementError
+from rlnb.loop.base import LoopBase, objects_recipe
 from rlnb.models.lm import build_tiny_lm
 from rlnb.runtime.group import Group
 
@@ -45,9 +47,36 @@ class _FileTask:
 
 class GRPOLoop(LoopBase):
     """GRPO for language models, phase by phase: ``sft()``, then ``sync_weights()`` -> ``rollout()``
-    (generate + reward) -> ``advantages()`` -> ``train()``; ``evaluate()`` reports held-out accuracy."""
+    (generate + reward) -> ``advantages()`` -> ``train()``; ``evaluate()`` reports held-out accuracy.
+
+    Build it from a recipe (``GRPOLoop.from_recipe("grpo_arith")``) or from components you launched::
+
+        rollout = HFRollout.launch(cluster, "0", model_path="models/tiny", max_new_tokens=8)
+        actor = LMActor.launch(cluster, "1", model_path="models/tiny", group_size=8, advantage="grpo")
+        loop = GRPOLoop(rollout=rollout, actor=actor, reward=my_reward, prompts=records)
+
+    Args:
+        recipe, cluster, run_dir: the recipe path, as :class:`rlnb.loop.Loop`.
+        rollout, actor: launched groups (the objects path); the loop owns them from then on.
+        reward: a launched reward group, or a function / registered reward name, then placed on the
+            rollout's slots and scored next to it.
+        prompts: prompt/answer records (dicts with ``prompt`` or ``question`` and ``answer``), or a
+            ``datasets.Dataset`` of them; ``held_out_frac`` of them are held out for ``evaluate()``.
+        prompts_per_step, eval_size, held_out_frac: as ``data.*`` in a recipe.
+        runner, name, seed: as for :class:`rlnb.loop.Loop`.
+    """
 
     COMPONENTS = ("rollout", "actor", "reward")
+    ROLE_METHODS = {
+        "rollout": ("generate", "set_rewards", "complete", "load_weights", "load_from_local_actor",
+                    "load_from_channel", "put_batch", "take_batch", "offload"),
+        "actor": ("describe", "sft", "set_batch", "take_local_batches", "take_channel_batches",
+                  "compute_advantages", "train", "policy_state", "publish_weights", "export_hf",
+                  "state_dict", "load_state_dict"),
+        "reward": ("score", "state_dict", "load_state_dict"),
+    }  # fmt: skip
+    ROLE_BASES = {"rollout": "rlnb.components.HFRollout", "actor": "rlnb.components.LMActor",
+                  "reward": "rlnb.components.RewardWorker"}  # fmt: skip
     SUMMARY_KEYS = (
         "reward/accuracy",
         "eval/accuracy",
@@ -55,6 +84,58 @@ class GRPOLoop(LoopBase):
         "train/clip_frac",
         "rollout/tokens_per_s",
     )
+
+    def __init__(
+        self,
+        recipe: Recipe | None = None,
+        cluster=None,
+        run_dir=None,
+        *,
+        rollout=None,
+        actor=None,
+        reward=None,
+        prompts=None,
+        prompts_per_step: int = 16,
+        eval_size: int = 200,
+        held_out_frac: float = 0.2,
+        runner=None,
+        name: str = "custom",
+        seed: int = 1,
+    ):
+        self._prompts = prompts
+        if recipe is not None:
+            if any(c is not None for c in (rollout, actor, reward, prompts)):
+                raise ConfigError(
+                    "GRPOLoop: pass either a recipe or rollout=, actor=, reward=, prompts=", "recipe"
+                )
+            super().__init__(recipe, cluster, run_dir)
+            return
+        if rollout is None or actor is None or reward is None or prompts is None:
+            raise ConfigError(
+                "GRPOLoop: pass a recipe (GRPOLoop.from_recipe('grpo_arith')) or rollout=, actor=, reward= "
+                "and prompts=",
+                "recipe",
+            )
+        if not isinstance(reward, Group):  # a function or a registered name: score next to the rollout
+            fn, reward_name = (None, reward) if isinstance(reward, str) else (reward, "custom")
+            slots = tuple(i.slot for i in rollout.infos) if isinstance(rollout, Group) else "0"
+            cl = rollout.cluster if isinstance(rollout, Group) else None
+            if cl is None:
+                raise ComponentError(
+                    "expected a launched group", "rollout", type(rollout).__name__, "rollout"
+                )
+            reward = RewardWorker.launch(
+                cl, slots, name="reward", fn=fn, **({"name": reward_name} if fn is None else {})
+            )
+        data = DataConfig(prompts_per_step=prompts_per_step, eval_size=eval_size, held_out_frac=held_out_frac)
+        recipe = objects_recipe(name, seed, runner, data=data, rollout=RolloutConfig(backend="hf"))
+        try:
+            super().__init__(
+                recipe, None, run_dir, components={"rollout": rollout, "actor": actor, "reward": reward}
+            )
+        except BaseException:
+            reward.shutdown()  # launched here for this loop (a no-op if the loop's close() freed it)
+            raise
 
     # ------------------------------------------------------------------ set-up
     def _check_rank_counts(self) -> None:
@@ -69,18 +150,22 @@ class GRPOLoop(LoopBase):
 
     def _prepare(self) -> None:
         r = self.recipe
+        d = r.data
+        if self.built_from_objects:
+            self.task = _FileTask(problems_from_records(self._prompts), d.held_out_frac, r.seed)
+            return
         path = Path(r.actor.model_path).resolve()
         if not (path / "config.json").exists():  # validated already: build_if_missing is on
             t = r.actor.tiny_lm
             build_tiny_lm(path, t.hidden_size, t.num_layers, t.num_heads, t.arch, seed=r.seed)
         self.model_path = str(path)
-        d = r.data
         if d.task == "arithmetic":
             self.task = ArithmeticTask(d.max_operand, d.ops, d.held_out_frac, seed=r.seed)
         else:
             self.task = _FileTask(load_qa_file(d.path, d.question_key, d.answer_key), d.held_out_frac, r.seed)
 
     def _launch(self) -> None:
+        """The recipe path: the same public ``launch`` calls a notebook makes."""
         r, cl, p = self.recipe, self.cluster, self.placement
         timeout = r.cluster.call_timeout_s
         ro = r.rollout
@@ -89,28 +174,34 @@ class GRPOLoop(LoopBase):
             if ro.backend == "vllm"
             else (HFRollout, {})
         )
-        self.groups["rollout"] = Group.launch(
-            rollout_cls, cl, p["rollout"], name="rollout", call_timeout_s=timeout,
-            kwargs={"model_path": self.model_path, "max_new_tokens": ro.max_new_tokens, "temperature": ro.temperature,
-                    "top_p": ro.top_p, "seed": r.seed, "device": ro.device, "torch_threads": r.actor.torch_threads, **extra},
+        self.groups["rollout"] = rollout_cls.launch(
+            cl, p["rollout"], call_timeout_s=timeout, model_path=self.model_path, max_new_tokens=ro.max_new_tokens,
+            temperature=ro.temperature, top_p=ro.top_p, seed=r.seed, device=ro.device,
+            torch_threads=r.actor.torch_threads, **extra,
         )  # fmt: skip
-        self.groups["actor"] = actor = Group.launch(
-            LMActor, cl, p["actor"], name="actor", call_timeout_s=timeout,
-            kwargs={"model_path": self.model_path, "algorithm": asdict(r.algorithm), "lr": r.actor.lr,
-                    "micro_batch_size": r.actor.micro_batch_size, "temperature": ro.temperature,
-                    "max_grad_norm": r.algorithm.max_grad_norm, "seed": r.seed, "device": r.actor.device,
-                    "torch_threads": r.actor.torch_threads},
+        # registry entries resolved here travel by value: ones registered in a notebook cell work too
+        advantage, loss = check_algorithm(LM, r.algorithm.advantage, r.algorithm.policy_loss)
+        self.groups["actor"] = LMActor.launch(
+            cl, p["actor"], call_timeout_s=timeout, model_path=self.model_path, algorithm=r.algorithm,
+            lr=r.actor.lr, micro_batch_size=r.actor.micro_batch_size, temperature=ro.temperature,
+            max_grad_norm=r.algorithm.max_grad_norm, seed=r.seed, device=r.actor.device,
+            torch_threads=r.actor.torch_threads, advantage=advantage, policy_loss=loss,
         )  # fmt: skip
-        self.groups["reward"] = Group.launch(
-            RewardWorker,
-            cl,
-            p["reward"],
-            name="reward",
-            kwargs={"name": r.reward.name},
-            call_timeout_s=timeout,
+        self.groups["reward"] = RewardWorker.launch(
+            cl, p["reward"], call_timeout_s=timeout, fn=check_reward(r.reward.name)
         )
+
+    def _compose(self) -> None:
+        actor, p = self.groups["actor"], self.placement
+        if self.built_from_objects:  # the recipe records what the components were built with
+            described = actor.on(0).describe().result()[0]
+            algorithm = AlgorithmConfig(**described["algorithm"])
+            algorithm.advantage, algorithm.policy_loss = described["advantage"], described["policy_loss"]
+            self.recipe = dataclasses.replace(self.recipe, algorithm=algorithm)
+            self.recipe.cluster.component_placement = {k: ",".join(map(str, v)) for k, v in p.slots.items()}
+            self._check_rank_counts()
         if actor.world_size > 1:
-            actor.init_process_group(timeout_s=min(timeout, 300))
+            actor.init_process_group(timeout_s=min(actor.call_timeout_s, 300))
             actor.setup_data_parallel().result()
         self.reward_local = p["reward"] == p["rollout"]
         self._launch_links()
@@ -168,14 +259,17 @@ class GRPOLoop(LoopBase):
         G = r.algorithm.group_size
         if self.reward_local:  # score in-process next to the rollout
             summaries = rollout.call_each(
-                "generate", [([p.prompt for p in s], [p.answer for p in s], G, "reward") for s in shards]
+                "generate", [([p.prompt for p in s], [p.answer for p in s], G, reward.name) for s in shards]
             ).result()
         else:
             summaries = rollout.call_each(
                 "generate", [([p.prompt for p in s], [p.answer for p in s], G) for s in shards]
             ).result()
             n_rew = reward.world_size
-            scored = [reward.on(k % n_rew).score(s["texts"], s["answers"]) for k, s in enumerate(summaries)]
+            scored = [
+                reward.on(k % n_rew).score(s["texts"], s["answers"], s["prompts"])
+                for k, s in enumerate(summaries)
+            ]
             stats = rollout.call_each("set_rewards", [(res.result()[0],) for res in scored]).result()
             for s, st in zip(summaries, stats):
                 s.update(st)
@@ -205,7 +299,12 @@ class GRPOLoop(LoopBase):
             ).result()
             for t in part
         ]
-        scores = self.groups["reward"].on(0).score(texts, [p.answer for p in problems]).result()[0]
+        scores = (
+            self.groups["reward"]
+            .on(0)
+            .score(texts, [p.answer for p in problems], [p.prompt for p in problems])
+            .result()[0]
+        )
         record = {
             "eval/accuracy": sum(1.0 for s in scores if s >= 1.0) / len(scores),
             "eval/reward_mean": sum(scores) / len(scores),

@@ -156,3 +156,140 @@ def build_policy(model_cfg, obs_space: gym.Space, act_space: gym.Space) -> Actor
         model_cfg.activation,
         model_cfg.shared_trunk,
     )
+
+
+class DistributionPolicy(nn.Module):
+    """Adapts a module whose ``forward(obs)`` returns ``(distribution, value [B])`` to the actor-critic
+    contract rlnb's rollout and actor call (``act``, ``value``, ``forward(obs, actions)``).
+
+    ``distribution`` is any ``torch.distributions.Distribution`` over one action per row (``Categorical``
+    for discrete actions, ``Normal`` with ``[B, act_dim]`` parameters for continuous ones); log-probs and
+    entropies over extra action dimensions are summed. Sampling uses torch's global RNG, seeded per rank.
+    """
+
+    def __init__(self, module: nn.Module, act_space: gym.Space):
+        super().__init__()
+        self.module = module
+        self.discrete = isinstance(act_space, gym.spaces.Discrete)
+
+    @staticmethod
+    def _per_row(x: torch.Tensor) -> torch.Tensor:  # (B, ...) -> (B,)
+        return x.sum(dim=tuple(range(1, x.dim()))) if x.dim() > 1 else x
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.module(obs)[1].reshape(-1)
+
+    def act(self, obs: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = False):
+        dist, value = self.module(obs)
+        actions = dist.mode if deterministic else dist.sample()
+        return actions, self._per_row(dist.log_prob(actions)), value.reshape(-1)
+
+    def forward(self, obs: torch.Tensor, actions: torch.Tensor):
+        dist, value = self.module(obs)
+        if self.discrete:
+            actions = actions.long()
+        return self._per_row(dist.log_prob(actions)), self._per_row(dist.entropy()), value.reshape(-1)
+
+
+def make_policy(policy, obs_space: gym.Space, act_space: gym.Space, component: str = "policy") -> nn.Module:
+    """The policy module a rollout or actor runs, from what a user gave.
+
+    Args:
+        policy: ``None`` or a :class:`rlnb.config.ModelConfig` (or its dict): the built-in MLP/CNN
+            :class:`ActorCritic`; an ``nn.Module`` class or a factory called as
+            ``policy(obs_space, act_space)``; or an ``nn.Module`` instance (copied to each rank).
+            A module with ``act``/``value``/``forward(obs, actions)`` is used as is (the
+            :class:`ActorCritic` contract); one whose ``forward(obs)`` returns ``(distribution, value)``
+            is wrapped in :class:`DistributionPolicy`.
+        component: the component building it, named in errors.
+
+    Raises:
+        ComponentError: naming the object and what does not fit, checked on a sample observation.
+    """
+    from rlnb.config.schema import ModelConfig
+    from rlnb.errors import ComponentError
+
+    if policy is None or isinstance(policy, (ModelConfig, dict)):
+        cfg = policy if isinstance(policy, ModelConfig) else ModelConfig(**(policy or {}))
+        return build_policy(cfg, obs_space, act_space)
+    label = getattr(policy, "__name__", type(policy).__name__)
+    if isinstance(policy, nn.Module):
+        module = policy
+    elif callable(policy):
+        try:
+            module = policy(obs_space, act_space)
+        except TypeError as e:
+            raise ComponentError(
+                f"expected an nn.Module class or factory called as policy(obs_space, act_space), "
+                f"which raised TypeError: {e}",
+                component, label, "__init__",
+            ) from e  # fmt: skip
+    else:
+        raise ComponentError(
+            f"expected an nn.Module class, factory or instance, or a ModelConfig, got {type(policy).__name__}",
+            component, label, "policy",
+        )  # fmt: skip
+    if not isinstance(module, nn.Module):
+        raise ComponentError(
+            f"expected policy(obs_space, act_space) to return an nn.Module, got {type(module).__name__}",
+            component, label, "__call__",
+        )  # fmt: skip
+    if not all(callable(getattr(module, m, None)) for m in ("act", "value")):
+        module = DistributionPolicy(module, act_space)
+    check_policy(module, obs_space, act_space, component, label)
+    return module
+
+
+def check_policy(module: nn.Module, obs_space: gym.Space, act_space: gym.Space, component: str, label: str):
+    """Run a policy on two sample observations and check every output's type and shape."""
+    from rlnb.errors import ComponentError
+
+    obs = torch.as_tensor(np.stack([obs_space.sample(), obs_space.sample()]))
+    if obs.dtype == torch.float64:
+        obs = obs.float()
+    wrapped = isinstance(module, DistributionPolicy)
+    act_shape = () if isinstance(act_space, gym.spaces.Discrete) else tuple(act_space.shape)
+
+    def fail(member: str, expected: str, got) -> None:
+        raise ComponentError(f"expected {expected}, got {got}", component, label, member)
+
+    def shape_of(x):
+        return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+    with torch.no_grad():
+        if wrapped:
+            try:
+                out = module.module(obs)
+            except Exception as e:
+                fail("forward", f"forward(obs [B, {', '.join(map(str, obs_space.shape))}]) to run", repr(e))
+            if not (isinstance(out, tuple) and len(out) == 2):
+                fail("forward", "(distribution, value [B]) from forward(obs)", type(out).__name__)
+            if not isinstance(out[0], torch.distributions.Distribution):
+                fail(
+                    "forward", "a torch.distributions.Distribution as the first output", type(out[0]).__name__
+                )
+            if not isinstance(out[1], torch.Tensor) or out[1].reshape(-1).shape != (2,):
+                fail("forward", "value [B] (or [B, 1]) as the second output, B=2", shape_of(out[1]))
+        try:
+            actions, logprob, value = module.act(obs)
+        except Exception as e:
+            fail("act", "act(obs) -> (actions, logprob [B], value [B])", repr(e))
+        if not isinstance(actions, torch.Tensor) or tuple(actions.shape) != (2, *act_shape):
+            fail(
+                "act",
+                f"actions of shape {(2, *act_shape)} for the action space {act_space}",
+                shape_of(actions),
+            )
+        for what, x in (("logprob", logprob), ("value", value)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (2,):
+                fail("act", f"{what} of shape (2,)", shape_of(x))
+        out = module(obs, actions)
+        if not (isinstance(out, tuple) and len(out) == 3):
+            fail(
+                "forward",
+                "(logprob [B], entropy [B], value [B]) from forward(obs, actions)",
+                type(out).__name__,
+            )
+        for what, x in zip(("logprob", "entropy", "value"), out):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (2,):
+                fail("forward", f"{what} of shape (2,)", shape_of(x))

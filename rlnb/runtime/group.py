@@ -285,11 +285,20 @@ class Group:
                     f"could not start: {e}", name, info.rank, info.address, "__init__"
                 ) from None
         group = cls(name, cluster, component_cls, hosts, infos, call_timeout_s)
+        group._launch_spec = {
+            "component_cls": component_cls, "cluster": cluster, "placement": slots, "args": args,
+            "kwargs": kwargs, "rank_kwargs": rank_kwargs, "name": name, "call_timeout_s": call_timeout_s,
+            "start_timeout_s": start_timeout_s,
+        }  # fmt: skip
         ready = group._raw("ready", (), {}, group._ranks, label="__init__").result(start_timeout_s)
         group._links = _direct_links([r["direct"] for r in ready])
         for info in infos:
             cluster._register(info.slot, f"{name}[{info.rank}]")
         return group
+
+    def relaunch(self) -> Group:
+        """A new group of the same class, arguments, slots and name (after a lost worker was replaced)."""
+        return type(self).launch(**self._launch_spec)
 
     # ------------------------------------------------------------------ calls
     def __getattr__(self, method: str):
