@@ -13,6 +13,7 @@ Example (in-process; ``PPOActor.launch(cluster, "1", ...)`` places the same on a
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 
@@ -23,7 +24,7 @@ from rlnb.components.rollout import resolve_device
 from rlnb.config.schema import ActorConfig, AlgorithmConfig
 from rlnb.errors import ConfigError, did_you_mean
 from rlnb.models.policies import make_policy
-from rlnb.runtime.rank import RankInfo, local_peer
+from rlnb.runtime.rank import RankInfo, current_rank, local_peer
 
 
 def with_settings(actor: ActorConfig, algorithm: AlgorithmConfig, settings: dict, owner: str):
@@ -49,6 +50,31 @@ class ActorBase:
     ``self.device``, ``self.cfg`` (an :class:`ActorConfig`), ``world_size``, ``optimizer``,
     ``generator``, ``step``, and implements ``policy_state()`` and ``set_batch(batches)``.
     """
+
+    CONTRACT = EMBODIED  # what this actor offers the algorithm registries
+    DEFAULT_ALGORITHM: dict = {}  # AlgorithmConfig fields that differ for this actor when none is given
+
+    @classmethod
+    def algorithm_config(cls, algorithm) -> AlgorithmConfig:
+        """``algorithm`` (an :class:`AlgorithmConfig`, a dict or ``None``) as a config, with this actor's defaults."""
+        if isinstance(algorithm, AlgorithmConfig):
+            return algorithm
+        return AlgorithmConfig(**{**cls.DEFAULT_ALGORITHM, **(algorithm or {})})
+
+    @classmethod
+    def prepare_launch(cls, kwargs: dict) -> dict:
+        """On the driver, before launch: resolve the advantage and policy loss into registry entries,
+        which travel by value (so ones registered in a notebook cell reach the workers), and refuse a
+        combination this actor cannot serve before anything starts."""
+        kwargs = dict(kwargs)
+        algorithm = cls.algorithm_config(kwargs.get("algorithm"))
+        params = inspect.signature(cls).parameters
+        settings = {k: v for k, v in kwargs.items() if k not in params}
+        with_settings(ActorConfig(), algorithm, settings, "actor")  # unknown names refused here
+        advantage = kwargs.pop("advantage_fn", None) or kwargs.get("advantage") or algorithm.advantage
+        loss = kwargs.pop("loss_fn", None) or kwargs.get("policy_loss") or algorithm.policy_loss
+        kwargs["advantage"], kwargs["policy_loss"] = check_algorithm(cls.CONTRACT, advantage, loss)
+        return kwargs
 
     def setup_data_parallel(self) -> str:
         """Wrap the policy in DDP over the default process group (call after ``init_process_group``)."""
@@ -157,10 +183,9 @@ class PPOActor(ActorBase):
         policy_loss=None,
         **settings,
     ):
+        rank_info = rank_info or current_rank()  # subclasses need not pass it on
         actor = actor if isinstance(actor, ActorConfig) else ActorConfig(**(actor or {}))
-        algorithm = (
-            algorithm if isinstance(algorithm, AlgorithmConfig) else AlgorithmConfig(**(algorithm or {}))
-        )
+        algorithm = self.algorithm_config(algorithm)
         self.cfg, self.algo = with_settings(actor, algorithm, settings, "actor")
         torch.set_num_threads(self.cfg.torch_threads)
         self.rank = rank_info.rank if rank_info else 0
@@ -175,7 +200,7 @@ class PPOActor(ActorBase):
         # names resolve here; functions (and registry entries resolved by the driver) travel by value,
         # so ones registered in a notebook cell work on workers exactly like the built-ins
         self.advantage, self.loss = check_algorithm(
-            EMBODIED,
+            self.CONTRACT,
             advantage_fn or advantage or self.algo.advantage,
             loss_fn or policy_loss or self.algo.policy_loss,
         )

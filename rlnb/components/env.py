@@ -19,7 +19,7 @@ from rlnb.components.launch import launcher
 from rlnb.config.schema import EnvConfig
 from rlnb.envs.gym_envs import RunningMeanStd, make_vector_env
 from rlnb.errors import ComponentError, ConfigError, did_you_mean
-from rlnb.runtime.rank import RankInfo
+from rlnb.runtime.rank import RankInfo, current_rank
 
 
 def _env_config(cfg, settings: dict | None = None) -> EnvConfig:
@@ -66,6 +66,7 @@ class Env:
         make_env=None,
         **settings,
     ):
+        rank_info = rank_info or current_rank()  # subclasses need not pass it on
         if isinstance(make_env, str):
             settings["id"] = make_env
             make_env = None
@@ -93,6 +94,16 @@ class Env:
         self.ret_rms = RunningMeanStd(()) if self.cfg.normalize_reward else None
         self.disc_return = np.zeros(n)
         self.started = False
+
+    @classmethod
+    def prepare_launch(cls, kwargs: dict) -> dict:
+        """On the driver, before launch: refuse unknown settings and a bad ``pipeline_stages``."""
+        named = {"config", "seed", "gamma", "make_env"}
+        settings = {k: v for k, v in kwargs.items() if k not in named}
+        if isinstance(kwargs.get("make_env"), str):
+            settings["id"] = kwargs["make_env"]
+        _env_config(kwargs.get("config"), settings)
+        return kwargs
 
     def _check_spaces(self) -> None:
         import gymnasium as gym

@@ -76,6 +76,9 @@ def launch(
 
     name = name or cls.__name__.lower()
     check_arguments(cls, (), kwargs, name)
+    prepare = getattr(cls, "prepare_launch", None)  # a component's own driver-side resolution
+    if prepare is not None:
+        kwargs = prepare(kwargs)
     return Group.launch(
         cls,
         cluster,

@@ -21,10 +21,10 @@ from rlnb.algorithms.rewards import SafeReward
 from rlnb.components.actor import ActorBase, with_settings
 from rlnb.components.launch import launcher
 from rlnb.components.rollout import RolloutBase, resolve_device
-from rlnb.config.schema import ActorConfig, AlgorithmConfig
+from rlnb.config.schema import ActorConfig
 from rlnb.errors import ConfigError
 from rlnb.models.lm import load_lm, token_logprobs
-from rlnb.runtime.rank import RankInfo, local_peer
+from rlnb.runtime.rank import RankInfo, current_rank, local_peer
 
 
 def _pad_left(rows: list[list[int]], pad: int) -> torch.Tensor:
@@ -43,7 +43,8 @@ class RewardWorker:
     Args:
         name: a registered reward (``math``, ``arithmetic``...).
         fn: instead, a function (e.g. defined in a notebook cell) taking some of ``completion``,
-            ``answer`` and ``prompt`` by keyword and returning a float.
+            ``answer`` and ``prompt`` by keyword and returning a float, or a registered name
+            (``RewardWorker.launch(cluster, "0", fn="math")``).
 
     Example:
         >>> RewardWorker(fn=lambda completion, answer: float(completion.strip() == answer)).score(["4"], ["4"])
@@ -51,6 +52,13 @@ class RewardWorker:
     """
 
     launch = launcher("reward")
+
+    @classmethod
+    def prepare_launch(cls, kwargs: dict) -> dict:
+        """On the driver: resolve the reward into a registry entry (travels by value) or refuse it."""
+        kwargs = dict(kwargs)
+        kwargs["fn"] = check_reward(kwargs.get("fn") or kwargs.get("name", "arithmetic"))
+        return kwargs
 
     def __init__(self, name: str = "arithmetic", fn=None, rank_info: RankInfo | None = None):
         entry = check_reward(fn if fn is not None else name)  # refuses a function the loop cannot call
@@ -85,6 +93,7 @@ class HFRollout(RolloutBase):
         self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
         device: str = "auto", torch_threads: int = 1, rank_info: RankInfo | None = None,
     ):  # fmt: skip
+        rank_info = rank_info or current_rank()  # subclasses need not pass it on
         torch.set_num_threads(torch_threads)
         self.rank = rank_info.rank if rank_info else 0
         self.device = resolve_device(device, rank_info)
@@ -214,6 +223,7 @@ class VLLMRollout(HFRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
         device: str = "auto", torch_threads: int = 1, gpu_memory_utilization: float = 0.3,
         rank_info: RankInfo | None = None,
     ):  # fmt: skip
+        rank_info = rank_info or current_rank()  # subclasses need not pass it on
         from transformers import AutoTokenizer
         from vllm import LLM
 
@@ -295,6 +305,8 @@ class LMActor(ActorBase):
     """
 
     launch = launcher("actor")
+    CONTRACT = LM
+    DEFAULT_ALGORITHM = {"advantage": "grpo", "policy_loss": "ppo"}
 
     def __init__(
         self, model_path: str, algorithm=None, lr: float = 1e-3, micro_batch_size: int = 64, temperature: float = 1.0,
@@ -302,10 +314,9 @@ class LMActor(ActorBase):
         advantage_fn=None, loss_fn=None, rank_info: RankInfo | None = None, *, advantage=None, policy_loss=None,
         **settings,
     ):  # fmt: skip
+        rank_info = rank_info or current_rank()  # subclasses need not pass it on
         torch.set_num_threads(torch_threads)
-        algorithm = (
-            algorithm if isinstance(algorithm, AlgorithmConfig) else AlgorithmConfig(**(algorithm or {}))
-        )
+        algorithm = self.algorithm_config(algorithm)
         _, self.algo = with_settings(ActorConfig(), algorithm, settings, "actor")
         self.cfg = None
         self.rank = rank_info.rank if rank_info else 0
@@ -322,7 +333,7 @@ class LMActor(ActorBase):
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=0.0)
         self.generator = torch.Generator().manual_seed(seed + 104729 * (self.rank + 1))
         self.advantage, self.loss = check_algorithm(
-            LM,
+            self.CONTRACT,
             advantage_fn or advantage or self.algo.advantage,
             loss_fn or policy_loss or self.algo.policy_loss,
         )

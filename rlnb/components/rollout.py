@@ -17,7 +17,7 @@ import torch
 from rlnb.components.env import Env
 from rlnb.components.launch import launcher
 from rlnb.models.policies import make_policy
-from rlnb.runtime.rank import RankInfo, local_peer
+from rlnb.runtime.rank import RankInfo, current_rank, local_peer
 
 
 def resolve_device(device: str, rank_info: RankInfo | None) -> torch.device:
@@ -105,6 +105,7 @@ class PolicyRollout(RolloutBase):
         *,
         policy=None,
     ):
+        rank_info = rank_info or current_rank()  # subclasses need not pass it on
         torch.set_num_threads(torch_threads)
         self.rank = rank_info.rank if rank_info else 0
         self.name = rank_info.component if rank_info else "rollout"

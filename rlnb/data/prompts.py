@@ -94,11 +94,15 @@ def load_qa_file(
         rows = pd.read_parquet(path).to_dict("records")
     else:
         raise ConfigError(f"data.path: expected a .jsonl or .parquet file, got {path.name!r}", "data.path")
-    return problems_from_records(rows, question_key, answer_key, where=f"data.path: {path.name}")
+    return problems_from_records(rows, question_key, answer_key, key="data.path", source=path.name)
 
 
 def problems_from_records(
-    records, question_key: str = "question", answer_key: str = "answer", where: str = "prompts"
+    records,
+    question_key: str = "question",
+    answer_key: str = "answer",
+    key: str = "prompts",
+    source: str = "the records",
 ) -> list[Problem]:
     """Problems from any iterable of prompt/answer records: dicts, or a ``datasets.Dataset``.
 
@@ -113,14 +117,16 @@ def problems_from_records(
     for i, row in enumerate(records):
         if not hasattr(row, "keys"):
             raise ConfigError(
-                f"{where}: record {i} is a {type(row).__name__}; expected a mapping with "
+                f"{key}: row {i} of {source} is a {type(row).__name__}; expected a mapping with "
                 f"{question_key!r} (or 'prompt') and {answer_key!r} keys",
-                "prompts",
+                key,
             )
-        q_key = question_key if question_key in row else "prompt"
+        q_key = "prompt" if question_key not in row and "prompt" in row else question_key
         missing = [k for k in (q_key, answer_key) if k not in row]
         if missing:
-            raise ConfigError(f"{where}: record {i} has no {missing} (keys: {sorted(row.keys())})", "prompts")
+            raise ConfigError(
+                f"{key}: row {i} of {source} has no {missing} (keys: {sorted(row.keys())})", key
+            )
         answer = str(row[answer_key])
         out.append(
             Problem(
@@ -129,5 +135,5 @@ def problems_from_records(
             )
         )
     if not out:
-        raise ConfigError(f"{where}: no records", "prompts")
+        raise ConfigError(f"{key}: {source} hold no rows", key)
     return out

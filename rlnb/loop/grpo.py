@@ -117,16 +117,12 @@ class GRPOLoop(LoopBase):
                 "recipe",
             )
         if not isinstance(reward, Group):  # a function or a registered name: score next to the rollout
-            fn, reward_name = (None, reward) if isinstance(reward, str) else (reward, "custom")
-            slots = tuple(i.slot for i in rollout.infos) if isinstance(rollout, Group) else "0"
-            cl = rollout.cluster if isinstance(rollout, Group) else None
-            if cl is None:
+            if not isinstance(rollout, Group):
                 raise ComponentError(
                     "expected a launched group", "rollout", type(rollout).__name__, "rollout"
                 )
-            reward = RewardWorker.launch(
-                cl, slots, name="reward", fn=fn, **({"name": reward_name} if fn is None else {})
-            )
+            slots = tuple(i.slot for i in rollout.infos)
+            reward = RewardWorker.launch(rollout.cluster, slots, fn=reward)
         data = DataConfig(prompts_per_step=prompts_per_step, eval_size=eval_size, held_out_frac=held_out_frac)
         recipe = objects_recipe(name, seed, runner, data=data, rollout=RolloutConfig(backend="hf"))
         try:
