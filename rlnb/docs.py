@@ -57,19 +57,38 @@ def recipe_reference() -> str:
 def algorithm_reference() -> str:
     """Markdown: every registered advantage, policy loss and reward with its docstring."""
     from rlnb.algorithms import ADVANTAGES, POLICY_LOSSES, REWARDS, kl_penalty
+    from rlnb.algorithms.contract import EMBODIED, LM
 
     lines = [
         "# Algorithm reference",
         "",
-        "Generated from the registries (`rlnb/algorithms/`). Names are case-insensitive.",
+        "Generated from the registries (`rlnb/algorithms/`). Names are case-insensitive. Each entry lists",
+        "the inputs it needs and the loops that serve it (see *The algorithm contract* in Concepts).",
         "",
     ]
+    kinds = {"advantage": "advantage_inputs", "policy loss": "loss_inputs", "reward": "reward_inputs"}
     for title, reg in (("Advantages", ADVANTAGES), ("Policy losses", POLICY_LOSSES), ("Rewards", REWARDS)):
         lines.extend([f"## {title}", ""])
         for name in reg.names():
-            fn = reg.get(name)
-            sig = str(inspect.signature(fn)).replace("*", "\\*")
-            lines.extend([f"### `{name}`", "", f"`{fn.__name__}{sig}`", "", inspect.getdoc(fn) or "", ""])
+            entry = reg.entry(name)
+            sig = str(inspect.signature(entry.fn)).replace("*", "\\*")
+            loops = [c.name for c in (EMBODIED, LM) if entry.serves(getattr(c, kinds[reg.kind]), c.layout)]
+            aliases = reg.aliases(name)
+            meta = f"Needs: {', '.join(sorted(entry.needs)) or '(nothing)'}. Served by: {', '.join(loops) or 'no loop'}."
+            if aliases:
+                meta += f" Also named: {', '.join(aliases)}."
+            lines.extend(
+                [
+                    f"### `{name}`",
+                    "",
+                    f"`{entry.fn.__name__}{sig}`",
+                    "",
+                    meta,
+                    "",
+                    inspect.getdoc(entry.fn) or "",
+                    "",
+                ]
+            )
     lines.extend(
         [
             "## KL estimators",

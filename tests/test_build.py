@@ -149,6 +149,38 @@ def test_lm_every_served_combination_trains_one_step_on_workers(cluster, tmp_pat
                 assert "train/behave_weight_mean" in record
 
 
+# ---------------------------------------------------------------------------- continuous actions
+class GaussianPolicy(nn.Module):
+    """A continuous policy in the simplest contract: forward(obs) -> (Normal over [B, act_dim], value [B])."""
+
+    def __init__(self, obs_space, act_space):
+        super().__init__()
+        n, k = obs_space.shape[0], act_space.shape[0]
+        self.mean = nn.Sequential(nn.Linear(n, 32), nn.Tanh(), nn.Linear(32, k))
+        self.log_std = nn.Parameter(torch.zeros(k))
+        self.v = nn.Linear(n, 1)
+
+    def forward(self, obs):
+        return torch.distributions.Normal(self.mean(obs), self.log_std.exp()), self.v(obs).squeeze(-1)
+
+
+def test_continuous_policy_module_trains_and_evaluates_on_workers(cluster, tmp_path):
+    env = Env.launch(cluster, "0", make_env="Pendulum-v1", num_envs=4)
+    rollout = PolicyRollout.launch(cluster, "1", policy=GaussianPolicy)
+    actor = PPOActor.launch(cluster, "1", policy=GaussianPolicy, num_minibatches=2)
+    with Loop(
+        env=env, rollout=rollout, actor=actor, steps_per_rollout=16, runner=NO_TB, run_dir=tmp_path
+    ) as loop:
+        assert loop.mode == "hybrid" and set(loop.channels) >= {"obs", "actions"}
+        before = loop.groups["actor"].policy_state().result()[0]["module.log_std"].clone()
+        record = loop.step_once()
+        after = loop.groups["actor"].policy_state().result()[0]["module.log_std"]
+        assert np.isfinite(record["train/loss"]) and not torch.equal(before, after)  # it trained
+        sample = loop.sample(2)
+        assert sample["actions"].shape == (2, 4, 1) and sample["logprobs"].shape == (2, 4)
+        assert np.isfinite(loop.evaluate(2)["eval/return_mean"])  # deterministic: the Normal's mode
+
+
 # ---------------------------------------------------------------------------- user objects that do not fit
 class NoValue(nn.Module):
     def __init__(self, obs_space, act_space):

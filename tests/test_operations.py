@@ -150,6 +150,24 @@ def test_lost_worker_raises_then_recover_continues(own_cluster, tmp_path):
         loop.close()
 
 
+def test_loop_built_from_objects_recovers_by_relaunching_its_components(own_cluster, tmp_path):
+    from rlnb.components import Env, PolicyRollout, PPOActor
+
+    env = Env.launch(own_cluster, "1", make_env="CartPole-v1", num_envs=4, name="my-env")
+    rollout = PolicyRollout.launch(own_cluster, "1", name="my-rollout")
+    actor = PPOActor.launch(own_cluster, "0", name="my-actor", lr=1e-3, num_minibatches=2)
+    runner = {"steps": 5, "save_interval": 2, "max_restarts": 1, "tensorboard": False}
+    with Loop(
+        env=env, rollout=rollout, actor=actor, steps_per_rollout=16, runner=runner, run_dir=tmp_path
+    ) as loop:
+        address = own_cluster.slots[1].address
+        _kill_when(loop, 3, slot=1)
+        loop.run(progress=False)
+        assert loop.step == 5 and own_cluster.slots[1].address != address  # a restart happened
+        assert loop.groups["env"].name == "my-env" and loop.groups["env"].infos[0].address != address
+        assert (tmp_path / "checkpoints" / "step_000004" / "my-actor_rank0.pt").exists()
+
+
 def test_max_restarts_recovers_automatically(own_cluster, tmp_path):
     overrides = ["runner.steps=6", "runner.save_interval=1", "runner.max_restarts=1", "runner.stop_return=100000",
                  *QUIET, "cluster.component_placement={'actor,rollout,env': 0}"]  # fmt: skip

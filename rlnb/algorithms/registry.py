@@ -146,6 +146,11 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._items)
 
+    def aliases(self, name: str) -> list[str]:
+        """Other names of the entry registered as ``name`` (old names kept after a rename)."""
+        key = self._resolve(name)
+        return sorted(a for a, target in self._aliases.items() if target == key)
+
     def serving(self, available: Iterable[str], layout: str) -> list[str]:
         """Names of the entries a loop offering ``available`` inputs in ``layout`` can call."""
         available = set(available)
