@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import threading
 
 from rlnb.algorithms.registry import Registry
 
@@ -89,22 +90,44 @@ def _normalise(ans: str) -> str:
     return ans.strip("$ ").rstrip(".")
 
 
+MATH_MAX_ANSWER_CHARS = 200
+"""Final answers longer than this score 0.0 without being parsed (bounds sympy's work)."""
+MATH_TIMEOUT_S = 5.0
+"""A comparison still running after this many seconds scores 0.0."""
+
+
 @register_reward("math")
 def math_reward(completion: str, answer: str) -> float:
     """1.0 if the completion's final answer equals ``answer`` mathematically (via ``math-verify``).
 
     ``0.5``, ``1/2`` and ``\\frac{1}{2}`` agree, as do ``2x+1`` and ``1+2x``, ``1,000`` and ``1000``.
-    """
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+    Rewards run on worker threads, where ``math-verify``'s default ``signal.alarm`` timeouts raise (and
+    every completion would score 0.0), so its timeouts are off and the work is bounded here instead:
+    answers over :data:`MATH_MAX_ANSWER_CHARS` characters score 0.0, and so does a comparison still
+    running after :data:`MATH_TIMEOUT_S` seconds (on a helper thread, which is left to finish).
+    """
     pred = extract_answer(completion)
     if pred is None:
         return 0.0
     gold_text = extract_answer(answer) if ("\\boxed" in answer or "####" in answer) else answer
+    if gold_text is None or max(len(pred), len(gold_text)) > MATH_MAX_ANSWER_CHARS:
+        return 0.0
+    result: list[float] = []
+    worker = threading.Thread(target=lambda: result.append(_math_equal(gold_text, pred)), daemon=True)
+    worker.start()
+    worker.join(MATH_TIMEOUT_S)
+    return result[0] if result else 0.0
+
+
+def _math_equal(gold_text: str, pred: str) -> float:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
     config = [LatexExtractionConfig(), ExprExtractionConfig()]
-    gold = parse(f"${_normalise(gold_text)}$", extraction_config=config)
-    guess = parse(f"${_normalise(pred)}$", extraction_config=config)
-    return 1.0 if gold and guess and verify(gold, guess) else 0.0
+    # parsing_timeout/timeout_seconds None: no signal.alarm, which only works on the main thread
+    gold = parse(f"${_normalise(gold_text)}$", extraction_config=config, parsing_timeout=None)
+    guess = parse(f"${_normalise(pred)}$", extraction_config=config, parsing_timeout=None)
+    return 1.0 if gold and guess and verify(gold, guess, timeout_seconds=None) else 0.0
 
 
 _LEADING_INT = re.compile(r"^\s*(-?\d+)")
