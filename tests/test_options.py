@@ -2,8 +2,6 @@
 
 import json
 
-import pytest
-
 import rlnb
 from rlnb.loop import GRPOLoop
 from tests.test_lm import GRPO_SMALL
