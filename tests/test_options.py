@@ -1,10 +1,16 @@
 """Advertised options exercised where they really run: on Dask workers, through the loop or the CLI."""
 
 import json
+import subprocess
+import sys
+
+import pytest
 
 import rlnb
-from rlnb.loop import GRPOLoop
+from rlnb.loop import GRPOLoop, Loop, complete_checkpoints
 from tests.test_lm import GRPO_SMALL
+
+RLNB = [sys.executable, "-m", "rlnb.cli"]
 
 
 def test_math_reward_scores_on_a_worker_thread(cluster):
@@ -30,3 +36,37 @@ def test_grpo_with_the_math_reward_on_a_boxed_jsonl(cluster, tmp_path):
         accuracy = [r["eval/accuracy"] for r in loop.history if "eval/accuracy" in r]
         rewards = [r["reward/mean"] for r in loop.history if "reward/mean" in r]
     assert accuracy[0] > 0.2 and max(rewards) > 0.2, (accuracy, rewards, loop.last_samples)
+
+
+def test_async_vector_envs_run_on_workers_through_the_cli(tmp_path):
+    """Dask's workers are daemonic by default: AsyncVectorEnv could not start its subprocesses there."""
+    out = subprocess.run(
+        [*RLNB, "run", "ppo_cartpole", "env.vector_mode=async", "env.num_envs=2", "runner.steps=2",
+         "runner.tensorboard=false", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert complete_checkpoints(tmp_path / "run")  # saved at the end, without pickling subprocess envs
+    with Loop.resume(tmp_path / "run", overrides=["runner.steps=3"]) as loop:
+        assert loop.step == 2
+        loop.run(progress=False)
+        assert loop.step == 3
+
+
+def test_daemonic_remote_workers_are_refused_for_child_processes(tmp_path):
+    import dask
+    from distributed import LocalCluster
+
+    with dask.config.set({"distributed.worker.daemon": True}):
+        local = LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None)
+    try:
+        with rlnb.Cluster(local.scheduler_address) as cluster:
+            assert cluster.slots[0].daemonic
+            with pytest.raises(
+                rlnb.ClusterError,
+                match=r"env.vector_mode=async .* slot\(s\) \[0\] are daemonic.*DASK_DISTRIBUTED__WORKER__DAEMON=False",
+            ):
+                Loop.from_recipe("ppo_cartpole", ["env.vector_mode=async"], cluster=cluster, run_dir=tmp_path)
+            assert not cluster.placed_on(0)  # refused before anything was launched
+    finally:
+        local.close()

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from rlnb.cluster.placement import Placement, resolve_placement
 from rlnb.errors import ClusterError
 
+log = logging.getLogger("rlnb")
+
 # Worker resources that describe capacity, not a node group.
 _CAPACITY_RESOURCES = {"GPU", "CPU", "MEMORY", "gpu", "cpu", "memory", "TPU"}
 
@@ -31,6 +33,8 @@ class Slot:
         pid: the worker process id.
         memory_limit_bytes: the worker's memory limit (0 = none).
         gpu_name: the GPU model, if any.
+        daemonic: the worker process is daemonic, so code on it cannot start child processes
+            (gymnasium's ``AsyncVectorEnv``, a vLLM engine).
     """
 
     rank: int
@@ -41,6 +45,7 @@ class Slot:
     pid: int = 0
     memory_limit_bytes: int = 0
     gpu_name: str = ""
+    daemonic: bool = False
 
     @property
     def host(self) -> str:
@@ -50,7 +55,15 @@ class Slot:
 
 def _probe_worker() -> dict:
     """Runs on each worker: what device it has."""
-    info = {"hostname": socket.gethostname(), "pid": os.getpid(), "gpus": 0, "gpu_name": ""}
+    import multiprocessing
+
+    info = {
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "gpus": 0,
+        "gpu_name": "",
+        "daemonic": multiprocessing.current_process().daemon,
+    }
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return info
@@ -144,6 +157,14 @@ class Cluster:
                     "Start workers with `dask worker ADDRESS` (or `dask cuda worker ADDRESS` on GPU nodes)."
                 ) from None
         self.slots: list[Slot] = self._discover_slots()
+        daemonic = [s.rank for s in self.slots if s.daemonic]
+        if daemonic and self._local is None:
+            log.warning(
+                "slot(s) %s run in daemonic worker processes, which cannot start child processes "
+                "(env.vector_mode=async, vLLM); start those workers with DASK_DISTRIBUTED__WORKER__DAEMON=False "
+                "in their environment (or the dask config distributed.worker.daemon: false)",
+                daemonic,
+            )
         if gpus is True and not self.has_gpus:
             self.close()
             raise ClusterError(
@@ -153,6 +174,11 @@ class Cluster:
     # ------------------------------------------------------------------ start-up
     @staticmethod
     def _start_local(slots, gpus, dashboard_address):
+        import dask
+
+        # Non-daemonic worker processes, so components can start children (AsyncVectorEnv, a vLLM
+        # engine). Dask's Nanny reads this each time it (re)starts a worker, so it is set for the process.
+        dask.config.set({"distributed.worker.daemon": False})
         n_gpus = _count_gpus()[0] if gpus in ("auto", True) else 0
         if gpus is True and n_gpus == 0:
             raise ClusterError("Cluster(gpus=True): this machine has no GPU visible to NVML")
@@ -199,6 +225,7 @@ class Cluster:
                 pid=probe.get("pid", 0),
                 memory_limit_bytes=int(w.get("memory_limit") or 0),
                 gpu_name=probe.get("gpu_name", ""),
+                daemonic=bool(probe.get("daemonic", False)),
             )
             for i, (host, _o, addr, w, probe, groups) in enumerate(rows)
         ]
@@ -258,6 +285,16 @@ class Cluster:
     def place(self, spec, required=(), known=None) -> Placement:
         """Resolve a ``component_placement`` mapping against these slots (see :func:`resolve_placement`)."""
         return resolve_placement(spec, self.num_slots, self.node_groups, required=required, known=known)
+
+    def check_children(self, slots, what: str) -> None:
+        """Raise :class:`ClusterError` if ``what`` needs child processes on a daemonic worker among ``slots``."""
+        daemonic = [s for s in slots if self.slots[s].daemonic]
+        if daemonic:
+            raise ClusterError(
+                f"{what} starts child processes, but the worker(s) of slot(s) {daemonic} are daemonic and cannot; "
+                "start them with DASK_DISTRIBUTED__WORKER__DAEMON=False in their environment (dask config "
+                "distributed.worker.daemon: false), or choose another setting"
+            )
 
     def check_device(self, device: str, what: str = "component") -> None:
         """Raise :class:`ClusterError` if ``device`` (``"cuda"``/``"cpu"``/``"auto"``) cannot be served."""

@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import cloudpickle
 import numpy as np
@@ -20,6 +21,8 @@ from rlnb.config.schema import EnvConfig
 from rlnb.envs.gym_envs import RunningMeanStd, make_vector_env
 from rlnb.errors import ComponentError, ConfigError, did_you_mean
 from rlnb.runtime.rank import RankInfo, current_rank
+
+log = logging.getLogger("rlnb")
 
 
 def _env_config(cfg, settings: dict | None = None) -> EnvConfig:
@@ -219,13 +222,11 @@ class Env:
         """Everything needed to continue exactly: the pickled sync vector envs (with their RNGs) and counters.
 
         Envs are pickled with ``cloudpickle``, so an env class defined in a notebook cell checkpoints too.
+        Async vector envs live in subprocesses and are not saved: after a resume they are reset (every
+        episode restarts; counters, statistics and normalisation are restored).
         """
-        if self.cfg.vector_mode != "sync":
-            raise RuntimeError(
-                "exact env checkpoints need env.vector_mode=sync (async envs live in subprocesses)"
-            )
         return {
-            "envs": cloudpickle.dumps(self.envs),
+            "envs": cloudpickle.dumps(self.envs) if self.cfg.vector_mode == "sync" else None,
             "obs": self.obs,
             "ep_return": self.ep_return,
             "ep_len": self.ep_len,
@@ -238,11 +239,18 @@ class Env:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        for k in ("obs", "ep_return", "ep_len", "finished", "obs_rms", "ret_rms", "disc_return", "started"):
+            setattr(self, k, state[k])
+        if state["envs"] is None:  # async envs: not in the checkpoint; start fresh episodes
+            log.warning(
+                "%s[%d]: async vector envs restart their episodes after a resume", self.name, self.rank
+            )
+            self.ep_return[:], self.ep_len[:], self.disc_return[:] = 0.0, 0, 0.0
+            self.reset()
+            return
         for env in self.envs:
             env.close()
         self.envs = cloudpickle.loads(state["envs"])
-        for k in ("obs", "ep_return", "ep_len", "finished", "obs_rms", "ret_rms", "disc_return", "started"):
-            setattr(self, k, state[k])
 
     def close(self) -> None:
         for env in self.envs:

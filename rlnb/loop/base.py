@@ -129,6 +129,7 @@ class LoopBase:
                 for dev in (recipe.actor.device, recipe.rollout.device):
                     cluster.check_device(dev)
                 self._check_rank_counts()
+                self._check_children()
             self.run_dir = Path(run_dir or recipe.runner.run_dir or default_run_dir(recipe.name))
             self._prepare()
             if components is None:
@@ -254,6 +255,9 @@ class LoopBase:
 
     def _solved(self) -> bool:
         return False
+
+    def _check_children(self) -> None:
+        """Refuse settings that start child processes on daemonic workers (before launching anything)."""
 
     def _check_rank_counts(self) -> None:
         n_roll, n_act = len(self.placement["rollout"]), len(self.placement["actor"])

@@ -128,6 +128,12 @@ class Loop(LoopBase):
                 "per actor rank; lower it or raise rollout.steps_per_rollout x env.num_envs", "algorithm.num_minibatches"
             )  # fmt: skip
 
+    def _check_children(self) -> None:
+        if self.recipe.env.vector_mode == "async":
+            self.cluster.check_children(
+                self.placement["env"], "env.vector_mode=async (gymnasium AsyncVectorEnv)"
+            )
+
     def _launch(self) -> None:
         """The recipe path: the same public ``launch`` calls a notebook makes."""
         r, cl, p = self.recipe, self.cluster, self.placement
@@ -161,6 +167,7 @@ class Loop(LoopBase):
             self.recipe = dataclasses.replace(self.recipe, env=self.env_spec["config"], algorithm=algorithm)
             self.recipe.cluster.component_placement = {k: ",".join(map(str, v)) for k, v in p.slots.items()}
             self._check_rank_counts()
+            self._check_children()
             actor.set_total_steps(self.recipe.runner.steps).result()
         timeout = actor.call_timeout_s
         self.env_local = p["env"] == p["rollout"]  # the rollout steps its env rank in-process

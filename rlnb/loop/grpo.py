@@ -144,6 +144,12 @@ class GRPOLoop(LoopBase):
                 "data.prompts_per_step",
             )
 
+    def _check_children(self) -> None:
+        if self.recipe.rollout.backend == "vllm":
+            self.cluster.check_children(
+                self.placement["rollout"], "rollout.backend=vllm (its engine process)"
+            )
+
     def _prepare(self) -> None:
         r = self.recipe
         d = r.data
