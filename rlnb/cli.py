@@ -163,8 +163,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; ``key=value`` overrides and options of ``rlnb run`` mix in any order."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)  # bad usage exits 2 (argparse)
+    if args.command == "run":
+        unknown = [a for a in extra if "=" not in a or a.startswith("-")]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)  # bad usage exits 2 (argparse)
+    args = parse_args(argv)
     try:
         return args.fn(args)
     except ConfigError as e:

@@ -70,3 +70,36 @@ def test_daemonic_remote_workers_are_refused_for_child_processes(tmp_path):
             assert not cluster.placed_on(0)  # refused before anything was launched
     finally:
         local.close()
+
+
+def test_info_against_a_server_that_is_not_dask_fails_within_the_timeout():
+    import http.server
+    import threading
+    import time
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        t0 = time.perf_counter()
+        out = subprocess.run(
+            [*RLNB, "info", "--address", f"tcp://127.0.0.1:{server.server_port}", "--timeout-s", "2"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        elapsed = time.perf_counter() - t0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert out.returncode in (1, 2), out
+    assert "an HTTP server answered there" in out.stderr and "not a Dask scheduler" in out.stderr, out.stderr
+    assert elapsed < 2 + 20, elapsed  # the wait is bounded (the rest is Python and Dask imports)
+
+
+def test_cli_options_and_overrides_mix_in_any_order(tmp_path):
+    out = subprocess.run(
+        [*RLNB, "run", "ppo_cartpole", "--run-dir", str(tmp_path), "seed=3", "--print-config", "env.num_envs=4"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "seed: 3" in out.stdout and "num_envs: 4" in out.stdout and f"run_dir: {tmp_path}" in out.stdout
+    bad = subprocess.run([*RLNB, "run", "ppo_cartpole", "seed=3", "--bogus"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unrecognized arguments: --bogus" in bad.stderr

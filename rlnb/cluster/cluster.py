@@ -84,6 +84,56 @@ def _count_gpus() -> tuple[int, str]:
         return 0, ""
 
 
+def _connect(address: str, timeout_s: float):
+    """A Dask ``Client`` for ``address`` within ``timeout_s``, or a :class:`ClusterError` saying what is there.
+
+    Dask's handshake can wait forever on a server that accepts the connection but never speaks its
+    protocol (an HTTP server, say), so the client is made on a helper thread under a deadline.
+    """
+    import threading
+
+    from distributed import Client
+
+    out: dict = {}
+
+    def make():
+        try:
+            out["client"] = Client(address, timeout=f"{timeout_s}s", direct_to_workers=True)
+        except BaseException as e:
+            out["error"] = e
+
+    maker = threading.Thread(target=make, name="rlnb-connect", daemon=True)
+    maker.start()
+    maker.join(timeout_s)
+    if "client" in out:
+        return out["client"]
+    if maker.is_alive():
+        found = _what_listens(address)
+        raise ClusterError(
+            f"no Dask scheduler answered at {address!r} within {timeout_s:g} s: {found}. "
+            "Is the address the scheduler's (`dask scheduler` prints it, port 8786 by default)?"
+        )
+    raise ClusterError(
+        f"cannot reach the Dask scheduler at {address!r} within {timeout_s:g} s ({out.get('error')}). "
+        "Is `dask scheduler` running there, and is the address right?"
+    )
+
+
+def _what_listens(address: str) -> str:
+    """A short description of what accepts connections at ``address`` (for error messages)."""
+    host, _, port = address.split("://")[-1].rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0) as sock:
+            sock.settimeout(2.0)
+            sock.sendall(b"HEAD / HTTP/1.0\r\n\r\n")
+            first = sock.recv(200).split(b"\r\n", 1)[0].decode(errors="replace")
+    except (OSError, ValueError) as e:
+        return f"the connection failed ({type(e).__name__}: {e})"
+    if first.startswith("HTTP/"):
+        return f"an HTTP server answered there ({first!r}), not a Dask scheduler"
+    return f"something accepted the connection but did not speak Dask's protocol (it sent {first!r})"
+
+
 def default_cpu_slots() -> int:
     """One worker process per core, at least 1 and at most 8."""
     return max(1, min(8, os.cpu_count() or 1))
@@ -140,13 +190,7 @@ class Cluster:
                 ) from None
         else:
             self.address = address
-            try:
-                self.client = Client(address, timeout=f"{timeout_s}s", direct_to_workers=True)
-            except (OSError, TimeoutError) as e:
-                raise ClusterError(
-                    f"cannot reach the Dask scheduler at {address!r} within {timeout_s:g} s ({e}). "
-                    "Is `dask scheduler` running there, and is the address right?"
-                ) from None
+            self.client = _connect(address, timeout_s)
             try:
                 self.client.wait_for_workers(min_slots, timeout=timeout_s)
             except (TimeoutError, OSError):
