@@ -103,3 +103,56 @@ def test_cli_options_and_overrides_mix_in_any_order(tmp_path):
     assert "seed: 3" in out.stdout and "num_envs: 4" in out.stdout and f"run_dir: {tmp_path}" in out.stdout
     bad = subprocess.run([*RLNB, "run", "ppo_cartpole", "seed=3", "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unrecognized arguments: --bogus" in bad.stderr
+
+
+def test_bundled_recipes_run_from_an_installed_wheel(tmp_path):
+    """Recipes ship as package data: `rlnb run ppo_cartpole` works from a wheel, away from the source tree."""
+    import shutil
+    import sysconfig
+    from pathlib import Path
+
+    root = tmp_path / "src"  # a copy: building writes build/ and *.egg-info next to the sources
+    shutil.copytree(
+        Path(__file__).resolve().parents[1], root, symlinks=True,
+        ignore=shutil.ignore_patterns(".git", ".venv", "runs", "build", "*.egg-info", "__pycache__", "site"),
+    )  # fmt: skip
+    dist = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(root)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = dist.glob("rlnb-*.whl")
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        metadata = zf.read(next(n for n in zf.namelist() if n.endswith("METADATA"))).decode()
+    # no dask-cuda build exists for macOS or Windows: required on Linux only
+    assert 'Requires-Dist: dask-cuda>=26.10; sys_platform == "linux"' in metadata
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", site, str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    # the dependencies come from this environment's site-packages (a .pth line adds the directory; the
+    # editable install of rlnb there is not activated, since .pth files of added directories are not read)
+    (Path(site) / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    where = subprocess.run(
+        [str(python), "-c", "import rlnb, rlnb.config as c; print(rlnb.__file__); print(sorted(c.bundled_recipes()))"],
+        capture_output=True, text=True, cwd=elsewhere, check=True,
+    ).stdout  # fmt: skip
+    assert where.startswith(site) and "ppo_cartpole" in where, where
+    out = subprocess.run(
+        [str(python), "-m", "rlnb.cli", "run", "ppo_cartpole", "runner.steps=2", "runner.tensorboard=false",
+         "--run-dir", str(tmp_path / "run"), "--no-progress"],
+        capture_output=True, text=True, cwd=elsewhere, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert complete_checkpoints(tmp_path / "run")

@@ -221,8 +221,8 @@ def recipe_path(name_or_path: str | Path) -> Path:
 
 
 def bundled_recipes() -> dict[str, Path]:
-    """Recipes shipped in the repository's ``recipes/`` folder."""
-    root = Path(__file__).resolve().parents[2] / "recipes"
+    """Recipes shipped with the package (``rlnb/recipes/``; ``recipes/`` in a clone links there)."""
+    root = Path(__file__).resolve().parents[1] / "recipes"
     return {p.stem: p for p in sorted(root.glob("*.yaml"))}
 
 
