@@ -387,11 +387,17 @@ def validate(recipe: Recipe) -> list[str]:
 
 def _check_lm(recipe: Recipe) -> list[str]:
     """LM-RL checks: model path, data, batch sizes."""
+    from rlnb.models.lm import is_hub_id
+
     errs = []
     a, d, act, ro = recipe.algorithm, recipe.data, recipe.actor, recipe.rollout
     if act.model_path is None:
         errs.append("actor.model_path: expected a model directory for rollout.backend=hf/vllm, got nothing")
-    elif not act.build_if_missing and not (Path(act.model_path) / "config.json").exists():
+    elif (
+        not act.build_if_missing
+        and not is_hub_id(act.model_path)
+        and not (Path(act.model_path) / "config.json").exists()
+    ):
         errs.append(
             f"actor.model_path: {act.model_path!r} has no config.json (not a save_pretrained directory); "
             "fix the path or set actor.build_if_missing=true to build a tiny LM there"

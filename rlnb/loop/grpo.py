@@ -19,7 +19,7 @@ from rlnb.config.schema import AlgorithmConfig, DataConfig, Recipe, RolloutConfi
 from rlnb.data.prompts import ArithmeticTask, Problem, load_qa_file, problems_from_records
 from rlnb.errors import ComponentError, ConfigError, PlacementError
 from rlnb.loop.base import LoopBase, objects_recipe
-from rlnb.models.lm import build_tiny_lm
+from rlnb.models.lm import build_tiny_lm, is_hub_id, resolve_model
 from rlnb.runtime.group import Group
 
 
@@ -156,11 +156,12 @@ class GRPOLoop(LoopBase):
         if self.built_from_objects:
             self.task = _FileTask(problems_from_records(self._prompts), d.held_out_frac, r.seed)
             return
-        path = Path(r.actor.model_path).resolve()
-        if not (path / "config.json").exists():  # validated already: build_if_missing is on
+        path = r.actor.model_path
+        # build_if_missing applies to local paths only: a hub id loads through from_pretrained or fails
+        if r.actor.build_if_missing and not is_hub_id(path) and not (Path(path) / "config.json").exists():
             t = r.actor.tiny_lm
-            build_tiny_lm(path, t.hidden_size, t.num_layers, t.num_heads, t.arch, seed=r.seed)
-        self.model_path = str(path)
+            build_tiny_lm(Path(path).resolve(), t.hidden_size, t.num_layers, t.num_heads, t.arch, seed=r.seed)
+        self.model_path = resolve_model(path, "actor.model_path")  # before any worker starts
         if d.task == "arithmetic":
             self.task = ArithmeticTask(d.max_operand, d.ops, d.held_out_frac, seed=r.seed)
         else:

@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 import string
 from pathlib import Path
 
@@ -69,20 +70,63 @@ def build_tiny_lm(
     return path
 
 
-def load_lm(path: str | Path, device: str | torch.device = "cpu"):
-    """``(model, tokenizer)`` from a local directory, with a clear error when it is missing."""
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_hub_id(path: str | Path) -> bool:
+    """Whether ``path`` names a Hugging Face hub model (``org/name``) rather than a local directory.
+
+    As ``from_pretrained`` does, an existing local directory wins; otherwise ``org/name`` (one slash,
+    not starting with ``.``, ``/`` or ``~``) is a hub id. Write ``./models/tiny`` for a local path of
+    that shape that does not exist yet.
+    """
+    text = str(path)
+    return not Path(text).expanduser().exists() and bool(_HUB_ID.match(text))
+
+
+def resolve_model(path: str | Path, key: str = "actor.model_path") -> str:
+    """A loadable model reference: a local ``save_pretrained`` directory (absolute), or a hub id that
+    ``from_pretrained`` can load here (the local Hugging Face cache, or the hub when online).
+
+    Raises:
+        ConfigError: naming ``key``, when neither works (e.g. offline and not in the cache).
+    """
+    if is_hub_id(path):
+        from transformers import AutoConfig
+
+        try:
+            AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"{key}: {str(path)!r} is not a local directory and could not be loaded as a Hugging Face "
+                f"hub id ({type(e).__name__}: {str(e).splitlines()[0]}). Offline, download it on a connected "
+                f"machine first (`huggingface-cli download {path}`, then copy the cache or the folder), or "
+                "point the key at a save_pretrained directory",
+                key,
+            ) from None
+        return str(path)
+    local = Path(path).expanduser().resolve()
+    if not (local / "config.json").exists():
+        raise ConfigError(
+            f"{key}: {str(path)!r} has no config.json: not a saved model. Build one with "
+            "rlnb.models.build_tiny_lm(path) (or set actor.build_if_missing=true in a recipe), or point the "
+            "key at a save_pretrained directory or a Hugging Face hub id",
+            key,
+        )
+    return str(local)
+
+
+def load_lm(path: str | Path, device: str | torch.device = "cpu", key: str = "actor.model_path"):
+    """``(model, tokenizer)`` from a local ``save_pretrained`` directory or a hub id (``from_pretrained``),
+    with a clear error naming ``key`` when neither is there."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise ConfigError(
-            f"model path {str(path)!r} has no config.json: not a saved model. Build one with "
-            "rlnb.models.build_tiny_lm(path) or point rollout.model_path at a save_pretrained directory",
-            "model.path",
-        )
-    tok = AutoTokenizer.from_pretrained(path)
+    ref = resolve_model(path, key)
+    tok = AutoTokenizer.from_pretrained(ref)
     tok.padding_side = "left"  # generation appends on the right
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    if tok.pad_token_id is None:  # many hub tokenizers have none; generation and batching need one
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).to(device)
     return model, tok
 
 
