@@ -292,6 +292,7 @@ class LMActor(ActorBase):
         model_path: a ``save_pretrained`` directory (the reference model loads from it too).
         algorithm: :class:`rlnb.config.AlgorithmConfig` (advantage, loss, group_size, kl_coef, agg...).
         lr: AdamW learning rate; micro_batch_size: sequences per forward/backward.
+        anneal_lr: decay the learning rate linearly to 0 over the run's steps (a loop sets them).
         temperature: the rollout's sampling temperature (log-probs are of the same distribution).
         advantage, policy_loss: registered names or functions; override ``algorithm``'s.
         **settings: any field of ``AlgorithmConfig`` by name (``group_size=8``, ``kl_coef=0.01``...).
@@ -312,7 +313,7 @@ class LMActor(ActorBase):
         self, model_path: str, algorithm=None, lr: float = 1e-3, micro_batch_size: int = 64, temperature: float = 1.0,
         max_grad_norm: float = 1.0, seed: int = 0, device: str = "auto", torch_threads: int = 1,
         advantage_fn=None, loss_fn=None, rank_info: RankInfo | None = None, *, advantage=None, policy_loss=None,
-        **settings,
+        anneal_lr: bool = False, **settings,
     ):  # fmt: skip
         rank_info = rank_info or current_rank()  # subclasses need not pass it on
         torch.set_num_threads(torch_threads)
@@ -329,6 +330,7 @@ class LMActor(ActorBase):
         if self.algo.kl_coef > 0:
             self.ref = load_lm(model_path, self.device)[0].eval().requires_grad_(False)
         self.lr, self.micro_batch_size, self.temperature = lr, micro_batch_size, temperature
+        self.anneal_lr, self.total_steps = anneal_lr, 1
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=0.0)
         self.generator = torch.Generator().manual_seed(seed + 104729 * (self.rank + 1))
@@ -465,10 +467,14 @@ class LMActor(ActorBase):
         a, b = self.algo, self.batch
         if "advantages" not in b:
             self.compute_advantages()
+        if self.anneal_lr:  # linear decay to 0 over the run (the loop sets total_steps)
+            frac = max(0.0, 1.0 - self.step / self.total_steps)
+            for g in self.optimizer.param_groups:
+                g["lr"] = frac * self.lr
         n = b["input_ids"].shape[0]
         mb = max(1, n // a.num_minibatches)
         sums: dict[str, float] = {}
-        count = 0
+        count, epochs_run = 0, 0
         for _ in range(a.update_epochs):
             perm = torch.randperm(n, generator=self.generator)
             for start in range(0, n - mb + 1, mb):
@@ -476,8 +482,14 @@ class LMActor(ActorBase):
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
+            epochs_run += 1
+            kl = metrics.get("approx_kl")
+            if a.target_kl is not None and kl is not None and self._mean_over_ranks(kl) > a.target_kl:
+                break  # early stop, as in the embodied actor: the policy moved far enough this step
         self.step += 1
-        return {k: v / max(1, count) for k, v in sums.items()}
+        out = {k: v / max(1, count) for k, v in sums.items()}
+        out.update(epochs=epochs_run, lr=self.optimizer.param_groups[0]["lr"])
+        return out
 
     def _update(self, idx: torch.Tensor) -> dict:
         a, b = self.algo, self.batch

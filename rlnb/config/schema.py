@@ -136,9 +136,9 @@ class ActorConfig:
     lr: float = 2.5e-4
     """Adam learning rate."""
     anneal_lr: bool = True
-    """Decay the learning rate linearly to 0 over ``runner.steps``."""
+    """Decay the learning rate linearly to 0 over ``runner.steps`` (both loops; ``grpo_arith`` turns it off)."""
     compile: bool = False
-    """``torch.compile`` the train step (pays a compile time up front)."""
+    """``torch.compile`` the train step (pays a compile time up front); embodied PPO only, refused for LM RL."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: the slot's device."""
     torch_threads: int = 1

@@ -188,7 +188,7 @@ class GRPOLoop(LoopBase):
             cl, p["actor"], call_timeout_s=timeout, model_path=self.model_path, algorithm=r.algorithm,
             lr=r.actor.lr, micro_batch_size=r.actor.micro_batch_size, temperature=ro.temperature,
             max_grad_norm=r.algorithm.max_grad_norm, seed=r.seed, device=r.actor.device,
-            torch_threads=r.actor.torch_threads, advantage=advantage, policy_loss=loss,
+            torch_threads=r.actor.torch_threads, advantage=advantage, policy_loss=loss, anneal_lr=r.actor.anneal_lr,
         )  # fmt: skip
         self.groups["reward"] = RewardWorker.launch(
             cl, p["reward"], call_timeout_s=timeout, fn=check_reward(r.reward.name)
@@ -203,6 +203,7 @@ class GRPOLoop(LoopBase):
             self.recipe = dataclasses.replace(self.recipe, algorithm=algorithm)
             self.recipe.cluster.component_placement = {k: ",".join(map(str, v)) for k, v in p.slots.items()}
             self._check_rank_counts()
+        actor.set_total_steps(self.recipe.runner.steps).result()
         if actor.world_size > 1:
             actor.init_process_group(timeout_s=min(actor.call_timeout_s, 300))
             actor.setup_data_parallel().result()
