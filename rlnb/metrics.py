@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,16 +37,17 @@ class MetricLogger:
         self._tb = None
         self._wandb = None
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-            except ImportError:
-                self._tb = None
+            self._tb = _tensorboard_writer(self.run_dir)
         if wandb_project:
             import wandb
 
-            self._wandb = wandb.init(project=wandb_project, dir=str(self.run_dir), config=config or {})
+            # one wandb run per run directory: a resumed run continues it instead of opening another
+            id_file = self.run_dir / "wandb_run_id"
+            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            id_file.write_text(run_id)
+            self._wandb = wandb.init(
+                project=wandb_project, dir=str(self.run_dir), config=config or {}, id=run_id, resume="allow"
+            )
 
     def add_listener(self, fn: Callable[[dict], None]) -> None:
         """Call ``fn(record)`` after each logged step (dashboards, progress bars)."""
@@ -72,14 +74,19 @@ class MetricLogger:
         return record
 
     def truncate_after(self, step: int) -> None:
-        """On resume: drop records of steps after ``step`` (they will be recomputed)."""
+        """On resume: drop records of steps after ``step`` (they will be recomputed), in ``metrics.jsonl``
+        (rewritten atomically; a torn last line of a killed run is dropped) and in TensorBoard (its
+        events from ``step + 1`` on are purged, so curves do not overlap)."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = _tensorboard_writer(self.run_dir, purge_step=step + 1)
         if not self.path.exists():
             return
-        kept = [
-            line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step
-        ]
-        self.path.write_text("".join(line + "\n" for line in kept))
-        self.history = [json.loads(line) for line in kept]
+        kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= step]
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, self.path)
+        self.history = kept
 
     def close(self) -> None:
         if self._tb is not None:
@@ -96,9 +103,24 @@ def _plain(v):
     return v
 
 
+def _tensorboard_writer(run_dir: Path, purge_step: int | None = None):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """All records of a run's ``metrics.jsonl``."""
+    """All records of a run's ``metrics.jsonl``; a line that does not parse (the torn last line of a
+    killed run) is skipped."""
     path = Path(run_dir) / "metrics.jsonl"
-    return (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    )
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records

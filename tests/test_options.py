@@ -208,3 +208,33 @@ def test_lm_actor_honours_target_kl_and_anneal_lr_and_refuses_compile(cluster, t
     assert [r["train/lr"] for r in trained] == pytest.approx([lr, lr / 2])  # annealed over runner.steps=2
     with pytest.raises(rlnb.ConfigError, match="actor.compile: not supported by the LM loop"):
         rlnb.config.load_recipe("grpo_arith", ["actor.compile=true"])
+
+
+def test_resume_purges_tensorboard_and_tolerates_a_torn_metrics_line(cluster, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    overrides = ["runner.steps=4", "runner.save_interval=2", "runner.stop_return=100000", "env.num_envs=4",
+                 "rollout.steps_per_rollout=16"]  # fmt: skip
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+        loop.run(3, progress=False)  # checkpoint at 2, then step 3 is logged and lost
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "env/episode_ret')  # a killed driver's torn last line
+    with Loop.resume(tmp_path, cluster=cluster) as loop:
+        assert loop.step == 2
+        loop.run(progress=False)
+    steps = []
+    for events in sorted((tmp_path / "tensorboard").glob("events.*")):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        if "train/policy_loss" in acc.Tags()["scalars"]:
+            steps.append([e.step for e in acc.Scalars("train/policy_loss")])
+    assert steps[0][:2] == [1, 2] and steps[-1] == [3, 4]
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))  # the directory, as TensorBoard reads it
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/policy_loss")] == [1, 2, 3, 4]  # no overlapping points
+    assert [r["step"] for r in rlnb.metrics.read_metrics(tmp_path) if "train/policy_loss" in r] == [
+        1,
+        2,
+        3,
+        4,
+    ]
