@@ -188,6 +188,20 @@ class HFRollout(RolloutBase):
             )
         return summary
 
+    @staticmethod
+    def split_batch(batch: dict, shards: int) -> list[dict]:
+        """Split along the sequence axis (dim 0 of tensors, and the per-sequence lists); the loop makes
+        each part whole groups of ``group_size`` completions, so group advantages stay exact."""
+        n = next(v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor))
+        size = n // shards
+        return [
+            {
+                k: (v[j * size : (j + 1) * size] if isinstance(v, (torch.Tensor, list)) else v)
+                for k, v in batch.items()
+            }
+            for j in range(shards)
+        ]
+
     def set_rewards(self, rewards: list[float]) -> dict:
         r = torch.tensor(rewards, dtype=torch.float32)
         self.batch["rewards"] = r

@@ -69,10 +69,20 @@ class RolloutBase:
         """The last collected batch (in-process hand-off to a collocated actor)."""
         return self.batch
 
-    def put_batch(self, channel, key: str) -> int:
-        """Send the last batch to an actor rank through a channel (worker to worker)."""
-        channel.put(self.batch, key=key)
+    def put_batch(self, channel, key: str, shards: int = 1) -> int:
+        """Send the last batch to actor ranks through a channel (worker to worker): whole under ``key``,
+        or split into ``shards`` equal parts under ``key.0``, ``key.1``... (more actor than rollout ranks)."""
+        if shards == 1:
+            channel.put(self.batch, key=key)
+        else:
+            for j, part in enumerate(self.split_batch(self.batch, shards)):
+                channel.put(part, key=f"{key}.{j}")
         return self.batch["version"]
+
+    @staticmethod
+    def split_batch(batch: dict, shards: int) -> list[dict]:
+        """``batch`` in ``shards`` equal parts along its sample axis (a subclass says which axis)."""
+        raise NotImplementedError
 
 
 class PolicyRollout(RolloutBase):
@@ -223,6 +233,16 @@ class PolicyRollout(RolloutBase):
         return self._finish(traj, [self.stage_obs[k] for k in keys])
 
     # ------------------------------------------------------------------ batch hand-off
+    @staticmethod
+    def split_batch(batch: dict, shards: int) -> list[dict]:
+        """Split along the env axis: ``[T, N, ...]`` tensors on dim 1, ``last_values [N]`` on dim 0."""
+        parts = [{"version": batch["version"]} for _ in range(shards)]
+        for k, v in batch.items():
+            if isinstance(v, torch.Tensor):
+                for part, chunk in zip(parts, v.chunk(shards, dim=0 if k == "last_values" else 1)):
+                    part[k] = chunk.contiguous()
+        return parts
+
     def sample(self, n: int = 4) -> dict:
         """The first ``n`` steps of the last batch, small enough to look at in a notebook."""
         return {

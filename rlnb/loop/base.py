@@ -117,9 +117,10 @@ class LoopBase:
         elif cluster is None:
             # check the placement against the cluster we are about to start, before starting it
             if c.address is None:
-                resolve_placement(
+                planned = resolve_placement(
                     c.component_placement, c.slots or default_cpu_slots(), required=comps, known=comps
                 )
+                self.check_layout(planned.slots)
             cluster = Cluster(c.address, slots=c.slots)
             self._own_cluster = True
         self.cluster = cluster
@@ -256,15 +257,19 @@ class LoopBase:
     def _solved(self) -> bool:
         return False
 
+    @classmethod
+    def check_layout(cls, slots) -> None:
+        """Refuse, before anything starts, a placement (component -> slots) this loop cannot run."""
+
     def _check_children(self) -> None:
         """Refuse settings that start child processes on daemonic workers (before launching anything)."""
 
     def _check_rank_counts(self) -> None:
         n_roll, n_act = len(self.placement["rollout"]), len(self.placement["actor"])
-        if n_roll % n_act:
+        if n_roll % n_act and n_act % n_roll:
             raise PlacementError(
                 f"component_placement: {n_roll} rollout rank(s) cannot feed {n_act} actor rank(s) evenly; "
-                "place rollout on a multiple of the actor's slots", "component_placement"
+                "place one on a multiple of the other's slots", "component_placement"
             )  # fmt: skip
 
     def _launch_links(self) -> None:
@@ -301,24 +306,30 @@ class LoopBase:
         else:
             ch = self.channels["weights"]
             keys = [f"w{r}" for r in rollout.ranks]
-            done = rollout.call_each("load_from_channel", [(ch, k) for k in keys])
+            # publish first (unbounded channel: never blocks), then load: a rollout rank sharing actor
+            # rank 0's worker would otherwise hold its actor thread waiting for weights not yet sent
             actor.on(0).publish_weights(ch, keys, self.step).result()
-            done.result()
+            rollout.call_each("load_from_channel", [(ch, k) for k in keys]).result()
 
-    def _hand_batches(self) -> None:
-        """Rollout rank ``k``'s batch goes to actor rank ``k % actor ranks`` (in-process when collocated)."""
+    def _hand_batches(self) -> list[dict]:
+        """Rollout rank ``k``'s batch goes to actor rank ``k % actor ranks`` (in-process when collocated);
+        with more actor than rollout ranks, it is split over several. Returns each actor rank's intake."""
         rollout, actor = self.groups["rollout"], self.groups["actor"]
-        n_act = actor.world_size
+        n_act, n_roll = actor.world_size, rollout.world_size
         if self.batch_local:
-            actor.call_each("take_local_batches", [(rollout.name, [a]) for a in actor.ranks]).result()
-            return
+            return actor.call_each("take_local_batches", [(rollout.name, [a]) for a in actor.ranks]).result()
         ch = self.channels["batches"]
-        sent = rollout.call_each("put_batch", [(ch, f"b{k}") for k in rollout.ranks])
-        actor.call_each(
-            "take_channel_batches",
-            [(ch, [f"b{k}" for k in rollout.ranks if k % n_act == a]) for a in actor.ranks],
-        ).result()
+        if n_act > n_roll:  # each rollout batch is split over n_act / n_roll actor ranks (RLinf's hybrid)
+            m = n_act // n_roll
+            sent = rollout.call_each("put_batch", [(ch, f"b{k}", m) for k in rollout.ranks])
+            keys = [[f"b{a // m}.{a % m}"] for a in actor.ranks]
+        else:
+            sent = rollout.call_each("put_batch", [(ch, f"b{k}") for k in rollout.ranks])
+            keys = [[f"b{k}" for k in rollout.ranks if k % n_act == a] for a in actor.ranks]
+        # puts never block (the channel is unbounded), so a rank sharing a worker with one of the
+        # other group's ranks cannot hold that worker's actor thread while waiting for it
         sent.result()
+        return actor.call_each("take_channel_batches", [(ch, k) for k in keys]).result()
 
     def rollout(self) -> dict:
         raise NotImplementedError

@@ -112,15 +112,39 @@ class Loop(LoopBase):
             super().__init__(recipe, cluster, run_dir)
 
     # ------------------------------------------------------------------ set-up
+    @classmethod
+    def check_layout(cls, slots) -> None:
+        """Refuse layouts that cannot run, before anything starts: env and rollout sharing some slots
+        but not all would put two blocking calls (``Env.run`` and ``PolicyRollout.serve``, which wait on
+        each other through channels) on one worker's single actor thread."""
+        env, rollout = set(slots["env"]), set(slots["rollout"])
+        shared = sorted(env & rollout)
+        if shared and env != rollout:
+            raise PlacementError(
+                f"component_placement: env {sorted(env)} and rollout {sorted(rollout)} share slot(s) {shared} but "
+                "not all their slots; when they differ they step through channels, and two blocking calls on "
+                "one worker would wait on each other. Place env and rollout on the same slots (stepped "
+                "in-process) or on disjoint ones",
+                "component_placement",
+            )
+
     def _check_rank_counts(self) -> None:
         super()._check_rank_counts()
         p, e = self.placement, self.recipe
+        self.check_layout(p.slots)
         n_env, n_roll, n_act = len(p["env"]), len(p["rollout"]), len(p["actor"])
         if n_env % n_roll:
             raise PlacementError(
                 f"component_placement: {n_env} env rank(s) cannot be shared evenly by {n_roll} rollout rank(s); "
                 "use a multiple", "component_placement"
             )  # fmt: skip
+        envs_per_rollout = e.env.num_envs * n_env // n_roll
+        if n_act > n_roll and envs_per_rollout % (n_act // n_roll):
+            raise PlacementError(
+                f"component_placement: each of the {n_roll} rollout rank(s) steps {envs_per_rollout} envs, which "
+                f"cannot be split evenly over {n_act // n_roll} actor ranks; make env.num_envs a multiple",
+                "component_placement",
+            )
         per_actor = e.rollout.steps_per_rollout * e.env.num_envs * n_env // n_act
         if per_actor < e.algorithm.num_minibatches:
             raise ConfigError(

@@ -136,11 +136,12 @@ class GRPOLoop(LoopBase):
     # ------------------------------------------------------------------ set-up
     def _check_rank_counts(self) -> None:
         super()._check_rank_counts()
-        n_roll = len(self.placement["rollout"])
+        n_roll, n_act = len(self.placement["rollout"]), len(self.placement["actor"])
         per_step = self.recipe.data.prompts_per_step
-        if per_step % n_roll:
+        if per_step % n_roll or (n_act > n_roll and (per_step // n_roll) % (n_act // n_roll)):
             raise PlacementError(
-                f"data.prompts_per_step={per_step} cannot be split evenly over {n_roll} rollout rank(s)",
+                f"data.prompts_per_step={per_step} cannot be split evenly over {n_roll} rollout rank(s)"
+                + (f" and then over {n_act // n_roll} actor ranks each" if n_act > n_roll else ""),
                 "data.prompts_per_step",
             )
 
