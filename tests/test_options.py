@@ -284,3 +284,19 @@ def test_env_and_rollout_partly_sharing_slots_is_refused_before_anything_starts(
     overrides = ["cluster.component_placement={actor: 0, rollout: 0, env: 0-1}", "cluster.slots=2"]
     with pytest.raises(rlnb.PlacementError, match=r"env \[0, 1\] and rollout \[0\] share slot\(s\) \[0\]"):
         Loop.from_recipe("ppo_cartpole", overrides, run_dir=tmp_path)  # no cluster given: none was started
+
+
+def test_mujoco_resume_is_exact(cluster, tmp_path):
+    """Pickling rebuilt MuJoCo envs from their constructor arguments: physics state and RNG were lost."""
+    from tests.conftest import without_wall_clock
+
+    base = ["runner.steps=4", "runner.save_interval=2", "runner.tensorboard=false", "runner.eval_interval=0",
+            "runner.stop_return=100000", "rollout.steps_per_rollout=24", "env.num_envs=4",
+            "algorithm.update_epochs=2", "algorithm.num_minibatches=2"]  # fmt: skip
+    with Loop.from_recipe("ppo_mujoco", base, cluster=cluster, run_dir=tmp_path / "full") as loop:
+        full = [without_wall_clock(r) for r in loop.run(progress=False)]
+    with Loop.from_recipe("ppo_mujoco", base, cluster=cluster, run_dir=tmp_path / "cut") as loop:
+        loop.run(2, progress=False)
+    with Loop.resume(tmp_path / "cut", cluster=cluster) as loop:
+        resumed = [without_wall_clock(r) for r in loop.run(progress=False)]
+    assert resumed == full[2:]

@@ -18,7 +18,7 @@ import numpy as np
 
 from rlnb.components.launch import launcher
 from rlnb.config.schema import EnvConfig
-from rlnb.envs.gym_envs import RunningMeanStd, make_vector_env
+from rlnb.envs.gym_envs import RunningMeanStd, capture_sim_state, make_vector_env, restore_sim_state
 from rlnb.errors import ComponentError, ConfigError, did_you_mean
 from rlnb.runtime.rank import RankInfo, current_rank
 
@@ -221,12 +221,17 @@ class Env:
     def state_dict(self) -> dict:
         """Everything needed to continue exactly: the pickled sync vector envs (with their RNGs) and counters.
 
-        Envs are pickled with ``cloudpickle``, so an env class defined in a notebook cell checkpoints too.
+        Envs are pickled with ``cloudpickle``, so an env class defined in a notebook cell checkpoints too;
+        what pickling loses (MuJoCo physics, the RNG of envs rebuilt from their constructor arguments) is
+        saved beside them (:func:`rlnb.envs.gym_envs.capture_sim_state`).
         Async vector envs live in subprocesses and are not saved: after a resume they are reset (every
         episode restarts; counters, statistics and normalisation are restored).
         """
         return {
             "envs": cloudpickle.dumps(self.envs) if self.cfg.vector_mode == "sync" else None,
+            "sim_state": [capture_sim_state(v) for v in self.envs]
+            if self.cfg.vector_mode == "sync"
+            else None,
             "obs": self.obs,
             "ep_return": self.ep_return,
             "ep_len": self.ep_len,
@@ -251,6 +256,8 @@ class Env:
         for env in self.envs:
             env.close()
         self.envs = cloudpickle.loads(state["envs"])
+        for vec, sim in zip(self.envs, state.get("sim_state") or [None] * len(self.envs)):
+            restore_sim_state(vec, sim)  # MuJoCo physics and env RNGs, which pickling does not keep
 
     def close(self) -> None:
         for env in self.envs:

@@ -53,6 +53,49 @@ def make_vector_env(
     return AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP, shared_memory=True)
 
 
+def capture_sim_state(vec_env) -> list[dict] | None:
+    """What pickling a sync vector env loses, per sub-env: the RNG of the unwrapped env and, for MuJoCo
+    envs, the full physics integration state. (MuJoCo envs pickle through ``EzPickle``, i.e. they are
+    rebuilt from their constructor arguments; wrappers and classic-control envs pickle their state.)"""
+    envs = getattr(vec_env, "envs", None)
+    if envs is None:
+        return None
+    out = []
+    for env in envs:
+        base = env.unwrapped
+        rng = getattr(base, "_np_random", None)
+        state: dict = {"np_random": rng.bit_generator.state if rng is not None else None}
+        if (
+            hasattr(base, "model")
+            and hasattr(base, "data")
+            and type(base.data).__module__.startswith("mujoco")
+        ):
+            import mujoco
+
+            spec = mujoco.mjtState.mjSTATE_INTEGRATION
+            buf = np.empty(mujoco.mj_stateSize(base.model, spec))
+            mujoco.mj_getState(base.model, base.data, buf, spec)
+            state["mujoco"] = buf
+        out.append(state)
+    return out
+
+
+def restore_sim_state(vec_env, states: list[dict] | None) -> None:
+    """Put back what :func:`capture_sim_state` took, into a vector env unpickled from the same checkpoint."""
+    if states is None:
+        return
+    for env, state in zip(vec_env.envs, states):
+        base = env.unwrapped
+        rng = state["np_random"]
+        if rng is not None:
+            base._np_random = np.random.Generator(getattr(np.random, rng["bit_generator"])())
+            base._np_random.bit_generator.state = rng
+        if "mujoco" in state:
+            import mujoco
+
+            mujoco.mj_setState(base.model, base.data, state["mujoco"], mujoco.mjtState.mjSTATE_INTEGRATION)
+
+
 class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN); its tests skip without one
     """A ManiSkill3 GPU-parallel task behind the same contract as our gymnasium vector envs.
 
