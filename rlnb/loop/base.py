@@ -127,10 +127,13 @@ class LoopBase:
         try:
             if components is None:
                 self.placement = cluster.place(c.component_placement, required=comps, known=comps)
-                for dev in (recipe.actor.device, recipe.rollout.device):
-                    cluster.check_device(dev)
+                for key, dev in (
+                    ("actor.device", recipe.actor.device),
+                    ("rollout.device", recipe.rollout.device),
+                ):
+                    cluster.check_device(dev, key)
                 self._check_rank_counts()
-                self._check_children()
+                self._check_cluster()
             self.run_dir = Path(run_dir or recipe.runner.run_dir or default_run_dir(recipe.name))
             self._prepare()
             if components is None:
@@ -261,8 +264,9 @@ class LoopBase:
     def check_layout(cls, slots) -> None:
         """Refuse, before anything starts, a placement (component -> slots) this loop cannot run."""
 
-    def _check_children(self) -> None:
-        """Refuse settings that start child processes on daemonic workers (before launching anything)."""
+    def _check_cluster(self) -> None:
+        """Refuse settings this cluster cannot serve, before launching anything (child processes on
+        daemonic workers, GPU-only backends on CPU slots)."""
 
     def _check_rank_counts(self) -> None:
         n_roll, n_act = len(self.placement["rollout"]), len(self.placement["actor"])

@@ -152,7 +152,7 @@ class Loop(LoopBase):
                 "per actor rank; lower it or raise rollout.steps_per_rollout x env.num_envs", "algorithm.num_minibatches"
             )  # fmt: skip
 
-    def _check_children(self) -> None:
+    def _check_cluster(self) -> None:
         if self.recipe.env.vector_mode == "async":
             self.cluster.check_children(
                 self.placement["env"], "env.vector_mode=async (gymnasium AsyncVectorEnv)"
@@ -191,7 +191,7 @@ class Loop(LoopBase):
             self.recipe = dataclasses.replace(self.recipe, env=self.env_spec["config"], algorithm=algorithm)
             self.recipe.cluster.component_placement = {k: ",".join(map(str, v)) for k, v in p.slots.items()}
             self._check_rank_counts()
-            self._check_children()
+            self._check_cluster()
             actor.set_total_steps(self.recipe.runner.steps).result()
         timeout = actor.call_timeout_s
         self.env_local = p["env"] == p["rollout"]  # the rollout steps its env rank in-process

@@ -17,7 +17,7 @@ from rlnb.algorithms.contract import LM, check_algorithm, check_reward
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
 from rlnb.config.schema import AlgorithmConfig, DataConfig, Recipe, RolloutConfig
 from rlnb.data.prompts import ArithmeticTask, Problem, load_qa_file, problems_from_records
-from rlnb.errors import ComponentError, ConfigError, PlacementError
+from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementError
 from rlnb.loop.base import LoopBase, objects_recipe
 from rlnb.models.lm import build_tiny_lm, is_hub_id, resolve_model
 from rlnb.runtime.group import Group
@@ -145,8 +145,13 @@ class GRPOLoop(LoopBase):
                 "data.prompts_per_step",
             )
 
-    def _check_children(self) -> None:
+    def _check_cluster(self) -> None:
         if self.recipe.rollout.backend == "vllm":
+            if not all(self.cluster.slots[s].device.startswith("cuda") for s in self.placement["rollout"]):
+                raise ClusterError(
+                    "rollout.backend=vllm needs a CUDA GPU on every rollout slot; this cluster's rollout slots "
+                    f"{list(self.placement['rollout'])} are CPU-only. Use rollout.backend=hf here"
+                )
             self.cluster.check_children(
                 self.placement["rollout"], "rollout.backend=vllm (its engine process)"
             )

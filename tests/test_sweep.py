@@ -1,0 +1,101 @@
+"""Every recipe key whose value is a choice (a Literal, a bool, a registry name) runs each documented
+choice for one step on an embedded cluster, or is refused before any step with a message naming the key.
+
+A choice key added to the schema without an entry in ``SWEEP`` fails ``test_the_sweep_covers_every_choice_key``.
+"""
+
+import dataclasses
+import math
+import typing
+
+import pytest
+
+from rlnb.algorithms import REWARDS
+from rlnb.config import load_recipe
+from rlnb.config.schema import Recipe
+from rlnb.errors import RlnbError
+from rlnb.loop import loop_class
+
+PPO = ("ppo_cartpole", ["env.num_envs=4", "rollout.steps_per_rollout=16", "algorithm.update_epochs=1"])
+GRPO = ("grpo_arith", ["actor.sft_steps=5", "data.prompts_per_step=4", "algorithm.group_size=4",
+                       "data.eval_size=8", "rollout.max_new_tokens=3", "actor.tiny_lm.hidden_size=32"])  # fmt: skip
+COMMON = [
+    "runner.tensorboard=false",
+    "runner.stop_return=100000",
+    "cluster.component_placement={'actor,rollout,env': 0}",
+]
+
+# key -> (recipe and its small settings, extra overrides); advantage and policy_loss: every combination
+# is covered on workers in tests/test_build.py
+SWEEP = {
+    "runner.tensorboard": (PPO, []),
+    "algorithm.clip_vloss": (PPO, []),
+    "algorithm.norm_adv": (PPO, []),
+    "algorithm.scale": (GRPO, []),
+    "algorithm.kl_estimator": (GRPO, ["algorithm.kl_coef=0.01"]),
+    "algorithm.agg": (GRPO, []),
+    "actor.model.kind": (PPO, []),
+    "actor.model.activation": (PPO, []),
+    "actor.model.shared_trunk": (PPO, []),
+    "actor.anneal_lr": (PPO, []),
+    "actor.compile": (PPO, []),
+    "actor.device": (PPO, []),
+    "actor.build_if_missing": (GRPO, []),
+    "actor.tiny_lm.arch": (GRPO, []),
+    "rollout.backend": (None, []),  # policy -> PPO, hf and vllm -> GRPO
+    "rollout.device": (PPO, []),
+    "env.vector_mode": (PPO, []),
+    "env.normalize_obs": (PPO, []),
+    "env.normalize_reward": (PPO, []),
+    "reward.name": (GRPO, []),
+    "data.task": (GRPO, ["data.path=missing.jsonl"]),
+}
+COVERED_ELSEWHERE = {"algorithm.advantage", "algorithm.policy_loss"}
+
+
+def choice_keys(cls=Recipe, prefix="") -> dict[str, list]:
+    """Dotted key -> its documented choices, for every Literal and bool field of the schema, and the
+    registry-backed names."""
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key, tp = f"{prefix}{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(choice_keys(tp, key + "."))
+        elif typing.get_origin(tp) is typing.Literal:
+            out[key] = list(typing.get_args(tp))
+        elif tp is bool:
+            out[key] = [True, False]
+    out.update({"reward.name": REWARDS.names()} if not prefix else {})
+    return out
+
+
+CASES = [(key, value) for key, values in choice_keys().items() if key in SWEEP for value in values]
+
+
+def test_the_sweep_covers_every_choice_key():
+    keys = set(choice_keys()) | COVERED_ELSEWHERE
+    ignored = {"runner.wandb_project"}  # not a choice
+    assert keys - ignored - COVERED_ELSEWHERE == set(SWEEP), sorted((keys - COVERED_ELSEWHERE) ^ set(SWEEP))
+
+
+@pytest.mark.parametrize("key,value", CASES, ids=[f"{k}={v}" for k, v in CASES])
+def test_every_choice_steps_or_is_refused_naming_its_key(cluster, tmp_path, monkeypatch, key, value):
+    monkeypatch.chdir(tmp_path)  # data.path=missing.jsonl, model directories
+    base, extra = SWEEP[key]
+    if base is None:
+        base = PPO if value == "policy" else GRPO
+    recipe_name, small = base
+    overrides = [*small, *COMMON, *extra, f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
+    if recipe_name == "grpo_arith":
+        overrides = [o for o in overrides if "component_placement" not in o]
+        overrides += ["cluster.component_placement={'actor,rollout,reward': 0}", "actor.model_path=./model"]
+    try:
+        recipe = load_recipe(recipe_name, overrides)
+        with loop_class(recipe).from_recipe(recipe, cluster=cluster, run_dir=tmp_path / "run") as loop:
+            record = loop.step_once()
+    except RlnbError as e:  # refused: the message names the key
+        assert key in str(e), f"{key}={value} refused without naming the key: {e}"
+        return
+    loss = record.get("train/loss")
+    assert loss is not None and math.isfinite(loss), (key, value, record)
