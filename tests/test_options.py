@@ -300,3 +300,34 @@ def test_mujoco_resume_is_exact(cluster, tmp_path):
     with Loop.resume(tmp_path / "cut", cluster=cluster) as loop:
         resumed = [without_wall_clock(r) for r in loop.run(progress=False)]
     assert resumed == full[2:]
+
+
+@pytest.mark.parametrize("recipe", ["ppo_mujoco", "grpo_arith"])
+def test_evaluating_between_steps_does_not_change_training(cluster, tmp_path, recipe):
+    """A deterministic evaluation used to draw from the rollout's sampling generator (continuous
+    actions) or shift its seeds (greedy LM decoding), so evaluating in a notebook changed the run."""
+    from tests.conftest import without_wall_clock
+
+    small = {
+        "ppo_mujoco": ["env.num_envs=4", "rollout.steps_per_rollout=16", "algorithm.update_epochs=1"],
+        "grpo_arith": [*GRPO_SMALL, "actor.sft_steps=10", "data.eval_size=8", "data.prompts_per_step=4"],
+    }[recipe]
+    overrides = [*small, "runner.tensorboard=false", "runner.eval_interval=0", "runner.stop_return=100000",
+                 "cluster.component_placement={'actor,rollout,env,reward': 0}"]  # fmt: skip
+    runs = []
+    for evaluate in (False, True):
+        run_dir = tmp_path / str(evaluate)
+        loop_cls = GRPOLoop if recipe == "grpo_arith" else Loop
+        extra = [f"actor.model_path={tmp_path / 'model'}"] if recipe == "grpo_arith" else []
+        place = [
+            o.replace(",reward", "") if recipe == "ppo_mujoco" else o.replace(",env", "") for o in overrides
+        ]
+        with loop_cls.from_recipe(recipe, [*place, *extra], cluster=cluster, run_dir=run_dir) as loop:
+            if recipe == "grpo_arith":
+                loop.sft()
+            records = [loop.step_once()]
+            if evaluate:
+                loop.evaluate(2) if recipe == "ppo_mujoco" else loop.evaluate()
+            records.append(loop.step_once())
+        runs.append([without_wall_clock(r) for r in records])
+    assert runs[0] == runs[1]

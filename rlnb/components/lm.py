@@ -129,8 +129,9 @@ class HFRollout(RolloutBase):
     def _generate(self, prompts: list[str], n: int, greedy: bool):
         self.onload()
         enc = self.tok(prompts, return_tensors="pt", padding=True).to(self.device)
-        torch.manual_seed(self.seed * 1_000_003 + self.calls)
-        self.calls += 1
+        if not greedy:  # greedy decoding draws nothing: evaluating does not shift training's sampling seeds
+            torch.manual_seed(self.seed * 1_000_003 + self.calls)
+            self.calls += 1
         out = self.model.generate(
             **enc, do_sample=not greedy, temperature=self.temperature if not greedy else None,
             top_p=self.top_p if not greedy else None, top_k=None, max_new_tokens=self.max_new_tokens,
@@ -275,7 +276,7 @@ class VLLMRollout(HFRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
             n=n, temperature=0.0 if greedy else self.temperature, top_p=1.0 if greedy else self.top_p,
             max_tokens=self.max_new_tokens, logprobs=0, seed=self.seed * 1_000_003 + self.calls,
         )  # fmt: skip
-        self.calls += 1
+        self.calls += 0 if greedy else 1  # evaluating does not shift training's sampling seeds
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         rows, logps, texts, prompt_rows = [], [], [], []
         for out in outs:

@@ -123,8 +123,11 @@ class ActorCritic(nn.Module):
             logprob = logp_all.gather(-1, actions[:, None]).squeeze(-1)
         else:
             dist = self._normal(actor_feat)
-            noise = torch.randn(dist.mean.shape, generator=generator, device=dist.mean.device)
-            actions = dist.mean if deterministic else dist.mean + dist.stddev * noise  # (B, act_dim)
+            if deterministic:  # no draw: evaluating must not move the sampling generator of training
+                actions = dist.mean
+            else:
+                noise = torch.randn(dist.mean.shape, generator=generator, device=dist.mean.device)
+                actions = dist.mean + dist.stddev * noise  # (B, act_dim)
             logprob = dist.log_prob(actions).sum(-1)
         return actions, logprob, self.critic_head(critic_feat).squeeze(-1)
 
