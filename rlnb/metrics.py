@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +44,7 @@ class MetricLogger:
 
             # one wandb run per run directory: a resumed run continues it instead of opening another
             id_file = self.run_dir / "wandb_run_id"
-            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
             id_file.write_text(run_id)
             self._wandb = wandb.init(
                 project=wandb_project, dir=str(self.run_dir), config=config or {}, id=run_id, resume="allow"

@@ -331,3 +331,18 @@ def test_evaluating_between_steps_does_not_change_training(cluster, tmp_path, re
             records.append(loop.step_once())
         runs.append([without_wall_clock(r) for r in records])
     assert runs[0] == runs[1]
+
+
+def test_resume_continues_the_same_wandb_run(cluster, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no account, no network: runs are written locally
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    overrides = ["runner.steps=3", "runner.save_interval=2", "runner.tensorboard=false", "runner.stop_return=100000",
+                 "runner.wandb_project=rlnb-test", "env.num_envs=4", "rollout.steps_per_rollout=16"]  # fmt: skip
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+        loop.run(2, progress=False)
+    run_id = (tmp_path / "wandb_run_id").read_text()
+    with Loop.resume(tmp_path, cluster=cluster) as loop:
+        loop.run(progress=False)
+    runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.endswith(run_id) for r in runs), (run_id, runs)  # one run, resumed
