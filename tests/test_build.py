@@ -147,6 +147,8 @@ def test_lm_every_served_combination_trains_one_step_on_workers(cluster, tmp_pat
             assert np.isfinite(record["train/loss"]), (advantage, loss, record)
             if loss == "decoupled_ppo":
                 assert "train/behave_weight_mean" in record
+            if advantage.startswith("reinforce"):  # REINFORCE++ gets the per-token KL in its returns
+                assert "advantages/kl_mean" in record and "train/kl" not in record, record
 
 
 # ---------------------------------------------------------------------------- continuous actions

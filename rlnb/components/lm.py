@@ -473,6 +473,8 @@ class LMActor(ActorBase):
             )
         b["advantages"] = adv
         out = {"advantage_abs_mean": float(masked_mean(adv.abs(), mask))}
+        if "kl" in offered:  # the KL to the reference went into the advantage's returns (REINFORCE++)
+            out["kl_mean"] = float(masked_mean(offered["kl"], mask))
         if b["old_logprobs"] is not None:  # how far the sampler's log-probs are from the actor's
             out["logprob_drift"] = float(masked_mean((b["old_logprobs"] - b["logprobs"]).abs(), mask))
         return out
