@@ -165,12 +165,14 @@ def test_a_hub_id_is_never_replaced_by_a_random_model(cluster, tmp_path, monkeyp
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as on a machine without internet
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     overrides = ["actor.model_path=rlnb-test/not-cached", "runner.tensorboard=false"]
+    placed = [cluster.placed_on(s) for s in range(cluster.num_slots)]
     with pytest.raises(
         rlnb.ConfigError, match="actor.model_path: 'rlnb-test/not-cached' is not a local directory"
     ) as e:
         GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run")
     assert e.value.key == "actor.model_path" and "huggingface-cli download" in str(e.value)
-    assert not (tmp_path / "rlnb-test").exists() and not cluster.placed_on(0)
+    assert not (tmp_path / "rlnb-test").exists()
+    assert [cluster.placed_on(s) for s in range(cluster.num_slots)] == placed  # nothing was launched
 
 
 def test_a_hub_id_in_the_local_cache_loads_through_from_pretrained(tmp_path):

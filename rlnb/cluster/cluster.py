@@ -8,6 +8,7 @@ import logging
 import os
 import platform
 import socket
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -104,17 +105,17 @@ def _connect(address: str, timeout_s: float):
 
     maker = threading.Thread(target=make, name="rlnb-connect", daemon=True)
     maker.start()
-    maker.join(timeout_s)
+    maker.join(timeout_s + 1.0)  # Dask's own connect timeout fires first when nothing listens
     if "client" in out:
         return out["client"]
-    if maker.is_alive():
-        found = _what_listens(address)
+    found = _what_listens(address) if maker.is_alive() else None
+    if found is not None and not found.startswith("the connection failed"):
         raise ClusterError(
             f"no Dask scheduler answered at {address!r} within {timeout_s:g} s: {found}. "
             "Is the address the scheduler's (`dask scheduler` prints it, port 8786 by default)?"
         )
     raise ClusterError(
-        f"cannot reach the Dask scheduler at {address!r} within {timeout_s:g} s ({out.get('error')}). "
+        f"cannot reach the Dask scheduler at {address!r} within {timeout_s:g} s ({out.get('error') or found}). "
         "Is `dask scheduler` running there, and is the address right?"
     )
 
@@ -173,6 +174,9 @@ class Cluster:
         if gpus not in ("auto", True, False):
             raise ClusterError(f"Cluster(gpus=...): expected 'auto', True or False, got {gpus!r}")
         self._local = None
+        # this driver's session: what it launches is keyed and looked up under it, apart from other
+        # drivers (notebooks, `rlnb run`) sharing the same scheduler
+        self.session = uuid.uuid4().hex[:12]
         self._placed: dict[int, list[str]] = defaultdict(list)
         self._channels: list = []  # closed with the cluster, freeing their shared memory
         self.address: str

@@ -131,13 +131,13 @@ class Loop(LoopBase):
     def _check_rank_counts(self) -> None:
         super()._check_rank_counts()
         p, e = self.placement, self.recipe
-        self.check_layout(p.slots)
         n_env, n_roll, n_act = len(p["env"]), len(p["rollout"]), len(p["actor"])
         if n_env % n_roll:
             raise PlacementError(
                 f"component_placement: {n_env} env rank(s) cannot be shared evenly by {n_roll} rollout rank(s); "
                 "use a multiple", "component_placement"
             )  # fmt: skip
+        self.check_layout(p.slots)
         envs_per_rollout = e.env.num_envs * n_env // n_roll
         if n_act > n_roll and envs_per_rollout % (n_act // n_roll):
             raise PlacementError(
