@@ -90,7 +90,7 @@ def test_compiled_train_step_matches_eager():
             "ppo_cartpole", [f"actor.compile={str(compile_).lower()}", "algorithm.update_epochs=2"]
         )
         env = Env(r.env, seed=0)
-        rank_mod._PEERS[("env-c", 0)] = env
+        rank_mod._PEERS[("", "env-c", 0)] = env
         obs_space, act_space = env.spaces()
         rollout = PolicyRollout(r.actor.model, obs_space, act_space, seed=0)
         actor = PPOActor(r.actor, r.algorithm, obs_space, act_space, total_steps=10, seed=0)
@@ -98,5 +98,5 @@ def test_compiled_train_step_matches_eager():
         rollout.collect(16, "env-c")
         actor.set_batch([rollout.take_batch()])
         losses.append(actor.train()["loss"])
-        del rank_mod._PEERS[("env-c", 0)]
+        del rank_mod._PEERS[("", "env-c", 0)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-4)

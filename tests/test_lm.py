@@ -74,7 +74,7 @@ def test_qa_file_loaders(tmp_path):
 
 def test_hf_rollout_contract_and_logprob_agreement(tiny_lm):
     ro = HFRollout(tiny_lm, max_new_tokens=5, seed=0)
-    rank_mod._PEERS[("reward-test", 0)] = RewardWorker("arithmetic")
+    rank_mod._PEERS[("", "reward-test", 0)] = RewardWorker("arithmetic")
     s = ro.generate(["1+2=", "13+4="], ["3", "17"], n=4, reward="reward-test")
     b = ro.take_batch()
     B, L = b["input_ids"].shape
@@ -92,7 +92,7 @@ def test_hf_rollout_contract_and_logprob_agreement(tiny_lm):
     ro2 = HFRollout(tiny_lm, max_new_tokens=5, seed=0)
     ro2.generate(["1+2=", "13+4="], ["3", "17"], n=4, reward="reward-test")
     assert torch.equal(ro2.take_batch()["input_ids"], b["input_ids"])
-    del rank_mod._PEERS[("reward-test", 0)]
+    del rank_mod._PEERS[("", "reward-test", 0)]
 
 
 def test_sft_then_grpo_update_moves_the_right_way(tiny_lm):

@@ -49,11 +49,28 @@ def default_run_dir(name: str) -> Path:
 
 
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (partial ``.tmp-*`` directories are ignored)."""
+    """Complete checkpoints of a run, oldest first by step number (partial ``.tmp-*`` directories are
+    ignored; ``step_1000000`` comes after ``step_999999``)."""
     root = Path(run_dir) / "checkpoints"
     if not root.exists():
         return []
-    return sorted(p for p in root.glob("step_*") if (p / "COMPLETE").exists())
+    found = [p for p in root.glob("step_*") if (p / "COMPLETE").exists() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with path.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def mean_dicts(dicts: list[dict]) -> dict:
@@ -153,7 +170,11 @@ class LoopBase:
         )
         self.startup_s = time.perf_counter() - t0
         if recipe.runner.resume:
-            self.load_checkpoint(recipe.runner.resume)
+            try:
+                self.load_checkpoint(recipe.runner.resume)
+            except BaseException:
+                self.close()  # a failed resume leaves no components (and no embedded cluster) running
+                raise
 
     def _adopt(self, components: dict) -> Cluster:
         """Take groups launched by the user (``Env.launch(...)``...): check each is a launched group of a
@@ -526,6 +547,8 @@ class LoopBase:
         """
         final = self.checkpoint_dir / f"step_{self.step:06d}"
         tmp = self.checkpoint_dir / f".tmp-step_{self.step:06d}-{uuid.uuid4().hex[:6]}"
+        for stale in self.checkpoint_dir.glob(".tmp-step_*"):  # left by a save that was killed
+            shutil.rmtree(stale, ignore_errors=True)
         try:
             tmp.mkdir(parents=True)
             pending = [g.save_state(str(tmp)) for g in self.groups.values()]
@@ -536,12 +559,14 @@ class LoopBase:
                 "placement": {k: list(v) for k, v in self.placement.slots.items()},
                 **self._extra_state(),
             }
-            (tmp / "loop.json").write_text(json.dumps(state))
+            _write_synced(tmp / "loop.json", json.dumps(state))
             self._save_extra(tmp)
-            (tmp / "COMPLETE").write_text("ok\n")
+            _write_synced(tmp / "COMPLETE", "ok\n")
+            _fsync_dir(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
+            _fsync_dir(self.checkpoint_dir)  # the rename itself survives a power cut
         except WorkerLostError:
             shutil.rmtree(tmp, ignore_errors=True)
             raise  # a lost worker, not a disk problem: run() may recover from it
@@ -553,21 +578,33 @@ class LoopBase:
         return final
 
     def load_checkpoint(self, which: str | Path = "auto") -> int:
-        """Restore every component and the loop state; ``"auto"`` picks the latest complete checkpoint."""
-        if str(which) == "auto":
-            found = complete_checkpoints(self.run_dir)
-            if not found:
-                return self.step  # nothing saved yet: start fresh
-            path = found[-1]
-        else:
+        """Restore every component and the loop state; ``"auto"`` picks the latest complete checkpoint,
+        falling back (with a warning) to earlier ones if it cannot be read."""
+        if str(which) != "auto":
             path = Path(which)
             if not (path / "COMPLETE").exists():
                 raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
+            return self._load_from(path)
+        found = complete_checkpoints(self.run_dir)
+        if not found:
+            return self.step  # nothing saved yet: start fresh
+        for i, path in enumerate(reversed(found)):
+            try:
+                return self._load_from(path)
+            except CheckpointError as e:
+                if i == len(found) - 1:
+                    raise
+                log.warning("%s; falling back to the previous complete checkpoint", e)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _load_from(self, path: Path) -> int:
         try:
             state = json.loads((path / "loop.json").read_text())
             for g in self.groups.values():
                 g.load_state(str(path)).result()
         except RemoteError as e:
+            if isinstance(e, WorkerLostError):
+                raise
             raise CheckpointError(
                 f"could not restore {path}: {e.component}[rank {e.rank}] failed to load "
                 f"{e.component}_rank{e.rank}.pt: {e.args[0]}"

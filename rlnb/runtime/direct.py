@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import logging
 import os
 import pickle
 import secrets
@@ -38,6 +39,7 @@ import weakref
 
 import cloudpickle
 
+log = logging.getLogger("rlnb")
 _REQ = struct.Struct("!32s16s")  # a request starts with the host's key and the operation
 _HEAD = struct.Struct("!IQ")
 _LEN = struct.Struct("!Q")
@@ -190,11 +192,21 @@ class CallServer:
                 del self.hosts[key]
 
     def _accept(self):
+        delay_s = 0.0
         while True:
             try:
                 conn, _ = self.sock.accept()
-            except OSError:
-                return
+            except OSError as e:
+                if self.sock.fileno() < 0:  # closed: the worker is shutting down
+                    return
+                # transient (too many open files, a connection reset before accept...): back off and
+                # keep serving; one bad moment must not stop direct calls on this worker for good
+                delay_s = min(1.0, max(0.01, delay_s * 2))
+                if delay_s == 0.01 or delay_s == 1.0:
+                    log.warning("direct-call server on %s: accept failed (%s); retrying", self.address, e)
+                time.sleep(delay_s)
+                continue
+            delay_s = 0.0
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), name="rlnb-direct-conn", daemon=True).start()
 

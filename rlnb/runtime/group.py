@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import html
-import itertools
 import os
 import threading
 import time
+import uuid
 from collections import Counter as _Counter
 from collections.abc import Sequence
 
@@ -29,7 +29,6 @@ from rlnb.runtime.rank import RankHost, RankInfo, remote_error
 
 DEFAULT_CALL_TIMEOUT_S = 600.0
 LIVENESS_CHECK_S = 1.0  # while a call runs, how often to ask the scheduler whether its workers live
-_ids = itertools.count()
 
 
 class GroupResult:
@@ -245,10 +244,11 @@ class Group:
                     device=slot.device,
                     address=slot.address,
                     node=slot.node,
+                    session=cluster.session,
                 )
             )
             seen[slot.node] += 1
-        uid = next(_ids)
+        uid = uuid.uuid4().hex[:16]  # unique across drivers sharing the scheduler (Dask dedups by key)
         futures = []
         for info in infos:
             kw = dict(kwargs or {})

@@ -29,6 +29,8 @@ class RankInfo:
         device: ``"cpu"`` or ``"cuda:0"``.
         address: Dask worker address.
         node: host name.
+        session: the driver session (one per :class:`rlnb.Cluster` object) that launched it; in-process
+            peer lookups stay within it, so drivers sharing a cluster never see each other's components.
     """
 
     component: str
@@ -40,20 +42,24 @@ class RankInfo:
     device: str
     address: str
     node: str
+    session: str = ""
 
 
 _local = threading.local()
-# Component objects living in this worker process, by (component, rank): collocated components
-# find each other here and exchange data in-process (no channel hop, no copy).
-_PEERS: dict[tuple[str, int], object] = {}
+# Component objects living in this worker process, by (driver session, component, rank): collocated
+# components of one driver find each other here and exchange data in-process (no channel hop, no copy).
+_PEERS: dict[tuple[str, str, int], object] = {}
 
 
 def local_peer(component: str, rank: int):
-    """The object of ``component`` rank ``rank`` if it lives in this process (collocated), else raise."""
+    """The object of ``component`` rank ``rank`` if it lives in this process (collocated) and belongs to
+    the calling rank's driver session, else raise."""
+    info = current_rank()
+    session = info.session if info is not None else ""
     try:
-        return _PEERS[(component, rank)]
+        return _PEERS[(session, component, rank)]
     except KeyError:
-        here = sorted(f"{c}[{r}]" for c, r in _PEERS)
+        here = sorted(f"{c}[{r}]" for s, c, r in _PEERS if s == session)
         raise RuntimeError(
             f"{component}[{rank}] is not in this worker process (here: {here}); "
             "only collocated components can be reached in-process"
@@ -187,7 +193,7 @@ class RankHost:
         try:
             with _as_current(self):
                 self.obj = cls(*args, **kwargs)
-            _PEERS[(info.component, info.rank)] = self.obj
+            _PEERS[(info.session, info.component, info.rank)] = self.obj
         except Exception as e:  # reported by ready(), with its traceback
             self.init_error = pack_exception(e)
         from rlnb.runtime import direct
@@ -258,8 +264,9 @@ class RankHost:
         if "default" in self.collectives and dist.is_initialized():
             dist.destroy_process_group()
         self.collectives.clear()
-        if _PEERS.get((self.info.component, self.info.rank)) is self.obj:
-            del _PEERS[(self.info.component, self.info.rank)]
+        key = (self.info.session, self.info.component, self.info.rank)
+        if _PEERS.get(key) is self.obj:
+            del _PEERS[key]
         self._stores.clear()
         return ("ok", None, 0.0)
 
@@ -269,7 +276,10 @@ def _save_state(obj, path: str) -> int:
 
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        torch.save(obj.state_dict(), tmp)
+        with open(tmp, "wb") as f:
+            torch.save(obj.state_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the checkpoint is marked complete
         os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
     finally:
         if os.path.exists(tmp):
