@@ -8,6 +8,7 @@ A loop subclass names its components and implements ``_launch``, ``rollout``, ``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import html
 import json
 import logging
@@ -23,7 +24,7 @@ import numpy as np
 from rlnb.cluster.cluster import Cluster, default_cpu_slots
 from rlnb.cluster.placement import Placement, resolve_placement
 from rlnb.config.loader import load_recipe, to_yaml
-from rlnb.config.schema import Recipe
+from rlnb.config.schema import AlgorithmConfig, Recipe, RunnerConfig
 from rlnb.errors import ComponentError, ConfigError, PlacementError, RemoteError, RlnbError, WorkerLostError
 from rlnb.metrics import MetricLogger
 from rlnb.runtime.channel import Channel
@@ -86,9 +87,6 @@ def mean_dicts(dicts: list[dict]) -> dict:
 def objects_recipe(name: str, seed: int, runner, **sections) -> Recipe:
     """The recipe of a loop built from launched components: its runner settings, and what the loop
     reads from its components (filled in when they are composed)."""
-    from rlnb.config.loader import load_recipe
-    from rlnb.config.schema import RunnerConfig
-
     if runner is None or isinstance(runner, RunnerConfig):
         runner = runner or RunnerConfig()
     elif isinstance(runner, dict):
@@ -214,6 +212,20 @@ class LoopBase:
         self.groups = {role: components[role] for role in self.COMPONENTS}
         self.placement = Placement({role: tuple(i.slot for i in g.infos) for role, g in self.groups.items()})
         return next(iter(components.values())).cluster
+
+    def _record_components(self, **sections) -> None:
+        """Objects path: the recipe records what the launched components were built with (the actor's
+        algorithm, ``sections`` the loop read from others, the placement); then the checks the recipe
+        path makes before launching run on it."""
+        described = self.groups["actor"].on(0).describe().result()[0]
+        algorithm = AlgorithmConfig(**described["algorithm"])
+        algorithm.advantage, algorithm.policy_loss = described["advantage"], described["policy_loss"]
+        self.recipe = dataclasses.replace(self.recipe, algorithm=algorithm, **sections)
+        self.recipe.cluster.component_placement = {
+            k: ",".join(map(str, v)) for k, v in self.placement.slots.items()
+        }
+        self._check_rank_counts()
+        self._check_cluster()
 
     def _bind_checked(self, results) -> list:
         """Results of set-up calls on the user's components; a :class:`ComponentError` raised on a worker

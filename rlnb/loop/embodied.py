@@ -8,7 +8,6 @@ Example (one phase per notebook cell):
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 
@@ -18,7 +17,7 @@ from rlnb.algorithms.contract import EMBODIED, check_algorithm
 from rlnb.components.actor import PPOActor
 from rlnb.components.env import Env
 from rlnb.components.rollout import PolicyRollout
-from rlnb.config.schema import AlgorithmConfig, Recipe, RolloutConfig
+from rlnb.config.schema import Recipe, RolloutConfig
 from rlnb.errors import ConfigError, PlacementError
 from rlnb.loop.base import (
     CheckpointError,
@@ -184,15 +183,9 @@ class Loop(LoopBase):
         self._bind_checked(
             [rollout.bind_spaces(obs_space, act_space), actor.bind_spaces(obs_space, act_space)]
         )
-        if self.built_from_objects:  # the recipe records what the components were built with
-            described = actor.on(0).describe().result()[0]
-            algorithm = AlgorithmConfig(**described["algorithm"])
-            algorithm.advantage, algorithm.policy_loss = described["advantage"], described["policy_loss"]
-            self.recipe = dataclasses.replace(self.recipe, env=self.env_spec["config"], algorithm=algorithm)
-            self.recipe.cluster.component_placement = {k: ",".join(map(str, v)) for k, v in p.slots.items()}
-            self._check_rank_counts()
-            self._check_cluster()
-            actor.set_total_steps(self.recipe.runner.steps).result()
+        if self.built_from_objects:
+            self._record_components(env=self.env_spec["config"])
+        actor.set_total_steps(self.recipe.runner.steps).result()
         timeout = actor.call_timeout_s
         self.env_local = p["env"] == p["rollout"]  # the rollout steps its env rank in-process
         if actor.world_size > 1:

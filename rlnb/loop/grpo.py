@@ -8,14 +8,13 @@ Example (one phase per notebook cell):
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from pathlib import Path
 
 from rlnb.algorithms.contract import LM, check_algorithm, check_reward
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
-from rlnb.config.schema import AlgorithmConfig, DataConfig, Recipe, RolloutConfig
+from rlnb.config.schema import DataConfig, Recipe, RolloutConfig
 from rlnb.data.prompts import ArithmeticTask, Problem, load_qa_file, problems_from_records
 from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementError
 from rlnb.loop.base import LoopBase, objects_recipe
@@ -202,13 +201,8 @@ class GRPOLoop(LoopBase):
 
     def _compose(self) -> None:
         actor, p = self.groups["actor"], self.placement
-        if self.built_from_objects:  # the recipe records what the components were built with
-            described = actor.on(0).describe().result()[0]
-            algorithm = AlgorithmConfig(**described["algorithm"])
-            algorithm.advantage, algorithm.policy_loss = described["advantage"], described["policy_loss"]
-            self.recipe = dataclasses.replace(self.recipe, algorithm=algorithm)
-            self.recipe.cluster.component_placement = {k: ",".join(map(str, v)) for k, v in p.slots.items()}
-            self._check_rank_counts()
+        if self.built_from_objects:
+            self._record_components()
         actor.set_total_steps(self.recipe.runner.steps).result()
         if actor.world_size > 1:
             actor.init_process_group(timeout_s=min(actor.call_timeout_s, 300))
