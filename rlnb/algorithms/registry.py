@@ -119,11 +119,10 @@ class Registry:
 
         return deco
 
-    def _resolve(self, name: str) -> str:
-        if not isinstance(name, str) or (
-            name.lower() not in self._items and name.lower() not in self._aliases
-        ):
-            raise UnknownNameError(self.kind, str(name), self._items, key=self.key)
+    def _resolve(self, name: str, key: str | None = None) -> str:
+        """The registered (lower-case) name behind ``name`` or one of its aliases."""
+        if name not in self:
+            raise UnknownNameError(self.kind, str(name), self._items, key=key or self.key)
         return self._aliases.get(name.lower(), name.lower())
 
     def entry(self, name_or_fn) -> Entry:
@@ -137,11 +136,7 @@ class Registry:
 
     def get(self, name: str, key: str | None = None) -> Callable:
         """The function registered as ``name``; :class:`UnknownNameError` (with "did you mean") otherwise."""
-        if not isinstance(name, str) or (
-            name.lower() not in self._items and name.lower() not in self._aliases
-        ):
-            raise UnknownNameError(self.kind, str(name), self._items, key=key or self.key)
-        return self._items[self._resolve(name)].fn
+        return self._items[self._resolve(name, key)].fn
 
     def names(self) -> list[str]:
         return sorted(self._items)

@@ -361,9 +361,6 @@ class LMActor(ActorBase):
         self.step = 0
         self.batch: dict | None = None
 
-    def bind_spaces(self, *spaces) -> dict:  # the LM loop has no spaces: the model is built already
-        return {"policy": type(self.policy).__name__}
-
     def policy_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.state_dict().items()}
 
