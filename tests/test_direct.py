@@ -169,13 +169,14 @@ def test_channel_reader_keeps_what_it_holds_and_frees_what_it_drops(cluster):
     assert float(b.min()) == float(b.max()) == 2.0
     view = a[10:20]  # a view keeps the segment too
     segments = set(glob.glob(mine)) - before
-    assert len(segments) == 2
+    assert a.data_ptr() != b.data_ptr() and len(segments) <= 2  # (earlier tests may have left free ones)
+    segments = set(glob.glob(mine))
     del a, b
     gc.collect()
     ch.put(torch.full((n,), 3.0))  # reuses the segment `b` had: no new file
     c = ch.get(timeout=10)
     assert float(c[0]) == 3.0 and float(view[0]) == 1.0
-    assert set(glob.glob(mine)) - before == segments
+    assert set(glob.glob(mine)) == segments
     del c, view
     ch.close()
 

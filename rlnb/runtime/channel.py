@@ -485,7 +485,7 @@ class Channel:
         if sender is not None and sender.unread:  # earlier puts land first: read-your-writes
             for reply in sender.drain(timeout):
                 self._value("put", reply)
-        pending = direct.link_for(self._direct).send(op, args)
+        pending = direct.link_for(self._direct).send(op, args, timeout)
         if pending.reply is not None and self._fall_back(pending.reply):
             return self._ask(op, args, timeout)
         if not pending.wait(timeout):

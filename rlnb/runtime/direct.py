@@ -17,6 +17,13 @@ tensors travel as raw bytes, outside the pickle, without a copy on the sending s
 with the server's random token (handed out through Dask, in ``RankHost.ready``), so the port
 accepts nothing that could not already talk to the Dask worker. ``tls://`` clusters keep Dask's
 rpc (the direct port is not encrypted), as does ``RLNB_DIRECT_CALLS=0``.
+
+Limits, so a stray or hostile client cannot exhaust a worker: the token must arrive within
+``TOKEN_TIMEOUT_S``; at most ``RLNB_DIRECT_MAX_CONNECTIONS`` (256) connections are served at once
+(more are closed on accept); a message may not exceed ``RLNB_MAX_MESSAGE_BYTES`` (8 GiB), checked on
+its header before anything is allocated, and by the sender before anything is sent. Every send
+from the driver has a deadline (the call's timeout). Authentication and protocol failures are logged
+once per worker.
 """
 
 from __future__ import annotations
@@ -39,11 +46,15 @@ import weakref
 
 import cloudpickle
 
+from rlnb.errors import RlnbError
+
 log = logging.getLogger("rlnb")
 _REQ = struct.Struct("!32s16s")  # a request starts with the host's key and the operation
 _HEAD = struct.Struct("!IQ")
 _LEN = struct.Struct("!Q")
 TOKEN_BYTES = 16
+TOKEN_TIMEOUT_S = 10.0  # a connection that has not sent its token by then is closed
+MAX_BUFFERS = 1 << 16  # out-of-band buffers in one message
 OUT_OF_BAND_MIN_BYTES = 64 * 1024  # tensors this big travel outside the pickle
 RANK_OPS = frozenset(
     {"call", "ready", "save_state", "load_state", "open_store", "join_group", "destroy_groups"}
@@ -58,6 +69,29 @@ def env_flag(name: str) -> bool:
 def enabled() -> bool:
     """Whether the driver should use direct calls (``RLNB_DIRECT_CALLS=0`` turns them off)."""
     return env_flag("RLNB_DIRECT_CALLS")
+
+
+def max_connections() -> int:
+    """Connections a worker's call server serves at once (``RLNB_DIRECT_MAX_CONNECTIONS``, 256)."""
+    return int(os.environ.get("RLNB_DIRECT_MAX_CONNECTIONS", "256"))
+
+
+def max_message_bytes() -> int:
+    """The largest message either side accepts (``RLNB_MAX_MESSAGE_BYTES``, default 8 GiB)."""
+    return int(os.environ.get("RLNB_MAX_MESSAGE_BYTES", str(8 << 30)))
+
+
+class MessageTooLarge(RlnbError, ValueError):
+    """A message over :func:`max_message_bytes` (refused before it is sent or allocated)."""
+
+
+def _check_size(nbytes: int, what: str) -> None:
+    limit = max_message_bytes()
+    if nbytes > limit:
+        raise MessageTooLarge(
+            f"{what} of {nbytes:,} bytes exceeds the maximum of {limit:,} (RLNB_MAX_MESSAGE_BYTES); "
+            "move bulk data through a Channel or a file, or raise the limit on driver and workers"
+        )
 
 
 # ---------------------------------------------------------------------------------- encoding
@@ -124,6 +158,7 @@ def dumps(obj) -> list:
         _CloudPickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
     payload = f.getbuffer()
     raws = [b.raw() for b in buffers]
+    _check_size(payload.nbytes + sum(r.nbytes for r in raws), "a message")
     head = _HEAD.pack(len(raws), payload.nbytes) + b"".join(_LEN.pack(r.nbytes) for r in raws)
     return [head, payload, *raws]
 
@@ -141,6 +176,24 @@ def send_parts(sock: socket.socket, parts: list) -> None:
             sock.sendall(p)
 
 
+def send_within(sock: socket.socket, parts: list, timeout_s: float | None) -> None:
+    """:func:`send_parts` with a deadline for the whole send (``TimeoutError`` past it: the socket
+    is then unusable, its peer may have half a message)."""
+    if timeout_s is None:
+        return send_parts(sock, parts)
+    sock.settimeout(max(timeout_s, 0.001))
+    try:
+        send_parts(sock, parts)
+    finally:
+        with contextlib.suppress(OSError):
+            sock.settimeout(None)
+
+
+def _failure(error: OSError) -> str:
+    """The reply status for a failed send: ``"timeout"`` past its deadline, else ``"lost"``."""
+    return "timeout" if isinstance(error, TimeoutError) else "lost"
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
@@ -153,9 +206,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 
 
 def recv_message(sock: socket.socket):
-    """One message: ``(payload, buffers)``. Raises ``ConnectionError`` when the peer is gone."""
+    """One message: ``(payload, buffers)``. Raises ``ConnectionError`` when the peer is gone and
+    :class:`MessageTooLarge` when its header announces more than the limit (nothing allocated yet)."""
     nbufs, plen = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
+    if nbufs > MAX_BUFFERS:
+        raise MessageTooLarge(f"a message header announces {nbufs:,} buffers (at most {MAX_BUFFERS:,})")
     lens = [_LEN.unpack_from(b)[0] for b in (_recv_exact(sock, _LEN.size) for _ in range(nbufs))]
+    _check_size(plen + sum(lens), "an incoming message")
     payload = _recv_exact(sock, plen)
     return payload, [_recv_exact(sock, n) for n in lens]
 
@@ -174,6 +231,8 @@ class CallServer:
         # shutdown is freed as usual; a call to it then gets "shut down")
         self.hosts: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
+        self.connections = 0  # being served now
+        self._logged: set[str] = set()  # kinds of failure already logged (each is logged once)
         ip = worker.address.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
         self.sock = _listen(ip, family)
@@ -207,35 +266,75 @@ class CallServer:
                 time.sleep(delay_s)
                 continue
             delay_s = 0.0
+            with self._lock:
+                full = self.connections >= max_connections()
+                self.connections += not full
+            if full:  # one thread per connection: refuse rather than grow without bound
+                self._log_once(
+                    "cap",
+                    "%d connections open (RLNB_DIRECT_MAX_CONNECTIONS); refusing more",
+                    max_connections(),
+                )
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), name="rlnb-direct-conn", daemon=True).start()
 
+    def _log_once(self, kind: str, message: str, *args) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("direct-call server on %s:%s: " + message + " (logged once)", *self.address, *args)
+
     def _serve(self, conn: socket.socket):
-        with conn:
-            try:
-                if not secrets.compare_digest(bytes(_recv_exact(conn, TOKEN_BYTES)), self.token):
-                    return
-                while True:
-                    key, op = (b.rstrip(b"\0").decode() for b in _REQ.unpack(_recv_exact(conn, _REQ.size)))
-                    payload, buffers = recv_message(conn)
-                    host = self.hosts.get(key)
-                    if host is not None and hasattr(host, "direct_call"):
-                        send_parts(conn, self._execute_here(host, op, payload, buffers))
-                        continue
-                    w = self.worker
-                    reply = w.executors["actor"].submit(
-                        self._run_actor,
-                        self._execute,
-                        (host, op, payload, buffers),
-                        {},
-                        w.execution_state,
-                        "rlnb-direct-call",
-                        w.active_threads,
-                        w.active_threads_lock,
-                    )
-                    send_parts(conn, reply.result())
-            except Exception:  # the driver went away, or the worker is closing: the driver sees EOF
-                return
+        try:
+            with conn:
+                self._serve_connection(conn)
+        finally:
+            with self._lock:
+                self.connections -= 1
+
+    def _serve_connection(self, conn: socket.socket):
+        try:
+            conn.settimeout(TOKEN_TIMEOUT_S)
+            token = bytes(_recv_exact(conn, TOKEN_BYTES))
+        except (OSError, EOFError) as e:
+            why = f"no token within {TOKEN_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else str(e)
+            self._log_once("auth", "a connection closed before authenticating (%s)", why)
+            return
+        if not secrets.compare_digest(token, self.token):
+            self._log_once("auth", "a connection sent a wrong token; closed")
+            return
+        conn.settimeout(None)  # an authenticated connection may idle in the driver's pool
+        try:
+            while True:
+                key, op = (b.rstrip(b"\0").decode() for b in _REQ.unpack(_recv_exact(conn, _REQ.size)))
+                payload, buffers = recv_message(conn)
+                host = self.hosts.get(key)
+                if host is not None and hasattr(host, "direct_call"):
+                    send_parts(conn, self._execute_here(host, op, payload, buffers))
+                    continue
+                w = self.worker
+                reply = w.executors["actor"].submit(
+                    self._run_actor,
+                    self._execute,
+                    (host, op, payload, buffers),
+                    {},
+                    w.execution_state,
+                    "rlnb-direct-call",
+                    w.active_threads,
+                    w.active_threads_lock,
+                )
+                send_parts(conn, reply.result())
+        except MessageTooLarge as e:  # say why before closing (the payload cannot be skipped)
+            self._log_once("size", "%s", e)
+            from rlnb.runtime.rank import pack_exception
+
+            with contextlib.suppress(OSError):
+                send_parts(conn, dumps(("err", pack_exception(e), 0.0)))
+        except (OSError, EOFError):  # the driver went away, or the worker is closing: it sees EOF
+            return
+        except Exception as e:  # a bug or a garbled request: log it, close the connection
+            self._log_once("protocol", "closed a connection after %s: %s", type(e).__name__, e)
 
     def _execute(self, host, op: str, payload, buffers) -> list:
         """On the actor thread (where Dask runs actor methods): decode, run, encode the reply."""
@@ -398,13 +497,14 @@ class DirectLink:
                 raise Unreachable(f"{self.address[0]}:{self.address[1]}: {e}") from e
             raise
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(self.token)  # (still under the connect timeout)
         sock.settimeout(None)
-        sock.sendall(self.token)
         return sock
 
-    def send(self, op: str, args: tuple | list) -> PendingCall:
+    def send(self, op: str, args: tuple | list, timeout_s: float | None = None) -> PendingCall:
         """Send one request (``args``: a tuple, or already :func:`dumps`-encoded); read the reply
-        from the returned :class:`PendingCall`."""
+        from the returned :class:`PendingCall`. A send still blocked after ``timeout_s`` seconds (a
+        hung or stopped worker no longer reading) gives the reply ``("timeout", error, 0)``."""
         parts = [
             _REQ.pack(self.key.encode(), op.encode()),
             *(args if isinstance(args, list) else dumps(args)),
@@ -413,13 +513,13 @@ class DirectLink:
             sock = self._idle.pop() if self._idle else None
         try:
             sock = sock or self.connect()
-            send_parts(sock, parts)
+            send_within(sock, parts, timeout_s)
         except Unreachable as e:
             return PendingCall(self, None, ("unreachable", e, 0.0))
         except OSError as e:
             if sock is not None:
                 sock.close()
-            return PendingCall(self, None, ("lost", e, 0.0))
+            return PendingCall(self, None, (_failure(e), e, 0.0))
         return PendingCall(self, sock, None)
 
     def give_back(self, sock: socket.socket) -> None:
@@ -494,10 +594,10 @@ class OrderedSender:
             try:
                 if self.sock is None:
                     self.sock = self.link.connect()
-                send_parts(self.sock, parts)
+                send_within(self.sock, parts, timeout_s)
             except OSError as e:
                 self._reset()
-                return [*replies, ("unreachable" if isinstance(e, Unreachable) else "lost", e, 0.0)]
+                return [*replies, ("unreachable" if isinstance(e, Unreachable) else _failure(e), e, 0.0)]
             self.unread += 1
             return replies
 
@@ -548,6 +648,7 @@ def link_for(offer: tuple) -> DirectLink:
 __all__ = [
     "CallServer",
     "DirectLink",
+    "MessageTooLarge",
     "OrderedSender",
     "PendingCall",
     "Unreachable",

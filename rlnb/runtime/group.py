@@ -355,10 +355,12 @@ class Group:
                     encoded[id(a)] = direct.dumps(a)
         except Exception as e:  # raised while pickling, before anything was sent
             method = per_rank[0][1][0] if op == "call" else op
+            if isinstance(e, direct.MessageTooLarge):
+                raise direct.MessageTooLarge(f"{self.name}.{method}(): {e}") from None
             raise TypeError(
                 f"{self.name}.{method}(): an argument cannot be sent to the ranks: {type(e).__name__}: {e}"
             ) from e
-        return [self._links[r].send(op, encoded[id(a)]) for r, a in per_rank]
+        return [self._links[r].send(op, encoded[id(a)], self.call_timeout_s) for r, a in per_rank]
 
     @property
     def transport(self) -> str:

@@ -144,8 +144,16 @@ def pack_exception(exc: BaseException) -> dict:
 def remote_error(status: str, value, component: str, rank: int, address: str, method: str):
     """The typed error for a failed remote reply: ``WorkerLostError`` when the worker is gone
     (``value`` says why), else ``RemoteError`` from a :func:`pack_exception` dict."""
-    from rlnb.errors import RemoteError, WorkerLostError
+    from rlnb.errors import RemoteError, RemoteTimeoutError, WorkerLostError
 
+    if status == "timeout":  # the request could not even be sent in time
+        return RemoteTimeoutError(
+            f"sending the request timed out ({value}): the worker stopped reading it (a hung or stopped process?)",
+            component,
+            rank,
+            address,
+            method,
+        )
     if status in ("lost", "unreachable"):
         why = value if isinstance(value, str) else f"{type(value).__name__}: {value}"
         return WorkerLostError(
