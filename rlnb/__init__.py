@@ -11,6 +11,7 @@ Example:
 
 from rlnb.cluster import Cluster, Placement, Slot
 from rlnb.errors import (
+    ChannelClosedError,
     ChannelTimeoutError,
     ClusterError,
     ComponentError,
@@ -50,6 +51,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Channel",
+    "ChannelClosedError",
     "ChannelTimeoutError",
     "Cluster",
     "ClusterError",

@@ -7,6 +7,8 @@ survive pickling, so an error raised on a Dask worker arrives intact in the note
 from __future__ import annotations
 
 import difflib
+import pickle
+import traceback
 from collections.abc import Iterable
 
 
@@ -115,6 +117,10 @@ class ChannelTimeoutError(RlnbError, TimeoutError):
     """A channel ``get``/``put`` did not complete within its timeout."""
 
 
+class ChannelClosedError(RlnbError, RuntimeError):
+    """The channel was closed: blocked readers wake with this error and later puts are refused."""
+
+
 class ComponentError(ConfigError):
     """A component, or an object given to one (env, policy, reward...), does not fit where it is used.
 
@@ -127,3 +133,48 @@ class ComponentError(ConfigError):
     def __init__(self, message: str, component: str = "?", obj: str = "?", member: str = "?"):
         super().__init__(f"{component}: {obj}.{member}: {message}", key=member)
         self.component, self.obj, self.member = component, obj, member
+
+
+# ---------------------------------------------------------------------------------- remote replies
+def pack_exception(exc: BaseException) -> dict:
+    """An exception as plain data, keeping the object itself when it pickles."""
+    try:
+        pickle.dumps(exc)
+        obj = exc
+    except Exception:
+        obj = None
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "exception": obj,
+    }
+
+
+def remote_error(status: str, value, component: str, rank: int, address: str, method: str):
+    """The typed error for a failed remote reply: ``WorkerLostError`` when the worker is gone
+    (``value`` says why), else ``RemoteError`` from a :func:`pack_exception` dict."""
+    if status == "timeout":  # the request could not even be sent in time
+        return RemoteTimeoutError(
+            f"sending the request timed out ({value}): the worker stopped reading it (a hung or stopped process?)",
+            component,
+            rank,
+            address,
+            method,
+        )
+    if status in ("lost", "unreachable"):
+        why = value if isinstance(value, str) else f"{type(value).__name__}: {value}"
+        return WorkerLostError(
+            f"worker process is gone or unreachable ({why})", component, rank, address, method
+        )
+    err = RemoteError(
+        f"{value['type']}: {value['message']}",
+        component,
+        rank,
+        address,
+        method,
+        remote_traceback=value["traceback"],
+        cause_type=value["type"],
+    )
+    err.__cause__ = value.get("exception")
+    return err

@@ -139,3 +139,127 @@ def test_a_large_call_to_a_stopped_worker_ends_within_the_call_timeout(one_slot)
     assert "stopped[rank 0]" in str(outcome["error"]) and outcome["seconds"] < 10
     assert group.add(4).result(20) == [4]  # the worker resumed: a fresh connection works
     group.shutdown()
+
+
+# ---------------------------------------------------------------------------------- shared memory, channels
+def _put_big(channel, value: float) -> str:
+    """In a component: put a pooled-shared-memory tensor; return this process's segment files."""
+    import glob
+
+    channel.put(torch.full((1 << 18,), value))  # 1 MiB
+    return sorted(glob.glob(f"/dev/shm/rlnb-ch-{os.getpid()}-*"))
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_segments_are_private_and_those_of_a_killed_worker_are_swept_when_it_restarts(tmp_path):
+    dead, alive = (
+        f"/dev/shm/rlnb-ch-{_dead_pid()}-feedfacecafe",
+        f"/dev/shm/rlnb-ch-{os.getpid()}-0123456789ab",
+    )
+    for path in (dead, alive):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 64)
+    try:
+        with rlnb.Cluster(slots=1, gpus=False) as cluster:
+            group = rlnb.Group.launch(Echo, cluster, "0", name="producer")
+            assert not os.path.exists(dead) and os.path.exists(alive)  # swept when rlnb set the worker up
+            channel = rlnb.Channel.create(cluster, "private")
+            (segment,) = group.apply(_put_big, channel, 1.0).result(30)[0]
+            assert os.stat(segment).st_mode & 0o777 == 0o600  # the user's alone, like the checkpoint files
+            (pid,) = cluster.client.run(os.getpid).values()
+            os.kill(pid, signal.SIGKILL)  # the worker never unlinks its segment
+            deadline = time.monotonic() + 60
+            while os.path.exists(segment) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not os.path.exists(segment), "the restarted worker did not sweep its predecessor's segment"
+        assert os.path.exists(alive)  # a live process's segment is never touched
+    finally:
+        for path in (dead, alive):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_concurrent_senders_never_share_a_segment(one_slot):
+    import sys
+
+    channel = rlnb.Channel.create(one_slot, "concurrent")
+    rounds, senders, bad = 150, 4, []
+
+    def send(sender: int):
+        for i in range(rounds):
+            channel.put(torch.full((1 << 16,), float(sender * 1000 + i)), key=str(sender))
+
+    def receive(sender: int):
+        for i in range(rounds):
+            t = channel.get(key=str(sender), timeout=60)
+            if not (float(t.min()) == float(t.max()) == sender * 1000 + i):
+                bad.append((sender, i, float(t.min()), float(t.max())))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show within a few rounds
+    try:
+        threads = [threading.Thread(target=f, args=(s,)) for s in range(senders) for f in (send, receive)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        sys.setswitchinterval(interval)
+    channel.close()
+    assert not bad, f"{len(bad)} tensor(s) overwritten by another sender, e.g. {bad[:3]}"
+
+
+def _blocked_get(channel):
+    return channel.get(key="never", timeout=60)
+
+
+def _bounded_put(channel):
+    channel.put(1, key="late")
+
+
+def test_closing_a_channel_wakes_its_readers_and_refuses_later_puts(one_slot):
+    group = rlnb.Group.launch(Echo, one_slot, "0", name="reader")
+    channel = rlnb.Channel.create(one_slot, "closing", maxsize=4)
+    worker_reader = group.apply(_blocked_get, channel)  # blocked on a worker...
+    here = {}
+
+    def driver_reader():
+        t0 = time.monotonic()
+        try:
+            channel.get(key="never", timeout=60)
+        except Exception as e:
+            here["error"], here["seconds"] = e, time.monotonic() - t0
+
+    thread = threading.Thread(target=driver_reader)
+    thread.start()  # ...and in the notebook
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    channel.close()
+    with pytest.raises(rlnb.RemoteError, match="ChannelClosedError.*'closing'"):
+        worker_reader.result(20)
+    thread.join(20)
+    assert isinstance(here.get("error"), rlnb.ChannelClosedError) and time.monotonic() - t0 < 10
+    with pytest.raises(rlnb.ChannelClosedError, match="'closing' key 'late'"):
+        channel.put(1, key="late")
+    with pytest.raises(rlnb.RemoteError, match="ChannelClosedError"):
+        group.apply(_bounded_put, channel).result(20)  # another handle, on a worker
+    group.shutdown()
+
+
+def test_embedded_workers_ignore_ctrl_c(one_slot):
+    """Ctrl-C in a terminal reaches every process of its group; only the driver should act on it."""
+    group = rlnb.Group.launch(Echo, one_slot, "0", name="interrupted")
+    (pid,) = one_slot.client.run(os.getpid).values()
+    os.kill(pid, signal.SIGINT)
+    time.sleep(1.0)
+    assert group.add(5).result(20) == [5]
+    assert one_slot.client.run(os.getpid) == {group.infos[0].address: pid}  # the same process, not a restart
+    group.shutdown()

@@ -176,7 +176,7 @@ def test_channel_worker_to_worker_big_tensors_use_shared_memory(cluster, echo):
 def test_channel_close_releases_unconsumed_shared_memory(cluster):
     import os
 
-    from rlnb.runtime.channel import _POOL
+    from rlnb.runtime.shm import _POOL
 
     def taken():
         return [seg for seg in _POOL.segments if int(seg[2][0]) == 1]

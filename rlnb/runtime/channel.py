@@ -15,190 +15,18 @@ Example:
 from __future__ import annotations
 
 import asyncio
-import atexit
-import contextlib
-import mmap
-import os
-import socket
-import tempfile
 import threading
-import uuid
 from collections import deque
-from dataclasses import dataclass
 
-import numpy as np
+from rlnb.errors import ChannelClosedError, ChannelTimeoutError
+from rlnb.runtime import shm
+from rlnb.runtime.plugin import ensure_worker_runtime
+from rlnb.runtime.shm import HOSTNAME, pack, unpack
 
-from rlnb.errors import ChannelTimeoutError
-
-SHM_MIN_BYTES = 256 * 1024  # smaller payloads are cheaper inline
-SHM_PREFIX = "rlnb-ch-"
 DEFAULT_TIMEOUT_S = 300.0
-_HOSTNAME = socket.gethostname()
-
-
-def _shm_dir() -> str:
-    return (
-        "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    )
-
-
-@dataclass(frozen=True)
-class _ShmRef:
-    """A tensor/array parked in a shared-memory segment on ``node`` (bytes from ``offset``)."""
-
-    path: str
-    node: str
-    dtype: str
-    shape: tuple
-    numpy: bool
-    nbytes: int
-    offset: int = 0
-    capacity: int = 0
-
-
-HEADER = 64  # byte 0 of a pooled segment: 1 while a message occupies it, 0 once its reader copied it out
-POOL_MAX_BYTES = 1 << 30  # past this a producer parks tensors in one-off files (unlinked by the reader)
-
-
-def _new_shm_file(nbytes: int):
-    """A new shared-memory file of ``nbytes``, named after this process, and its uint8 mapping."""
-    import torch
-
-    path = os.path.join(_shm_dir(), f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-    with open(path, "wb") as f:
-        f.truncate(nbytes)
-    return path, torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-
-
-class _SegmentPool:
-    """Shared-memory segments a producer process reuses: on this kind of VM a fresh 16 MiB mapping
-    costs ~15 ms of page faults, a copy into an already-faulted segment ~1.8 ms. A reader maps the
-    segment without copying and clears the header byte once its tensor is freed (see
-    :class:`_Lease`); the producer then reuses the segment."""
-
-    def __init__(self):
-        self.segments: list[tuple[str, int, object]] = []  # (path, capacity, uint8 mapping)
-        self.total = 0
-
-    def acquire(self, nbytes: int):
-
-        for path, cap, mapping in self.segments:
-            if cap >= nbytes + HEADER and int(mapping[0]) == 0:
-                mapping[0] = 1
-                return path, cap, mapping
-        cap = max(1 << 20, 1 << (nbytes + HEADER - 1).bit_length())
-        if self.total + cap > POOL_MAX_BYTES:
-            return None
-        path, mapping = _new_shm_file(cap)
-        mapping[0] = 1
-        self.segments.append((path, cap, mapping))
-        self.total += cap
-        return path, cap, mapping
-
-    def close(self) -> None:
-        for path, _, _ in self.segments:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self.segments, self.total = [], 0
-
-
-_POOL = _SegmentPool()
 _SENDERS: dict[tuple, object] = {}  # per process and channel: puts whose replies are read later
 _SENDERS_LOCK = threading.Lock()
 _UNREACHABLE: set[tuple] = set()  # direct offers this process cannot connect to (it uses Dask's rpc)
-_READ_MAPS: dict[str, mmap.mmap] = {}  # reader side: producer segments mapped once
-
-
-class _Lease:
-    """Holds a reader's claim on a pooled segment; freeing it (with the last tensor viewing the
-    segment) hands the segment back to its producer."""
-
-    __slots__ = ("mapping",)
-
-    def __init__(self, mapping: mmap.mmap):
-        self.mapping = mapping
-
-    def __del__(self):
-        with contextlib.suppress(ValueError):  # the mapping was closed at interpreter exit
-            self.mapping[0] = 0
-
-
-class _LeasedBytes(np.ndarray):
-    """A uint8 view of a segment carrying its :class:`_Lease`; tensors made with ``torch.from_numpy``
-    keep it (and so the lease) alive for as long as their storage lives, views included."""
-
-
-def _leased_view(path: str, capacity: int, offset: int, nbytes: int) -> np.ndarray:
-    mapping = _READ_MAPS.get(path)
-    if mapping is None:
-        with open(path, "r+b") as f:
-            mapping = _READ_MAPS[path] = mmap.mmap(f.fileno(), capacity)
-    view = np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=offset).view(_LeasedBytes)
-    view._lease = _Lease(mapping)
-    return view
-
-
-atexit.register(_POOL.close)
-
-
-def _pack(item, node: str):
-    """Replace big tensors/arrays by shared-memory handles (only when we are on the channel's node)."""
-    import torch
-
-    if node != _HOSTNAME:
-        return item
-    if isinstance(item, dict):
-        return {k: _pack(v, node) for k, v in item.items()}
-    if isinstance(item, (list, tuple)) and not hasattr(item, "_fields"):
-        return type(item)(_pack(v, node) for v in item)
-    is_np = isinstance(item, np.ndarray)
-    if (is_np or isinstance(item, torch.Tensor)) and item.nbytes >= SHM_MIN_BYTES:
-        t = torch.from_numpy(np.ascontiguousarray(item)) if is_np else item.detach()
-        if t.device.type != "cpu" or t.is_sparse:
-            return item
-        nbytes = t.numel() * t.element_size()
-        dtype = str(t.dtype).removeprefix("torch.")
-        seg = _POOL.acquire(nbytes)
-        if seg is not None:
-            path, cap, mapping = seg
-            mapping[HEADER : HEADER + nbytes].view(t.dtype).copy_(t.reshape(-1))  # the producer's one copy
-            return _ShmRef(path, node, dtype, tuple(t.shape), is_np, nbytes, HEADER, cap)
-        path, mapping = _new_shm_file(nbytes)
-        mapping.view(t.dtype).copy_(t.reshape(-1))
-        return _ShmRef(path, node, dtype, tuple(t.shape), is_np, nbytes)
-    return item
-
-
-def _unpack(item):
-    """Map shared-memory handles back to tensors (zero-copy) and remove their files."""
-    import torch
-
-    if isinstance(item, _ShmRef):
-        dtype = getattr(torch, item.dtype)
-        numel = int(np.prod(item.shape)) if item.shape else 1
-        if item.capacity:  # a pooled segment: a zero-copy view, handed back when the tensor is freed
-            raw = _leased_view(item.path, item.capacity, item.offset, item.nbytes)
-            t = torch.from_numpy(raw).view(dtype).view(item.shape)
-        else:  # a one-off file: map it (zero-copy) and unlink it; the pages live as long as the tensor
-            t = torch.from_file(item.path, shared=True, size=numel, dtype=dtype).view(item.shape)
-            os.unlink(item.path)
-        return t.numpy() if item.numpy else t
-    if isinstance(item, dict):
-        return {k: _unpack(v) for k, v in item.items()}
-    if isinstance(item, (list, tuple)) and not hasattr(item, "_fields"):
-        return type(item)(_unpack(v) for v in item)
-    return item
-
-
-def _refs(item):
-    if isinstance(item, _ShmRef):
-        yield item
-    elif isinstance(item, dict):
-        for v in item.values():
-            yield from _refs(v)
-    elif isinstance(item, (list, tuple)):
-        for v in item:
-            yield from _refs(v)
 
 
 class ChannelServer:
@@ -218,7 +46,7 @@ class ChannelServer:
         self.name, self.maxsize = name, maxsize
         self.queues: dict[str, deque] = {}
         self._cv = threading.Condition()
-        self.node = _HOSTNAME
+        self.node = HOSTNAME
         self.closed = False
         self.counts = {"items": 0, "shm_tensors": 0, "shm_bytes": 0}
         self._waiters = None  # threads for blocking Dask-actor calls, made on first use
@@ -232,14 +60,20 @@ class ChannelServer:
 
     def _put(self, key: str, item, timeout_s: float | None):
         with self._cv:
+            if self.closed:
+                shm.release(item)
+                return ("closed", 0)
             q = self.queues.setdefault(key, deque())
             full = self.maxsize > 0 and len(q) >= self.maxsize
-            if full and not self._cv.wait_for(lambda: len(q) < self.maxsize, timeout_s):
+            if full and not self._cv.wait_for(lambda: len(q) < self.maxsize or self.closed, timeout_s):
                 return ("timeout", len(q))
+            if self.closed:
+                shm.release(item)
+                return ("closed", 0)
             q.append(item)
             self._cv.notify_all()
             self.counts["items"] += 1
-            for ref in _refs(item):
+            for ref in shm.refs(item):
                 self.counts["shm_tensors"] += 1
                 self.counts["shm_bytes"] += ref.nbytes
             return ("ok", len(q))
@@ -250,14 +84,18 @@ class ChannelServer:
         with self._cv:
             q = self.queues.setdefault(key, deque())
             if len(q) < need:
+                if self.closed:
+                    return ("closed", 0)
                 if timeout_s == 0:
                     return ("empty", None)
-                if not self._cv.wait_for(lambda: len(q) >= need, timeout_s):
+                if not self._cv.wait_for(lambda: len(q) >= need or self.closed, timeout_s):
                     return ("timeout", len(q))
+                if self.closed:  # woken by close()
+                    return ("closed", 0)
             items = [q.popleft() for _ in range(min(n, len(q)))]
             self._cv.notify_all()
         if node != self.node:  # the consumer cannot see our shared memory: send values
-            items = [_unpack(i) for i in items]
+            items = [unpack(i) for i in items]
         return ("ok", items)
 
     def _qsize(self, key: str | None) -> int:
@@ -279,16 +117,10 @@ class ChannelServer:
         with self._cv:
             for q in self.queues.values():
                 while q:
-                    for ref in _refs(q.popleft()):
-                        with contextlib.suppress(FileNotFoundError):
-                            if ref.capacity:  # release the producer's segment for reuse
-                                with open(ref.path, "r+b") as f:
-                                    f.write(b"\0")
-                            else:
-                                os.unlink(ref.path)
+                    shm.release(q.popleft())
                     dropped += 1
             self.closed = True
-            self._cv.notify_all()
+            self._cv.notify_all()  # blocked gets and puts wake and answer "closed"
         return dropped
 
     # ---- the Dask-actor route (coroutines on the worker's event loop)
@@ -345,6 +177,7 @@ class Channel:
         self._server, self.name, self.node, self.maxsize = server, name, node, maxsize
         self.timeout_s = timeout_s
         self._direct = direct_offer
+        self._closed = False  # closed through this handle
 
     @classmethod
     def create(
@@ -359,6 +192,7 @@ class Channel:
         if not isinstance(maxsize, int) or maxsize < 0:
             raise ValueError(f"Channel maxsize: expected an int >= 0, got {maxsize!r}")
         address = cluster.slots[slot].address
+        ensure_worker_runtime(cluster)
         fut = cluster.client.submit(
             ChannelServer, name, maxsize, actor=True, workers=[address], allow_other_workers=False, pure=False
         )
@@ -370,18 +204,26 @@ class Channel:
 
     # ---- sync API
     def put(self, item, key: str = "default", timeout: float | None = None) -> None:
-        """Append ``item`` to queue ``key``; waits while the queue holds ``maxsize`` items."""
+        """Append ``item`` to queue ``key``; waits while the queue holds ``maxsize`` items.
+
+        Raises:
+            ChannelClosedError: the channel was closed. (A put to an unbounded channel from another
+                process does not wait for its answer: it raises at that handle's next operation.)
+            ChannelTimeoutError: the queue stayed full for ``timeout`` seconds.
+        """
+        if self._closed:
+            raise self._closed_error(key)
         timeout = self.timeout_s if timeout is None else timeout
-        args = (key, _pack(item, self.node), timeout)
+        args = (key, pack(item, self.node), timeout)
         if self.maxsize == 0 and self._remote_direct():  # nothing to wait for: check the reply later
             replies = self._puts().send("put", args, timeout + 30)
             unreachable = bool(replies) and replies[-1][0] == "unreachable"
             for reply in replies[:-1] if unreachable else replies:
-                self._value("put", reply)
+                self._put_status(self._value("put", reply), key)
             if not unreachable:
                 return
             self._fall_back(replies[-1])  # then the put below takes Dask's route
-        status, size = self._ask("put", args, timeout + 30)
+        status, size = self._put_status(self._ask("put", args, timeout + 30), key)
         if status == "timeout":
             raise ChannelTimeoutError(
                 f"channel {self.name!r} key {key!r}: queue stayed full ({size}/{self.maxsize}) for {timeout:g} s"
@@ -395,20 +237,24 @@ class Channel:
         """Like :meth:`get` but raises ``queue.Empty`` at once when the queue is empty."""
         import queue
 
-        status, items = self._ask("get", (key, 1, 0, _HOSTNAME), 30)
+        status, items = self._ask("get", (key, 1, 0, HOSTNAME), 30)
+        if status == "closed":
+            raise self._closed_error(key)
         if status != "ok":
             raise queue.Empty(f"channel {self.name!r} key {key!r} is empty")
-        return _unpack(items[0])
+        return unpack(items[0])
 
     def get_batch(self, n: int, key: str = "default", timeout: float | None = None) -> list:
         """Remove and return ``n`` items of queue ``key`` in order, waiting until there are ``n``."""
         timeout = self.timeout_s if timeout is None else timeout
-        status, items = self._ask("get", (key, n, timeout, _HOSTNAME), timeout + 30)
+        status, items = self._ask("get", (key, n, timeout, HOSTNAME), timeout + 30)
+        if status == "closed":
+            raise self._closed_error(key)
         if status == "timeout":
             raise ChannelTimeoutError(
                 f"channel {self.name!r} key {key!r}: waited {timeout:g} s for {n} item(s), {items} queued"
             )
-        return [_unpack(i) for i in items]
+        return [unpack(i) for i in items]
 
     def qsize(self, key: str | None = "default") -> int:
         """Items queued under ``key`` (``None``: all keys)."""
@@ -423,8 +269,19 @@ class Channel:
         return self._ask("stats", (), 30)
 
     def close(self) -> int:
-        """Drop queued items and free their shared memory."""
-        return self._ask("close", (), 30)
+        """Drop queued items and free their shared memory; blocked readers and writers wake with
+        :class:`~rlnb.errors.ChannelClosedError`, as does every later ``put`` or ``get``."""
+        dropped = self._ask("close", (), 30)
+        self._closed = True
+        return dropped
+
+    def _closed_error(self, key: str) -> ChannelClosedError:
+        return ChannelClosedError(f"channel {self.name!r} key {key!r}: the channel was closed")
+
+    def _put_status(self, reply: tuple, key: str) -> tuple:
+        if reply[0] == "closed":
+            raise self._closed_error(key)
+        return reply
 
     def release_links(self) -> None:
         """Close this process's sockets to the channel's worker (``Cluster.close`` calls it)."""
@@ -484,7 +341,7 @@ class Channel:
         sender = _SENDERS.get(self._direct)
         if sender is not None and sender.unread:  # earlier puts land first: read-your-writes
             for reply in sender.drain(timeout):
-                self._value("put", reply)
+                self._put_status(self._value("put", reply), "?")
         pending = direct.link_for(self._direct).send(op, args, timeout)
         if pending.reply is not None and self._fall_back(pending.reply):
             return self._ask(op, args, timeout)
@@ -500,7 +357,7 @@ class Channel:
         status, value, _ = reply
         if status == "ok":
             return value
-        from rlnb.runtime.rank import remote_error
+        from rlnb.errors import remote_error
 
         where = f"tcp://{self._direct[0]}:{self._direct[1]} (direct)"
         raise remote_error(status, value, f"channel {self.name!r}", 0, where, op)

@@ -46,7 +46,7 @@ import weakref
 
 import cloudpickle
 
-from rlnb.errors import RlnbError
+from rlnb.errors import RlnbError, pack_exception
 
 log = logging.getLogger("rlnb")
 _REQ = struct.Struct("!32s16s")  # a request starts with the host's key and the operation
@@ -237,7 +237,17 @@ class CallServer:
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
         self.sock = _listen(ip, family)
         self.address = (ip, self.sock.getsockname()[1])
+        self._closing = False
+        _SERVERS[worker.address] = self
         threading.Thread(target=self._accept, name="rlnb-direct-accept", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop accepting (connections being served end with their driver)."""
+        self._closing = True
+        _SERVERS.pop(self.worker.address, None)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        self.sock.close()
 
     def register(self, host) -> tuple:
         key = uuid.uuid4().hex  # 32 characters, as the request header expects
@@ -256,7 +266,7 @@ class CallServer:
             try:
                 conn, _ = self.sock.accept()
             except OSError as e:
-                if self.sock.fileno() < 0:  # closed: the worker is shutting down
+                if self._closing or self.sock.fileno() < 0:  # closed: the worker is shutting down
                     return
                 # transient (too many open files, a connection reset before accept...): back off and
                 # keep serving; one bad moment must not stop direct calls on this worker for good
@@ -327,8 +337,6 @@ class CallServer:
                 send_parts(conn, reply.result())
         except MessageTooLarge as e:  # say why before closing (the payload cannot be skipped)
             self._log_once("size", "%s", e)
-            from rlnb.runtime.rank import pack_exception
-
             with contextlib.suppress(OSError):
                 send_parts(conn, dumps(("err", pack_exception(e), 0.0)))
         except (OSError, EOFError):  # the driver went away, or the worker is closing: it sees EOF
@@ -338,8 +346,6 @@ class CallServer:
 
     def _execute(self, host, op: str, payload, buffers) -> list:
         """On the actor thread (where Dask runs actor methods): decode, run, encode the reply."""
-        from rlnb.runtime.rank import pack_exception
-
         t0 = time.perf_counter()
         try:
             if host is None:
@@ -354,8 +360,6 @@ class CallServer:
 
     def _execute_here(self, host, op: str, payload, buffers) -> list:
         """Run a thread-safe host's operation on this connection's thread."""
-        from rlnb.runtime.rank import pack_exception
-
         t0 = time.perf_counter()
         try:
             reply = ("ok", host.direct_call(op, loads(payload, buffers)), time.perf_counter() - t0)
@@ -365,8 +369,6 @@ class CallServer:
 
 
 def _encode_reply(reply: tuple) -> list:
-    from rlnb.runtime.rank import pack_exception
-
     try:
         return dumps(reply)
     except Exception as e:
@@ -395,15 +397,17 @@ def _listen(ip: str, family) -> socket.socket:
     raise OSError(f"RLNB_DIRECT_PORTS={spec}: no free port on {ip}")
 
 
-_SERVERS: dict[str, CallServer] = {}
-_SERVERS_LOCK = threading.Lock()
+# The call servers of this process, by worker address: an index only (weak); each server's life
+# belongs to its worker's :class:`rlnb.runtime.plugin.WorkerRuntime` (set up and torn down by Dask).
+_SERVERS: weakref.WeakValueDictionary[str, CallServer] = weakref.WeakValueDictionary()
 
 
 def serve(host) -> tuple | None:
-    """Register a rank host with its worker's call server (started on first use).
+    """Register a rank host with its worker's call server.
 
     Returns ``(ip, port, token, key)`` for the driver, or ``None`` when direct calls cannot be
-    offered (not inside a Dask worker, a non-TCP comm such as ``tls://``, or no socket).
+    offered (not inside a Dask worker, a worker without rlnb's plugin, a non-TCP comm such as
+    ``tls://``, or no socket): the host is then reached through Dask's rpc.
     """
     try:
         from distributed import get_worker
@@ -411,21 +415,8 @@ def serve(host) -> tuple | None:
         worker = get_worker()
     except (ImportError, ValueError):
         return None
-    if not worker.address.startswith("tcp://"):
-        return None
-    with _SERVERS_LOCK:
-        server = _SERVERS.get(worker.address)
-        if server is None:
-            try:
-                server = _SERVERS[worker.address] = CallServer(worker)
-            except (OSError, ImportError) as e:
-                import logging
-
-                logging.getLogger("rlnb").warning(
-                    "worker %s offers no direct calls (%s); its ranks use Dask's rpc", worker.address, e
-                )
-                return None
-    return server.register(host)
+    server = _SERVERS.get(worker.address)
+    return None if server is None else server.register(host)
 
 
 def drop_link(offer: tuple) -> None:
@@ -556,8 +547,6 @@ class PendingCall:
                 self.sock.close()
                 self.sock, self.reply = None, ("lost", e, 0.0)
             except Exception as e:  # a reply that cannot be unpickled in the driver
-                from rlnb.runtime.rank import pack_exception
-
                 self.link.give_back(self.sock)
                 self.sock, self.reply = None, ("err", pack_exception(e), 0.0)
             else:

@@ -22,10 +22,11 @@ from distributed.protocol import to_serialize
 
 from rlnb.cluster.cluster import Cluster
 from rlnb.cluster.placement import parse_slots
-from rlnb.errors import RemoteError, RemoteTimeoutError, WorkerLostError, did_you_mean
+from rlnb.errors import RemoteError, RemoteTimeoutError, WorkerLostError, did_you_mean, remote_error
 from rlnb.runtime import direct
 from rlnb.runtime.direct import DirectLink, PendingCall
-from rlnb.runtime.rank import RankHost, RankInfo, remote_error
+from rlnb.runtime.plugin import ensure_worker_runtime
+from rlnb.runtime.rank import RankHost, RankInfo
 
 DEFAULT_CALL_TIMEOUT_S = 600.0
 LIVENESS_CHECK_S = 1.0  # while a call runs, how often to ask the scheduler whether its workers live
@@ -248,6 +249,7 @@ class Group:
                 )
             )
             seen[slot.node] += 1
+        ensure_worker_runtime(cluster)
         uid = uuid.uuid4().hex[:16]  # unique across drivers sharing the scheduler (Dask dedups by key)
         futures = []
         for info in infos:

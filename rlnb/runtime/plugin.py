@@ -1,0 +1,69 @@
+"""rlnb's part of each Dask worker, set up and torn down by Dask as a ``WorkerPlugin``.
+
+It owns what one worker process shares between the components living on it: the direct-call
+server (:class:`rlnb.runtime.direct.CallServer`) and, at start, a sweep of shared-memory segments
+left by dead processes. On an embedded cluster it also makes the worker ignore Ctrl-C: the notebook
+or ``rlnb run`` handles it (a checkpoint, then a clean shutdown), not every process of the terminal.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from distributed import WorkerPlugin
+
+from rlnb.runtime import direct
+from rlnb.runtime.shm import sweep_dead_segments
+
+log = logging.getLogger("rlnb")
+NAME = "rlnb-runtime"
+
+
+class WorkerRuntime(WorkerPlugin):
+    """Registered once per scheduler (``idempotent``: a second driver keeps the first one's, so it
+    never tears down servers that another driver's components use).
+
+    Args:
+        ignore_sigint: make the worker process ignore ``SIGINT`` (embedded clusters, whose workers
+            share the driver's terminal).
+    """
+
+    idempotent = True
+    name = NAME
+
+    def __init__(self, ignore_sigint: bool = False):
+        self.ignore_sigint = ignore_sigint
+        self.server: direct.CallServer | None = None
+        self.swept = 0
+
+    def setup(self, worker):
+        self.swept = sweep_dead_segments()
+        if self.swept:
+            log.info(
+                "worker %s removed %d shared-memory segment(s) of dead processes", worker.address, self.swept
+            )
+        if self.ignore_sigint and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if worker.address.startswith("tcp://"):  # (the driver decides whether to use it)
+            try:
+                self.server = direct.CallServer(worker)
+            except (OSError, ValueError) as e:
+                log.warning(
+                    "worker %s offers no direct calls (%s); its ranks use Dask's rpc", worker.address, e
+                )
+
+    def teardown(self, worker):
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+def ensure_worker_runtime(cluster) -> None:
+    """Register :class:`WorkerRuntime` with the cluster's scheduler (once per :class:`rlnb.Cluster`):
+    every current worker sets it up now, every later one (a restarted worker too) when it starts."""
+    if getattr(cluster, "_worker_runtime", False):
+        return
+    cluster.client.register_plugin(WorkerRuntime(ignore_sigint=cluster.embedded), name=NAME)
+    cluster._worker_runtime = True
