@@ -85,7 +85,7 @@ def _count_gpus() -> tuple[int, str]:
         return 0, ""
 
 
-def _connect(address: str, timeout_s: float):
+def _connect(address: str, timeout_s: float, security=None):
     """A Dask ``Client`` for ``address`` within ``timeout_s``, or a :class:`ClusterError` saying what is there.
 
     Dask's handshake can wait forever on a server that accepts the connection but never speaks its
@@ -99,9 +99,12 @@ def _connect(address: str, timeout_s: float):
 
     def make():
         try:
-            out["client"] = Client(address, timeout=f"{timeout_s}s", direct_to_workers=True)
+            out["client"] = Client(
+                address, timeout=f"{timeout_s}s", direct_to_workers=True, security=security
+            )
         except BaseException as e:
-            out["error"] = e
+            # keep the words only: the traceback would keep the half-made client (and its IO loop) alive
+            out["error"] = str(e) or type(e).__name__
 
     maker = threading.Thread(target=make, name="rlnb-connect", daemon=True)
     maker.start()
@@ -114,9 +117,11 @@ def _connect(address: str, timeout_s: float):
             f"no Dask scheduler answered at {address!r} within {timeout_s:g} s: {found}. "
             "Is the address the scheduler's (`dask scheduler` prints it, port 8786 by default)?"
         )
+    hint = "Is `dask scheduler` running there, and is the address right?"
+    if address.startswith("tls://") and security is None:
+        hint = "A tls:// scheduler needs credentials: pass security=distributed.security.Security(...)."
     raise ClusterError(
-        f"cannot reach the Dask scheduler at {address!r} within {timeout_s:g} s ({out.get('error') or found}). "
-        "Is `dask scheduler` running there, and is the address right?"
+        f"cannot reach the Dask scheduler at {address!r} within {timeout_s:g} s ({out.get('error') or found}). {hint}"
     )
 
 
@@ -144,13 +149,21 @@ class Cluster:
     """Device slots on a Dask cluster: embedded (local) by default, or remote by address.
 
     Args:
-        address: a Dask scheduler address (``"tcp://host:8786"``); ``None`` starts an embedded
-            cluster: ``dask_cuda.LocalCUDACluster`` (one worker per GPU) when GPUs exist, else a
-            ``distributed.LocalCluster`` with one single-threaded worker process per slot.
+        address: where the workers are. ``None`` starts an embedded cluster:
+            ``dask_cuda.LocalCUDACluster`` (one worker per GPU) when GPUs exist, else a
+            ``distributed.LocalCluster`` with one single-threaded worker process per slot. A
+            scheduler address (``"tcp://host:8786"``, ``"tls://..."``) connects to it. A Dask cluster
+            object (``LocalCluster``, dask-jobqueue's ``SLURMCluster``, dask-kubernetes, a Dask Gateway
+            cluster) or a ``distributed.Client`` is used as it is: rlnb makes a client for the cluster
+            object (or uses yours) and never closes what you passed.
         slots: number of CPU worker processes for the embedded CPU cluster (default: one per core).
         gpus: ``"auto"`` (use GPUs if present), ``True`` (require them) or ``False`` (CPU only).
         timeout_s: how long to wait for the scheduler and its workers.
         min_slots: for a remote scheduler, wait until this many workers are connected.
+        dashboard_address: where the embedded cluster's Dask dashboard listens (loopback by
+            default; ``":8787"`` to expose it on every interface, ``None`` for none).
+        security: a ``distributed.security.Security`` for ``tls://`` schedulers (passed to Dask's
+            client). Over TLS, calls take Dask's encrypted rpc; the direct-call sockets are not used.
 
     Example:
         >>> with rlnb.Cluster(slots=2) as cluster:   # doctest: +SKIP
@@ -159,13 +172,14 @@ class Cluster:
 
     def __init__(
         self,
-        address: str | None = None,
+        address=None,
         *,
         slots: int | None = None,
         gpus: bool | str = "auto",
         timeout_s: float = 20.0,
         min_slots: int = 1,
-        dashboard_address: str | None = ":0",
+        dashboard_address: str | None = "127.0.0.1:0",
+        security=None,
     ):
         from distributed import Client
 
@@ -174,6 +188,7 @@ class Cluster:
         if gpus not in ("auto", True, False):
             raise ClusterError(f"Cluster(gpus=...): expected 'auto', True or False, got {gpus!r}")
         self._local = None
+        self._owns_client = True
         # this driver's session: what it launches is keyed and looked up under it, apart from other
         # drivers (notebooks, `rlnb run`) sharing the same scheduler
         self.session = uuid.uuid4().hex[:12]
@@ -193,13 +208,14 @@ class Cluster:
                     f"the embedded cluster's {n} worker process(es) did not start within 60 s"
                 ) from None
         else:
-            self.address = address
-            self.client = _connect(address, timeout_s)
+            self.client = self._adopt_or_connect(address, timeout_s, security)
+            self.address = self.client.scheduler.address
             try:
                 self.client.wait_for_workers(min_slots, timeout=timeout_s)
             except (TimeoutError, OSError):
                 n = len(self.client.scheduler_info(n_workers=-1)["workers"])
-                self.client.close()
+                if self._owns_client:
+                    self.client.close()
                 raise ClusterError(
                     f"the scheduler at {address!r} has {n} worker(s); waited {timeout_s:g} s for {min_slots}. "
                     "Start workers with `dask worker ADDRESS` (or `dask cuda worker ADDRESS` on GPU nodes)."
@@ -220,6 +236,27 @@ class Cluster:
             )
 
     # ------------------------------------------------------------------ start-up
+    def _adopt_or_connect(self, address, timeout_s: float, security):
+        """A client for ``address``: a scheduler address, a Dask cluster object or a ``Client``."""
+        from distributed import Client
+
+        self._owns_client = True
+        if isinstance(address, Client):
+            self._owns_client = False
+            return address
+        if isinstance(address, str):
+            if "://" not in address and ":" not in address:
+                raise ClusterError(
+                    f"Cluster(address): expected a scheduler address like 'tcp://host:8786', got {address!r}"
+                )
+            return _connect(address, timeout_s, security)
+        if isinstance(getattr(address, "scheduler_address", None), str):  # LocalCluster, SLURMCluster...
+            return Client(address, timeout=f"{timeout_s}s", direct_to_workers=True, security=security)
+        raise ClusterError(
+            "Cluster(address): expected a scheduler address ('tcp://host:8786'), a Dask cluster object "
+            f"(LocalCluster, SLURMCluster, ...) or a distributed.Client, got {type(address).__name__} {address!r}"
+        )
+
     @staticmethod
     def _start_local(slots, gpus, dashboard_address):
         import dask
@@ -366,12 +403,18 @@ class Cluster:
 
     # ------------------------------------------------------------------ lifecycle
     def bind(self, actor):
-        """Tie a Dask actor handle to this cluster's client (Dask binds to the default client otherwise)."""
+        """Tie a Dask actor handle to this cluster's client.
+
+        Dask binds a deserialized handle to the process's *default* client: with two drivers in one
+        process (two ``Cluster`` objects), that is the other one's, which could then free this
+        driver's actor. (Private Dask attributes: ``Actor._client``/``_future``; checked by
+        ``tests/test_exposure.py::test_a_second_driver_cannot_take_over_the_default_process_group``.)
+        """
         from distributed import Future
 
-        if getattr(actor, "_client", None) is None and getattr(actor, "_worker", None) is None:
+        if getattr(actor, "_worker", None) is None and getattr(actor, "_client", None) is not self.client:
+            actor._future = Future(actor.key, self.client)  # held by this client before the other lets go
             actor._client = self.client
-            actor._future = Future(actor.key, self.client)
         return actor
 
     def close(self) -> None:
@@ -382,7 +425,8 @@ class Cluster:
             ch.release_links()
         self._channels.clear()
         try:
-            self.client.close()
+            if self._owns_client:
+                self.client.close()
         finally:
             if self._local is not None:
                 self._local.close()

@@ -6,13 +6,16 @@ import datetime
 import functools
 import inspect
 import os
-import pickle
 import socket
 import threading
 import time
-import traceback
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from rlnb.errors import pack_exception
+from rlnb.runtime import direct
+from rlnb.runtime.direct import env_flag
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,6 @@ def tune_malloc() -> bool:
     with Dask's setting, 0.44-0.47 s after this call. It raises the mmap threshold to 32 MiB (glibc's
     maximum) and the trim threshold to 256 MiB. ``RLNB_MALLOC_TUNING=0`` leaves malloc alone.
     """
-    from rlnb.runtime.direct import env_flag
-
     if not env_flag("RLNB_MALLOC_TUNING"):
         return False
     try:
@@ -124,52 +125,6 @@ def tune_malloc() -> bool:
         )
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
         return False
-
-
-def pack_exception(exc: BaseException) -> dict:
-    """An exception as plain data, keeping the object itself when it pickles."""
-    try:
-        pickle.dumps(exc)
-        obj = exc
-    except Exception:
-        obj = None
-    return {
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        "exception": obj,
-    }
-
-
-def remote_error(status: str, value, component: str, rank: int, address: str, method: str):
-    """The typed error for a failed remote reply: ``WorkerLostError`` when the worker is gone
-    (``value`` says why), else ``RemoteError`` from a :func:`pack_exception` dict."""
-    from rlnb.errors import RemoteError, RemoteTimeoutError, WorkerLostError
-
-    if status == "timeout":  # the request could not even be sent in time
-        return RemoteTimeoutError(
-            f"sending the request timed out ({value}): the worker stopped reading it (a hung or stopped process?)",
-            component,
-            rank,
-            address,
-            method,
-        )
-    if status in ("lost", "unreachable"):
-        why = value if isinstance(value, str) else f"{type(value).__name__}: {value}"
-        return WorkerLostError(
-            f"worker process is gone or unreachable ({why})", component, rank, address, method
-        )
-    err = RemoteError(
-        f"{value['type']}: {value['message']}",
-        component,
-        rank,
-        address,
-        method,
-        remote_traceback=value["traceback"],
-        cause_type=value["type"],
-    )
-    err.__cause__ = value.get("exception")
-    return err
 
 
 class RankHost:
@@ -204,8 +159,6 @@ class RankHost:
             _PEERS[(info.session, info.component, info.rank)] = self.obj
         except Exception as e:  # reported by ready(), with its traceback
             self.init_error = pack_exception(e)
-        from rlnb.runtime import direct
-
         self.direct = direct.serve(self) if self.init_error is None else None
 
     def ready(self):
@@ -242,14 +195,19 @@ class RankHost:
     def open_store(self, name: str, world_size: int, timeout_s: float):
         from torch.distributed import TCPStore
 
-        host = self.info.address.split("://")[-1].rsplit(":", 1)[0] or socket.gethostname()
+        host = self.info.address.split("://")[-1].rsplit(":", 1)[0].strip("[]") or socket.gethostname()
+        # torch's store would listen on every interface: hand it a socket bound to the worker's own
+        # (the cluster's) interface instead; the store owns and closes it
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.create_server((host, 0), family=family, backlog=max(128, world_size))
         store = TCPStore(
             host,
-            0,
+            listener.getsockname()[1],
             world_size,
             is_master=True,
             timeout=datetime.timedelta(seconds=timeout_s),
             wait_for_workers=False,
+            master_listen_fd=listener.detach(),
         )
         self._stores[name] = store
         return ("ok", (host, store.port), 0.0)
@@ -266,11 +224,10 @@ class RankHost:
     def destroy_groups(self):
         import torch.distributed as dist
 
-        from rlnb.runtime import direct
-
         direct.unserve(self)
-        if "default" in self.collectives and dist.is_initialized():
+        if "default" in self.collectives and dist.is_initialized() and _DEFAULT_OWNER[0]() is self:
             dist.destroy_process_group()
+            _DEFAULT_OWNER[0] = lambda: None
         self.collectives.clear()
         key = (self.info.session, self.info.component, self.info.rank)
         if _PEERS.get(key) is self.obj:
@@ -305,15 +262,17 @@ def _join(host_obj: RankHost, name, host, port, rank, world_size, backend, timeo
     import torch.distributed as dist
     from torch.distributed import TCPStore
 
+    if name == "default":
+        _check_default_group_free(host_obj)  # before touching the store: nothing half-made
     timeout = datetime.timedelta(seconds=timeout_s)
     store = host_obj._stores.get(name)
     if store is None:
         store = TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         host_obj._stores[name] = store
     if name == "default":
-        # The torch default group, so DistributedDataParallel and dist.* work as usual.
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # The torch default group, so DistributedDataParallel and dist.* work as usual. There is one
+        # per process: a rank re-forming it may replace its own, never another live component's.
+        _take_default_group(host_obj)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         return dist.group.WORLD
     # A standalone group (e.g. actor ranks + rollout ranks) that needs no default group.
@@ -321,3 +280,30 @@ def _join(host_obj: RankHost, name, host, port, rank, world_size, backend, timeo
     if backend == "nccl":  # GPU-only path
         return dist.ProcessGroupNCCL(prefixed, rank, world_size)
     return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+
+
+# The rank host holding this process's torch default process group (weak: a host freed without
+# shutdown releases it).
+_DEFAULT_OWNER: list = [lambda: None]
+
+
+def _check_default_group_free(host_obj) -> None:
+    owner = _DEFAULT_OWNER[0]()
+    if owner is None or owner is host_obj:
+        return
+    who = f"{owner.info.component}[{owner.info.rank}]"
+    if owner.info.session != host_obj.info.session:
+        who += " of another driver"
+    raise RuntimeError(
+        f"this worker process's torch default process group belongs to {who}; a process has one default "
+        "group. Use a named group (init_process_group(name=...) / init_collective) or shut that group down first."
+    )
+
+
+def _take_default_group(host_obj) -> None:
+    import torch.distributed as dist
+
+    _check_default_group_free(host_obj)
+    if dist.is_initialized():  # this host's own earlier default group (or one nobody holds any more)
+        dist.destroy_process_group()
+    _DEFAULT_OWNER[0] = weakref.ref(host_obj)
