@@ -6,6 +6,7 @@ Run: ``.venv/bin/python bench/runtime.py`` (prints figures; not a timed test).
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 import numpy as np
@@ -113,13 +114,22 @@ def main():
     b = cluster.client.submit(Echo, actor=True, workers=[cluster.slots[1].address], pure=False).result()
     d1 = time_calls(lambda: a.noop().result())
     d2 = time_calls(lambda: [f.result() for f in (a.noop(), b.noop())])
+    os.environ["RLNB_DIRECT_CALLS"] = "0"  # the same group calls over Dask's comm (the tls:// route)
+    over_comm = rlnb.Group.launch(Echo, cluster, "0-1", name="over_comm")
+    del os.environ["RLNB_DIRECT_CALLS"]
+    c1 = time_calls(lambda: over_comm.on(0).noop().result())
     pl = pipe_latency()
     print(f"rlnb group call, 2 ranks     : {pct(g2)}")
     print(f"rlnb group call, 1 rank      : {pct(g1)}")
+    print(f"rlnb 1 rank over Dask comm   : {pct(c1)}")
     print(f"plain Dask actor, 1          : {pct(d1)}")
     print(f"plain Dask actors, 2 at once : {pct(d2)}")
     print(f"raw multiprocessing.Pipe     : {pct(pl)}")
     print(f"ratio rlnb 2-rank / plain Dask 2-at-once (p50): {np.median(g2) / np.median(d2):.2f}")
+    print(
+        f"ratio Dask-comm route / direct-socket route, 1 rank (p50): {np.median(c1) / np.median(g1):.2f} "
+        "(a comm handler would be preferred within 1.5)"
+    )
 
     print("\n== channel worker -> worker (same node) ==")
     for mib, n in ((1, 400), (16, 100)):

@@ -3,6 +3,7 @@
 import gc
 import glob
 import os
+import pickle
 import socket
 
 import numpy as np
@@ -184,13 +185,16 @@ def test_channel_reader_keeps_what_it_holds_and_frees_what_it_drops(cluster):
 def test_channel_ops_work_over_both_transports(cluster):
     ch = rlnb.Channel.create(cluster, "both", maxsize=1)
     assert ch._direct is not None
-    os.environ["RLNB_DIRECT_CALLS"] = "0"
+    os.environ["RLNB_DIRECT_CALLS"] = "0"  # read when a handle picks its route (once, on first use)
     try:
-        ch.put({"a": torch.arange(4)}, key="k")
+        on_dask = pickle.loads(pickle.dumps(ch))  # a handle as a component receives it
+        on_dask.put({"a": torch.arange(4)}, key="k")
         with pytest.raises(rlnb.ChannelTimeoutError, match="queue stayed full"):
-            ch.put(1, key="k", timeout=0.2)
+            on_dask.put(1, key="k", timeout=0.2)
+        assert type(on_dask._route_cache).__name__ == "_DaskChannelRoute"
     finally:
         del os.environ["RLNB_DIRECT_CALLS"]
+    assert ch._route_cache is None  # not pickled along: each process chooses
     with pytest.raises(rlnb.ChannelTimeoutError, match="queue stayed full"):
         ch.put(1, key="k", timeout=0.2)
     assert ch.qsize("k") == 1 and ch.keys() == ["k"]
@@ -198,6 +202,7 @@ def test_channel_ops_work_over_both_transports(cluster):
     with pytest.raises(rlnb.ChannelTimeoutError, match="waited 0.2 s"):
         ch.get(key="k", timeout=0.2)
     assert ch.stats()["items"] == 1
+    assert type(ch._route_cache).__name__ == "_DirectChannelRoute"
 
 
 def test_workers_reuse_freed_memory_instead_of_mapping_each_tensor(echo):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import html
 import logging
 import os
@@ -111,6 +112,11 @@ def _connect(address: str, timeout_s: float, security=None):
     maker.join(timeout_s + 1.0)  # Dask's own connect timeout fires first when nothing listens
     if "client" in out:
         return out["client"]
+    if not maker.is_alive():
+        # The half-made client is garbage now. Collect it here: left to a random later collection,
+        # its __del__ can run inside the start of the *next* client's IO loop and wait 10 s on the
+        # lock that start holds (Dask's LoopRunner), failing the next connect with AssertionError.
+        gc.collect()
     found = _what_listens(address) if maker.is_alive() else None
     if found is not None and not found.startswith("the connection failed"):
         raise ClusterError(
@@ -407,14 +413,12 @@ class Cluster:
 
         Dask binds a deserialized handle to the process's *default* client: with two drivers in one
         process (two ``Cluster`` objects), that is the other one's, which could then free this
-        driver's actor. (Private Dask attributes: ``Actor._client``/``_future``; checked by
-        ``tests/test_exposure.py::test_a_second_driver_cannot_take_over_the_default_process_group``.)
+        driver's actor.
         """
-        from distributed import Future
+        from rlnb import _dask
 
-        if getattr(actor, "_worker", None) is None and getattr(actor, "_client", None) is not self.client:
-            actor._future = Future(actor.key, self.client)  # held by this client before the other lets go
-            actor._client = self.client
+        if _dask.actor_worker(actor) is None and _dask.actor_client(actor) is not self.client:
+            _dask.bind_actor(actor, self.client)
         return actor
 
     def close(self) -> None:

@@ -178,6 +178,7 @@ class Channel:
         self.timeout_s = timeout_s
         self._direct = direct_offer
         self._closed = False  # closed through this handle
+        self._route_cache = None  # chosen on first use in each process (see _route)
 
     @classmethod
     def create(
@@ -215,15 +216,13 @@ class Channel:
             raise self._closed_error(key)
         timeout = self.timeout_s if timeout is None else timeout
         args = (key, pack(item, self.node), timeout)
-        if self.maxsize == 0 and self._remote_direct():  # nothing to wait for: check the reply later
-            replies = self._puts().send("put", args, timeout + 30)
-            unreachable = bool(replies) and replies[-1][0] == "unreachable"
-            for reply in replies[:-1] if unreachable else replies:
-                self._put_status(self._value("put", reply), key)
-            if not unreachable:
+        if self.maxsize == 0:  # nothing to wait for: the route may read the answer later
+            answer = self._call(lambda route: route.put_unbounded(args, timeout + 30))
+            if answer is None:
                 return
-            self._fall_back(replies[-1])  # then the put below takes Dask's route
-        status, size = self._put_status(self._ask("put", args, timeout + 30), key)
+        else:
+            answer = self._ask("put", args, timeout + 30)
+        status, size = self._put_status(answer, key)
         if status == "timeout":
             raise ChannelTimeoutError(
                 f"channel {self.name!r} key {key!r}: queue stayed full ({size}/{self.maxsize}) for {timeout:g} s"
@@ -285,82 +284,48 @@ class Channel:
 
     def release_links(self) -> None:
         """Close this process's sockets to the channel's worker (``Cluster.close`` calls it)."""
+        route, self._route_cache = self._route_cache, None
+        if route is not None:
+            route.release()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_route_cache": None}  # each process chooses its own route
+
+    def _route(self):
+        """How this process reaches the queues, chosen once per handle and process: in-process when
+        they live here, the worker's direct socket when offered and reachable, else Dask's rpc."""
         from rlnb.runtime import direct
 
-        if self._direct is None:
-            return
-        with _SENDERS_LOCK:
-            sender = _SENDERS.pop(self._direct, None)
-        if sender is not None:
-            sender.close()
-        direct.drop_link(self._direct)
+        if self._route_cache is None:
+            offer = self._direct
+            if offer is None or not direct.enabled() or offer in _UNREACHABLE:
+                self._route_cache = _DaskChannelRoute(self._server)
+            elif (here := direct.local_host(offer)) is not None:
+                self._route_cache = _LocalChannelRoute(here)
+            else:
+                self._route_cache = _DirectChannelRoute(offer, self)
+        return self._route_cache
 
-    def _use_direct(self) -> bool:
-        from rlnb.runtime import direct
+    def _call(self, fn):
+        """``fn(route)``; when the direct port turns out unreachable from here, once more through
+        Dask's rpc (and this process keeps using Dask's rpc for this channel)."""
+        try:
+            return fn(self._route())
+        except _Unreachable as e:
+            import logging
 
-        return self._direct is not None and direct.enabled() and self._direct not in _UNREACHABLE
-
-    def _remote_direct(self) -> bool:
-        from rlnb.runtime import direct
-
-        return self._use_direct() and direct.local_host(self._direct) is None
-
-    def _fall_back(self, reply: tuple) -> bool:
-        """After an ``unreachable`` reply: use Dask's rpc for this channel from now on, in this process."""
-        if reply[0] != "unreachable":
-            return False
-        import logging
-
-        logging.getLogger("rlnb").warning(
-            "channel %r: its worker's direct-call port is unreachable from here (%s); using Dask's rpc",
-            self.name,
-            reply[1],
-        )
-        _UNREACHABLE.add(self._direct)
-        return True
-
-    def _puts(self):
-        """This process's ordered connection for puts to an unbounded channel (replies read later)."""
-        from rlnb.runtime import direct
-
-        with _SENDERS_LOCK:
-            sender = _SENDERS.get(self._direct)
-            if sender is None:
-                sender = _SENDERS[self._direct] = direct.OrderedSender(direct.link_for(self._direct))
-        return sender
+            logging.getLogger("rlnb").warning(
+                "channel %r: its worker's direct-call port is unreachable from here (%s); using Dask's rpc",
+                self.name,
+                e,
+            )
+            _UNREACHABLE.add(self._direct)
+            self._route_cache = _DaskChannelRoute(self._server)
+            return fn(self._route_cache)
 
     def _ask(self, op: str, args: tuple, timeout: float):
-        """Run ``op`` on the queue server: over its direct socket when offered, else as a Dask actor call."""
-        from rlnb.runtime import direct
-
-        if not self._use_direct():
-            return _resolve(getattr(self._server, op)(*args), timeout)
-        here = direct.local_host(self._direct)
-        if here is not None:  # the queues live in this process: no socket (items still copied)
-            return here.direct_call(op, direct.copy_by_pickle(args) if op == "put" else args)
-        sender = _SENDERS.get(self._direct)
-        if sender is not None and sender.unread:  # earlier puts land first: read-your-writes
-            for reply in sender.drain(timeout):
-                self._put_status(self._value("put", reply), "?")
-        pending = direct.link_for(self._direct).send(op, args, timeout)
-        if pending.reply is not None and self._fall_back(pending.reply):
-            return self._ask(op, args, timeout)
-        if not pending.wait(timeout):
-            pending.discard()
-            raise ChannelTimeoutError(
-                f"channel {self.name!r}: no answer from its worker within {timeout:g} s"
-            )
-        return self._value(op, pending.read())
-
-    def _value(self, op: str, reply: tuple):
-        """The value of a direct reply ``(status, value, duration_s)``, or its typed error."""
-        status, value, _ = reply
-        if status == "ok":
-            return value
-        from rlnb.errors import remote_error
-
-        where = f"tcp://{self._direct[0]}:{self._direct[1]} (direct)"
-        raise remote_error(status, value, f"channel {self.name!r}", 0, where, op)
+        """Run ``op`` on the queue server and return its value (or raise its typed error)."""
+        return self._call(lambda route: route.ask(op, args, timeout))
 
     # ---- async API
     async def aput(self, item, key: str = "default", timeout: float | None = None) -> None:
@@ -381,6 +346,110 @@ class Channel:
         keys = self.keys()
         sizes = ", ".join(f"{html.escape(k)}: {self.qsize(k)}" for k in keys) or "empty"
         return f"<div><b>rlnb Channel</b> <code>{html.escape(self.name)}</code> on {html.escape(self.node)} · {sizes}</div>"
+
+
+class _Unreachable(ConnectionError):
+    """The channel's direct port cannot be reached from this process."""
+
+
+class _DaskChannelRoute:
+    """The queues through Dask's actor rpc."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def ask(self, op: str, args: tuple, timeout: float):
+        return _resolve(getattr(self.server, op)(*args), timeout)
+
+    def put_unbounded(self, args: tuple, timeout: float):
+        return self.ask("put", args, timeout)
+
+    def release(self) -> None:
+        pass
+
+
+class _LocalChannelRoute:
+    """The queues live in this very process: call them (items are still copied, as a send would)."""
+
+    def __init__(self, host):
+        self.host = host
+
+    def ask(self, op: str, args: tuple, timeout: float):
+        from rlnb.runtime import direct
+
+        return self.host.direct_call(op, direct.copy_by_pickle(args) if op == "put" else args)
+
+    def put_unbounded(self, args: tuple, timeout: float):
+        return self.ask("put", args, timeout)
+
+    def release(self) -> None:
+        pass
+
+
+class _DirectChannelRoute:
+    """The queues over their worker's direct-call socket. Puts to an unbounded channel go out on one
+    ordered connection and their answers are read later (before the next other operation, so a
+    handle reads its own writes)."""
+
+    def __init__(self, offer: tuple, channel: Channel):
+        self.offer, self.channel = offer, channel
+
+    @property
+    def _sender(self):
+        return _SENDERS.get(self.offer)
+
+    def ask(self, op: str, args: tuple, timeout: float):
+        from rlnb.runtime import direct
+
+        self._read_puts(timeout)
+        pending = direct.link_for(self.offer).send(op, args, timeout)
+        if pending.reply is not None and pending.reply[0] == "unreachable":
+            raise _Unreachable(pending.reply[1])
+        if not pending.wait(timeout):
+            pending.discard()
+            raise ChannelTimeoutError(
+                f"channel {self.channel.name!r}: no answer from its worker within {timeout:g} s"
+            )
+        return self._value(op, pending.read())
+
+    def put_unbounded(self, args: tuple, timeout: float):
+        from rlnb.runtime import direct
+
+        with _SENDERS_LOCK:  # one ordered connection per process and channel, shared by its handles
+            sender = _SENDERS.get(self.offer)
+            if sender is None:
+                sender = _SENDERS[self.offer] = direct.OrderedSender(direct.link_for(self.offer))
+        replies = sender.send("put", args, timeout)
+        unreachable = bool(replies) and replies[-1][0] == "unreachable"
+        for reply in replies[:-1] if unreachable else replies:
+            self.channel._put_status(self._value("put", reply), "?")
+        if unreachable:
+            raise _Unreachable(replies[-1][1])
+        return None  # answered later
+
+    def _read_puts(self, timeout: float) -> None:
+        if self._sender is not None and self._sender.unread:
+            for reply in self._sender.drain(timeout):
+                self.channel._put_status(self._value("put", reply), "?")
+
+    def _value(self, op: str, reply: tuple):
+        """The value of a direct reply ``(status, value, duration_s)``, or its typed error."""
+        status, value, _ = reply
+        if status == "ok":
+            return value
+        from rlnb.errors import remote_error
+
+        where = f"tcp://{self.offer[0]}:{self.offer[1]} (direct)"
+        raise remote_error(status, value, f"channel {self.channel.name!r}", 0, where, op)
+
+    def release(self) -> None:
+        from rlnb.runtime import direct
+
+        with _SENDERS_LOCK:
+            sender = _SENDERS.pop(self.offer, None)
+        if sender is not None:
+            sender.close()
+        direct.drop_link(self.offer)
 
 
 def _resolve(fut, timeout: float):

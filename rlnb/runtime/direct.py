@@ -46,6 +46,7 @@ import weakref
 
 import cloudpickle
 
+from rlnb import _dask
 from rlnb.errors import RlnbError, pack_exception
 
 log = logging.getLogger("rlnb")
@@ -222,9 +223,6 @@ class CallServer:
     """One per Dask worker: answers direct calls to the rank hosts living on it."""
 
     def __init__(self, worker):
-        from distributed.worker import _run_actor  # the function Dask runs actor methods with
-
-        self._run_actor = _run_actor
         self.worker = worker
         self.token = secrets.token_bytes(TOKEN_BYTES)
         # weak: a host lives as long as Dask keeps its actor (a group or channel dropped without
@@ -323,16 +321,8 @@ class CallServer:
                 if host is not None and hasattr(host, "direct_call"):
                     send_parts(conn, self._execute_here(host, op, payload, buffers))
                     continue
-                w = self.worker
-                reply = w.executors["actor"].submit(
-                    self._run_actor,
-                    self._execute,
-                    (host, op, payload, buffers),
-                    {},
-                    w.execution_state,
-                    "rlnb-direct-call",
-                    w.active_threads,
-                    w.active_threads_lock,
+                reply = _dask.run_on_actor_thread(
+                    self.worker, self._execute, (host, op, payload, buffers), "rlnb-direct-call"
                 )
                 send_parts(conn, reply.result())
         except MessageTooLarge as e:  # say why before closing (the payload cannot be skipped)
@@ -532,6 +522,12 @@ class PendingCall:
 
     def fileno(self) -> int:
         return self.sock.fileno()
+
+    @staticmethod
+    def wait_any(calls: list[PendingCall], timeout_s: float) -> list[PendingCall]:
+        """Those of ``calls`` whose reply (or end of connection) is in within ``timeout_s`` seconds."""
+        done = [c for c in calls if c.reply is not None]
+        return done or readable(calls, max(timeout_s, 0))
 
     def wait(self, timeout: float | None) -> bool:
         """Whether the reply (or the end of the connection) arrives within ``timeout`` seconds."""

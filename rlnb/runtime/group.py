@@ -18,15 +18,13 @@ import uuid
 from collections import Counter as _Counter
 from collections.abc import Sequence
 
-from distributed.protocol import to_serialize
-
 from rlnb.cluster.cluster import Cluster
 from rlnb.cluster.placement import parse_slots
 from rlnb.errors import RemoteError, RemoteTimeoutError, WorkerLostError, did_you_mean, remote_error
-from rlnb.runtime import direct
-from rlnb.runtime.direct import DirectLink, PendingCall
+from rlnb.runtime import direct, transport
 from rlnb.runtime.plugin import ensure_worker_runtime
 from rlnb.runtime.rank import RankHost, RankInfo
+from rlnb.runtime.transport import DaskRoute, DirectRoute
 
 DEFAULT_CALL_TIMEOUT_S = 600.0
 LIVENESS_CHECK_S = 1.0  # while a call runs, how often to ask the scheduler whether its workers live
@@ -37,7 +35,8 @@ class GroupResult:
 
     ``result(timeout)`` returns the per-rank values in rank order, raising one typed error
     (:class:`RemoteError`, :class:`WorkerLostError` or :class:`RemoteTimeoutError`) as soon as any
-    rank fails, never after waiting for the others. It is also awaitable.
+    rank fails, never after waiting for the others. It is also awaitable. Replies are read through
+    the calls' route (:mod:`rlnb.runtime.transport`), whichever it is.
     """
 
     def __init__(
@@ -58,14 +57,7 @@ class GroupResult:
         self._values: list = [None] * len(self.ranks)
         self._failure: Exception | None = None
         self._lock = threading.Lock()
-        # Calls are either all direct (PendingCall: read here, on the waiting thread) or all Dask
-        # coroutines (gathered on the client's event loop).
-        self._direct = all(isinstance(c, PendingCall) for c in calls)
-        if self._direct:
-            self._calls, self._cf = list(calls), None
-        else:
-            loop = group.cluster.client.loop.asyncio_loop
-            self._cf = asyncio.run_coroutine_threadsafe(self._gather(calls), loop)
+        self._calls = list(calls)
 
     def _settle(self, i: int, reply) -> None:
         """Record rank ``i``'s ``(status, value, duration_s)``, raising its typed error if it failed."""
@@ -76,24 +68,6 @@ class GroupResult:
             raise self._owners[i]._error(self.ranks[i], self.method, status, value)
         self._values[i] = value
 
-    async def _gather(self, coros):
-        async def one(i, coro):
-            try:
-                return i, await coro
-            except Exception as e:  # OSError "Unable to contact Actor's worker", RuntimeError "lost"
-                return i, ("lost", e, 0.0)
-
-        tasks = {asyncio.ensure_future(one(i, c)) for i, c in enumerate(coros)}
-        while tasks:
-            done, tasks = await asyncio.wait(
-                tasks, timeout=LIVENESS_CHECK_S, return_when=asyncio.FIRST_COMPLETED
-            )
-            for task in done:
-                self._settle(*task.result())
-            if not done:  # nothing finished for a while: is every pending rank's worker still there?
-                self._raise_if_lost(await self.group.cluster.client.scheduler.identity())
-        return self._values
-
     def _raise_if_lost(self, identity: dict) -> None:
         alive = identity.get("workers", {})
         for i in sorted(self._pending):
@@ -101,7 +75,7 @@ class GroupResult:
             if owner.infos[rank].address not in alive:
                 raise owner._error(rank, self.method, "lost", "the scheduler no longer lists this worker")
 
-    def _read_direct(self, timeout: float) -> bool:
+    def _read(self, timeout: float) -> bool:
         """Read the replies that arrive within ``timeout`` seconds; True once all are in. The first
         failure is kept (and raised again by later calls); the other replies are then dropped."""
         if self._failure is not None:
@@ -119,12 +93,10 @@ class GroupResult:
         quiet_since = time.monotonic()
         while self._pending:
             wait = min(LIVENESS_CHECK_S, deadline - time.monotonic())
-            waiting = [self._calls[i] for i in self._pending if self._calls[i].reply is None]
-            ready = direct.readable(waiting, max(wait, 0)) if waiting else []
+            ready = transport.wait_any([self._calls[i] for i in self._pending], wait)
             for i in sorted(self._pending):
-                call = self._calls[i]
-                if call.reply is not None or call in ready:
-                    self._settle(i, call.read())
+                if self._calls[i] in ready:
+                    self._settle(i, self._calls[i].read())
                     quiet_since = time.monotonic()
             if not self._pending or time.monotonic() >= deadline:
                 return
@@ -138,16 +110,9 @@ class GroupResult:
     def result(self, timeout: float | None = None) -> list:
         """Block until every rank returned (list in rank order) or one failed; ``timeout`` in seconds."""
         timeout = self.timeout_s if timeout is None else timeout
-        if self._direct:
-            with self._lock:
-                if self._read_direct(timeout):
-                    return self._values
-        else:
-            try:
-                return self._cf.result(timeout=timeout)
-            except TimeoutError:
-                if self._cf.done():  # the remote error itself was a TimeoutError
-                    raise
+        with self._lock:
+            if self._read(timeout):
+                return self._values
         i = min(self._pending) if self._pending else 0
         pending = [f"{self._owners[j].name}[{self.ranks[j]}]" for j in sorted(self._pending)]
         raise self._owners[i]._timeout_error(self.ranks[i], self.method, timeout, pending) from None
@@ -158,17 +123,13 @@ class GroupResult:
         return self
 
     def done(self) -> bool:
-        if not self._direct:
-            return self._cf.done()
         with self._lock:
             with contextlib.suppress(RemoteError):
-                self._read_direct(0)
+                self._read(0)
             return not self._pending or self._failure is not None
 
     def __await__(self):
-        if self._direct:
-            return asyncio.to_thread(self.result).__await__()
-        return asyncio.wait_for(asyncio.wrap_future(self._cf), self.timeout_s).__await__()
+        return asyncio.to_thread(self.result).__await__()
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
@@ -186,11 +147,13 @@ class Group:
         self, name: str, cluster: Cluster, cls: type, hosts: list, infos: list[RankInfo], timeout_s: float
     ):
         self.name, self.cluster, self.cls = name, cluster, cls
-        self._hosts, self.infos = hosts, infos
+        self.infos = infos
         self.call_timeout_s = timeout_s
         self._ranks = list(range(len(infos)))
         self._closed = False
-        self._links: list[DirectLink] | None = None  # direct sockets to the ranks, when reachable
+        # how calls reach the ranks: Dask's rpc until the ranks offer direct sockets (chosen once, at launch)
+        self._dask_route = DaskRoute(hosts, cluster.client)
+        self._route: DirectRoute | DaskRoute = self._dask_route
 
     # ------------------------------------------------------------------ launch
     @classmethod
@@ -293,7 +256,7 @@ class Group:
             "start_timeout_s": start_timeout_s,
         }  # fmt: skip
         ready = group._raw("ready", (), {}, group._ranks, label="__init__").result(start_timeout_s)
-        group._links = _direct_links([r["direct"] for r in ready])
+        group._route = DirectRoute.connect([r["direct"] for r in ready]) or group._dask_route
         for info in infos:
             cluster._register(info.slot, f"{name}[{info.rank}]")
         return group
@@ -337,37 +300,37 @@ class Group:
         for r in ranks:
             if r not in self._ranks:
                 raise ValueError(f"{self.name}: rank {r} not in {self._ranks}")
-        view = Group(self.name, self.cluster, self.cls, self._hosts, self.infos, self.call_timeout_s)
-        view._ranks, view._links = ranks, self._links
+        view = Group(
+            self.name, self.cluster, self.cls, self._dask_route.hosts, self.infos, self.call_timeout_s
+        )
+        view._ranks, view._route = ranks, self._route
         return view
 
-    def _start(self, op: str, per_rank: list[tuple[int, tuple]], use_dask: bool = False) -> list:
-        """Start ``op`` on each ``(rank, args)``: a :class:`PendingCall` on the rank's direct socket,
-        or (without one) a coroutine calling its Dask actor, awaited on the client's event loop.
-        Arguments are encoded once per distinct tuple, all before anything is sent."""
+    def _start(self, op: str, per_rank: list[tuple[int, tuple]], route=None) -> list:
+        """Start ``op`` on each ``(rank, args)`` through this group's route (or ``route``): one
+        pending call per rank, read by :class:`GroupResult`."""
         if self._closed:
             r = per_rank[0][0]
             raise RemoteError("group was shut down", self.name, r, self.infos[r].address, op)
-        if self._links is None or use_dask:
-            return [_call_host(self._hosts[r], op, a) for r, a in per_rank]
-        encoded: dict[int, list] = {}
         try:
-            for _, a in per_rank:
-                if id(a) not in encoded:
-                    encoded[id(a)] = direct.dumps(a)
-        except Exception as e:  # raised while pickling, before anything was sent
+            return (route or self._route).send([(r, op, a) for r, a in per_rank], self.call_timeout_s)
+        except Exception as e:  # raised while encoding, before anything was sent
             method = per_rank[0][1][0] if op == "call" else op
             if isinstance(e, direct.MessageTooLarge):
                 raise direct.MessageTooLarge(f"{self.name}.{method}(): {e}") from None
             raise TypeError(
                 f"{self.name}.{method}(): an argument cannot be sent to the ranks: {type(e).__name__}: {e}"
             ) from e
-        return [self._links[r].send(op, encoded[id(a)], self.call_timeout_s) for r, a in per_rank]
 
     @property
     def transport(self) -> str:
         """``"direct"`` (the ranks' own sockets) or ``"dask"`` (Dask actor rpc)."""
-        return "dask" if self._links is None else "direct"
+        return self._route.name
+
+    @property
+    def _links(self):
+        """The direct links to the ranks (``None`` on Dask's route)."""
+        return getattr(self._route, "links", None)
 
     def _raw(self, op: str, args: tuple, kwargs: dict, ranks, label: str | None = None) -> GroupResult:
         futures = self._start(op, [(r, args) for r in ranks])
@@ -428,9 +391,8 @@ class Group:
             self._raw("destroy_groups", (), {}, list(range(len(self.infos)))).result(30)
         for info in self.infos:
             self.cluster._unregister(f"{self.name}[{info.rank}]")
-        for link in self._links or ():
-            link.close()
-        self._hosts, self._links = [], None
+        self._route.close()
+        self._route = self._dask_route = DaskRoute([], self.cluster.client)
         self._closed = True
 
     def __repr__(self) -> str:
@@ -448,37 +410,6 @@ class Group:
             f"({html.escape(self.cls.__name__)}, {len(self._ranks)} ranks, {self.transport} calls)"
             f"<table><tr><th>rank</th><th>slot</th><th>device</th><th>node</th><th>worker</th></tr>{rows}</table></div>"
         )
-
-
-def _direct_links(offers: list) -> list[DirectLink] | None:
-    """Direct links to every rank, or ``None`` (Dask rpc for the whole group) if any rank offers
-    none, ``RLNB_DIRECT_CALLS=0``, or one cannot be reached from here (e.g. a firewall)."""
-    if not direct.enabled() or any(o is None for o in offers):
-        return None
-    links = [DirectLink(*o) for o in offers]
-    try:
-        for link in links:
-            link.give_back(link.connect(timeout_s=5.0))
-    except OSError:
-        for link in links:
-            link.close()
-        return None
-    return links
-
-
-async def _call_host(actor, op: str, args: tuple):
-    """One actor call, straight over the worker rpc (what ``Actor.__getattr__`` does, without its
-    per-call closure and extra thread hops: all ranks of a group call go out from one coroutine).
-    Returns the host's ``(status, value, duration_s)``; a lost worker gives status ``"lost"``."""
-    try:
-        msg = await actor._worker_rpc.actor_execute(
-            function=op, actor=actor.key, args=[to_serialize(a) for a in args], kwargs={}
-        )
-    except OSError as e:  # connection refused/closed: the worker process is gone
-        return ("lost", e, 0.0)
-    if msg["status"] == "OK":
-        return msg["result"]
-    return ("lost", msg["exception"], 0.0)  # e.g. the actor is no longer on that worker
 
 
 def _backend_for(groups: Sequence[Group], backend: str) -> str:
@@ -521,9 +452,14 @@ def init_collective(
     world = len(members)
     g0, r0 = members[0]
     (host, port) = _single(g0, r0, "open_store", (name, world, timeout_s), timeout_s)
-    use_dask = any(g.transport == "dask" for g in groups)  # one call cannot mix the two transports
+    # one call's replies are read together: if any group is on Dask's route, all take it
+    on_dask = any(g.transport == "dask" for g in groups)
     futures = [
-        g._start("join_group", [(r, (name, host, port, global_rank, world, backend, timeout_s))], use_dask)[0]
+        g._start(
+            "join_group",
+            [(r, (name, host, port, global_rank, world, backend, timeout_s))],
+            g._dask_route if on_dask else None,
+        )[0]
         for global_rank, (g, r) in enumerate(members)
     ]
     GroupResult(

@@ -1,0 +1,59 @@
+"""The private Dask internals rlnb relies on, each in one place.
+
+Dask has no public extension point for these three needs: run a function on a worker's **actor
+thread** (exactly as Dask runs actor methods), call an actor method without the per-call closure of
+``Actor.__getattr__``, and bind an actor handle to a chosen client. If a Dask release changes them,
+``tests/test_dask_internals.py`` fails with the name of what moved, before anything else breaks.
+"""
+
+from __future__ import annotations
+
+
+def run_on_actor_thread(worker, fn, args: tuple, name: str):
+    """Submit ``fn(*args)`` to ``worker``'s actor executor with Dask's per-task thread state (what
+    ``get_worker()`` and actor methods see). Returns a ``concurrent.futures.Future``.
+
+    Private: ``distributed.worker._run_actor``, ``Worker.executors["actor"]``,
+    ``Worker.execution_state``, ``Worker.active_threads(_lock)``.
+    """
+    from distributed.worker import _run_actor
+
+    return worker.executors["actor"].submit(
+        _run_actor,
+        fn,
+        args,
+        {},
+        worker.execution_state,
+        name,
+        worker.active_threads,
+        worker.active_threads_lock,
+    )
+
+
+async def actor_execute(actor, op: str, args: tuple) -> dict:
+    """One actor method call over the worker rpc: Dask's reply message (``status``, ``result`` or
+    ``exception``). Private: ``Actor._worker_rpc`` and the worker's ``actor_execute`` handler."""
+    from distributed.protocol import to_serialize
+
+    return await actor._worker_rpc.actor_execute(
+        function=op, actor=actor.key, args=[to_serialize(a) for a in args], kwargs={}
+    )
+
+
+def bind_actor(actor, client) -> None:
+    """Make ``client`` hold and serve ``actor`` (Dask binds a handle to the process's default client).
+    Private: ``Actor._client``, ``Actor._future``."""
+    from distributed import Future
+
+    actor._future = Future(actor.key, client)  # held by this client before the previous one lets go
+    actor._client = client
+
+
+def actor_client(actor):
+    """The client an actor handle is bound to (``None`` on a worker). Private: ``Actor._client``."""
+    return getattr(actor, "_client", None)
+
+
+def actor_worker(actor):
+    """The worker an actor handle lives in, if any. Private: ``Actor._worker``."""
+    return getattr(actor, "_worker", None)
