@@ -5,6 +5,7 @@ import glob
 import os
 import pickle
 import socket
+import sys
 
 import numpy as np
 import pytest
@@ -370,3 +371,21 @@ def test_process_group_across_a_direct_and_a_dask_group(cluster, monkeypatch):
     finally:
         actor.shutdown()
         rollout.shutdown()
+
+
+def test_modules_registered_by_value_travel_by_value_on_both_routes(echo, echo_dask, tmp_path, monkeypatch):
+    """``cloudpickle.register_pickle_by_value``: the workers do not have the module, the driver does."""
+    import importlib
+
+    import cloudpickle
+
+    (tmp_path / "only_here.py").write_text("def triple(x):\n    return 3 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("only_here")
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        for group in (echo, echo_dask):
+            assert group.apply(module.triple, 2).result(20) == [6, 6], group.transport
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+        sys.modules.pop("only_here", None)

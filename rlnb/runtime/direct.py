@@ -145,13 +145,17 @@ def dumps(obj) -> list:
     """``obj`` as a list of byte-like parts ready to send (header, pickle, raw buffers).
 
     Like Dask: the standard pickler first, cloudpickle when that fails or refers to ``__main__``
-    (which the receiving process does not have).
+    (which the receiving process does not have) or to a module registered with
+    ``cloudpickle.register_pickle_by_value`` (the receiver may not have it either).
     """
     buffers: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
     try:
         _FastPickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
-        fast = b"__main__" not in f.getvalue()  # (a memoryview would test for an int, not a substring)
+        data = f.getvalue()  # (a memoryview would test for an int, not a substring)
+        fast = b"__main__" not in data and not any(
+            m.encode() in data for m in cloudpickle.list_registry_pickle_by_value()
+        )
     except Exception:
         fast = False
     if not fast:
