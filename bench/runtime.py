@@ -98,6 +98,35 @@ def pipe_latency() -> list[float]:
     return lat
 
 
+def _pipe_echo_bytes(conn):
+    buf = bytearray(64)
+    while conn.recv_bytes_into(buf) != 1 or buf[0] != 0:
+        conn.send_bytes(b"k")
+
+
+def pipe_bytes_latency() -> list[float]:
+    """The floor for one request/reply between two processes: raw bytes, no pickling at all."""
+    a, b = mp.Pipe()
+    p = mp.get_context("spawn").Process(target=_pipe_echo_bytes, args=(b,))
+    p.start()
+    buf = bytearray(64)
+    lat = time_calls(lambda: (a.send_bytes(b"q"), a.recv_bytes_into(buf)))
+    a.send_bytes(b"\0")
+    p.join()
+    return lat
+
+
+def memcpy_gbs(nbytes: int, n: int = 20) -> float:
+    """One thread copying ``nbytes`` between two already-faulted buffers: a single copy's floor."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        dst.copy_(src)
+    return n * nbytes / (time.perf_counter() - t0) / 1e9
+
+
 def main():
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -119,12 +148,15 @@ def main():
     del os.environ["RLNB_DIRECT_CALLS"]
     c1 = time_calls(lambda: over_comm.on(0).noop().result())
     pl = pipe_latency()
+    pb = pipe_bytes_latency()
     print(f"rlnb group call, 2 ranks     : {pct(g2)}")
     print(f"rlnb group call, 1 rank      : {pct(g1)}")
     print(f"rlnb 1 rank over Dask comm   : {pct(c1)}")
     print(f"plain Dask actor, 1          : {pct(d1)}")
     print(f"plain Dask actors, 2 at once : {pct(d2)}")
     print(f"raw multiprocessing.Pipe     : {pct(pl)}")
+    print(f"raw Pipe, bytes (the floor)  : {pct(pb)}")
+    print(f"ratio rlnb 2-rank / raw Pipe bytes round trip (p50): {np.median(g2) / np.median(pb):.2f}")
     print(f"ratio rlnb 2-rank / plain Dask 2-at-once (p50): {np.median(g2) / np.median(d2):.2f}")
     print(
         f"ratio Dask-comm route / direct-socket route, 1 rank (p50): {np.median(c1) / np.median(g1):.2f} "
@@ -136,9 +168,11 @@ def main():
         nbytes = mib * 1024 * 1024
         items_s, gbs = channel_throughput(cluster, group, nbytes, n)
         floor = pipe_throughput(nbytes, n)
+        copy = memcpy_gbs(nbytes)
         print(
             f"{mib:>2} MiB tensors: {items_s:8.1f} items/s  {gbs:5.2f} GB/s   "
-            f"raw Pipe {floor:5.2f} GB/s   ratio channel/Pipe {gbs / floor:.2f}"
+            f"raw Pipe {floor:5.2f} GB/s   ratio channel/Pipe {gbs / floor:.2f}   "
+            f"1-thread memcpy {copy:5.2f} GB/s   ratio channel/memcpy {gbs / copy:.2f}"
         )
     cluster.close()
 
