@@ -76,3 +76,17 @@ def test_loop_dashboard_background_run_and_stop(cluster, tmp_path):
         assert dash.model.step == stopped_at and dash.bar.value == pytest.approx(stopped_at / 200)
         assert len(loop.history) == stopped_at  # no half-finished step
         assert "<table>" in loop._repr_html_() and "slot" in cluster_view(cluster).value
+
+
+def test_async_runs_get_a_staleness_panel():
+    from rlnb.widgets.model import DashboardModel
+
+    m = DashboardModel(total=3)
+    m.update({"step": 1, "env/episode_return_mean": 10.0})
+    assert [title for title, _ in m.curves()] == ["return / reward"]  # synchronous: no such panel
+    m.update({"step": 2, "rollout/staleness_mean": 1.0, "rollout/staleness_max": 1, "time/rollout_s": 0.1})
+    panels = dict(m.curves())
+    assert panels["staleness (versions behind)"] == {
+        "rollout/staleness_mean": [(2, 1.0)],
+        "rollout/staleness_max": [(2, 1.0)],
+    }

@@ -310,6 +310,16 @@ def validate(recipe: Recipe) -> list[str]:
         a.dual_clip,
     )
     need(lambda: a.update_epochs >= 1, "algorithm.update_epochs", "an integer >= 1", a.update_epochs)
+    need(
+        lambda: (
+            isinstance(a.max_staleness, int)
+            and not isinstance(a.max_staleness, bool)
+            and a.max_staleness >= 0
+        ),
+        "algorithm.max_staleness",
+        "an integer >= 0 (0: synchronous)",
+        a.max_staleness,
+    )
     need(lambda: a.num_minibatches >= 1, "algorithm.num_minibatches", "an integer >= 1", a.num_minibatches)
     need(lambda: a.max_grad_norm > 0, "algorithm.max_grad_norm", "a number > 0", a.max_grad_norm)
     need(lambda: recipe.actor.lr > 0, "actor.lr", "a number > 0", recipe.actor.lr)

@@ -85,6 +85,11 @@ class AlgorithmConfig:
     """Gradient clipping norm."""
     target_kl: float | None = None
     """Stop the epochs early once the approximate KL exceeds this."""
+    max_staleness: int = 0
+    """Asynchronous RL (AReaL): rollout may run ahead of training by at most this many policy versions. ``0``
+    is the synchronous loop. With ``N >= 1`` the next batch is collected while the actor trains (rollout and
+    actor must be on different slots), and a batch made by version ``v`` is trained at version ``t`` only if
+    ``t - v <= N``. Embodied PPO only for now."""
     group_size: int = 8
     """Samples per prompt (GRPO/RLOO)."""
     scale: Literal["group", "batch", "none"] = "group"

@@ -163,6 +163,7 @@ class LoopBase:
         self._reset_state()
         self._pending: dict[str, float] = {}
         self._stop = False
+        self._run_target: int | None = None  # the step the running run() stops at (None outside run())
         self.logger = MetricLogger(
             self.run_dir, recipe.runner.tensorboard, recipe.runner.wandb_project, asdict(self.recipe)
         )
@@ -475,7 +476,7 @@ class LoopBase:
             bar = tqdm(total=steps, desc=self.recipe.name, unit="step")
         records = []
         restarts = 0
-        target = self.step + steps
+        target = self._run_target = self.step + steps
         try:
             while self.step < target:
                 try:
@@ -505,6 +506,7 @@ class LoopBase:
                 if self._solved() or self._stop:
                     break
         finally:
+            self._run_target = None
             if bar is not None:
                 bar.close()
         return records

@@ -8,6 +8,7 @@ Example (one phase per notebook cell):
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -29,6 +30,8 @@ from rlnb.loop.base import (
 from rlnb.runtime.channel import Channel
 
 EPISODE_WINDOW = 20  # episode statistics over the last 20 finished training episodes, as SB3 reports them
+
+log = logging.getLogger("rlnb")
 
 
 class Loop(LoopBase):
@@ -137,6 +140,14 @@ class Loop(LoopBase):
                 "use a multiple", "component_placement"
             )  # fmt: skip
         self.check_layout(p.slots)
+        shared = sorted(set(p["rollout"]) & set(p["actor"]))
+        if e.algorithm.max_staleness and shared:
+            raise ConfigError(
+                f"algorithm.max_staleness={e.algorithm.max_staleness} needs rollout and actor on different slots: a "
+                f"worker runs one call at a time, so rollout cannot run ahead of training on shared slot(s) {shared}. "
+                "Place them apart (component_placement={'env,rollout': 0, actor: 1}) or use 0",
+                "algorithm.max_staleness",
+            )
         envs_per_rollout = e.env.num_envs * n_env // n_roll
         if n_act > n_roll and envs_per_rollout % (n_act // n_roll):
             raise PlacementError(
@@ -200,42 +211,100 @@ class Loop(LoopBase):
     def _reset_state(self) -> None:
         self.global_step = 0
         self.episodes: deque = deque(maxlen=EPISODE_WINDOW)
+        self._in_flight: list | None = None  # the collection running ahead (asynchronous mode)
+        self._rollout_version: int | None = None  # the policy version on the rollout ranks
 
     def _extra_state(self) -> dict:
-        return {"global_step": self.global_step, "episodes": list(self.episodes)}
+        state = {"global_step": self.global_step, "episodes": list(self.episodes)}
+        if self.max_staleness:
+            state["rollout_version"] = self._rollout_version
+            state["in_flight_dropped"] = self._in_flight is not None
+        return state
 
     def _load_extra_state(self, state: dict) -> None:
         self.global_step = state["global_step"]
         self.episodes = deque((tuple(x) for x in state["episodes"]), maxlen=EPISODE_WINDOW)
+        self._settle_in_flight()
+        self._in_flight = None  # a resumed pipeline starts empty: current weights, a fresh collection
+        self._rollout_version = state.get("rollout_version")
+
+    def save(self):
+        """Write a checkpoint (see :meth:`LoopBase.save`). ``run()`` checkpoints with nothing in flight; a
+        manual save while a collection runs ahead waits for it, and that batch is not in the checkpoint: a
+        resume from it drops those env steps' batch (a warning says so)."""
+        if self._in_flight is not None:
+            self._settle_in_flight()
+            log.warning(
+                "checkpoint at step %d: a collection was running ahead (algorithm.max_staleness); its batch is "
+                "not in the checkpoint, so a resume from it drops that batch (run() checkpoints with nothing in "
+                "flight)",
+                self.step,
+            )
+        return super().save()
 
     # ------------------------------------------------------------------ phases
     def rollout(self) -> dict:
-        """Collect ``rollout.steps_per_rollout`` steps on every env; hand the batches to the actor ranks."""
+        """Collect ``rollout.steps_per_rollout`` steps on every env; hand the batches to the actor ranks.
+
+        With ``algorithm.max_staleness`` N >= 1 it hands over the batch already collected (or in flight)
+        and starts collecting the next one at once, so that collection overlaps :meth:`train`. Weights
+        reach the rollout ranks only when the pipeline is empty or admission needs them: a batch made
+        by policy version ``v`` is trained at version ``t`` only if ``t - v <= N``.
+        """
         t0 = time.perf_counter()
-        r = self.recipe
-        T = r.rollout.steps_per_rollout
+        if not self.max_staleness:
+            summaries = self._finish_rollout(self._start_rollout())
+            return self._rollout_phase(t0, summaries, {})
+        if self._in_flight is None:  # an empty pipeline (first step, after a checkpoint or evaluation)
+            self._sync_rollout()
+            self._in_flight = self._start_rollout()
+        summaries = self._finish_rollout(self._in_flight)
+        self._in_flight = None
+        staleness = self.step - self._rollout_version  # versions behind when trained (at self.step)
+        if not self._must_drain():
+            if (self.step + 1) - self._rollout_version > self.max_staleness:  # admission for the next batch
+                self._sync_rollout()
+            self._in_flight = self._start_rollout()
+        extra = {
+            "staleness_mean": float(staleness),
+            "staleness_max": staleness,
+            "in_flight": int(self._in_flight is not None),
+        }
+        return self._rollout_phase(t0, summaries, extra)
+
+    def _start_rollout(self) -> list:
+        """Start collecting (returns the pending calls); the batches stay on the rollout ranks."""
+        T = self.recipe.rollout.steps_per_rollout
         env, rollout = self.groups["env"], self.groups["rollout"]
         if self.env_local and self.batch_local:  # the fast path: one call per rank does it all
-            summaries = rollout.collect(T, env.name, self.groups["actor"].name).result()
+            return [rollout.collect(T, env.name, self.groups["actor"].name)]
+        if self.env_local:
+            return [rollout.collect(T, env.name)]
+        obs_ch, act_ch = self.channels["obs"], self.channels["actions"]
+        n_roll = rollout.world_size
+        env_run = env.call_each("run", [(T, obs_ch, act_ch, f"env{e}") for e in env.ranks])
+        served = rollout.call_each(
+            "serve",
+            [(T, obs_ch, act_ch, [f"env{e}" for e in env.ranks if e % n_roll == k], self.recipe.env.pipeline_stages)
+             for k in rollout.ranks],
+        )  # fmt: skip
+        return [served, env_run]
+
+    def _finish_rollout(self, pending: list) -> list[dict]:
+        """Wait for a started collection and hand its batches to the actor ranks; its summaries."""
+        summaries = pending[0].result()
+        for other in pending[1:]:
+            other.result()
+        if self.env_local and self.batch_local:
             for s in summaries:
                 self.episodes.extend(s.pop("episodes"))
-        else:
-            if self.env_local:
-                summaries = rollout.collect(T, env.name).result()
-            else:
-                obs_ch, act_ch = self.channels["obs"], self.channels["actions"]
-                n_roll = rollout.world_size
-                env_run = env.call_each("run", [(T, obs_ch, act_ch, f"env{e}") for e in env.ranks])
-                served = rollout.call_each(
-                    "serve",
-                    [(T, obs_ch, act_ch, [f"env{e}" for e in env.ranks if e % n_roll == k], r.env.pipeline_stages)
-                     for k in rollout.ranks],
-                )  # fmt: skip
-                summaries = served.result()
-                env_run.result()
-            for finished in env.pop_episodes().result():
-                self.episodes.extend(finished)
-            self._hand_batches()
+            return summaries
+        for finished in self.groups["env"].pop_episodes().result():
+            self.episodes.extend(finished)
+        self._hand_batches()
+        return summaries
+
+    def _rollout_phase(self, t0: float, summaries: list[dict], extra: dict) -> dict:
         steps = sum(s["steps"] for s in summaries)
         self.global_step += steps
         dt = time.perf_counter() - t0
@@ -244,9 +313,60 @@ class Loop(LoopBase):
             "steps_per_s": steps / dt,
             "version": summaries[0]["version"],
             "episodes_finished": len(self.episodes),
+            **extra,
         }
         out.update(self.episode_stats())
         return self._phase("rollout", t0, out)
+
+    # ------------------------------------------------------------------ asynchronous RL
+    @property
+    def max_staleness(self) -> int:
+        """``algorithm.max_staleness``: how many policy versions rollout may run ahead (0: synchronous)."""
+        return self.recipe.algorithm.max_staleness
+
+    def sync_weights(self) -> dict:
+        """Actor -> rollout weights. In asynchronous mode the loop sends them itself when admission needs
+        them; calling this waits for the collection in flight (kept for the next :meth:`rollout`) first."""
+        if not self.max_staleness:
+            return super().sync_weights()
+        t0 = time.perf_counter()
+        self._settle_in_flight()
+        if self._in_flight is None:
+            self._sync_rollout()
+        return self._phase("sync", t0, {"version": self._rollout_version})
+
+    def _sync_rollout(self) -> None:
+        self._sync()
+        self._rollout_version = self.step
+
+    def _settle_in_flight(self) -> None:
+        """Let the collection in flight finish (its batch still goes to the next :meth:`rollout`)."""
+        if self._in_flight is not None:
+            for pending in self._in_flight:
+                pending.wait()
+
+    def _must_drain(self) -> bool:
+        """Whether the step being taken ends where nothing may be in flight: a checkpoint or an evaluation
+        of ``run()``, or its last step (so checkpoints resume exactly and nothing runs on unused)."""
+        r, next_step = self.recipe.runner, self.step + 1
+        return bool(
+            (r.save_interval and next_step % r.save_interval == 0)
+            or (r.eval_interval and next_step % r.eval_interval == 0)
+            or (self._run_target is not None and next_step >= self._run_target)
+        )
+
+    def rollout_status(self) -> dict:
+        """What is in flight and how stale: the rollout ranks' policy version, the actor's, and whether a
+        collection is running now."""
+        return {
+            "max_staleness": self.max_staleness,
+            "actor_version": self.step,
+            "rollout_version": self._rollout_version,
+            "in_flight": self._in_flight is not None,
+            "next_batch_staleness": None
+            if self._rollout_version is None
+            else self.step - self._rollout_version,
+        }
 
     def _solved(self) -> bool:
         target = self.recipe.runner.stop_return
@@ -260,7 +380,14 @@ class Loop(LoopBase):
     def evaluate(self, episodes: int | None = None) -> dict:
         """Deterministic episodes on fresh envs (seeded apart from training); logs ``eval/return_mean``."""
         t0 = time.perf_counter()
+        self._settle_in_flight()
+        if self._in_flight is not None:  # the rollout ranks keep the weights their batch was made with
+            raise RuntimeError(
+                "evaluate() while a collection runs ahead (algorithm.max_staleness): call it between "
+                "run() calls or at run()'s eval_interval, where nothing is in flight"
+            )
         self._sync()  # evaluate the current weights
+        self._rollout_version = self.step
         n = episodes or self.recipe.runner.eval_episodes
         res = (
             self.groups["rollout"].on(0).evaluate(self.env_spec, n, self.recipe.seed + 1_000_003).result()[0]
@@ -281,14 +408,16 @@ class Loop(LoopBase):
 
     def _log_step(self, train_out: dict) -> None:
         stats = self.episode_stats()
-        self._log_record(
-            {
-                "global_step": self.global_step,
-                "env/episode_return_mean": stats["episode_return_mean"],
-                "env/episode_len_mean": stats["episode_len_mean"],
-                "rollout/steps_per_s": self._pending.get("rollout/steps_per_s"),
-            }
-        )
+        record = {
+            "global_step": self.global_step,
+            "env/episode_return_mean": stats["episode_return_mean"],
+            "env/episode_len_mean": stats["episode_len_mean"],
+            "rollout/steps_per_s": self._pending.get("rollout/steps_per_s"),
+        }
+        if self.max_staleness:  # versions behind, of the batch this step trained on
+            record["rollout/staleness_mean"] = self._pending.get("rollout/staleness_mean")
+            record["rollout/staleness_max"] = self._pending.get("rollout/staleness_max")
+        self._log_record(record)
 
     def summary(self) -> str:
         ret = self.episode_stats()["episode_return_mean"]

@@ -135,6 +135,12 @@ class GRPOLoop(LoopBase):
     # ------------------------------------------------------------------ set-up
     def _check_rank_counts(self) -> None:
         super()._check_rank_counts()
+        if self.recipe.algorithm.max_staleness:
+            raise ConfigError(
+                f"algorithm.max_staleness={self.recipe.algorithm.max_staleness}: asynchronous training is not "
+                "available for the LM loop yet (embodied PPO only); use 0",
+                "algorithm.max_staleness",
+            )
         n_roll, n_act = len(self.placement["rollout"]), len(self.placement["actor"])
         per_step = self.recipe.data.prompts_per_step
         if per_step % n_roll or (n_act > n_roll and (per_step // n_roll) % (n_act // n_roll)):

@@ -14,6 +14,10 @@ CURVES = (
     ("losses", ("train/policy_loss", "train/value_loss", "train/loss")),
     ("KL / clipping", ("train/approx_kl", "train/kl", "train/clip_frac")),
     ("throughput", ("rollout/steps_per_s", "rollout/tokens_per_s")),
+    (
+        "staleness (versions behind)",
+        ("rollout/staleness_mean", "rollout/staleness_max"),
+    ),  # max_staleness >= 1
 )
 PHASES = ("sync", "rollout", "advantages", "train", "eval", "sft")
 

@@ -1,0 +1,99 @@
+"""Asynchronous PPO (``algorithm.max_staleness``) on real workers: rollout runs ahead of training by at
+most N policy versions, learns, resumes exactly, and misfits are refused naming the key."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlnb.config import load_recipe
+from rlnb.errors import ConfigError
+from rlnb.loop import GRPOLoop, Loop, complete_checkpoints
+from tests.conftest import without_wall_clock
+
+APART = "cluster.component_placement={'env,rollout': 0, actor: 1}"  # rollout and actor on different workers
+QUIET = ["runner.tensorboard=false", APART]
+
+
+def test_async_ppo_runs_ahead_within_the_bound_and_learns(cluster, tmp_path):
+    overrides = [*QUIET, "algorithm.max_staleness=1", "runner.stop_return=195"]
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+        loop.sync_weights()
+        loop.rollout()
+        status = loop.rollout_status()
+        assert status["in_flight"] and status["max_staleness"] == 1  # the next batch is being collected now
+        loop.advantages()
+        loop.train()  # ...while this trains
+        records = loop.run(progress=False)
+        stale = [r["rollout/staleness_max"] for r in [*loop.history[:1], *records]]
+        assert set(stale) <= {0, 1} and stale.count(1) >= len(stale) // 2, stale  # ran ahead, never past N
+        ret = loop.episode_stats()["episode_return_mean"]
+        assert ret >= 195, f"mean return {ret} after {loop.step} steps"
+
+
+def test_async_resume_reproduces_the_uninterrupted_run(cluster, tmp_path):
+    base = [*QUIET, "algorithm.max_staleness=2", "runner.steps=6", "runner.save_interval=3"]
+    with Loop.from_recipe("ppo_cartpole", base, cluster=cluster, run_dir=tmp_path / "full") as loop:
+        full = [without_wall_clock(r) for r in loop.run(progress=False)]
+    assert [r["rollout/staleness_max"] for r in full] == [0, 1, 2, 0, 1, 2]  # drained at each checkpoint
+    with Loop.from_recipe("ppo_cartpole", base, cluster=cluster, run_dir=tmp_path / "cut") as loop:
+        loop.run(3, progress=False)
+    assert [p.name for p in complete_checkpoints(tmp_path / "cut")] == ["step_000003"]
+    with Loop.resume(tmp_path / "cut", cluster=cluster) as loop:
+        assert loop.step == 3 and loop.rollout_status()["in_flight"] is False
+        resumed = [without_wall_clock(r) for r in loop.run(progress=False)]
+    assert resumed == full[3:]
+
+
+def test_async_misfits_are_refused_naming_the_key(cluster):
+    with pytest.raises(ConfigError, match=r"algorithm.max_staleness.*integer >= 0.*-1"):
+        load_recipe("ppo_cartpole", ["algorithm.max_staleness=-1"])
+    collocated = load_recipe("ppo_cartpole", ["algorithm.max_staleness=1"])  # the recipe collocates all three
+    with pytest.raises(ConfigError, match=r"max_staleness=1 needs rollout and actor on different slots"):
+        Loop(collocated, cluster=cluster)
+    grpo = load_recipe("grpo_arith", ["algorithm.max_staleness=1"])
+    with pytest.raises(
+        ConfigError, match=r"max_staleness=1: asynchronous training is not available for the LM"
+    ):
+        GRPOLoop(grpo, cluster=cluster)
+
+
+KILLED_DRIVER = """
+import sys
+import rlnb
+from rlnb.loop import Loop
+
+address, run_dir, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+with rlnb.Cluster(address) as cluster:
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=run_dir) as loop:
+        loop.run(progress=False)
+"""
+
+
+def test_a_killed_async_run_resumes_without_double_counting_or_skipping(cluster, tmp_path):
+    """AReaL #1388: a killed asynchronous run must neither retrain nor skip data when it resumes."""
+    base = [*QUIET, "algorithm.max_staleness=2", "runner.steps=9", "runner.save_interval=3"]
+    with Loop.from_recipe("ppo_cartpole", base, cluster=cluster, run_dir=tmp_path / "full") as loop:
+        full = [without_wall_clock(r) for r in loop.run(progress=False)]
+    script = tmp_path / "driver.py"
+    script.write_text(KILLED_DRIVER)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cut = tmp_path / "cut"
+    driver = subprocess.Popen([sys.executable, str(script), cluster.address, str(cut), *base], env=env)
+    deadline = time.monotonic() + 120
+    while not complete_checkpoints(cut) and driver.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    driver.send_signal(signal.SIGKILL)  # mid-run, with a collection in flight most likely
+    driver.wait(30)
+    saved = int(complete_checkpoints(cut)[-1].name.split("_")[1])
+    assert saved in (3, 6), saved
+    with Loop.resume(cut, cluster=cluster) as loop:
+        assert loop.step == saved
+        resumed = [without_wall_clock(r) for r in loop.run(progress=False)]
+    assert resumed == full[saved:]  # the same batches, trained at the same versions
+    steps = [r["step"] for r in (without_wall_clock(r) for r in loop.history)]
+    assert steps == list(range(1, 10))  # metrics: each step once
