@@ -97,3 +97,18 @@ def test_a_killed_async_run_resumes_without_double_counting_or_skipping(cluster,
     assert resumed == full[saved:]  # the same batches, trained at the same versions
     steps = [r["step"] for r in (without_wall_clock(r) for r in loop.history)]
     assert steps == list(range(1, 10))  # metrics: each step once
+
+
+def test_decoupled_ppo_learns_off_policy_and_its_behaviour_weight_cap_applies(cluster, tmp_path):
+    decoupled = [*QUIET, "algorithm.max_staleness=2", "algorithm.policy_loss=decoupled_ppo"]
+    learn = [*decoupled, "algorithm.behave_weight_cap=5", "runner.stop_return=195"]
+    with Loop.from_recipe("ppo_cartpole", learn, cluster=cluster, run_dir=tmp_path / "learn") as loop:
+        records = loop.run(progress=False)
+        assert loop.episode_stats()["episode_return_mean"] >= 195, f"after {loop.step} steps"
+        assert all("train/behave_weight_mean" in r for r in records)
+    tight = [*decoupled, "algorithm.behave_weight_cap=1.0001", "runner.steps=4"]
+    with Loop.from_recipe("ppo_cartpole", tight, cluster=cluster, run_dir=tmp_path / "tight") as loop:
+        masked = [r["train/behave_masked_frac"] for r in loop.run(progress=False)]
+    assert max(masked) > 0, masked  # stale samples past the cap were dropped, on the actor's worker
+    with pytest.raises(ConfigError, match=r"algorithm.behave_weight_cap.*> 1.*0.5"):
+        load_recipe("ppo_cartpole", ["algorithm.behave_weight_cap=0.5"])

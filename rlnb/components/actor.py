@@ -313,7 +313,7 @@ class PPOActor(ActorBase):
             advantages=advantages, values=value, old_values=mb["values"], returns=mb["returns"],
             entropy=entropy, clip_coef=algo.clip_coef, clip_coef_high=algo.clip_coef_high,
             dual_clip=algo.dual_clip, vf_coef=algo.vf_coef, ent_coef=algo.ent_coef,
-            clip_vloss=algo.clip_vloss, norm_adv=algo.norm_adv,
+            clip_vloss=algo.clip_vloss, norm_adv=algo.norm_adv, behave_weight_cap=algo.behave_weight_cap,
         )  # fmt: skip
         if not full_objective:  # a policy-only loss: the value head and the entropy bonus are added here
             v_loss = value_loss(

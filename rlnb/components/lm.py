@@ -526,6 +526,7 @@ class LMActor(ActorBase):
                     logprobs=logp, old_logprobs=b["logprobs"][j].to(self.device) if decoupled else prox,
                     prox_logprobs=prox, advantages=b["advantages"][j].to(self.device), mask=mask,
                     clip_coef=a.clip_coef, clip_coef_high=a.clip_coef_high, dual_clip=a.dual_clip, agg=a.agg,
+                    behave_weight_cap=a.behave_weight_cap,
                 )  # fmt: skip
                 if self.ref is not None and not self.kl_in_advantage:
                     kl = masked_mean(

@@ -311,6 +311,12 @@ def validate(recipe: Recipe) -> list[str]:
     )
     need(lambda: a.update_epochs >= 1, "algorithm.update_epochs", "an integer >= 1", a.update_epochs)
     need(
+        lambda: a.behave_weight_cap is None or a.behave_weight_cap > 1,
+        "algorithm.behave_weight_cap",
+        "a number > 1 (or empty)",
+        a.behave_weight_cap,
+    )
+    need(
         lambda: (
             isinstance(a.max_staleness, int)
             and not isinstance(a.max_staleness, bool)

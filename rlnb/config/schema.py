@@ -85,6 +85,9 @@ class AlgorithmConfig:
     """Gradient clipping norm."""
     target_kl: float | None = None
     """Stop the epochs early once the approximate KL exceeds this."""
+    behave_weight_cap: float | None = None
+    """Decoupled PPO (``policy_loss: decoupled_ppo``): drop samples whose behaviour importance weight
+    ``pi_prox / pi_behave`` exceeds this (AReaL uses 5); empty: no cap."""
     max_staleness: int = 0
     """Asynchronous RL (AReaL): rollout may run ahead of training by at most this many policy versions. ``0``
     is the synchronous loop. With ``N >= 1`` the next batch is collected while the actor trains (rollout and
