@@ -112,3 +112,26 @@ def test_decoupled_ppo_learns_off_policy_and_its_behaviour_weight_cap_applies(cl
     assert max(masked) > 0, masked  # stale samples past the cap were dropped, on the actor's worker
     with pytest.raises(ConfigError, match=r"algorithm.behave_weight_cap.*> 1.*0.5"):
         load_recipe("ppo_cartpole", ["algorithm.behave_weight_cap=0.5"])
+
+
+def test_a_loop_built_from_objects_runs_ahead_when_its_actor_says_so(cluster, tmp_path):
+    from rlnb import Env, PolicyRollout, PPOActor
+
+    env = Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4)
+    rollout = PolicyRollout.launch(cluster, "0")
+    actor = PPOActor.launch(cluster, "1", num_minibatches=2, max_staleness=1)  # an algorithm setting
+    runner = {"tensorboard": False}
+    with Loop(
+        env=env, rollout=rollout, actor=actor, steps_per_rollout=16, runner=runner, run_dir=tmp_path
+    ) as loop:
+        records = [loop.step_once() for _ in range(3)]
+        assert loop.rollout_status()["max_staleness"] == 1
+        assert [r["rollout/staleness_max"] for r in records] == [0, 1, 1]
+    together = PPOActor.launch(cluster, "0", num_minibatches=2, max_staleness=1)
+    env, rollout = Env.launch(cluster, "0", make_env="CartPole-v1"), PolicyRollout.launch(cluster, "0")
+    try:
+        with pytest.raises(ConfigError, match="needs rollout and actor on different slots"):
+            Loop(env=env, rollout=rollout, actor=together, runner=runner, run_dir=tmp_path / "together")
+    finally:
+        for group in (env, rollout, together):
+            group.shutdown()
