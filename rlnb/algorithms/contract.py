@@ -55,6 +55,7 @@ EMBODIED = LoopContract(
             "ent_coef",
             "clip_vloss",
             "norm_adv",
+            "behave_weight_cap",
         }
     ),
 )
@@ -76,6 +77,7 @@ LM = LoopContract(
             "clip_coef_high",
             "dual_clip",
             "agg",
+            "behave_weight_cap",
         }
     ),
     reward_inputs=frozenset({"completion", "answer", "prompt"}),
