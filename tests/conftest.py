@@ -17,7 +17,7 @@ def has_cuda() -> bool:
 requires_gpu = pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU; this machine has none")
 
 
-WALL_CLOCK = ("wall_time", "rollout/steps_per_s", "rollout/tokens_per_s")
+WALL_CLOCK = ("wall_time", "rollout/steps_per_s", "rollout/tokens_per_s", "rollout/overlap_frac")
 
 
 def without_wall_clock(record: dict) -> dict:

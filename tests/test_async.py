@@ -31,6 +31,8 @@ def test_async_ppo_runs_ahead_within_the_bound_and_learns(cluster, tmp_path):
         records = loop.run(progress=False)
         stale = [r["rollout/staleness_max"] for r in [*loop.history[:1], *records]]
         assert set(stale) <= {0, 1} and stale.count(1) >= len(stale) // 2, stale  # ran ahead, never past N
+        overlap = [r["rollout/overlap_frac"] for r in records]  # the dashboard's overlap panel
+        assert all(0 <= x <= 1 for x in overlap) and max(overlap) > 0.5, overlap
         ret = loop.episode_stats()["episode_return_mean"]
         assert ret >= 195, f"mean return {ret} after {loop.step} steps"
 
@@ -55,11 +57,19 @@ def test_async_misfits_are_refused_naming_the_key(cluster):
     collocated = load_recipe("ppo_cartpole", ["algorithm.max_staleness=1"])  # the recipe collocates all three
     with pytest.raises(ConfigError, match=r"max_staleness=1 needs rollout and actor on different slots"):
         Loop(collocated, cluster=cluster)
-    grpo = load_recipe("grpo_arith", ["algorithm.max_staleness=1"])
-    with pytest.raises(
-        ConfigError, match=r"max_staleness=1: asynchronous training is not available for the LM"
-    ):
+    grpo = load_recipe("grpo_arith", ["algorithm.max_staleness=1"])  # collocated data-parallel
+    with pytest.raises(ConfigError, match=r"max_staleness=1 needs rollout and actor on different slots"):
         GRPOLoop(grpo, cluster=cluster)
+    scored_apart = [
+        "algorithm.max_staleness=1",
+        "cluster.component_placement={rollout: 0, 'actor,reward': 1}",
+    ]
+    with pytest.raises(
+        ConfigError, match=r"place the reward on the rollout's slots \[0\] \(it is on \[1\]\)"
+    ):
+        GRPOLoop(load_recipe("grpo_arith", scored_apart), cluster=cluster)
+    with pytest.raises(ConfigError, match=r"rollout.chunk_tokens: expected an integer >= 1, got 0"):
+        load_recipe("grpo_arith", ["rollout.chunk_tokens=0"])
 
 
 KILLED_DRIVER = """

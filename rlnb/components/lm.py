@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import torch
 
@@ -105,6 +106,7 @@ class HFRollout(RolloutBase):
         self.version = 0
         self.batch = None
         self.offloaded = False
+        self.pool: list[dict] = []  # asynchronous mode: groups admitted and not yet handed over
 
     def load_weights(self, state_dict: dict, version: int) -> int:
         self.model.load_state_dict(state_dict)
@@ -212,11 +214,146 @@ class HFRollout(RolloutBase):
         """Greedy completions (evaluation, samples in notebooks)."""
         return self._generate(prompts, 1, greedy=True)[1]
 
+    # ------------------------------------------------------------------ asynchronous generation
+    def stream(
+        self, problems: list[tuple[int, str, str]], n: int, train_version: int, groups: int, max_staleness: int,
+        weights, weights_key: str, batches, batch_key: str, reward: str, shards: int = 1, chunk_tokens: int = 8,
+    ) -> dict:  # fmt: skip
+        """Partial-rollout generation for asynchronous training (AReaL): admit ``problems``
+        (``(serial, prompt, answer)``, ``n`` completions each) to the pool of groups in progress, then
+        generate ``chunk_tokens`` at a time for every unfinished sequence until ``groups`` groups are done.
+
+        Between chunks it takes the newest weights the actor published under ``weights_key``: a
+        generation interrupted by a weight update goes on with the new weights, and every token keeps
+        the version that produced it (``versions [B, L]``). A group is trained at ``train_version``;
+        one started at version ``v`` with ``train_version - v >= max_staleness`` must be in this batch
+        (it would be too stale for the next), so the call goes on until such groups are done. It also
+        goes on generating the pool's other groups until the actor publishes ``train_version`` (it is
+        then ready for the batch), so the rollout does not idle while the actor trains. The
+        finished groups, oldest first, are scored by the collocated ``reward`` and put in ``batches``
+        under ``batch_key`` (or ``shards`` parts); groups still unfinished stay in the pool for the next
+        call, and in this rank's checkpoint.
+        """
+        t0 = time.perf_counter()
+        for serial, prompt, answer in problems:
+            seqs = [{"ids": [], "logprobs": [], "versions": [], "done": False} for _ in range(n)]
+            ids = self.tok(prompt)["input_ids"]
+            self.pool.append(
+                {"serial": serial, "prompt": prompt, "answer": answer, "prompt_ids": ids, "start": None, "seqs": seqs}
+            )  # fmt: skip
+        swaps, tokens, chunks = 0, 0, 0
+        last_due = train_version - max_staleness  # groups started at or before it must be in this batch
+        while True:
+            if self.poll_weights(weights, weights_key) is not None:
+                swaps += 1
+            done = [g for g in self.pool if all(s["done"] for s in g["seqs"])]
+            overdue = [
+                g for g in self.pool if g["start"] is not None and g["start"] <= last_due and g not in done
+            ]
+            busy = len(done) < len(self.pool)
+            # enough groups done, none overdue, and the actor is ready for them (it publishes version
+            # train_version before it takes the batch): until then, keep generating for the next batches
+            if len(done) >= groups and not overdue and (self.version >= train_version or not busy):
+                break
+            if not busy:
+                raise RuntimeError(
+                    f"rollout rank {self.rank}: {len(done)} group(s) in the pool, {groups} needed; the loop "
+                    "admits too few problems"
+                )
+            tokens += self._chunk(chunk_tokens)
+            chunks += 1
+        taken = sorted(done, key=lambda g: (g["start"], g["serial"]))[:groups]
+        self.pool = [g for g in self.pool if not any(g is t for t in taken)]
+        self.batch = self._pool_batch(taken)
+        summary = {
+            "sequences": len(self.batch["texts"]),
+            "tokens": tokens,
+            "response_len_mean": float(self.batch["response_mask"].sum(-1).float().mean()),
+            "staleness": [train_version - g["start"] for g in taken],
+            "interrupted": sum(len(set(s["versions"])) > 1 for g in taken for s in g["seqs"]),
+            "serials": [g["serial"] for g in taken],
+            "swaps": swaps,
+            "chunks": chunks,
+            "pool": len(self.pool),
+            "version": self.version,
+        }
+        b = self.batch
+        summary.update(
+            self.set_rewards(local_peer(reward, self.rank).score(b["texts"], b["answers"], b["prompts"]))
+        )
+        self.put_batch(batches, batch_key, shards)
+        summary["generate_s"] = time.perf_counter() - t0
+        return summary
+
+    @torch.no_grad()
+    def _chunk(self, chunk_tokens: int) -> int:
+        """Up to ``chunk_tokens`` more tokens for every unfinished sequence of the pool, with the weights
+        loaded now (the KV cache is rebuilt each chunk: after a weight swap it would be stale anyway)."""
+        self.onload()
+        rows = [(g, s) for g in self.pool for s in g["seqs"] if not s["done"]]
+        budget = [self.max_new_tokens - len(s["ids"]) for _, s in rows]
+        contexts = [g["prompt_ids"] + s["ids"] for g, s in rows]
+        ids = _pad_left(contexts, self.tok.pad_token_id).to(self.device)
+        attn = _pad_left([[1] * len(c) for c in contexts], 0).to(self.device)
+        torch.manual_seed(self.seed * 1_000_003 + self.calls)
+        self.calls += 1
+        out = self.model.generate(
+            input_ids=ids, attention_mask=attn, do_sample=True, temperature=self.temperature, top_p=self.top_p,
+            top_k=None, max_new_tokens=min(chunk_tokens, max(budget)), pad_token_id=self.tok.pad_token_id,
+            eos_token_id=self.tok.eos_token_id, return_dict_in_generate=True, output_scores=True,
+        )  # fmt: skip
+        new = out.sequences[:, ids.shape[1] :].tolist()
+        logp = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True).tolist()
+        made = 0
+        for (g, s), toks, lps, left in zip(rows, new, logp, budget):
+            if g["start"] is None:
+                g["start"] = self.version
+            toks, lps = toks[:left], lps[:left]
+            if self.tok.eos_token_id in toks:  # keep up to and including the first EOS
+                cut = toks.index(self.tok.eos_token_id) + 1
+                toks, lps, s["done"] = toks[:cut], lps[:cut], True
+            s["ids"] += toks
+            s["logprobs"] += lps
+            s["versions"] += [self.version] * len(toks)
+            s["done"] = s["done"] or len(s["ids"]) >= self.max_new_tokens
+            made += len(toks)
+        return made
+
+    def _pool_batch(self, taken: list[dict]) -> dict:
+        """Finished groups as a batch in the layout of :meth:`generate`, plus per-token ``versions``."""
+        seqs = [(g, s) for g in taken for s in g["seqs"]]
+        pad = self.tok.pad_token_id
+        prompt = _pad_left([g["prompt_ids"] for g, _ in seqs], pad)  # [B, P]
+        width = max(len(s["ids"]) for _, s in seqs)
+
+        def right(key, fill, dtype):  # [B, R], right-padded
+            return torch.tensor([s[key] + [fill] * (width - len(s[key])) for _, s in seqs], dtype=dtype)
+
+        resp_mask = torch.tensor([[1] * len(s["ids"]) + [0] * (width - len(s["ids"])) for _, s in seqs])
+        zeros = torch.zeros_like(prompt)
+        texts = self.tok.batch_decode([s["ids"] for _, s in seqs], skip_special_tokens=True)
+        n = len(taken[0]["seqs"])
+        return {
+            "input_ids": torch.cat([prompt, right("ids", pad, torch.long)], dim=1),
+            "attention_mask": torch.cat(
+                [_pad_left([[1] * len(g["prompt_ids"]) for g, _ in seqs], 0), resp_mask], 1
+            ),
+            "response_mask": torch.cat([zeros, resp_mask], dim=1),
+            "logprobs": torch.cat([zeros.float(), right("logprobs", 0.0, torch.float32)], dim=1),
+            "versions": torch.cat([zeros - 1, right("versions", -1, torch.long)], dim=1),
+            "group_index": torch.arange(len(taken)).repeat_interleave(n),
+            "answers": [g["answer"] for g, _ in seqs],
+            "prompts": [g["prompt"] for g, _ in seqs],
+            "texts": texts,
+            "version": min(g["start"] for g in taken),
+        }
+
     def state_dict(self) -> dict:
-        return {"calls": self.calls, "version": self.version}
+        return {"calls": self.calls, "version": self.version, "pool": self.pool}
 
     def load_state_dict(self, state: dict) -> None:
         self.calls, self.version = state["calls"], state["version"]
+        self.pool = state.get("pool", [])
 
 
 class VLLMWorkerExtension:  # pragma: no cover - runs inside vLLM's GPU worker processes
@@ -313,9 +450,11 @@ class LMActor(ActorBase):
         **settings: any field of ``AlgorithmConfig`` by name (``group_size=8``, ``kl_coef=0.01``...).
 
     Advantages and losses get every input of :data:`rlnb.algorithms.contract.LM` they accept. The
-    ``old_logprobs`` a loss gets are the actor's own recomputation of the sampling policy; a loss that
-    also takes ``prox_logprobs`` (decoupled PPO) gets the rollout's behaviour log-probs as
-    ``old_logprobs`` and the recomputation as ``prox_logprobs``. An advantage that takes ``kl``
+    ``old_logprobs`` a loss gets are the actor's own recomputation of the sampling policy when the
+    batch was sampled with the actor's current weights; a batch sampled by older weights (asynchronous
+    mode) gets the rollout's behaviour log-probs, which only the sampler knows, so the ratio corrects
+    for the staleness. A loss that also takes ``prox_logprobs`` (decoupled PPO) gets the behaviour
+    log-probs as ``old_logprobs`` and the recomputation as ``prox_logprobs``. An advantage that takes ``kl``
     (REINFORCE++) puts the KL to the reference in its returns; otherwise, with ``kl_coef > 0``, the KL
     is a loss term.
     """
@@ -443,7 +582,8 @@ class LMActor(ActorBase):
         b, a = self.batch, self.algo
         # One on-policy pass over the batch: the old log-probs are the current ones, detached in the
         # loss (as TRL does), so the recompute is skipped. Otherwise recompute them with the actor.
-        single_pass = a.update_epochs == 1 and a.num_minibatches == 1 and b["version"] == self.step
+        b["stale"] = b["version"] != self.step  # sampled by older weights (asynchronous mode)
+        single_pass = a.update_epochs == 1 and a.num_minibatches == 1 and not b["stale"]
         if single_pass:
             b["old_logprobs"] = None
         else:
@@ -519,11 +659,12 @@ class LMActor(ActorBase):
             sync = self.world_size > 1 and i < len(micro) - 1
             with self.model.no_sync() if sync else contextlib.nullcontext():
                 logp = token_logprobs(self.model, ids, attn, self.temperature)  # (m, L)
-                # the sampling policy as the actor computes it (the proximal policy of decoupled PPO)
+                # the policy before this update as the actor computes it (decoupled PPO's proximal one);
+                # the ratio is to the behaviour policy when the batch is stale or the loss is decoupled
                 prox = logp.detach() if b["old_logprobs"] is None else b["old_logprobs"][j].to(self.device)
-                decoupled = "prox_logprobs" in self.loss.needs
+                behaviour = "prox_logprobs" in self.loss.needs or b["stale"]
                 loss, m = self.loss(
-                    logprobs=logp, old_logprobs=b["logprobs"][j].to(self.device) if decoupled else prox,
+                    logprobs=logp, old_logprobs=b["logprobs"][j].to(self.device) if behaviour else prox,
                     prox_logprobs=prox, advantages=b["advantages"][j].to(self.device), mask=mask,
                     clip_coef=a.clip_coef, clip_coef_high=a.clip_coef_high, dual_clip=a.dual_clip, agg=a.agg,
                     behave_weight_cap=a.behave_weight_cap,

@@ -61,9 +61,28 @@ class RolloutBase:
         return self.load_weights(local_peer(actor, rank).policy_state(), version)
 
     def load_from_channel(self, channel, key: str) -> int:
-        """Disaggregated weight sync: take the weights the actor published under ``key``."""
+        """Disaggregated weight sync: take the weights the actor published under ``key`` (waiting for
+        them); when several versions are queued (asynchronous mode), the newest."""
         msg = channel.get(key=key)
-        return self.load_weights(msg["state"], msg["version"])
+        newer = self.poll_weights(channel, key, load=False)
+        return self.load_weights(*(newer or (msg["state"], msg["version"])))
+
+    def poll_weights(self, channel, key: str, load: bool = True) -> tuple | None:
+        """Without waiting: the newest weights queued under ``key`` (older ones are dropped), loaded
+        unless ``load=False``; ``None`` when nothing is queued. Asynchronous generation calls it
+        between chunks, so weights arrive while it runs."""
+        import queue
+
+        newest = None
+        while True:
+            try:
+                msg = channel.get_nowait(key=key)
+            except queue.Empty:
+                break
+            newest = (msg["state"], msg["version"])
+        if newest is not None and load:
+            self.load_weights(*newest)
+        return newest
 
     def take_batch(self) -> dict:
         """The last collected batch (in-process hand-off to a collocated actor)."""

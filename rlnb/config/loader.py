@@ -422,7 +422,8 @@ def _check_lm(recipe: Recipe) -> list[str]:
         errs.append(f"data.path: data.task=file needs an existing .jsonl/.parquet file, got {d.path!r}")
     for key, value, low in (
         ("data.prompts_per_step", d.prompts_per_step, 1), ("data.eval_size", d.eval_size, 1),
-        ("rollout.max_new_tokens", ro.max_new_tokens, 1), ("actor.micro_batch_size", act.micro_batch_size, 1),
+        ("rollout.max_new_tokens", ro.max_new_tokens, 1), ("rollout.chunk_tokens", ro.chunk_tokens, 1),
+        ("actor.micro_batch_size", act.micro_batch_size, 1),
         ("actor.sft_steps", act.sft_steps, 0), ("actor.sft_batch_size", act.sft_batch_size, 1),
     ):  # fmt: skip
         if isinstance(value, int) and value < low:

@@ -92,7 +92,8 @@ class AlgorithmConfig:
     """Asynchronous RL (AReaL): rollout may run ahead of training by at most this many policy versions. ``0``
     is the synchronous loop. With ``N >= 1`` the next batch is collected while the actor trains (rollout and
     actor must be on different slots), and a batch made by version ``v`` is trained at version ``t`` only if
-    ``t - v <= N``. Embodied PPO only for now."""
+    ``t - v <= N``. For the LM loop, generation takes new weights mid-way (``rollout.chunk_tokens``) and the
+    reward must sit with the rollout."""
     group_size: int = 8
     """Samples per prompt (GRPO/RLOO)."""
     scale: Literal["group", "batch", "none"] = "group"
@@ -183,6 +184,9 @@ class RolloutConfig:
     """LM RL: sampling temperature (the actor's log-probs use the same)."""
     top_p: float = 1.0
     """LM RL: nucleus sampling threshold."""
+    chunk_tokens: int = 8
+    """LM RL, asynchronous mode (``algorithm.max_staleness >= 1``): tokens generated between two checks
+    for new weights; a generation spanning a weight update goes on with the new ones (partial rollouts)."""
     gpu_memory_utilization: float = 0.3
     """vLLM: fraction of GPU memory for weights and KV cache."""
 

@@ -328,6 +328,27 @@ class LoopBase:
         """``collocated``, ``disaggregated`` or ``hybrid`` (from the placement)."""
         return self.placement.mode
 
+    # ------------------------------------------------------------------ asynchronous RL
+    @property
+    def max_staleness(self) -> int:
+        """``algorithm.max_staleness``: how many policy versions rollout may run ahead (0: synchronous)."""
+        return self.recipe.algorithm.max_staleness
+
+    def _settle_in_flight(self) -> None:
+        """Let the rollout work in flight finish (its batch still goes to the next ``rollout()``)."""
+        for pending in getattr(self, "_in_flight", None) or ():
+            pending.wait()
+
+    def _must_drain(self) -> bool:
+        """Whether the step being taken ends where nothing may be in flight: a checkpoint or an evaluation
+        of ``run()``, or its last step (so checkpoints resume exactly and nothing runs on unused)."""
+        r, next_step = self.recipe.runner, self.step + 1
+        return bool(
+            (r.save_interval and next_step % r.save_interval == 0)
+            or (r.eval_interval and next_step % r.eval_interval == 0)
+            or (self._run_target is not None and next_step >= self._run_target)
+        )
+
     # ------------------------------------------------------------------ shared phases
     def sync_weights(self) -> dict:
         """Actor -> rollout weights, stamped with the policy version (= training steps done)."""
@@ -353,21 +374,30 @@ class LoopBase:
         """Rollout rank ``k``'s batch goes to actor rank ``k % actor ranks`` (in-process when collocated);
         with more actor than rollout ranks, it is split over several. Returns each actor rank's intake."""
         rollout, actor = self.groups["rollout"], self.groups["actor"]
-        n_act, n_roll = actor.world_size, rollout.world_size
         if self.batch_local:
             return actor.call_each("take_local_batches", [(rollout.name, [a]) for a in actor.ranks]).result()
         ch = self.channels["batches"]
-        if n_act > n_roll:  # each rollout batch is split over n_act / n_roll actor ranks (RLinf's hybrid)
-            m = n_act // n_roll
-            sent = rollout.call_each("put_batch", [(ch, f"b{k}", m) for k in rollout.ranks])
-            keys = [[f"b{a // m}.{a % m}"] for a in actor.ranks]
-        else:
-            sent = rollout.call_each("put_batch", [(ch, f"b{k}") for k in rollout.ranks])
-            keys = [[f"b{k}" for k in rollout.ranks if k % n_act == a] for a in actor.ranks]
+        puts, takes = self._batch_keys()
+        sent = rollout.call_each("put_batch", [(ch, key, shards) for key, shards in puts])
         # puts never block (the channel is unbounded), so a rank sharing a worker with one of the
         # other group's ranks cannot hold that worker's actor thread while waiting for it
         sent.result()
-        return actor.call_each("take_channel_batches", [(ch, k) for k in keys]).result()
+        return self._take_batches(takes)
+
+    def _batch_keys(self) -> tuple[list[tuple[str, int]], list[list[str]]]:
+        """The channel hand-off: per rollout rank ``(key, shards)`` it puts under, and per actor rank the
+        keys it takes. With more actor than rollout ranks each batch is split (RLinf's hybrid)."""
+        rollout, actor = self.groups["rollout"], self.groups["actor"]
+        n_act, n_roll = actor.world_size, rollout.world_size
+        if n_act > n_roll:
+            m = n_act // n_roll
+            return [(f"b{k}", m) for k in rollout.ranks], [[f"b{a // m}.{a % m}"] for a in actor.ranks]
+        takes = [[f"b{k}" for k in rollout.ranks if k % n_act == a] for a in actor.ranks]
+        return [(f"b{k}", 1) for k in rollout.ranks], takes
+
+    def _take_batches(self, takes: list[list[str]]) -> list[dict]:
+        ch, actor = self.channels["batches"], self.groups["actor"]
+        return actor.call_each("take_channel_batches", [(ch, k) for k in takes]).result()
 
     def rollout(self) -> dict:
         raise NotImplementedError

@@ -258,6 +258,10 @@ class Loop(LoopBase):
         if self._in_flight is None:  # an empty pipeline (first step, after a checkpoint or evaluation)
             self._sync_rollout()
             self._in_flight = self._start_rollout()
+        t_wait = time.perf_counter()
+        self._in_flight[0].wait()
+        wait_s = time.perf_counter() - t_wait
+        busy_s = max(d or 0.0 for d in self._in_flight[0].durations_s)  # the collection's own time
         summaries = self._finish_rollout(self._in_flight)
         self._in_flight = None
         staleness = self.step - self._rollout_version  # versions behind when trained (at self.step)
@@ -269,6 +273,8 @@ class Loop(LoopBase):
             "staleness_mean": float(staleness),
             "staleness_max": staleness,
             "in_flight": int(self._in_flight is not None),
+            "wait_s": wait_s,
+            "overlap_frac": max(0.0, 1.0 - wait_s / busy_s) if busy_s > 0 else 0.0,  # hidden behind training
         }
         return self._rollout_phase(t0, summaries, extra)
 
@@ -319,11 +325,6 @@ class Loop(LoopBase):
         return self._phase("rollout", t0, out)
 
     # ------------------------------------------------------------------ asynchronous RL
-    @property
-    def max_staleness(self) -> int:
-        """``algorithm.max_staleness``: how many policy versions rollout may run ahead (0: synchronous)."""
-        return self.recipe.algorithm.max_staleness
-
     def sync_weights(self) -> dict:
         """Actor -> rollout weights. In asynchronous mode the loop sends them itself when admission needs
         them; calling this waits for the collection in flight (kept for the next :meth:`rollout`) first."""
@@ -338,22 +339,6 @@ class Loop(LoopBase):
     def _sync_rollout(self) -> None:
         self._sync()
         self._rollout_version = self.step
-
-    def _settle_in_flight(self) -> None:
-        """Let the collection in flight finish (its batch still goes to the next :meth:`rollout`)."""
-        if self._in_flight is not None:
-            for pending in self._in_flight:
-                pending.wait()
-
-    def _must_drain(self) -> bool:
-        """Whether the step being taken ends where nothing may be in flight: a checkpoint or an evaluation
-        of ``run()``, or its last step (so checkpoints resume exactly and nothing runs on unused)."""
-        r, next_step = self.recipe.runner, self.step + 1
-        return bool(
-            (r.save_interval and next_step % r.save_interval == 0)
-            or (r.eval_interval and next_step % r.eval_interval == 0)
-            or (self._run_target is not None and next_step >= self._run_target)
-        )
 
     def rollout_status(self) -> dict:
         """What is in flight and how stale: the rollout ranks' policy version, the actor's, and whether a
@@ -417,6 +402,7 @@ class Loop(LoopBase):
         if self.max_staleness:  # versions behind, of the batch this step trained on
             record["rollout/staleness_mean"] = self._pending.get("rollout/staleness_mean")
             record["rollout/staleness_max"] = self._pending.get("rollout/staleness_max")
+            record["rollout/overlap_frac"] = self._pending.get("rollout/overlap_frac")
         self._log_record(record)
 
     def summary(self) -> str:

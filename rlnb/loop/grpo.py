@@ -8,6 +8,7 @@ Example (one phase per notebook cell):
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from pathlib import Path
@@ -20,6 +21,8 @@ from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementErro
 from rlnb.loop.base import LoopBase, objects_recipe
 from rlnb.models.lm import build_tiny_lm, is_hub_id, resolve_model
 from rlnb.runtime.group import Group
+
+log = logging.getLogger("rlnb")
 
 
 class _FileTask:
@@ -44,6 +47,10 @@ class _FileTask:
         self.position = state["position"]
 
 
+# what asynchronous mode logs per step, besides the synchronous metrics
+ASYNC_METRICS = ("staleness_mean", "staleness_max", "interrupted_frac", "weight_swaps", "overlap_frac")
+
+
 class GRPOLoop(LoopBase):
     """GRPO for language models, phase by phase: ``sft()``, then ``sync_weights()`` -> ``rollout()``
     (generate + reward) -> ``advantages()`` -> ``train()``; ``evaluate()`` reports held-out accuracy.
@@ -62,6 +69,7 @@ class GRPOLoop(LoopBase):
         prompts: prompt/answer records (dicts with ``prompt`` or ``question`` and ``answer``), or a
             ``datasets.Dataset`` of them; ``held_out_frac`` of them are held out for ``evaluate()``.
         prompts_per_step, eval_size, held_out_frac: as ``data.*`` in a recipe.
+        chunk_tokens: as ``rollout.chunk_tokens`` (asynchronous mode: the actor's ``max_staleness``).
         runner, name, seed: as for :class:`rlnb.loop.Loop`.
     """
 
@@ -97,6 +105,7 @@ class GRPOLoop(LoopBase):
         prompts_per_step: int = 16,
         eval_size: int = 200,
         held_out_frac: float = 0.2,
+        chunk_tokens: int = 8,
         runner=None,
         name: str = "custom",
         seed: int = 1,
@@ -123,7 +132,8 @@ class GRPOLoop(LoopBase):
             slots = tuple(i.slot for i in rollout.infos)
             reward = RewardWorker.launch(rollout.cluster, slots, fn=reward)
         data = DataConfig(prompts_per_step=prompts_per_step, eval_size=eval_size, held_out_frac=held_out_frac)
-        recipe = objects_recipe(name, seed, runner, data=data, rollout=RolloutConfig(backend="hf"))
+        rollout_config = RolloutConfig(backend="hf", chunk_tokens=chunk_tokens)
+        recipe = objects_recipe(name, seed, runner, data=data, rollout=rollout_config)
         try:
             super().__init__(
                 recipe, None, run_dir, components={"rollout": rollout, "actor": actor, "reward": reward}
@@ -135,12 +145,7 @@ class GRPOLoop(LoopBase):
     # ------------------------------------------------------------------ set-up
     def _check_rank_counts(self) -> None:
         super()._check_rank_counts()
-        if self.recipe.algorithm.max_staleness:
-            raise ConfigError(
-                f"algorithm.max_staleness={self.recipe.algorithm.max_staleness}: asynchronous training is not "
-                "available for the LM loop yet (embodied PPO only); use 0",
-                "algorithm.max_staleness",
-            )
+        self._check_async()
         n_roll, n_act = len(self.placement["rollout"]), len(self.placement["actor"])
         per_step = self.recipe.data.prompts_per_step
         if per_step % n_roll or (n_act > n_roll and (per_step // n_roll) % (n_act // n_roll)):
@@ -148,6 +153,42 @@ class GRPOLoop(LoopBase):
                 f"data.prompts_per_step={per_step} cannot be split evenly over {n_roll} rollout rank(s)"
                 + (f" and then over {n_act // n_roll} actor ranks each" if n_act > n_roll else ""),
                 "data.prompts_per_step",
+            )
+
+    def _check_async(self) -> None:
+        """Asynchronous mode needs rollout apart from the actor (it generates while the actor trains) and
+        the reward next to the rollout (each finished group is scored where it is made)."""
+        n, p = self.max_staleness, self.placement
+        if not n:
+            return
+        key = "algorithm.max_staleness"
+        rollout = self.groups.get("rollout")
+        if rollout is not None and not callable(getattr(rollout.cls, "stream", None)):
+            raise ComponentError(
+                f"lacks method stream, which asynchronous generation ({key}={n}) calls; subclass the built-in "
+                "rlnb.components.HFRollout and override what you change",
+                rollout.name, rollout.cls.__name__, "stream",
+            )  # fmt: skip
+        shared = sorted(set(p["rollout"]) & set(p["actor"]))
+        if shared:
+            raise ConfigError(
+                f"{key}={n} needs rollout and actor on different slots: a worker runs one call at a time, so "
+                f"rollout cannot generate while the actor trains on shared slot(s) {shared}. Place them apart "
+                "(component_placement={'rollout,reward': 0, actor: 1}) or use 0",
+                key,
+            )
+        if tuple(p["reward"]) != tuple(p["rollout"]):
+            raise ConfigError(
+                f"{key}={n} scores each group where it is generated: place the reward on the rollout's slots "
+                f"{list(p['rollout'])} (it is on {list(p['reward'])}), e.g. component_placement="
+                "{'rollout,reward': 0, actor: 1}",
+                key,
+            )
+        if self.recipe.rollout.backend != "hf":
+            raise ConfigError(
+                f"{key}={n}: interruptible generation runs on rollout.backend=hf; "
+                f"{self.recipe.rollout.backend!r} is synchronous only for now (use 0)",
+                key,
             )
 
     def _check_cluster(self) -> None:
@@ -219,16 +260,50 @@ class GRPOLoop(LoopBase):
     def _reset_state(self) -> None:
         self.sft_done = False
         self.task.position = 0
+        self._in_flight: list | None = None  # the generation running ahead (asynchronous mode)
+        self._rollout_version: int | None = None  # the newest policy version sent to the rollout ranks
+        self._admitted = [0] * len(self.placement["rollout"])  # groups admitted per rollout rank, ever
+        self.trained_problems: list[list[int]] = []  # per step: the serials of the problems it trained on
 
     def _extra_state(self) -> dict:
-        return {"data": self.task.state_dict(), "sft_done": self.sft_done}
+        state = {"data": self.task.state_dict(), "sft_done": self.sft_done}
+        if self.max_staleness:  # what the rollout ranks hold in their pools is in their own checkpoints
+            state.update(
+                admitted=self._admitted,
+                trained_problems=self.trained_problems,
+                in_flight_dropped=self._in_flight is not None,
+            )
+        return state
 
     def _load_extra_state(self, state: dict) -> None:
         self.task.load_state_dict(state["data"])
         self.sft_done = state["sft_done"]
+        self._settle_in_flight()
+        self._in_flight = None  # a resumed pipeline starts from the rollout ranks' checkpointed pools
+        self._rollout_version = (
+            None  # their weights are not in their checkpoints: the next rollout() sends them
+        )
+        if "admitted" in state:
+            self._admitted = list(state["admitted"])
+            self.trained_problems = [list(x) for x in state["trained_problems"]]
 
     def _save_extra(self, directory: Path) -> None:
         self.groups["actor"].on(0).export_hf(str(directory / "hf")).result()
+
+    def save(self):
+        """Write a checkpoint (see :meth:`LoopBase.save`). ``run()`` checkpoints with nothing in flight (the
+        groups still generating are in the rollout ranks' checkpoints); a manual save while a generation
+        runs ahead waits for it, and the batch it finished is not in the checkpoint: a resume from it
+        drops those problems (a warning says so)."""
+        if self._in_flight is not None:
+            self._settle_generation()
+            log.warning(
+                "checkpoint at step %d: a generation was running ahead (algorithm.max_staleness); the batch it "
+                "finished is not in the checkpoint, so a resume from it drops those problems (run() checkpoints "
+                "with nothing in flight)",
+                self.step,
+            )
+        return super().save()
 
     # ------------------------------------------------------------------ phases
     def sft(self, steps: int | None = None) -> dict:
@@ -260,8 +335,17 @@ class GRPOLoop(LoopBase):
         return record
 
     def rollout(self) -> dict:
-        """Sample ``algorithm.group_size`` completions for ``data.prompts_per_step`` prompts, score, hand over."""
+        """Sample ``algorithm.group_size`` completions for ``data.prompts_per_step`` prompts, score, hand over.
+
+        With ``algorithm.max_staleness`` N >= 1 it hands over the batch the generation in flight
+        finished and starts the next at once, so generation overlaps :meth:`train`. The rollout ranks
+        generate ``rollout.chunk_tokens`` at a time and take new weights between chunks (partial
+        rollouts); admission is AReaL's: by policy version ``v``, at most ``(N + v + 1) x`` the batch
+        of problems are admitted, and a group started at version ``v`` is trained at ``t <= v + N``.
+        """
         t0 = time.perf_counter()
+        if self.max_staleness:
+            return self._rollout_async(t0)
         r = self.recipe
         rollout, reward = self.groups["rollout"], self.groups["reward"]
         problems = self.task.sample(r.data.prompts_per_step)
@@ -286,20 +370,125 @@ class GRPOLoop(LoopBase):
         self._hand_batches()
         if self.batch_local and self.cluster.has_gpus and self.recipe.rollout.device != "cpu":
             rollout.offload().result()  # frees GPU memory for the collocated actor's training
+        return self._rollout_summary(t0, summaries, {})
+
+    def _rollout_summary(self, t0: float, summaries: list[dict], extra: dict) -> dict:
         dt = time.perf_counter() - t0
         n = sum(s["sequences"] for s in summaries)
+        if self.max_staleness:  # tokens made while generating, which overlapped training (none: not logged)
+            tokens = sum(s["tokens"] for s in summaries)
+            tokens_per_s = tokens / max(s["generate_s"] for s in summaries) if tokens else None
+        else:
+            tokens_per_s = sum(s["tokens"] for s in summaries) / dt
         out = {
-            "tokens_per_s": sum(s["tokens"] for s in summaries) / dt,
+            "tokens_per_s": tokens_per_s,
             "response_len_mean": sum(s["response_len_mean"] * s["sequences"] for s in summaries) / n,
             "reward_mean": sum(s["reward_mean"] * s["sequences"] for s in summaries) / n,
             "accuracy": sum(s["accuracy"] * s["sequences"] for s in summaries) / n,
+            **extra,
         }
         return self._phase("rollout", t0, out)
 
-    def evaluate(self, size: int | None = None) -> dict:
-        """Greedy answers to held-out problems, scored by the reward: logs ``eval/accuracy``."""
+    # ------------------------------------------------------------------ asynchronous RL
+    def sync_weights(self) -> dict:
+        """Actor -> rollout weights. In asynchronous mode the actor publishes them without waiting: the
+        rollout ranks take them at their next chunk boundary, mid-generation."""
+        if not self.max_staleness:
+            return super().sync_weights()
         t0 = time.perf_counter()
+        if self._in_flight is not None and self._rollout_version != self.step:
+            self._publish()
+        return self._phase("sync", t0, {"version": self.step})
+
+    def _settle_generation(self) -> None:
+        """Let the generation in flight finish: it ends once its batch is done and the actor's newest
+        version reached the rollout ranks, so that version is published first."""
+        if self._in_flight is not None:
+            if self._rollout_version != self.step:
+                self._publish()
+            self._settle_in_flight()
+
+    def _publish(self) -> None:
+        rollout, ch = self.groups["rollout"], self.channels["weights"]
+        self.groups["actor"].on(0).publish_weights(ch, [f"w{r}" for r in rollout.ranks], self.step).result()
+        self._rollout_version = self.step
+
+    def _rollout_async(self, t0: float) -> dict:
+        if self._in_flight is None:  # an empty pipeline (first step, after a checkpoint or evaluation)
+            if self._rollout_version != self.step:
+                self._sync()
+                self._rollout_version = self.step
+            self._in_flight = [self._start_stream(self.step)]
+        elif (
+            self._rollout_version != self.step
+        ):  # sync_weights() was skipped: the ranks wait for this version
+            self._publish()
+        t_wait = time.perf_counter()
+        summaries = self._in_flight[0].result()
+        wait_s = time.perf_counter() - t_wait
+        self._in_flight = None
+        self._take_batches(self._batch_keys()[1])
+        if not self._must_drain():
+            self._in_flight = [self._start_stream(self.step + 1)]
+        staleness = [s for summary in summaries for s in summary["staleness"]]
+        self.trained_problems.append(sorted(x for summary in summaries for x in summary["serials"]))
+        generate_s = max(s["generate_s"] for s in summaries)
+        extra = {
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": max(staleness),
+            "interrupted_frac": sum(s["interrupted"] for s in summaries)
+            / sum(s["sequences"] for s in summaries),
+            "weight_swaps": sum(s["swaps"] for s in summaries),
+            "pool_groups": sum(s["pool"] for s in summaries),
+            "wait_s": wait_s,
+            "overlap_frac": max(0.0, 1.0 - wait_s / generate_s) if generate_s > 0 else 0.0,
+            "in_flight": int(self._in_flight is not None),
+        }
+        return self._rollout_summary(t0, summaries, extra)
+
+    def _start_stream(self, train_version: int):
+        """Admit problems to each rollout rank (AReaL's admission control) and start generating the batch
+        trained at ``train_version``; the batch goes to the actor ranks through the batch channel."""
+        r, rollout = self.recipe, self.groups["rollout"]
+        per_rank = r.data.prompts_per_step // rollout.world_size
+        limit = (self.max_staleness + self.step + 1) * per_rank  # the newest version sent is self.step
+        puts, _ = self._batch_keys()
+        calls = []
+        for k in rollout.ranks:
+            new = max(0, limit - self._admitted[k])
+            first = self.task.position
+            problems = [(first + i, p.prompt, p.answer) for i, p in enumerate(self.task.sample(new))]
+            self._admitted[k] += new
+            key, shards = puts[k]
+            calls.append(
+                (problems, r.algorithm.group_size, train_version, per_rank, self.max_staleness,
+                 self.channels["weights"], f"w{k}", self.channels["batches"], key, self.groups["reward"].name,
+                 shards, r.rollout.chunk_tokens)
+            )  # fmt: skip
+        return rollout.call_each("stream", calls)
+
+    def rollout_status(self) -> dict:
+        """What is in flight and how stale: the newest policy version sent to the rollout ranks, the
+        actor's, whether a generation runs now, and how many groups each rank has admitted."""
+        return {
+            "max_staleness": self.max_staleness,
+            "actor_version": self.step,
+            "rollout_version": self._rollout_version,
+            "in_flight": self._in_flight is not None,
+            "admitted": list(self._admitted),
+            "admission_limit": (self.max_staleness + self.step + 1)
+            * (self.recipe.data.prompts_per_step // len(self._admitted)),
+        }
+
+    def evaluate(self, size: int | None = None) -> dict:
+        """Greedy answers to held-out problems, scored by the reward: logs ``eval/accuracy``.
+
+        In asynchronous mode it first lets the generation in flight finish (its batch is kept for the
+        next :meth:`rollout`); the groups still in the pools go on with the current weights after it."""
+        t0 = time.perf_counter()
+        self._settle_generation()
         self._sync()  # evaluate the current weights
+        self._rollout_version = self.step
         problems = self.task.held_out[: size or self.recipe.data.eval_size]
         rollout = self.groups["rollout"]
         texts = [
@@ -342,6 +531,7 @@ class GRPOLoop(LoopBase):
                 "reward/accuracy": p.get("rollout/accuracy"),
                 "rollout/tokens_per_s": p.get("rollout/tokens_per_s"),
                 "rollout/response_len_mean": p.get("rollout/response_len_mean"),
+                **{f"rollout/{k}": p.get(f"rollout/{k}") for k in ASYNC_METRICS if self.max_staleness},
             }
         )
 

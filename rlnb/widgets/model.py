@@ -18,6 +18,7 @@ CURVES = (
         "staleness (versions behind)",
         ("rollout/staleness_mean", "rollout/staleness_max"),
     ),  # max_staleness >= 1
+    ("rollout hidden behind training", ("rollout/overlap_frac",)),  # max_staleness >= 1
 )
 PHASES = ("sync", "rollout", "advantages", "train", "eval", "sft")
 
