@@ -76,27 +76,3 @@ def test_policies_cnn_gaussian_and_shared_trunk():
 
     with pytest.raises(ConfigError, match=r"'cnn' needs \(C, H, W\) observations"):
         build_policy(ModelConfig(kind="cnn"), gym.spaces.Box(-1, 1, (4,)), gym.spaces.Discrete(2))
-
-
-def test_compiled_train_step_matches_eager():
-
-    from rlnb.components import Env, PolicyRollout, PPOActor
-    from rlnb.config import load_recipe
-    from rlnb.runtime import rank as rank_mod
-
-    losses = []
-    for compile_ in (False, True):
-        r = load_recipe(
-            "ppo_cartpole", [f"actor.compile={str(compile_).lower()}", "algorithm.update_epochs=2"]
-        )
-        env = Env(r.env, seed=0)
-        rank_mod._PEERS[("", "env-c", 0)] = env
-        obs_space, act_space = env.spaces()
-        rollout = PolicyRollout(r.actor.model, obs_space, act_space, seed=0)
-        actor = PPOActor(r.actor, r.algorithm, obs_space, act_space, total_steps=10, seed=0)
-        rollout.load_weights(actor.policy_state(), 0)
-        rollout.collect(16, "env-c")
-        actor.set_batch([rollout.take_batch()])
-        losses.append(actor.train()["loss"])
-        del rank_mod._PEERS[("", "env-c", 0)]
-    assert losses[0] == pytest.approx(losses[1], rel=1e-4)

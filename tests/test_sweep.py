@@ -6,6 +6,7 @@ A choice key added to the schema without an entry in ``SWEEP`` fails ``test_the_
 
 import dataclasses
 import math
+import types
 import typing
 
 import pytest
@@ -66,8 +67,18 @@ def choice_keys(cls=Recipe, prefix="") -> dict[str, list]:
             out[key] = list(typing.get_args(tp))
         elif tp is bool:
             out[key] = [True, False]
+        elif typing.get_origin(tp) in (typing.Union, types.UnionType):  # e.g. bool | Literal["auto"]
+            choices = [c for a in typing.get_args(tp) for c in _choices(a)]
+            if choices:
+                out[key] = choices
     out.update({"reward.name": REWARDS.names()} if not prefix else {})
     return out
+
+
+def _choices(tp) -> list:
+    if tp is bool:
+        return [True, False]
+    return list(typing.get_args(tp)) if typing.get_origin(tp) is typing.Literal else []
 
 
 CASES = [(key, value) for key, values in choice_keys().items() if key in SWEEP for value in values]

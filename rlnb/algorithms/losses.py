@@ -1,7 +1,8 @@
 """Policy losses: ``get_policy_loss(name)(**kwargs) -> (loss, metrics)``, plus value loss, entropy and KL.
 
 Token tensors are ``[B, L]`` (LM) or ``[T, N]`` / ``[M]`` (embodied minibatches); ``mask`` has the same
-shape (1 = counts) and defaults to all ones.
+shape (1 = counts) and defaults to all ones. ``metrics`` map names to scalars: 0-dim tensors (no host sync,
+so a compiled train step has no graph break) or floats; the actor turns them into floats after the step.
 """
 
 from __future__ import annotations
@@ -114,9 +115,9 @@ def ppo(
     loss = aggregate(loss_tok, mask, agg, max_len)
     with torch.no_grad():
         metrics = {
-            "clip_frac": masked_mean(clipped.float(), mask).item(),
-            "approx_kl": masked_mean((ratio - 1) - log_ratio, mask).item(),  # k3 estimator (Schulman 2020)
-            "ratio_mean": masked_mean(ratio, mask).item(),
+            "clip_frac": masked_mean(clipped.float(), mask),
+            "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),  # k3 estimator (Schulman 2020)
+            "ratio_mean": masked_mean(ratio, mask),
         }
     return loss, metrics
 
@@ -163,13 +164,11 @@ def decoupled_ppo(
     loss = aggregate(loss_tok * behave_w, mask, agg, max_len)
     with torch.no_grad():
         metrics = {
-            "clip_frac": masked_mean(clipped.float(), mask).item(),
-            "approx_kl": masked_mean((ratio - 1) - log_ratio, mask).item(),
-            "ratio_mean": masked_mean(ratio, mask).item(),
-            "behave_weight_mean": masked_mean(behave_w, mask).item(),
-            "behave_masked_frac": 1.0 - masked_mean(keep.float(), mask).item()
-            if mask is not None
-            else 1.0 - keep.float().mean().item(),
+            "clip_frac": masked_mean(clipped.float(), mask),
+            "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+            "behave_weight_mean": masked_mean(behave_w, mask),
+            "behave_masked_frac": 1.0 - masked_mean(keep.float(), mask),
         }
     return loss, metrics
 
@@ -215,7 +214,7 @@ def ppo_clip_value_entropy(
     v_loss = value_loss(values, old_values, returns, mask, clip_coef if clip_vloss else None)
     ent = entropy_bonus(entropy, mask)
     loss = pg_loss - ent_coef * ent + vf_coef * v_loss
-    metrics.update(policy_loss=pg_loss.item(), value_loss=v_loss.item(), entropy=ent.item())
+    metrics.update(policy_loss=pg_loss.detach(), value_loss=v_loss.detach(), entropy=ent.detach())
     return loss, metrics
 
 

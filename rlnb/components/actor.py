@@ -19,6 +19,7 @@ import torch
 
 from rlnb.algorithms.contract import EMBODIED, check_algorithm
 from rlnb.algorithms.losses import entropy_bonus, value_loss
+from rlnb.components.compile import StepCompiler
 from rlnb.components.launch import launcher
 from rlnb.components.rollout import resolve_device
 from rlnb.config.schema import ActorConfig, AlgorithmConfig
@@ -83,8 +84,9 @@ class ActorBase:
         from rlnb.runtime.rank import process_group
 
         ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = DistributedDataParallel(self.policy, device_ids=ids, process_group=process_group("default"))
-        self.model = torch.compile(ddp) if getattr(self.cfg, "compile", False) else ddp
+        self.model = DistributedDataParallel(
+            self.policy, device_ids=ids, process_group=process_group("default")
+        )
         return "ddp"
 
     def describe(self) -> dict:
@@ -94,6 +96,16 @@ class ActorBase:
             "policy_loss": self.loss.name,
             "algorithm": dataclasses.asdict(self.algo),
         }
+
+    def compile_stats(self) -> dict:
+        """Whether this rank's train step runs compiled (``actor.compile``), its compile time, why it fell
+        back to eager if it did, and dynamo's counters in this process."""
+        compiler = getattr(self, "step_compiler", None)
+        return (
+            compiler.stats()
+            if compiler is not None
+            else {"compiled": False, "compile_s": None, "fallback": None}
+        )
 
     def set_total_steps(self, total_steps: int) -> int:
         """The run's length in training steps, for schedules such as ``anneal_lr`` (a loop sets it)."""
@@ -206,6 +218,7 @@ class PPOActor(ActorBase):
         )
         self.batch: dict | None = None
         self.policy = None
+        self.step_compiler: StepCompiler | None = None
         if obs_space is not None and act_space is not None:
             self.bind_spaces(obs_space, act_space)
 
@@ -216,9 +229,8 @@ class PPOActor(ActorBase):
             self.policy = make_policy(self.policy_spec, obs_space, act_space, self.name).to(self.device)
             # fused Adam: one kernel for all parameters (the default on CPU loops over tensors in Python)
             self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.cfg.lr, eps=1e-5, fused=True)
-            self.model = self.policy  # what the train step calls: DDP and/or compiled wrappers of policy
-            if self.cfg.compile:
-                self.model = torch.compile(self.model)
+            self.model = self.policy  # what the train step calls (DDP wraps it)
+            self.step_compiler = StepCompiler.for_device(self.cfg.compile, self.device, "actor")
         return {"policy": type(getattr(self.policy, "module", self.policy)).__name__}
 
     def policy_state(self) -> dict[str, torch.Tensor]:
@@ -293,6 +305,8 @@ class PPOActor(ActorBase):
         self.step += 1
         out = {k: v / max(count, 1) for k, v in sums.items()}
         out.update(epochs=epochs_run, lr=self.optimizer.param_groups[0]["lr"])
+        if self.step_compiler is not None:
+            out.update(self.step_compiler.report())  # compile time, once, apart from training time
         with torch.no_grad():
             var = b["returns"].var()
             out["explained_variance"] = (
@@ -302,6 +316,24 @@ class PPOActor(ActorBase):
 
     def _train_minibatch(self, mb: dict) -> dict:
         # every tensor is one minibatch, [M]
+        if self.step_compiler is not None and not self.step_compiler.ready:
+            self.step_compiler.warm_up(self._objective, mb, self.policy)
+        objective = self.step_compiler.fn if self.step_compiler is not None else self._objective
+        loss, metrics = objective(mb)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"non-finite loss {loss.item()} at training step {self.step}; metrics {metrics}"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.algo.max_grad_norm)
+        self.optimizer.step()
+        metrics = {k: float(v) for k, v in metrics.items()}
+        metrics["loss"] = float(loss.detach())
+        return metrics
+
+    def _objective(self, mb: dict) -> tuple[torch.Tensor, dict]:
+        """Forward and loss of one minibatch: what ``actor.compile`` compiles (its backward with it)."""
         logprob, entropy, value = self.model(mb["obs"], mb["actions"])
         algo, loss_fn = self.algo, self.loss
         advantages = mb["advantages"]
@@ -320,16 +352,7 @@ class PPOActor(ActorBase):
                 value, mb["values"], mb["returns"], None, algo.clip_coef if algo.clip_vloss else None
             )
             ent = entropy_bonus(entropy)
-            metrics = {**metrics, "policy_loss": float(loss.detach()), "value_loss": float(v_loss.detach()),
-                       "entropy": float(ent.detach())}  # fmt: skip
+            metrics = {**metrics, "policy_loss": loss.detach(), "value_loss": v_loss.detach(),
+                       "entropy": ent.detach()}  # fmt: skip
             loss = loss - algo.ent_coef * ent + algo.vf_coef * v_loss
-        if not torch.isfinite(loss):
-            raise FloatingPointError(
-                f"non-finite loss {loss.item()} at training step {self.step}; metrics {metrics}"
-            )
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), algo.max_grad_norm)
-        self.optimizer.step()
-        metrics["loss"] = float(loss.detach())
-        return metrics
+        return loss, metrics

@@ -65,7 +65,8 @@ def _type_name(tp) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(_type_name(a) for a in args) + " (or empty)"
+        empty = " (or empty)" if type(None) in typing.get_args(tp) else ""
+        return " or ".join(_type_name(a) for a in args) + empty
     if origin is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
     if origin is dict:
@@ -87,6 +88,13 @@ def _convert(value, tp, key: str, errors: list[str]):
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1:
             return _convert(value, inner[0], key, errors)
+        for option in inner:  # the first type the value fits
+            trial: list[str] = []
+            converted = _convert(value, option, key, trial)
+            if not trial:
+                return converted
+        errors.append(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        return value
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:

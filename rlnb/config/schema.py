@@ -146,8 +146,10 @@ class ActorConfig:
     """Adam learning rate."""
     anneal_lr: bool = True
     """Decay the learning rate linearly to 0 over ``runner.steps`` (both loops; ``grpo_arith`` turns it off)."""
-    compile: bool = False
-    """``torch.compile`` the train step (pays a compile time up front); embodied PPO only, refused for LM RL."""
+    compile: bool | Literal["auto"] = "auto"
+    """``torch.compile`` the train step (forward, loss and their backward), compiled on the first step and
+    logged as ``time/compile_s``: ``true``, ``false`` or ``auto`` (on where it measured faster: see
+    ``rlnb.components.compile.AUTO``). A compile failure trains eager, with one warning. Embodied PPO only."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: the slot's device."""
     torch_threads: int = 1

@@ -424,7 +424,17 @@ class LoopBase:
                 self.step + 1,
                 last,
             ) from e
-        out = self._phase("train", t0, mean_dicts(per_rank))
+        summary = mean_dicts(per_rank)
+        compile_s, compile_failed = summary.pop("compile_s", None), summary.pop("compile_failed", None)
+        out = self._phase("train", t0, summary)
+        if compile_s is not None:  # the first step compiled the train step: its own time, not training's
+            self._pending["time/compile_s"] = compile_s
+            self._pending["time/train_s"] = max(0.0, self._pending["time/train_s"] - compile_s)
+            if compile_failed:
+                reason = self.groups["actor"].on(0).compile_stats().result()[0]["fallback"]
+                log.warning(
+                    "actor.compile: torch.compile failed on the actor's workers (%s); training eager", reason
+                )
         self.step += 1
         self._log_step(out)
         return out

@@ -20,7 +20,7 @@ CURVES = (
     ),  # max_staleness >= 1
     ("rollout hidden behind training", ("rollout/overlap_frac",)),  # max_staleness >= 1
 )
-PHASES = ("sync", "rollout", "advantages", "train", "eval", "sft")
+PHASES = ("sync", "rollout", "advantages", "train", "compile", "eval", "sft")
 
 
 class DashboardModel:

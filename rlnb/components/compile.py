@@ -1,0 +1,131 @@
+"""Compiled training steps: ``torch.compile`` of an actor's objective (forward and loss; AOTAutograd
+compiles its backward with it), compiled once up front and timed, with an eager fallback.
+
+``actor.compile`` is ``auto`` by default: on where a compiled step measured faster than eager, compile
+time included, over the bundled recipes (``bench/compile.py``; :data:`AUTO` holds the choice per device).
+Compiled artefacts go to a per-user cache shared by the workers (:func:`cache_dir`), so a second run of
+the same recipe loads them instead of compiling again.
+
+Example (in-process):
+    >>> import torch
+    >>> compiler = StepCompiler.for_device(True, torch.device("cpu"), "actor")
+    >>> compiler.ready, compiler.compile_s
+    (False, None)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("rlnb")
+
+AUTO = {"cpu": False, "cuda": True}
+"""``actor.compile: auto`` per device type. CPU: off, measured in ``bench/compile.py`` (see
+``docs/benchmarks.md``): compile time exceeds what the faster steps save over the bundled recipes'
+runs. CUDA: on, as on GPUs the fused kernels pay off; not yet measured here (no GPU run so far)."""
+
+
+def cache_dir() -> str:
+    """Where compiled kernels are cached: ``$TORCHINDUCTOR_CACHE_DIR`` if set, else
+    ``$XDG_CACHE_HOME/rlnb/inductor`` (``~/.cache/rlnb/inductor``), one per user and shared by every
+    worker process of the machine."""
+    import getpass
+    import tempfile
+
+    # inductor writes its own default (/tmp/torchinductor_<user>) into the variable when it first needs one
+    inductor_default = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") not in (None, "", inductor_default):
+        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return str(base / "rlnb" / "inductor")
+
+
+def backend() -> str:
+    """The ``torch.compile`` backend: ``inductor``, or ``$RLNB_COMPILE_BACKEND`` on the workers (e.g.
+    ``aot_eager`` where no C++ compiler is installed)."""
+    return os.environ.get("RLNB_COMPILE_BACKEND") or "inductor"
+
+
+def resolve_compile(setting, device: torch.device) -> bool:
+    """``actor.compile`` (``auto``, ``true`` or ``false``) for ``device``."""
+    return AUTO.get(device.type, False) if setting == "auto" else bool(setting)
+
+
+def _reason(error: BaseException) -> str:
+    """One line: the error and, when it wraps another (a backend failure does), the innermost cause."""
+
+    def line(e: BaseException) -> str:
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+    root = error
+    while root.__cause__ is not None or getattr(root, "inner_exception", None) is not None:
+        root = root.__cause__ or root.inner_exception
+    return (line(error) if root is error else f"{line(error)} ... {line(root)}")[:400]
+
+
+class StepCompiler:
+    """Compiles an objective ``fn(minibatch) -> (loss, metrics)`` on its first minibatch.
+
+    :meth:`warm_up` compiles it and runs it once forward and backward (the gradients are then cleared,
+    so training is unchanged), which times compilation apart from training: ``compile_s``. If
+    compiling fails, the objective runs eager and ``fallback`` says why (one warning).
+    """
+
+    def __init__(self, where: str):
+        self.where = where
+        self.fn = None
+        self.ready = False
+        self.compile_s: float | None = None
+        self.fallback: str | None = None
+        self._reported = False
+
+    @classmethod
+    def for_device(cls, setting, device: torch.device, where: str) -> StepCompiler | None:
+        """A compiler if ``setting`` turns compilation on for ``device``, else ``None`` (eager)."""
+        return cls(where) if resolve_compile(setting, device) else None
+
+    def warm_up(self, objective, minibatch: dict, module: torch.nn.Module) -> None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir()  # read when inductor first writes or loads
+        t0 = time.perf_counter()
+        try:
+            fn = torch.compile(objective, dynamic=False, backend=backend())
+            loss, _ = fn(minibatch)
+            loss.backward()
+            self.fn = fn
+        except Exception as e:  # a compiler or backend failure: train eager rather than not at all
+            self.fallback = _reason(e)
+            log.warning("%s: torch.compile failed (%s); training eager", self.where, self.fallback)
+            self.fn = objective
+        finally:
+            for p in module.parameters():
+                p.grad = None
+            self.compile_s = time.perf_counter() - t0
+            self.ready = True
+
+    def report(self) -> dict:
+        """``compile_s`` (and ``compile_failed``) once, after warming up: for the train step's summary."""
+        if not self.ready or self._reported:
+            return {}
+        self._reported = True
+        return {"compile_s": self.compile_s, **({"compile_failed": 1.0} if self.fallback else {})}
+
+    def stats(self) -> dict:
+        """Whether the step runs compiled, how long compiling took, why it fell back, and dynamo's
+        counters in this process (graphs compiled, frames it compiled)."""
+        from torch._dynamo.utils import counters
+
+        return {
+            "compiled": self.ready and self.fallback is None,
+            "compile_s": self.compile_s,
+            "fallback": self.fallback,
+            "graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "frames_ok": int(counters["frames"].get("ok", 0)),
+            "cache_dir": cache_dir(),
+            "backend": backend(),
+        }
