@@ -176,3 +176,14 @@ def test_async_grpo_built_from_objects(cluster, tmp_path):
     rollout = HFRollout.launch(cluster, "0", model_path=model, max_new_tokens=3)
     with pytest.raises(ConfigError, match="needs rollout and actor on different slots"):
         GRPOLoop(rollout=rollout, actor=together, reward="arithmetic", prompts=records, prompts_per_step=4)
+
+
+def test_decoupled_ppo_trains_asynchronous_grpo_with_its_behaviour_weight_cap(cluster, tmp_path):
+    overrides = [*SMALL, f"actor.model_path={tmp_path / 'model'}", "actor.sft_steps=20", "runner.steps=5",
+                 "algorithm.max_staleness=2", "algorithm.policy_loss=decoupled_ppo",
+                 "algorithm.behave_weight_cap=1.0001", "rollout.chunk_tokens=1"]  # fmt: skip
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        records = loop.run(progress=False)
+    assert all("train/behave_weight_mean" in r for r in records)
+    stale = [r for r in records if r["rollout/staleness_max"] > 0]
+    assert stale and max(r["train/behave_masked_frac"] for r in stale) > 0  # the cap dropped stale tokens
