@@ -93,15 +93,19 @@ class StepCompiler:
     def warm_up(self, objective, minibatch: dict, module: torch.nn.Module) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir()  # read when inductor first writes or loads
         t0 = time.perf_counter()
+        backward_done = False
         try:
             fn = torch.compile(objective, dynamic=False, backend=backend())
             loss, _ = fn(minibatch)
             loss.backward()
+            backward_done = True
             self.fn = fn
         except Exception as e:  # a compiler or backend failure: train eager rather than not at all
             self.fallback = _reason(e)
             log.warning("%s: torch.compile failed (%s); training eager", self.where, self.fallback)
             self.fn = objective
+            if not backward_done:  # data-parallel ranks all run one warm-up backward (its all-reduce)
+                objective(minibatch)[0].backward()
         finally:
             for p in module.parameters():
                 p.grad = None
