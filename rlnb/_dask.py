@@ -1,6 +1,6 @@
 """The private Dask internals rlnb relies on, each in one place.
 
-Dask has no public extension point for these three needs: run a function on a worker's **actor
+Dask has no public extension point for these needs: run a function on a worker's **actor
 thread** (exactly as Dask runs actor methods), call an actor method without the per-call closure of
 ``Actor.__getattr__``, and bind an actor handle to a chosen client. If a Dask release changes them,
 ``tests/test_dask_internals.py`` fails with the name of what moved, before anything else breaks.
@@ -57,3 +57,31 @@ def actor_client(actor):
 def actor_worker(actor):
     """The worker an actor handle lives in, if any. Private: ``Actor._worker``."""
     return getattr(actor, "_worker", None)
+
+
+# What every worker of an embedded CPU cluster imports before it does anything: torch._dynamo alone is
+# ~3 s here, and the first torch.optim optimizer imports it.
+WORKER_PRELOAD = ("distributed", "numpy", "torch", "torch._dynamo", "gymnasium", "rlnb.components")
+
+
+def fork_workers_from_preloaded_server(preload=WORKER_PRELOAD) -> bool:
+    """Make local Dask worker processes start from a fork server that has imported ``preload`` once,
+    instead of each spawned process importing them again (Dask's ``multiprocessing-method:
+    forkserver``). Dask sets the fork server's preload itself, once, guarded by the private
+    ``distributed.utils._forkserver_preload_set``: rlnb sets its own list first. ``RLNB_WORKER_START=spawn``
+    keeps Dask's default. Returns whether the fork server is used."""
+    import multiprocessing
+    import os
+
+    import dask
+    import distributed.utils as dask_utils
+
+    if os.environ.get("RLNB_WORKER_START", "forkserver") != "forkserver":
+        return False
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    if not dask_utils._forkserver_preload_set:
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
+        dask_utils._forkserver_preload_set = True
+    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+    return True

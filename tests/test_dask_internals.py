@@ -19,6 +19,12 @@ def test_the_private_dask_names_rlnb_uses_still_exist():
     source = inspect.getsource(Actor.__init__) + inspect.getsource(Actor._try_bind_worker_client)
     for name in ("self._client", "self._future", "self._worker"):
         assert name in source, f"Actor no longer keeps {name}"
+    import distributed.utils
+
+    assert isinstance(distributed.utils._forkserver_preload_set, bool), (
+        "utils._forkserver_preload_set is gone"
+    )
+    assert "_forkserver_preload_set" in inspect.getsource(distributed.utils.get_mp_context)
 
 
 def _worker_internals(dask_worker) -> dict:
