@@ -1,0 +1,79 @@
+"""Start-up: how long until a loop can step, from a fresh driver process; one run.
+
+Run: ``.venv/bin/python bench/startup.py [--runs 3]`` (prints figures; not a timed test).
+
+Each run is a fresh Python process that imports rlnb, starts an embedded 2-slot cluster and builds the
+``ppo_cartpole`` loop (components launched and composed), then does it again in the same process (a
+notebook restarting its cluster, or the next test). Both start methods of the workers are measured in the
+same run: Dask's default (``spawn``: each worker imports torch itself) and rlnb's (a fork server that
+imported torch, torch._dynamo, gymnasium and rlnb once; ``RLNB_WORKER_START``). Medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+CHILD = r"""
+import json, time
+t0 = time.perf_counter()
+import rlnb
+from rlnb.loop import Loop
+t1 = time.perf_counter()
+out = {"import_s": t1 - t0}
+if __name__ == "__main__":
+    for i in (1, 2):
+        t = time.perf_counter()
+        cluster = rlnb.Cluster(slots=2, gpus=False)
+        t_cluster = time.perf_counter()
+        loop = Loop.from_recipe("ppo_cartpole", ["runner.tensorboard=false"], cluster=cluster, run_dir=RUN_DIR)
+        t_loop = time.perf_counter()
+        out[f"cluster{i}_s"], out[f"loop{i}_s"] = t_cluster - t, t_loop - t_cluster
+        loop.close()
+        cluster.close()
+    print("RESULT " + json.dumps(out))
+"""
+
+
+def one_run(method: str, run_dir: str) -> dict:
+    env = {**os.environ, "RLNB_WORKER_START": method}
+    code = CHILD.replace("RUN_DIR", repr(run_dir))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"the start-up run failed:\n{proc.stderr[-2000:]}")
+    return json.loads(line[len("RESULT ") :])
+
+
+def main():
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    results = {"spawn": [], "forkserver": []}
+    with tempfile.TemporaryDirectory() as run_dir:
+        for _ in range(args.runs):  # interleaved, so drift hits both alike
+            for method in results:
+                results[method].append(one_run(method, run_dir))
+    print(f"{'workers start by':<18} {'import rlnb':>12} {'1st cluster':>12} {'1st loop':>9} {'1st total':>10} "
+          f"{'2nd cluster':>12} {'2nd loop':>9} {'2nd total':>10}")  # fmt: skip
+    for method, runs in results.items():
+
+        def med(key, runs=runs):
+            return statistics.median(r[key] for r in runs)
+
+        first = statistics.median(r["cluster1_s"] + r["loop1_s"] for r in runs)
+        second = statistics.median(r["cluster2_s"] + r["loop2_s"] for r in runs)
+        print(
+            f"{method:<18} {med('import_s'):>10.2f} s {med('cluster1_s'):>10.2f} s {med('loop1_s'):>7.2f} s "
+            f"{first:>8.2f} s {med('cluster2_s'):>10.2f} s {med('loop2_s'):>7.2f} s {second:>8.2f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()
