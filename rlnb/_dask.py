@@ -76,9 +76,10 @@ def fork_workers_from_preloaded_server(preload=WORKER_PRELOAD) -> bool:
     import dask
     import distributed.utils as dask_utils
 
-    if os.environ.get("RLNB_WORKER_START", "forkserver") != "forkserver":
-        return False
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if os.environ.get("RLNB_WORKER_START", "forkserver") != "forkserver" or (
+        "forkserver" not in multiprocessing.get_all_start_methods()
+    ):
+        dask.config.set({"distributed.worker.multiprocessing-method": "spawn"})  # Dask's default
         return False
     if not dask_utils._forkserver_preload_set:
         multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))

@@ -49,3 +49,22 @@ def test_the_wrappers_work_against_a_real_worker(cluster):
         assert _dask.actor_client(host) is cluster.client and _dask.actor_worker(host) is None
     finally:
         group.shutdown()
+
+
+def _preloaded(dask_worker=None) -> bool:
+    import sys
+
+    return "torch._dynamo" in sys.modules and "rlnb.components" in sys.modules
+
+
+def test_embedded_workers_start_with_torch_preloaded_unless_told_to_spawn(monkeypatch):
+    import rlnb
+
+    with rlnb.Cluster(slots=1, gpus=False) as cluster:  # forked from the preloaded server: nothing to import
+        assert all(cluster.client.run(_preloaded).values())
+    monkeypatch.setenv("RLNB_WORKER_START", "spawn")
+    with rlnb.Cluster(slots=1, gpus=False) as cluster:  # Dask's default: each worker imports for itself
+        assert not any(cluster.client.run(_preloaded).values())
+    monkeypatch.delenv("RLNB_WORKER_START")
+    with rlnb.Cluster(slots=1, gpus=False) as cluster:
+        assert all(cluster.client.run(_preloaded).values())
