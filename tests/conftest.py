@@ -1,4 +1,9 @@
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +38,36 @@ def cluster():
     c = rlnb.Cluster(slots=2, gpus=False)
     yield c
     c.close()
+
+
+KILLED_DRIVER = """
+import sys
+import rlnb
+from rlnb.loop import {loop}
+
+address, run_dir, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+with rlnb.Cluster(address) as cluster:
+    with {loop}.from_recipe("{recipe}", overrides, cluster=cluster, run_dir=run_dir) as loop:
+        loop.run(progress=False)
+"""
+
+
+def kill_driver_after_a_checkpoint(
+    cluster, loop: str, recipe: str, overrides, run_dir: Path, timeout_s=180
+) -> int:
+    """Run ``recipe`` with ``loop`` in a driver process on ``cluster``, SIGKILL it as soon as a checkpoint is
+    complete (mid-run, work in flight most likely); the step of the last complete checkpoint."""
+    from rlnb.loop import complete_checkpoints
+
+    script = run_dir.parent / f"{run_dir.name}-driver.py"
+    script.write_text(KILLED_DRIVER.format(loop=loop, recipe=recipe))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    driver = subprocess.Popen(
+        [sys.executable, str(script), cluster.address, str(run_dir), *overrides], env=env
+    )
+    deadline = time.monotonic() + timeout_s
+    while not complete_checkpoints(run_dir) and driver.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait(30)
+    return int(complete_checkpoints(run_dir)[-1].name.split("_")[1])

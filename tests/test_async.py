@@ -1,19 +1,12 @@
 """Asynchronous PPO (``algorithm.max_staleness``) on real workers: rollout runs ahead of training by at
 most N policy versions, learns, resumes exactly, and misfits are refused naming the key."""
 
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
 from rlnb.config import load_recipe
 from rlnb.errors import ConfigError
 from rlnb.loop import GRPOLoop, Loop, complete_checkpoints
-from tests.conftest import without_wall_clock
+from tests.conftest import kill_driver_after_a_checkpoint, without_wall_clock
 
 APART = "cluster.component_placement={'env,rollout': 0, actor: 1}"  # rollout and actor on different workers
 QUIET = ["runner.tensorboard=false", APART]
@@ -72,34 +65,13 @@ def test_async_misfits_are_refused_naming_the_key(cluster):
         load_recipe("grpo_arith", ["rollout.chunk_tokens=0"])
 
 
-KILLED_DRIVER = """
-import sys
-import rlnb
-from rlnb.loop import Loop
-
-address, run_dir, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
-with rlnb.Cluster(address) as cluster:
-    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=run_dir) as loop:
-        loop.run(progress=False)
-"""
-
-
 def test_a_killed_async_run_resumes_without_double_counting_or_skipping(cluster, tmp_path):
     """AReaL #1388: a killed asynchronous run must neither retrain nor skip data when it resumes."""
     base = [*QUIET, "algorithm.max_staleness=2", "runner.steps=9", "runner.save_interval=3"]
     with Loop.from_recipe("ppo_cartpole", base, cluster=cluster, run_dir=tmp_path / "full") as loop:
         full = [without_wall_clock(r) for r in loop.run(progress=False)]
-    script = tmp_path / "driver.py"
-    script.write_text(KILLED_DRIVER)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     cut = tmp_path / "cut"
-    driver = subprocess.Popen([sys.executable, str(script), cluster.address, str(cut), *base], env=env)
-    deadline = time.monotonic() + 120
-    while not complete_checkpoints(cut) and driver.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    driver.send_signal(signal.SIGKILL)  # mid-run, with a collection in flight most likely
-    driver.wait(30)
-    saved = int(complete_checkpoints(cut)[-1].name.split("_")[1])
+    saved = kill_driver_after_a_checkpoint(cluster, "Loop", "ppo_cartpole", base, cut, timeout_s=120)
     assert saved in (3, 6), saved
     with Loop.resume(cut, cluster=cluster) as loop:
         assert loop.step == saved

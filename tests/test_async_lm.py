@@ -2,17 +2,13 @@
 chunks, takes new weights mid-way (partial rollouts, per-token versions), stays within the staleness
 bound, learns, and a killed run resumes without training a problem twice or skipping one."""
 
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from rlnb.errors import ComponentError, ConfigError
-from rlnb.loop import GRPOLoop, complete_checkpoints
+from rlnb.loop import GRPOLoop
+from tests.conftest import kill_driver_after_a_checkpoint
 
 APART = "cluster.component_placement={'rollout,reward': 0, actor: 1}"
 SMALL = [
@@ -97,33 +93,12 @@ def test_a_generation_interrupted_by_a_weight_update_goes_on_with_the_new_weight
             thing.close() if hasattr(thing, "put") else thing.shutdown()
 
 
-KILLED_DRIVER = """
-import sys
-import rlnb
-from rlnb.loop import GRPOLoop
-
-address, run_dir, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
-with rlnb.Cluster(address) as cluster:
-    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=run_dir) as loop:
-        loop.run(progress=False)
-"""
-
-
 def test_a_killed_async_grpo_run_resumes_without_training_a_problem_twice_or_skipping_one(cluster, tmp_path):
     """AReaL #1388. The groups still generating at a checkpoint are in the rollout ranks' checkpoints."""
     base = [*SMALL, f"actor.model_path={tmp_path / 'model'}", "actor.sft_steps=20", "runner.steps=12",
             "runner.save_interval=4", "algorithm.max_staleness=2", "rollout.chunk_tokens=1"]  # fmt: skip
-    script = tmp_path / "driver.py"
-    script.write_text(KILLED_DRIVER)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     cut = tmp_path / "cut"
-    driver = subprocess.Popen([sys.executable, str(script), cluster.address, str(cut), *base], env=env)
-    deadline = time.monotonic() + 180
-    while not complete_checkpoints(cut) and driver.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    driver.send_signal(signal.SIGKILL)  # mid-run, generation in flight most likely
-    driver.wait(30)
-    saved = int(complete_checkpoints(cut)[-1].name.split("_")[1])
+    saved = kill_driver_after_a_checkpoint(cluster, "GRPOLoop", "grpo_arith", base, cut, timeout_s=180)
     assert saved in (4, 8), saved
     with GRPOLoop.resume(cut, cluster=cluster) as loop:
         assert loop.step == saved and len(loop.trained_problems) == saved
