@@ -159,6 +159,23 @@ def test_channel_basics(cluster):
     assert "basics" in ch._repr_html_()
 
 
+def test_reprs_render_local_state_without_asking_workers(cluster, echo, monkeypatch):
+    ch = rlnb.Channel.create(cluster, "reprs", slot=0)
+    pending = echo.on(0).sleep(0.5)
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("a repr asked a worker")
+
+    monkeypatch.setattr(rlnb.Channel, "_ask", no_network)
+    monkeypatch.setattr(rlnb.GroupResult, "_read", no_network)
+    assert "reprs" in ch._repr_html_() and "unbounded" in ch._repr_html_()
+    assert "0/1 replies read" in repr(pending)
+    monkeypatch.undo()
+    pending.result(timeout=30)
+    assert repr(pending).endswith("done>")
+    ch.close()
+
+
 def test_channel_worker_to_worker_big_tensors_use_shared_memory(cluster, echo):
     ch = rlnb.Channel.create(cluster, "bulk", maxsize=2, slot=0)
     numel = 4 * 1024 * 1024  # 16 MiB of float32

@@ -340,12 +340,15 @@ class Channel:
     def __repr__(self) -> str:
         return f"<rlnb.Channel {self.name!r} on {self.node} maxsize={self.maxsize}>"
 
-    def _repr_html_(self) -> str:
+    def _repr_html_(self) -> str:  # local state only: the queues live on a worker (.stats() asks it)
         import html
 
-        keys = self.keys()
-        sizes = ", ".join(f"{html.escape(k)}: {self.qsize(k)}" for k in keys) or "empty"
-        return f"<div><b>rlnb Channel</b> <code>{html.escape(self.name)}</code> on {html.escape(self.node)} · {sizes}</div>"
+        bound = "unbounded" if self.maxsize == 0 else f"maxsize {self.maxsize}"
+        state = " · closed" if self._closed else ""
+        return (
+            f"<div><b>rlnb Channel</b> <code>{html.escape(self.name)}</code> on {html.escape(self.node)} · {bound}"
+            f"{state} · <code>.stats()</code> for its queues</div>"
+        )
 
 
 class _Unreachable(ConnectionError):

@@ -131,8 +131,13 @@ class GroupResult:
     def __await__(self):
         return asyncio.to_thread(self.result).__await__()
 
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
+    def __repr__(self) -> str:  # local state only: replies already read, never a read from the network
+        if self._failure is not None:
+            state = f"failed: {type(self._failure).__name__}"
+        elif not self._pending:
+            state = "done"
+        else:
+            state = f"{len(self.ranks) - len(self._pending)}/{len(self.ranks)} replies read (.done() checks for more)"
         return f"<GroupResult {self.group.name}.{self.method} ranks={self.ranks} {state}>"
 
 
