@@ -3,8 +3,10 @@
 Goal for both: mean return of the last 20 training episodes >= 475. SB3 uses RL Zoo's tuned
 CartPole-v1 hyperparameters; rlnb uses ``recipes/ppo_cartpole.yaml`` with its default placement on
 the default embedded cluster. Time-to-solve counts from the first training step; cluster and
-component start-up are reported apart. Also prints the pipelining gain (env ``pipeline_stages=2``
-vs 1) on an env whose step costs ~1 ms.
+component start-up are reported apart. Then end to end: the whole-process wall time of
+``rlnb run ppo_cartpole`` and of a script doing the same with SB3 (imports included), each a fresh
+process per seed. Also prints the pipelining gain (env ``pipeline_stages=2`` vs 1) on an env whose step
+costs ~1 ms.
 
 Run: ``.venv/bin/python bench/ppo_vs_sb3.py [--seeds 3]`` (needs ``pip install stable-baselines3``).
 """
@@ -12,7 +14,10 @@ Run: ``.venv/bin/python bench/ppo_vs_sb3.py [--seeds 3]`` (needs ``pip install s
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -58,6 +63,32 @@ def rlnb_time_to_solve(seed: int) -> tuple[float, int, float, bool]:
             return dt, loop.global_step, startup, solved
         finally:
             loop.close()
+
+
+SB3_SCRIPT = """
+import sys, time
+import numpy as np
+GOAL = 475.0
+{fn}
+print(sb3_time_to_solve(int(sys.argv[1])))
+"""
+
+
+def end_to_end(seed: int) -> tuple[float, float]:
+    """Whole-process wall time (imports, start-up, training, exit) of ``rlnb run`` and of the SB3 script."""
+    code = SB3_SCRIPT.format(fn=inspect.getsource(sb3_time_to_solve))
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code, str(seed)], check=True, capture_output=True)
+    sb3 = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "rlnb.cli", "run", "ppo_cartpole", f"seed={seed}", "runner.tensorboard=false",
+             "--run-dir", d],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        ours = time.perf_counter() - t0
+    return sb3, ours
 
 
 def pipelining_gain(hidden: tuple[int, ...], steps: int = 4) -> tuple[float, float]:
@@ -108,6 +139,12 @@ def main():
         f"median env steps/s: SB3 {statistics.median(n / t for t, n in sb3):.0f}, rlnb {statistics.median(n / t for t, n, *_ in ours):.0f}"
     )
     print(f"rlnb start-up (cluster + components, median): {statistics.median(s for *_, s, _ in ours):.2f} s")
+    whole = [end_to_end(seed) for seed in range(1, args.seeds + 1)]
+    sb3_e, ours_e = statistics.median(w[0] for w in whole), statistics.median(w[1] for w in whole)
+    print(
+        f"end to end, fresh process each (imports, start-up, training, exit), median: SB3 script {sb3_e:.2f} s, "
+        f"`rlnb run ppo_cartpole` {ours_e:.2f} s  ->  ratio {ours_e / sb3_e:.2f}"
+    )
     print("\npipelining (8 envs, env step ~1 ms each, env on its own slot):")
     for hidden in ((64, 64), (1024, 1024)):
         one, two = pipelining_gain(hidden)
