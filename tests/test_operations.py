@@ -172,9 +172,11 @@ def test_max_restarts_recovers_automatically(own_cluster, tmp_path):
     overrides = ["runner.steps=6", "runner.save_interval=1", "runner.max_restarts=1", "runner.stop_return=100000",
                  *QUIET, "cluster.component_placement={'actor,rollout,env': 0}"]  # fmt: skip
     with Loop.from_recipe("ppo_cartpole", overrides, cluster=own_cluster, run_dir=tmp_path) as loop:
+        pid = own_cluster.slots[0].pid
         _kill_when(loop, 2, slot=0)
         loop.run(progress=False)
         assert loop.step == 6
+        assert loop.restarts == 1 and own_cluster.slots[0].pid != pid  # a restart happened, on a new worker
 
 
 # ---------------------------------------------------------------- bad data and disks

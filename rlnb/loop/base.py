@@ -164,6 +164,7 @@ class LoopBase:
         self._pending: dict[str, float] = {}
         self._stop = False
         self._run_target: int | None = None  # the step the running run() stops at (None outside run())
+        self.restarts = 0  # lost workers run() recovered from (runner.max_restarts per run)
         self.logger = MetricLogger(
             self.run_dir, recipe.runner.tensorboard, recipe.runner.wandb_project, asdict(self.recipe)
         )
@@ -529,6 +530,7 @@ class LoopBase:
                     if restarts >= r.max_restarts:
                         raise
                     restarts += 1
+                    self.restarts += 1
                     log.warning("%s; recovering (%d/%d)", e, restarts, r.max_restarts)
                     self.recover()
                     if bar is not None:
