@@ -50,6 +50,23 @@ def test_group_calls_every_rank_with_rank_info(cluster, echo):
     assert "<table>" in echo._repr_html_()
 
 
+def test_a_group_completes_and_documents_its_components_methods_and_refuses_shadowed_ones(cluster, echo):
+    import inspect
+
+    assert {"add", "echo", "whoami"} <= set(dir(echo))  # group.<TAB>
+    assert echo.add.__doc__.startswith("Echo.add on every rank of 'echo'")  # group.add?
+    assert "Returns what it is given" not in echo.add.__doc__ and str(inspect.signature(echo.add)) == "(x)"
+
+    class Clash:
+        def shutdown(self):
+            return "the component's"
+
+    with pytest.raises(
+        rlnb.ComponentError, match=r"clash: Clash.shutdown: method\(s\) shutdown share a name"
+    ):
+        rlnb.Group.launch(Clash, cluster, "0")
+
+
 def test_group_is_awaitable(echo):
     async def go():
         return await echo.add(3)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import html
+import inspect
 import os
 import threading
 import time
@@ -20,7 +21,14 @@ from collections.abc import Sequence
 
 from rlnb.cluster.cluster import Cluster
 from rlnb.cluster.placement import parse_slots
-from rlnb.errors import RemoteError, RemoteTimeoutError, WorkerLostError, did_you_mean, remote_error
+from rlnb.errors import (
+    ComponentError,
+    RemoteError,
+    RemoteTimeoutError,
+    WorkerLostError,
+    did_you_mean,
+    remote_error,
+)
 from rlnb.runtime import direct, transport
 from rlnb.runtime.plugin import ensure_worker_runtime
 from rlnb.runtime.rank import RankHost, RankInfo
@@ -189,6 +197,7 @@ class Group:
             start_timeout_s: how long construction may take.
         """
         name = name or component_cls.__name__.lower()
+        _refuse_shadowed_methods(component_cls, name)
         slots = (
             tuple(placement)
             if isinstance(placement, tuple)
@@ -283,8 +292,23 @@ class Group:
         def call(*args, **kwargs) -> GroupResult:
             return self.call(method, *args, **kwargs)
 
-        call.__name__ = method
+        # `group.train?` in a notebook shows the component's own signature and docstring
+        target = getattr(self.cls, method)
+        call.__name__ = call.__qualname__ = method
+        call.__doc__ = (
+            f"{self.cls.__name__}.{method} on every rank of {self.name!r} (ranks {self._ranks}); returns a "
+            f"GroupResult.\n\n{inspect.getdoc(target) or ''}"
+        )
+        with contextlib.suppress(TypeError, ValueError):
+            params = list(inspect.signature(target).parameters.values())
+            call.__signature__ = inspect.Signature(
+                params[1:] if params and params[0].name == "self" else params
+            )
         return call
+
+    def __dir__(self):  # `group.<TAB>` completes the component's methods too
+        methods = [m for m in dir(self.cls) if not m.startswith("_") and callable(getattr(self.cls, m, None))]
+        return sorted(set(super().__dir__()) | set(methods))
 
     def call(self, method: str, *args, **kwargs) -> GroupResult:
         """Call ``method(*args, **kwargs)`` on every rank of this (possibly narrowed) group."""
@@ -415,6 +439,19 @@ class Group:
             f"({html.escape(self.cls.__name__)}, {len(self._ranks)} ranks, {self.transport} calls)"
             f"<table><tr><th>rank</th><th>slot</th><th>device</th><th>node</th><th>worker</th></tr>{rows}</table></div>"
         )
+
+
+def _refuse_shadowed_methods(component_cls: type, name: str) -> None:
+    """A component method named like one of :class:`Group`'s own (``shutdown``, ``on``, ``call``...) could
+    never be called as ``group.<name>()``: refuse it at launch, naming it."""
+    own = {n for n in dir(Group) if not n.startswith("_")}
+    clashes = sorted(n for n in own if inspect.isfunction(inspect.getattr_static(component_cls, n, None)))
+    if clashes:
+        raise ComponentError(
+            f"method(s) {', '.join(clashes)} share a name with the Group's own, so group.{clashes[0]}(...) would "
+            "not reach them; rename them",
+            name, component_cls.__name__, clashes[0],
+        )  # fmt: skip
 
 
 def _backend_for(groups: Sequence[Group], backend: str) -> str:
