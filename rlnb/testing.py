@@ -69,6 +69,13 @@ class Echo:
     def fail(self, message: str = "boom"):
         raise ValueError(message)
 
+    def warn(self, message: str) -> str:
+        """Log a warning on the ``rlnb`` logger here, on the worker."""
+        import logging
+
+        logging.getLogger("rlnb").warning(message)
+        return message
+
     def sleep(self, seconds: float):
         time.sleep(seconds)
         return seconds

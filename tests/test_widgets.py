@@ -90,3 +90,39 @@ def test_async_runs_get_a_staleness_panel():
         "rollout/staleness_mean": [(2, 1.0)],
         "rollout/staleness_max": [(2, 1.0)],
     }
+
+
+def test_worker_warnings_and_a_failed_background_run_reach_the_dashboard(cluster, tmp_path):
+    import logging
+    import time
+
+    import rlnb
+    from rlnb.loop import Loop
+    from rlnb.testing import Echo
+    from rlnb.widgets.model import DashboardModel, watch_messages
+
+    model = DashboardModel(total=1)
+    handler = watch_messages(model)
+    echo = rlnb.Group.launch(Echo, cluster, "1")
+    try:
+        echo.warn("disk almost full here").result(timeout=30)  # logged on the worker
+        deadline = time.monotonic() + 15
+        while not any("disk almost full" in m for m in model.messages) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any(
+            m.startswith("WARNING disk almost full here") and cluster.slots[1].address in m
+            for m in model.messages
+        ), list(model.messages)
+        overrides = [
+            "runner.tensorboard=false",
+            "env.id=rlnb-test/NaNReward-v0",
+            "env.kwargs={nan_after: 10}",
+        ]
+        with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+            loop.run(5, background=True).join(120)
+            assert any("training diverged" in m and "Traceback" in m for m in model.messages), list(
+                model.messages
+            )
+    finally:
+        logging.getLogger("rlnb").removeHandler(handler)
+        echo.shutdown()

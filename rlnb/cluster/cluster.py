@@ -213,6 +213,9 @@ class Cluster:
                 raise ClusterError(
                     f"the embedded cluster's {n} worker process(es) did not start within 60 s"
                 ) from None
+            # warnings that components log on their workers (logger "rlnb") reach this process's "rlnb"
+            # logger, so a notebook and the dashboard see them; only for workers this driver owns
+            self.client.forward_logging("rlnb", level=logging.WARNING)
         else:
             self.client = self._adopt_or_connect(address, timeout_s, security)
             self.address = self.client.scheduler.address

@@ -102,7 +102,8 @@ class StepCompiler:
             self.fn = fn
         except Exception as e:  # a compiler or backend failure: train eager rather than not at all
             self.fallback = _reason(e)
-            log.warning("%s: torch.compile failed (%s); training eager", self.where, self.fallback)
+            # info here: the driver's loop warns once for all ranks (a warning would be forwarded too)
+            log.info("%s: torch.compile failed (%s); training eager", self.where, self.fallback)
             self.fn = objective
             if not backward_done:  # data-parallel ranks all run one warm-up backward (its all-reduce)
                 objective(minibatch)[0].backward()

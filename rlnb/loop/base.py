@@ -488,8 +488,9 @@ class LoopBase:
             def target():
                 try:
                     self._run_steps(steps, progress=False)
-                except BaseException as e:  # surfaced by join()
+                except BaseException as e:  # surfaced by join(), and logged for the dashboard
                     self._error = e
+                    log.error("the background run stopped at step %d", self.step, exc_info=True)
 
             self._thread = threading.Thread(target=target, name=f"rlnb-{self.recipe.name}", daemon=True)
             self._thread.start()

@@ -39,6 +39,9 @@ class WorkerRuntime(WorkerPlugin):
         self.swept = 0
 
     def setup(self, worker):
+        rlnb_log = logging.getLogger("rlnb")
+        if rlnb_log.level == logging.NOTSET:  # workers' root logger may be at ERROR: rlnb warnings count
+            rlnb_log.setLevel(logging.WARNING)
         self.swept = sweep_dead_segments()
         if self.swept:
             log.info(

@@ -6,7 +6,7 @@ import html
 
 import ipywidgets as w
 
-from rlnb.widgets.model import DashboardModel
+from rlnb.widgets.model import DashboardModel, watch_messages
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
@@ -34,9 +34,11 @@ class Dashboard(w.VBox):
         self.plots = w.Image(format="png", layout=w.Layout(min_height="260px"))
         self.phases = w.HTML()
         self.metrics = w.HTML()
+        self.messages = w.HTML()  # the latest warnings and errors, workers' included
         super().__init__(
             [w.HBox([self.bar, self.label]), self.plots, w.HBox([w.VBox([w.HTML("<b>time per phase (s)</b>"), self.phases]),
-                                                              w.VBox([w.HTML("<b>latest metrics</b>"), self.metrics])])]
+                                                              w.VBox([w.HTML("<b>latest metrics</b>"), self.metrics])]),
+             self.messages]
         )  # fmt: skip
         model.observe(self._render)
         self._render(model)
@@ -54,6 +56,13 @@ class Dashboard(w.VBox):
         )
         keys = [k for k in sorted(model.latest) if not k.startswith("time/")][:16]
         self.metrics.value = _table([(k, f"{model.latest[k]:.4g}") for k in keys])
+        self.messages.value = (
+            "<b>warnings and errors</b><pre style='white-space:pre-wrap'>"
+            + html.escape("\n".join(model.messages))
+            + "</pre>"
+            if model.messages
+            else ""
+        )
         if model.updates % self.plot_every == 0 or model.done:
             self._plot(model)
 
@@ -132,4 +141,5 @@ def dashboard_for(loop, total: int | None = None, plot_every: int = 10) -> Dashb
     for record in loop.history:
         model.update(record)
     loop.logger.add_listener(model.update)
+    watch_messages(model)
     return Dashboard(model, title=loop.recipe.name, plot_every=plot_every)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 # Curves shown when present, in this order: (panel title, metric keys)
 CURVES = (
@@ -42,6 +43,7 @@ class DashboardModel:
         self.started = time.perf_counter()
         self.updates = 0
         self.done = False
+        self.messages: deque[str] = deque(maxlen=5)  # the latest warnings and errors, newest last
         self._listeners = []
 
     def observe(self, fn) -> None:
@@ -63,6 +65,12 @@ class DashboardModel:
         self.updates += 1
         if self.total is not None and self.step >= self.total:
             self.done = True
+        for fn in list(self._listeners):
+            fn(self)
+
+    def note(self, message: str) -> None:
+        """Keep a warning or error (a worker's, forwarded to the driver, or a failed step's traceback)."""
+        self.messages.append(message)
         for fn in list(self._listeners):
             fn(self)
 
@@ -94,3 +102,25 @@ class DashboardModel:
         eta = self.eta_s
         eta_txt = "" if eta is None else f" · ETA {eta:.0f} s"
         return f"step {self.step}{total}{eta_txt}{' · done' if self.done else ''}"
+
+
+class MessageHandler(logging.Handler):
+    """Feeds the ``rlnb`` logger's warnings and errors (workers' ones are forwarded to the driver by the
+    embedded cluster) into a :class:`DashboardModel`, tracebacks included."""
+
+    def __init__(self, model: DashboardModel):
+        super().__init__(logging.WARNING)
+        self.model = model
+        self.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        worker = getattr(record, "worker", None)
+        text = self.format(record)
+        self.model.note(f"{text} [{worker}]" if worker else text)
+
+
+def watch_messages(model: DashboardModel, logger: str = "rlnb") -> MessageHandler:
+    """Attach a :class:`MessageHandler` for ``model`` to ``logger``; returns it (``removeHandler`` to stop)."""
+    handler = MessageHandler(model)
+    logging.getLogger(logger).addHandler(handler)
+    return handler
