@@ -50,8 +50,22 @@ def test_pipeline_stages_split_envs_and_seeds_differ():
     obs = env.reset()
     assert len(obs) == 2 and obs[0].shape == (2, 4)
     assert not np.allclose(obs[0], obs[1])
-    other_rank = Env(EnvConfig(id="CartPole-v1", num_envs=4, pipeline_stages=2), seed=1, rank_info=None)
-    assert np.allclose(other_rank.reset()[0], obs[0])  # same seed, same rank -> same start
+    same_rank = Env(EnvConfig(id="CartPole-v1", num_envs=4, pipeline_stages=2), seed=1, rank_info=None)
+    assert np.allclose(same_rank.reset()[0], obs[0])  # same seed, same rank -> same start
+
+
+def test_env_ranks_on_workers_start_apart_and_reproducibly(cluster):
+    config = EnvConfig(id="CartPole-v1", num_envs=4)
+    starts = []
+    for _ in range(2):
+        envs = Env.launch(cluster, "0-1", config=config, seed=1)
+        try:
+            starts.append([np.concatenate(o) for o in envs.current_obs().result(timeout=60)])
+        finally:
+            envs.shutdown()
+    (rank0, rank1), again = starts
+    assert not np.allclose(rank0, rank1)  # another rank, on another worker: other seeds
+    assert np.allclose(rank0, again[0]) and np.allclose(rank1, again[1])  # the same seed: the same starts
 
 
 def test_policies_cnn_gaussian_and_shared_trunk():

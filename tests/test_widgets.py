@@ -75,7 +75,10 @@ def test_loop_dashboard_background_run_and_stop(cluster, tmp_path):
         assert 3 <= stopped_at < 200 and loop.stopped
         assert dash.model.step == stopped_at and dash.bar.value == pytest.approx(stopped_at / 200)
         assert len(loop.history) == stopped_at  # no half-finished step
-        assert "<table>" in loop._repr_html_() and "slot" in cluster_view(cluster).value
+        view = loop._repr_html_()  # the step, the placement and the latest summary metric
+        assert f"step {stopped_at}" in view and "<td>env</td>" in view and loop.SUMMARY_KEYS[0] in view
+        slots = cluster_view(cluster).value  # every slot up, with what is placed on it
+        assert slots.count("<td>up</td>") == cluster.num_slots and "actor[0]" in slots
 
 
 def test_async_runs_get_a_staleness_panel():
