@@ -247,10 +247,11 @@ class HFRollout(RolloutBase):
             if self.poll_weights(weights, weights_key) is not None:
                 swaps += 1
             done = [g for g in self.pool if all(s["done"] for s in g["seqs"])]
-            overdue = [
-                g for g in self.pool if g["start"] is not None and g["start"] <= last_due and g not in done
-            ]
             busy = len(done) < len(self.pool)
+            overdue = busy and any(
+                g["start"] is not None and g["start"] <= last_due and not all(s["done"] for s in g["seqs"])
+                for g in self.pool
+            )
             # enough groups done, none overdue, and the actor is ready for them (it publishes version
             # train_version before it takes the batch): until then, keep generating for the next batches
             if len(done) >= groups and not overdue and (self.version >= train_version or not busy):
@@ -263,7 +264,8 @@ class HFRollout(RolloutBase):
             tokens += self._chunk(chunk_tokens)
             chunks += 1
         taken = sorted(done, key=lambda g: (g["start"], g["serial"]))[:groups]
-        self.pool = [g for g in self.pool if not any(g is t for t in taken)]
+        taken_ids = {id(g) for g in taken}
+        self.pool = [g for g in self.pool if id(g) not in taken_ids]
         self.batch = self._pool_batch(taken)
         summary = {
             "sequences": len(self.batch["texts"]),

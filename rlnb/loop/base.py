@@ -340,6 +340,32 @@ class LoopBase:
         for pending in getattr(self, "_in_flight", None) or ():
             pending.wait()
 
+    def _sync_rollout(self) -> None:
+        """Actor -> rollout weights now (waiting for them to load), remembered as the rollout's version."""
+        self._sync()
+        self._rollout_version = self.step
+
+    def _check_async_apart(self, example: str) -> None:
+        """Asynchronous mode needs rollout and actor on different slots; ``example`` is a placement that works."""
+        shared = sorted(set(self.placement["rollout"]) & set(self.placement["actor"]))
+        if self.max_staleness and shared:
+            raise ConfigError(
+                f"algorithm.max_staleness={self.max_staleness} needs rollout and actor on different slots: a "
+                f"worker runs one call at a time, so rollout cannot run ahead of training on shared slot(s) "
+                f"{shared}. Place them apart (component_placement={example}) or use 0",
+                "algorithm.max_staleness",
+            )
+
+    def rollout_status(self) -> dict:
+        """What is in flight and how stale: the newest policy version sent to the rollout ranks, the
+        actor's, and whether rollout work is running ahead now."""
+        return {
+            "max_staleness": self.max_staleness,
+            "actor_version": self.step,
+            "rollout_version": getattr(self, "_rollout_version", None),
+            "in_flight": getattr(self, "_in_flight", None) is not None,
+        }
+
     def _must_drain(self) -> bool:
         """Whether the step being taken ends where nothing may be in flight: a checkpoint or an evaluation
         of ``run()``, or its last step (so checkpoints resume exactly and nothing runs on unused)."""
@@ -600,8 +626,18 @@ class LoopBase:
 
         Every rank writes its own component state (big state stays on workers). A failure (disk
         full...) removes the partial directory and raises :class:`CheckpointError`; the previous
-        complete checkpoint stays the latest.
+        complete checkpoint stays the latest. In asynchronous mode ``run()`` checkpoints with nothing in
+        flight; a manual save while rollout runs ahead waits for it, and the batch it finished is not in
+        the checkpoint: a resume from it drops that batch (a warning says so).
         """
+        if getattr(self, "_in_flight", None) is not None:  # asynchronous mode, a manual save mid-pipeline
+            self._settle_in_flight()
+            log.warning(
+                "checkpoint at step %d: rollout work was running ahead (algorithm.max_staleness); the batch it "
+                "finished is not in the checkpoint, so a resume from it drops that batch (run() checkpoints "
+                "with nothing in flight)",
+                self.step,
+            )
         final = self.checkpoint_dir / f"step_{self.step:06d}"
         tmp = self.checkpoint_dir / f".tmp-step_{self.step:06d}-{uuid.uuid4().hex[:6]}"
         for stale in self.checkpoint_dir.glob(".tmp-step_*"):  # left by a save that was killed

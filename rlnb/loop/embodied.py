@@ -8,7 +8,6 @@ Example (one phase per notebook cell):
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 
@@ -30,8 +29,6 @@ from rlnb.loop.base import (
 from rlnb.runtime.channel import Channel
 
 EPISODE_WINDOW = 20  # episode statistics over the last 20 finished training episodes, as SB3 reports them
-
-log = logging.getLogger("rlnb")
 
 
 class Loop(LoopBase):
@@ -140,14 +137,7 @@ class Loop(LoopBase):
                 "use a multiple", "component_placement"
             )  # fmt: skip
         self.check_layout(p.slots)
-        shared = sorted(set(p["rollout"]) & set(p["actor"]))
-        if e.algorithm.max_staleness and shared:
-            raise ConfigError(
-                f"algorithm.max_staleness={e.algorithm.max_staleness} needs rollout and actor on different slots: a "
-                f"worker runs one call at a time, so rollout cannot run ahead of training on shared slot(s) {shared}. "
-                "Place them apart (component_placement={'env,rollout': 0, actor: 1}) or use 0",
-                "algorithm.max_staleness",
-            )
+        self._check_async_apart("{'env,rollout': 0, actor: 1}")
         envs_per_rollout = e.env.num_envs * n_env // n_roll
         if n_act > n_roll and envs_per_rollout % (n_act // n_roll):
             raise PlacementError(
@@ -227,20 +217,6 @@ class Loop(LoopBase):
         self._settle_in_flight()
         self._in_flight = None  # a resumed pipeline starts empty: current weights, a fresh collection
         self._rollout_version = state.get("rollout_version")
-
-    def save(self):
-        """Write a checkpoint (see :meth:`LoopBase.save`). ``run()`` checkpoints with nothing in flight; a
-        manual save while a collection runs ahead waits for it, and that batch is not in the checkpoint: a
-        resume from it drops those env steps' batch (a warning says so)."""
-        if self._in_flight is not None:
-            self._settle_in_flight()
-            log.warning(
-                "checkpoint at step %d: a collection was running ahead (algorithm.max_staleness); its batch is "
-                "not in the checkpoint, so a resume from it drops that batch (run() checkpoints with nothing in "
-                "flight)",
-                self.step,
-            )
-        return super().save()
 
     # ------------------------------------------------------------------ phases
     def rollout(self) -> dict:
@@ -336,21 +312,13 @@ class Loop(LoopBase):
             self._sync_rollout()
         return self._phase("sync", t0, {"version": self._rollout_version})
 
-    def _sync_rollout(self) -> None:
-        self._sync()
-        self._rollout_version = self.step
-
     def rollout_status(self) -> dict:
-        """What is in flight and how stale: the rollout ranks' policy version, the actor's, and whether a
-        collection is running now."""
+        """What is in flight and how stale (see :meth:`LoopBase.rollout_status`), and how many versions
+        behind the next batch will be."""
+        version = self._rollout_version
         return {
-            "max_staleness": self.max_staleness,
-            "actor_version": self.step,
-            "rollout_version": self._rollout_version,
-            "in_flight": self._in_flight is not None,
-            "next_batch_staleness": None
-            if self._rollout_version is None
-            else self.step - self._rollout_version,
+            **super().rollout_status(),
+            "next_batch_staleness": None if version is None else self.step - version,
         }
 
     def _solved(self) -> bool:
@@ -371,8 +339,7 @@ class Loop(LoopBase):
                 "evaluate() while a collection runs ahead (algorithm.max_staleness): call it between "
                 "run() calls or at run()'s eval_interval, where nothing is in flight"
             )
-        self._sync()  # evaluate the current weights
-        self._rollout_version = self.step
+        self._sync_rollout()  # evaluate the current weights
         n = episodes or self.recipe.runner.eval_episodes
         res = (
             self.groups["rollout"].on(0).evaluate(self.env_spec, n, self.recipe.seed + 1_000_003).result()[0]

@@ -8,7 +8,6 @@ Example (one phase per notebook cell):
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from pathlib import Path
@@ -21,8 +20,6 @@ from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementErro
 from rlnb.loop.base import LoopBase, objects_recipe
 from rlnb.models.lm import build_tiny_lm, is_hub_id, resolve_model
 from rlnb.runtime.group import Group
-
-log = logging.getLogger("rlnb")
 
 
 class _FileTask:
@@ -169,14 +166,7 @@ class GRPOLoop(LoopBase):
                 "rlnb.components.HFRollout and override what you change",
                 rollout.name, rollout.cls.__name__, "stream",
             )  # fmt: skip
-        shared = sorted(set(p["rollout"]) & set(p["actor"]))
-        if shared:
-            raise ConfigError(
-                f"{key}={n} needs rollout and actor on different slots: a worker runs one call at a time, so "
-                f"rollout cannot generate while the actor trains on shared slot(s) {shared}. Place them apart "
-                "(component_placement={'rollout,reward': 0, actor: 1}) or use 0",
-                key,
-            )
+        self._check_async_apart("{'rollout,reward': 0, actor: 1}")
         if tuple(p["reward"]) != tuple(p["rollout"]):
             raise ConfigError(
                 f"{key}={n} scores each group where it is generated: place the reward on the rollout's slots "
@@ -280,30 +270,14 @@ class GRPOLoop(LoopBase):
         self.sft_done = state["sft_done"]
         self._settle_in_flight()
         self._in_flight = None  # a resumed pipeline starts from the rollout ranks' checkpointed pools
-        self._rollout_version = (
-            None  # their weights are not in their checkpoints: the next rollout() sends them
-        )
+        # their weights are not in their checkpoints: the next rollout() sends them
+        self._rollout_version = None
         if "admitted" in state:
             self._admitted = list(state["admitted"])
             self.trained_problems = [list(x) for x in state["trained_problems"]]
 
     def _save_extra(self, directory: Path) -> None:
         self.groups["actor"].on(0).export_hf(str(directory / "hf")).result()
-
-    def save(self):
-        """Write a checkpoint (see :meth:`LoopBase.save`). ``run()`` checkpoints with nothing in flight (the
-        groups still generating are in the rollout ranks' checkpoints); a manual save while a generation
-        runs ahead waits for it, and the batch it finished is not in the checkpoint: a resume from it
-        drops those problems (a warning says so)."""
-        if self._in_flight is not None:
-            self._settle_generation()
-            log.warning(
-                "checkpoint at step %d: a generation was running ahead (algorithm.max_staleness); the batch it "
-                "finished is not in the checkpoint, so a resume from it drops those problems (run() checkpoints "
-                "with nothing in flight)",
-                self.step,
-            )
-        return super().save()
 
     # ------------------------------------------------------------------ phases
     def sft(self, steps: int | None = None) -> dict:
@@ -400,13 +374,12 @@ class GRPOLoop(LoopBase):
             self._publish()
         return self._phase("sync", t0, {"version": self.step})
 
-    def _settle_generation(self) -> None:
+    def _settle_in_flight(self) -> None:
         """Let the generation in flight finish: it ends once its batch is done and the actor's newest
         version reached the rollout ranks, so that version is published first."""
-        if self._in_flight is not None:
-            if self._rollout_version != self.step:
-                self._publish()
-            self._settle_in_flight()
+        if self._in_flight is not None and self._rollout_version != self.step:
+            self._publish()
+        super()._settle_in_flight()
 
     def _publish(self) -> None:
         rollout, ch = self.groups["rollout"], self.channels["weights"]
@@ -416,13 +389,10 @@ class GRPOLoop(LoopBase):
     def _rollout_async(self, t0: float) -> dict:
         if self._in_flight is None:  # an empty pipeline (first step, after a checkpoint or evaluation)
             if self._rollout_version != self.step:
-                self._sync()
-                self._rollout_version = self.step
+                self._sync_rollout()
             self._in_flight = [self._start_stream(self.step)]
-        elif (
-            self._rollout_version != self.step
-        ):  # sync_weights() was skipped: the ranks wait for this version
-            self._publish()
+        elif self._rollout_version != self.step:
+            self._publish()  # sync_weights() was skipped: the ranks wait for this version
         t_wait = time.perf_counter()
         summaries = self._in_flight[0].result()
         wait_s = time.perf_counter() - t_wait
@@ -451,7 +421,7 @@ class GRPOLoop(LoopBase):
         trained at ``train_version``; the batch goes to the actor ranks through the batch channel."""
         r, rollout = self.recipe, self.groups["rollout"]
         per_rank = r.data.prompts_per_step // rollout.world_size
-        limit = (self.max_staleness + self.step + 1) * per_rank  # the newest version sent is self.step
+        limit = self._admission_limit()
         puts, _ = self._batch_keys()
         calls = []
         for k in rollout.ranks:
@@ -467,17 +437,19 @@ class GRPOLoop(LoopBase):
             )  # fmt: skip
         return rollout.call_each("stream", calls)
 
+    def _admission_limit(self) -> int:
+        """AReaL's admission control: by version ``v`` (the newest sent is ``self.step``) a rollout rank
+        admits at most ``(N + v + 1) x`` its share of ``data.prompts_per_step`` problems."""
+        per_rank = self.recipe.data.prompts_per_step // len(self._admitted)
+        return (self.max_staleness + self.step + 1) * per_rank
+
     def rollout_status(self) -> dict:
-        """What is in flight and how stale: the newest policy version sent to the rollout ranks, the
-        actor's, whether a generation runs now, and how many groups each rank has admitted."""
+        """What is in flight and how stale (see :meth:`LoopBase.rollout_status`), and how many groups each
+        rollout rank has admitted against the limit."""
         return {
-            "max_staleness": self.max_staleness,
-            "actor_version": self.step,
-            "rollout_version": self._rollout_version,
-            "in_flight": self._in_flight is not None,
+            **super().rollout_status(),
             "admitted": list(self._admitted),
-            "admission_limit": (self.max_staleness + self.step + 1)
-            * (self.recipe.data.prompts_per_step // len(self._admitted)),
+            "admission_limit": self._admission_limit(),
         }
 
     def evaluate(self, size: int | None = None) -> dict:
@@ -486,9 +458,8 @@ class GRPOLoop(LoopBase):
         In asynchronous mode it first lets the generation in flight finish (its batch is kept for the
         next :meth:`rollout`); the groups still in the pools go on with the current weights after it."""
         t0 = time.perf_counter()
-        self._settle_generation()
-        self._sync()  # evaluate the current weights
-        self._rollout_version = self.step
+        self._settle_in_flight()
+        self._sync_rollout()  # evaluate the current weights
         problems = self.task.held_out[: size or self.recipe.data.eval_size]
         rollout = self.groups["rollout"]
         texts = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import defaultdict, deque
 
 # Curves shown when present, in this order: (panel title, metric keys)
@@ -65,14 +66,16 @@ class DashboardModel:
         self.updates += 1
         if self.total is not None and self.step >= self.total:
             self.done = True
+        self._notify()
+
+    def _notify(self) -> None:
         for fn in list(self._listeners):
             fn(self)
 
     def note(self, message: str) -> None:
         """Keep a warning or error (a worker's, forwarded to the driver, or a failed step's traceback)."""
         self.messages.append(message)
-        for fn in list(self._listeners):
-            fn(self)
+        self._notify()
 
     @property
     def fraction(self) -> float:
@@ -108,19 +111,27 @@ class MessageHandler(logging.Handler):
     """Feeds the ``rlnb`` logger's warnings and errors (workers' ones are forwarded to the driver by the
     embedded cluster) into a :class:`DashboardModel`, tracebacks included."""
 
-    def __init__(self, model: DashboardModel):
+    def __init__(self, model: DashboardModel, logger: logging.Logger):
         super().__init__(logging.WARNING)
-        self.model = model
+        # a weak reference: a dashboard that is gone takes its handler off the logger at the next record,
+        # so handlers of old dashboards do not pile up on the logger
+        self.model = weakref.ref(model)
+        self.logger = logger
         self.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:
+        model = self.model()
+        if model is None:
+            self.logger.removeHandler(self)
+            return
         worker = getattr(record, "worker", None)
         text = self.format(record)
-        self.model.note(f"{text} [{worker}]" if worker else text)
+        model.note(f"{text} [{worker}]" if worker else text)
 
 
 def watch_messages(model: DashboardModel, logger: str = "rlnb") -> MessageHandler:
     """Attach a :class:`MessageHandler` for ``model`` to ``logger``; returns it (``removeHandler`` to stop)."""
-    handler = MessageHandler(model)
-    logging.getLogger(logger).addHandler(handler)
+    target = logging.getLogger(logger)
+    handler = MessageHandler(model, target)
+    target.addHandler(handler)
     return handler
