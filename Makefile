@@ -7,7 +7,7 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test lint docs format bench clean
+.PHONY: setup demo test lint docs format bench clean gpu-check gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -42,5 +42,33 @@ bench: setup
 	$(BIN)/python bench/ppo_vs_sb3.py
 	$(BIN)/python bench/grpo_vs_trl.py
 
+# make gpu-check [WHEELS=dir] [DRY_RUN=1]: every GPU path on this machine's NVIDIA GPUs, with a pass/fail
+# line and timings per check and a JSON report (gpu-check.json). For a GPU machine without internet whose
+# Python has torch (CUDA) and transformers: bring the missing pure-Python wheels (`make gpu-wheels` on a
+# connected machine) and pass their folder as WHEELS; they install with --no-index into GPU_SITE.
+# DRY_RUN=1 checks the plan and the imports on any machine (CPU too) and exits 0.
+GPU_PYTHON ?= python3
+GPU_SITE   ?= /tmp/rlnb-gpu-site
+WHEELS     ?=
+GPU_WHEELS := dask==2026.7.1 distributed==2026.7.1 dask-cuda==26.10.0 rapids-dask-dependency==26.10.0 \
+	gymnasium==1.4.0 farama-notifications==0.0.6 tornado==6.6.1 tblib==3.2.2 zict==3.0.0 locket==1.0.0 \
+	partd==1.4.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+
+gpu-check:
+ifdef DRY_RUN
+	$(MAKE) setup
+	$(BIN)/python -m rlnb.gpu_check --dry-run
+else
+	@if [ -n "$(WHEELS)" ]; then \
+		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) $(WHEELS)/*.whl; fi
+	PYTHONPATH=$(GPU_SITE):$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m rlnb.gpu_check
+endif
+
+# the wheels gpu-check needs on a GPU machine with Python 3.12 and torch but no registry (into WHEELS, default wheels/gpu)
+gpu-wheels:
+	$(GPU_PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 -d $(or $(WHEELS),wheels/gpu) $(GPU_WHEELS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info docs/reference
+	rm -rf $(VENV) build *.egg-info docs/reference gpu-check.json

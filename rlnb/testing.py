@@ -157,6 +157,38 @@ class Collective:
         return {k: v.cpu().tolist() for k, v in sd.items()}
 
 
+class CudaProbe:
+    """Puts and takes CUDA tensors through channels: shows whether they move without a host round trip."""
+
+    def __init__(self, rank_info: RankInfo):
+        self.device = torch.device(rank_info.device)
+        self.sent: torch.Tensor | None = None
+        self.taken: torch.Tensor | None = None
+
+    def put(self, channel, size_mib: int, value: float, how: str = "ipc") -> int:
+        """Put a ``size_mib`` MiB tensor filled with ``value``: on the GPU (``ipc``: CUDA IPC on one node)
+        or copied to the host first (``host``: the round trip it saves)."""
+        self.sent = torch.full((size_mib << 18,), value, device=self.device)
+        torch.cuda.synchronize(self.device)
+        channel.put({"t": self.sent if how == "ipc" else self.sent.cpu(), "t0": time.perf_counter()}, key="t")
+        return self.sent.numel()
+
+    def fill(self, value: float) -> None:
+        self.sent.fill_(value)
+        torch.cuda.synchronize(self.device)
+
+    def take(self, channel) -> dict:
+        """Take the tensor onto this rank's GPU; ``seconds``: from the put to the tensor usable here."""
+        msg = channel.get(key="t")
+        self.taken = msg["t"].to(self.device, non_blocking=True)
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - msg["t0"]
+        return {"device": msg["t"].device.type, "value": float(self.taken[0]), "seconds": seconds}
+
+    def read(self) -> float:
+        return float(self.taken[-1])
+
+
 class NaNRewardCartPole(CartPoleEnv):
     """CartPole whose rewards turn NaN after ``nan_after`` steps: drives the NaN-loss handling tests."""
 

@@ -42,3 +42,30 @@ def test_maniskill_env_steps_on_gpu():
     out = env.step(0, np.zeros((4, *env.action_space.shape), dtype=np.float32))
     assert out["obs"].shape == obs.shape and out["reward"].shape == (4,)
     env.close()
+
+
+@requires_gpu
+def test_ppo_trains_on_cuda_with_a_cpu_env():
+    """The env's batches are CPU tensors; the actor on `cuda` takes them onto its GPU (it failed with
+    'mat1 is on cpu' before)."""
+    import rlnb
+
+    loop = rlnb.Loop.from_recipe(
+        "ppo_cartpole", ["actor.device=cuda", "rollout.device=cuda", "runner.steps=3", "actor.compile=false"]
+    )
+    try:
+        loop.run(progress=False)
+        assert loop.step == 3
+    finally:
+        loop.close()
+
+
+@requires_gpu
+def test_cuda_tensors_cross_a_channel_by_cuda_ipc():
+    """Two worker processes on one node: the consumer maps the producer's GPU memory (it sees a write the
+    producer makes after the hand-off), and the channel counts a CUDA IPC tensor, not a host copy."""
+    from rlnb.gpu_check import check_cuda_ipc_channel
+
+    out = check_cuda_ipc_channel(None)
+    assert out["first"]["device"] == "cuda" and out["after_producer_write"] == 2.0
+    assert out["cuda_ipc_tensors"] >= 1

@@ -348,3 +348,35 @@ def test_resume_continues_the_same_wandb_run(cluster, tmp_path, monkeypatch):
         loop.run(progress=False)
     runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.endswith(run_id) for r in runs), (run_id, runs)  # one run, resumed
+
+
+def test_gpu_check_dry_run_checks_the_plan_and_imports_without_a_gpu(tmp_path):
+    """`make gpu-check DRY_RUN=1`: the plan, the imports and the recipes it loads, on a CPU machine, exit 0."""
+    import json
+    import subprocess
+    import sys
+
+    report = tmp_path / "gpu-check.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "rlnb.gpu_check", "--dry-run", "--report", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(report.read_text())
+    assert (
+        plan["dry_run"] and plan["plan"][0] == "environment" and "nccl_broadcast_two_groups" in plan["plan"]
+    )
+    assert plan["imports"]["rlnb.loop"] == "ok" and sorted(plan["recipes"]) == [
+        "grpo_arith",
+        "ppo_cartpole",
+        "ppo_maniskill",
+    ]
+    bad = subprocess.run(
+        [sys.executable, "-m", "rlnb.gpu_check", "--only", "clustr"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "unknown check(s) ['clustr']" in bad.stderr

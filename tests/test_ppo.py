@@ -141,3 +141,46 @@ def test_bad_placement_fails_before_any_worker_starts():
         PlacementError, match=r"component_placement.actor,rollout,env: slot 2 in '0-3' is beyond the cluster"
     ):
         Loop(recipe)  # no cluster was given: the placement is checked before one is started
+
+
+def test_weights_by_broadcast_over_a_process_group(cluster, tmp_path):
+    """rollout.weight_sync=broadcast: actor rank 0 sends the weights to the rollout ranks in one collective
+    (gloo here, NCCL between GPUs): no weights channel, the rollout holds the actor's weights after each
+    sync, and the policy learns."""
+    overrides = [
+        *FAST,
+        "rollout.weight_sync=broadcast",
+        "cluster.component_placement={'env,rollout': 0, actor: 1}",
+    ]
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+        assert loop.weight_sync == "broadcast" and "weights" not in loop.channels
+        loop.run(steps=40, progress=False)
+        loop.sync_weights()
+        actor = loop.groups["actor"].on(0).policy_state().result()[0]
+        rollout = loop.groups["rollout"].state_dict().result()[0]["policy"]
+        assert actor.keys() == rollout.keys()
+        assert all(torch.equal(actor[k], rollout[k]) for k in actor)
+        assert loop.episode_stats()["episode_return_mean"] >= 100
+
+
+def test_weight_sync_choices_are_checked_before_anything_starts(cluster, tmp_path):
+    base = ["rollout.weight_sync=broadcast"]
+    with pytest.raises(
+        rlnb.ConfigError, match=r"rollout.weight_sync=broadcast is a collective .*max_staleness=1"
+    ):
+        Loop.from_recipe(
+            "ppo_cartpole",
+            [*base, "algorithm.max_staleness=1", "cluster.component_placement={'env,rollout': 0, actor: 1}"],
+            cluster=cluster,
+        )
+    with pytest.raises(PlacementError, match=r"rollout slot\(s\) \[0\] share its worker") as e:
+        Loop.from_recipe(
+            "ppo_cartpole",
+            [*base, "cluster.component_placement={'env,rollout': 0, actor: 0-1}"],
+            cluster=cluster,
+        )
+    assert e.value.key == "rollout.weight_sync"
+    # auto picks the channel on one node (CUDA IPC between GPUs, shared memory between CPU workers)
+    overrides = ["runner.steps=1", "cluster.component_placement={'env,rollout': 0, actor: 1}"]
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+        assert loop.weight_sync == "channel" and "weights" in loop.channels

@@ -203,7 +203,13 @@ def test_channel_worker_to_worker_big_tensors_use_shared_memory(cluster, echo):
     assert producer.result(timeout=60) == [5]
     assert consumer.result(timeout=60) == [[0.0, 1.0, 2.0, 3.0, 4.0]]  # FIFO order, values intact
     stats = ch.stats()
-    assert stats == {"items": 5, "shm_tensors": 5, "shm_bytes": 5 * numel * 4}
+    assert stats == {
+        "items": 5,
+        "shm_tensors": 5,
+        "shm_bytes": 5 * numel * 4,
+        "cuda_ipc_tensors": 0,
+        "cuda_ipc_bytes": 0,
+    }
     # the producer reuses its segments: with maxsize=2, at most 3 in flight, so at most 3 files
     producer_pid = echo.on(0).pid().result(30)[0]
     assert 1 <= len(glob.glob(f"/dev/shm/rlnb-ch-{producer_pid}-*")) <= 3

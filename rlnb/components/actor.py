@@ -25,7 +25,8 @@ from rlnb.components.rollout import resolve_device
 from rlnb.config.schema import ActorConfig, AlgorithmConfig
 from rlnb.errors import ConfigError, did_you_mean
 from rlnb.models.policies import make_policy
-from rlnb.runtime.rank import RankInfo, current_rank, local_peer
+from rlnb.runtime.collective import broadcast_state_dict
+from rlnb.runtime.rank import RankInfo, current_rank, local_peer, process_group
 
 
 def with_settings(actor: ActorConfig, algorithm: AlgorithmConfig, settings: dict, owner: str):
@@ -117,6 +118,12 @@ class ActorBase:
         state = self.policy_state()
         for k in keys:
             channel.put({"state": state, "version": version}, key=k)
+        return version
+
+    def broadcast_weights(self, version: int, group: str) -> int:
+        """Collective weight sync: send this rank's weights, as rank 0 of process group ``group``, to the
+        rollout ranks in it (each calls :meth:`RolloutBase.receive_weights` at the same time)."""
+        broadcast_state_dict(self.policy.state_dict(), 0, process_group(group))
         return version
 
     def take_local_batches(self, rollout: str, ranks: list[int]) -> dict:
@@ -234,14 +241,16 @@ class PPOActor(ActorBase):
         return {"policy": type(getattr(self.policy, "module", self.policy)).__name__}
 
     def policy_state(self) -> dict[str, torch.Tensor]:
-        """Weights for the rollout (a detached CPU copy)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.state_dict().items()}
+        """Weights for the rollout: a detached copy on the actor's device (on a GPU they reach the rollout
+        by CUDA IPC on one node, with no host round trip)."""
+        return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
 
     def set_batch(self, batches: list[dict]) -> dict:
-        """Take one or more rollout batches (concatenated along the env axis)."""
+        """Take one or more rollout batches (concatenated along the env axis) onto this rank's device."""
         keys = ("obs", "actions", "logprobs", "values", "rewards", "dones")
-        batch = {k: torch.cat([b[k] for b in batches], dim=1) for k in keys}
-        batch["last_values"] = torch.cat([b["last_values"] for b in batches])
+        dev = self.device
+        batch = {k: torch.cat([b[k].to(dev, non_blocking=True) for b in batches], dim=1) for k in keys}
+        batch["last_values"] = torch.cat([b["last_values"].to(dev, non_blocking=True) for b in batches])
         batch["version"] = min(b["version"] for b in batches)
         self.batch = batch
         return {"steps": int(batch["rewards"].numel()), "version": batch["version"]}

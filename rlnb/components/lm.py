@@ -127,6 +127,16 @@ class HFRollout(RolloutBase):
             self.offloaded = False
         return not self.offloaded
 
+    def memory_stats(self) -> dict:
+        """Where the model is (``offloaded`` while a collocated actor trains) and this process's GPU memory."""
+        cuda = self.device.type == "cuda"
+        return {
+            "device": str(self.device),
+            "model_device": next(self.model.parameters()).device.type,
+            "offloaded": self.offloaded,
+            "cuda_allocated_bytes": torch.cuda.memory_allocated(self.device) if cuda else 0,
+        }
+
     @torch.no_grad()
     def _generate(self, prompts: list[str], n: int, greedy: bool):
         self.onload()
@@ -362,6 +372,11 @@ class VLLMWorkerExtension:  # pragma: no cover - runs inside vLLM's GPU worker p
     """Methods vLLM adds to its workers (``worker_extension_cls``), called with ``collective_rpc``."""
 
     def rlnb_load_weights(self, state: dict) -> bool:
+        """``state``: packed by :func:`rlnb.runtime.shm.pack`: CUDA tensors come as CUDA IPC handles
+        (no host round trip from the rollout's worker to vLLM's engine process), big CPU ones by /dev/shm."""
+        from rlnb.runtime import shm
+
+        state = shm.unpack(state)
         self.model_runner.model.load_weights(weights=[(k, v.to(self.device)) for k, v in state.items()])
         return True
 
@@ -369,7 +384,10 @@ class VLLMWorkerExtension:  # pragma: no cover - runs inside vLLM's GPU worker p
 class VLLMRollout(HFRollout):  # pragma: no cover - needs a CUDA GPU and the `vllm` extra
     """Sampling with ``vllm.LLM`` in the worker; weights are reloaded in place after each sync.
 
-    Same outputs contract as :class:`HFRollout` (token ids, response mask, behaviour log-probs).
+    Same outputs contract as :class:`HFRollout` (token ids, response mask, behaviour log-probs). The
+    engine starts with ``enable_sleep_mode=True``: :meth:`offload` puts it to sleep (level 1: weights to
+    CPU memory, KV cache freed) while a collocated actor trains. vLLM runs its engine in a child process,
+    which needs a non-daemonic Dask worker (the embedded cluster's are; see :class:`rlnb.Cluster`).
     """
 
     def __init__(
@@ -386,20 +404,34 @@ class VLLMRollout(HFRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
         self.tok = AutoTokenizer.from_pretrained(model_path)
         self.llm = LLM(
             model=model_path, enforce_eager=True, gpu_memory_utilization=gpu_memory_utilization, seed=seed + self.rank,
-            worker_extension_cls="rlnb.components.lm.VLLMWorkerExtension",
+            worker_extension_cls="rlnb.components.lm.VLLMWorkerExtension", enable_sleep_mode=True,
         )  # fmt: skip
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.seed, self.calls, self.version, self.batch, self.offloaded = seed, 0, 0, None, False
 
     def load_weights(self, state_dict: dict, version: int) -> int:
-        self.llm.collective_rpc("rlnb_load_weights", args=(state_dict,))
+        from rlnb.runtime import shm
+
+        self.onload()  # a sleeping engine's weights are parked in CPU memory: wake it before writing them
+        self.llm.collective_rpc("rlnb_load_weights", args=(shm.pack(state_dict, shm.HOSTNAME),))
         self.version = version
         return version
 
     def offload(self) -> bool:
-        self.llm.sleep(level=1)  # frees the KV cache and offloads weights while the actor trains
-        self.offloaded = True
+        if not self.offloaded:
+            self.llm.sleep(level=1)  # frees the KV cache and offloads weights while the actor trains
+            self.offloaded = True
         return True
+
+    def memory_stats(self) -> dict:
+        import torch
+
+        return {
+            "device": str(self.device),
+            "model_device": "cpu" if self.offloaded else "cuda",
+            "offloaded": self.offloaded,
+            "cuda_allocated_bytes": torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0],
+        }
 
     def onload(self) -> bool:
         if self.offloaded:
@@ -503,7 +535,9 @@ class LMActor(ActorBase):
         self.batch: dict | None = None
 
     def policy_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.policy.state_dict().items()}
+        """Weights for the rollout: a detached copy on the actor's device (on a GPU they reach the rollout
+        by CUDA IPC on one node, with no host round trip)."""
+        return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
 
     # ------------------------------------------------------------------ SFT
     def sft(

@@ -17,7 +17,8 @@ import torch
 from rlnb.components.env import Env
 from rlnb.components.launch import launcher
 from rlnb.models.policies import make_policy
-from rlnb.runtime.rank import RankInfo, current_rank, local_peer
+from rlnb.runtime.collective import broadcast_state_dict
+from rlnb.runtime.rank import RankInfo, current_rank, local_peer, process_group
 
 
 def resolve_device(device: str, rank_info: RankInfo | None) -> torch.device:
@@ -66,6 +67,24 @@ class RolloutBase:
         msg = channel.get(key=key)
         newer = self.poll_weights(channel, key, load=False)
         return self.load_weights(*(newer or (msg["state"], msg["version"])))
+
+    def receive_weights(self, version: int, group: str) -> int:
+        """Collective weight sync: receive actor rank 0's weights over process group ``group`` (NCCL on
+        GPUs: straight into this rank's GPU memory) and load them as ``version``."""
+        module = self.weights_module()
+        device = getattr(self, "device", None) or next(module.parameters()).device
+        template = {k: torch.empty_like(v, device=device) for k, v in module.state_dict().items()}
+        return self.load_weights(broadcast_state_dict(template, 0, process_group(group)), version)
+
+    def weights_module(self) -> torch.nn.Module:
+        """The module whose ``state_dict`` the actor's weights load into (a subclass may say otherwise)."""
+        for name in ("policy", "model"):
+            if isinstance(getattr(self, name, None), torch.nn.Module):
+                return getattr(self, name)
+        raise AttributeError(
+            f"{type(self).__name__} has no torch module in .policy or .model; override weights_module() "
+            "for rollout.weight_sync=broadcast"
+        )
 
     def poll_weights(self, channel, key: str, load: bool = True) -> tuple | None:
         """Without waiting: the newest weights queued under ``key`` (older ones are dropped), loaded

@@ -191,6 +191,12 @@ class RolloutConfig:
     for new weights; a generation spanning a weight update goes on with the new ones (partial rollouts)."""
     gpu_memory_utilization: float = 0.3
     """vLLM: fraction of GPU memory for weights and KV cache."""
+    weight_sync: Literal["auto", "channel", "broadcast"] = "auto"
+    """How the actor's weights reach rollout ranks outside its process (collocated ones copy in-process):
+    ``channel``: worker to worker (CUDA IPC between GPUs of one node, shared memory between CPU
+    workers); ``broadcast``: one collective from actor rank 0 to every rollout rank over a process group
+    (NCCL on GPUs, gloo on CPU), synchronous mode only; ``auto``: ``broadcast`` when every rollout rank
+    is on a GPU of another node than actor rank 0's, else ``channel``."""
 
 
 @dataclass

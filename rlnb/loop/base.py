@@ -28,9 +28,11 @@ from rlnb.config.schema import AlgorithmConfig, Recipe, RunnerConfig
 from rlnb.errors import ComponentError, ConfigError, PlacementError, RemoteError, RlnbError, WorkerLostError
 from rlnb.metrics import MetricLogger
 from rlnb.runtime.channel import Channel
-from rlnb.runtime.group import Group
+from rlnb.runtime.group import Group, init_collective
 
 log = logging.getLogger("rlnb")
+
+WEIGHT_SYNC_GROUP = "rlnb-weight-sync"  # the process group of rollout.weight_sync=broadcast
 
 
 class CheckpointError(RlnbError, OSError):
@@ -310,19 +312,62 @@ class LoopBase:
                 f"component_placement: {n_roll} rollout rank(s) cannot feed {n_act} actor rank(s) evenly; "
                 "place one on a multiple of the other's slots", "component_placement"
             )  # fmt: skip
+        if self.placement["rollout"] != self.placement["actor"]:
+            self._weight_sync_route()  # refuses a rollout.weight_sync this placement cannot serve
 
     def _launch_links(self) -> None:
-        """Channels for whatever is not collocated between actor and rollout."""
+        """Channels (and the weight-sync process group) for whatever is not collocated between actor and
+        rollout."""
         p = self.placement
         self.batch_local = p["rollout"] == p["actor"]  # batches and weights move in-process
+        self.weight_sync = "local" if self.batch_local else self._weight_sync_route()
         if not self.batch_local:
             timeout = self.groups["actor"].call_timeout_s
             self.channels["batches"] = Channel.create(
                 self.cluster, "batches", slot=p["actor"][0], timeout_s=timeout
             )
-            self.channels["weights"] = Channel.create(
-                self.cluster, "weights", slot=p["rollout"][0], timeout_s=timeout
+            if self.weight_sync == "broadcast":
+                actor, rollout = self.groups["actor"], self.groups["rollout"]
+                for group, method in ((actor, "broadcast_weights"), (rollout, "receive_weights")):
+                    if not callable(getattr(group.cls, method, None)):
+                        raise ComponentError(
+                            f"lacks method {method}, which rollout.weight_sync=broadcast calls; subclass "
+                            "the built-in component or use rollout.weight_sync=channel",
+                            group.name, group.cls.__name__, method,
+                        )  # fmt: skip
+                init_collective([actor.on(0), rollout], name=WEIGHT_SYNC_GROUP, timeout_s=timeout)
+            else:
+                self.channels["weights"] = Channel.create(
+                    self.cluster, "weights", slot=p["rollout"][0], timeout_s=timeout
+                )
+
+    def _weight_sync_route(self) -> str:
+        """``channel`` or ``broadcast`` for rollout ranks apart from the actor (``rollout.weight_sync``)."""
+        choice, p, slots = self.recipe.rollout.weight_sync, self.placement, self.cluster.slots
+        if choice == "channel":
+            return "channel"
+        rollout = [slots[s] for s in p["rollout"]]
+        actor0 = slots[p["actor"][0]]
+        if choice == "auto":
+            on_gpus = all(s.device.startswith("cuda") for s in [actor0, *rollout])
+            elsewhere = all(s.node != actor0.node for s in rollout)
+            return "broadcast" if on_gpus and elsewhere and not self.max_staleness else "channel"
+        if self.max_staleness:
+            raise ConfigError(
+                f"rollout.weight_sync=broadcast is a collective both sides enter at once, which asynchronous "
+                f"mode (algorithm.max_staleness={self.max_staleness}) cannot do: the rollout takes weights "
+                "between chunks while it generates. Use channel or auto",
+                "rollout.weight_sync",
             )
+        shared = sorted(s.rank for s in rollout if s.address == actor0.address)
+        if shared:
+            raise PlacementError(
+                f"rollout.weight_sync=broadcast needs every rollout rank in another worker than actor rank 0 "
+                f"(a process group has one rank per worker); rollout slot(s) {shared} share its worker. "
+                "Use channel or auto, or place them apart",
+                "rollout.weight_sync",
+            )
+        return "broadcast"
 
     @property
     def mode(self) -> str:
@@ -389,6 +434,10 @@ class LoopBase:
             rollout.call_each(
                 "load_from_local_actor", [(actor.name, r, self.step) for r in rollout.ranks]
             ).result()
+        elif self.weight_sync == "broadcast":  # one collective: both sides enter it at once
+            receiving = rollout.receive_weights(self.step, WEIGHT_SYNC_GROUP)
+            actor.on(0).broadcast_weights(self.step, WEIGHT_SYNC_GROUP).result()
+            receiving.result()
         else:
             ch = self.channels["weights"]
             keys = [f"w{r}" for r in rollout.ranks]

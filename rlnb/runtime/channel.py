@@ -48,7 +48,13 @@ class ChannelServer:
         self._cv = threading.Condition()
         self.node = HOSTNAME
         self.closed = False
-        self.counts = {"items": 0, "shm_tensors": 0, "shm_bytes": 0}
+        self.counts = {
+            "items": 0,
+            "shm_tensors": 0,
+            "shm_bytes": 0,
+            "cuda_ipc_tensors": 0,
+            "cuda_ipc_bytes": 0,
+        }
         self._waiters = None  # threads for blocking Dask-actor calls, made on first use
         self.direct = direct.serve(self)
 
@@ -74,8 +80,9 @@ class ChannelServer:
             self._cv.notify_all()
             self.counts["items"] += 1
             for ref in shm.refs(item):
-                self.counts["shm_tensors"] += 1
-                self.counts["shm_bytes"] += ref.nbytes
+                kind = "cuda_ipc" if isinstance(ref, shm._CudaRef) else "shm"
+                self.counts[f"{kind}_tensors"] += 1
+                self.counts[f"{kind}_bytes"] += ref.nbytes
             return ("ok", len(q))
 
     def _get(self, key: str, n: int, timeout_s: float | None, node: str, exact: bool = True):
@@ -95,7 +102,7 @@ class ChannelServer:
             items = [q.popleft() for _ in range(min(n, len(q)))]
             self._cv.notify_all()
         if node != self.node:  # the consumer cannot see our shared memory: send values
-            items = [unpack(i) for i in items]
+            items = [unpack(i, host=True) for i in items]
         return ("ok", items)
 
     def _qsize(self, key: str | None) -> int:

@@ -5,6 +5,12 @@ A producer copies a tensor once into a pooled segment and sends a small :class:`
 maps the segment without a copy and hands it back (header byte 0) once its tensor is freed. One-off
 files (past the pool's budget) are unlinked by their reader. :func:`sweep_dead_segments` removes
 what killed processes left behind.
+
+CUDA tensors never take a host round trip on one node: the producer sends a CUDA IPC handle
+(:class:`_CudaRef`, torch's own ``reduce_tensor``) and the reader maps the producer's GPU memory,
+found by the GPU's UUID (dask-cuda numbers the GPUs differently in each worker). The producer's
+allocation lives until every reader freed its tensor (torch's IPC reference counting). A CUDA tensor
+put from another node than the channel's arrives on the CPU (weights across nodes go by NCCL).
 """
 
 from __future__ import annotations
@@ -44,6 +50,55 @@ class _ShmRef:
     nbytes: int
     offset: int = 0
     capacity: int = 0
+
+
+@dataclass(frozen=True)
+class _CudaRef:
+    """A CUDA tensor shared by CUDA IPC from a process on ``node``: the producer's GPU (by UUID) and the
+    arguments of ``torch.multiprocessing.reductions.rebuild_cuda_tensor``."""
+
+    node: str
+    gpu_uuid: str
+    args: tuple
+    nbytes: int
+
+
+_DEVICE_ARG = 6  # rebuild_cuda_tensor's ``storage_device``: the producer's index of its GPU
+_UUIDS: dict[str, int] = {}  # this process's CUDA index of each visible GPU, by UUID
+
+
+def _cuda_ref(t) -> _CudaRef:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _rebuild, args = reduce_tensor(t.detach())
+    return _CudaRef(HOSTNAME, _gpu_uuid(args[_DEVICE_ARG]), args, t.numel() * t.element_size())
+
+
+def _gpu_uuid(index: int) -> str:
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _local_index(uuid: str) -> int:
+    import torch
+
+    if uuid not in _UUIDS:
+        _UUIDS.update({_gpu_uuid(i): i for i in range(torch.cuda.device_count())})
+    if uuid not in _UUIDS:
+        raise RuntimeError(
+            f"a CUDA tensor from GPU {uuid} reached a process on {HOSTNAME} that does not see that GPU "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); put it on the CPU first"
+        )
+    return _UUIDS[uuid]
+
+
+def _open_cuda(ref: _CudaRef):
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    args = list(ref.args)
+    args[_DEVICE_ARG] = _local_index(ref.gpu_uuid)
+    return rebuild_cuda_tensor(*args)
 
 
 HEADER = 64  # byte 0 of a pooled segment: 1 while a message occupies it, 0 once its reader copied it out
@@ -170,15 +225,18 @@ atexit.register(_POOL.close)
 
 
 def pack(item, node: str):
-    """Replace big tensors/arrays by shared-memory handles (only when we are on the channel's node)."""
+    """Replace big tensors/arrays by shared-memory handles and CUDA tensors by CUDA IPC handles (when
+    we are on the channel's node; from another node, CUDA tensors travel as CPU tensors)."""
     import torch
 
-    if node != HOSTNAME:
-        return item
     if isinstance(item, dict):
         return {k: pack(v, node) for k, v in item.items()}
     if isinstance(item, (list, tuple)) and not hasattr(item, "_fields"):
         return type(item)(pack(v, node) for v in item)
+    if isinstance(item, torch.Tensor) and item.device.type == "cuda" and not item.is_sparse:
+        return _cuda_ref(item) if node == HOSTNAME else item.detach().to("cpu")
+    if node != HOSTNAME:
+        return item
     is_np = isinstance(item, np.ndarray)
     if (is_np or isinstance(item, torch.Tensor)) and item.nbytes >= SHM_MIN_BYTES:
         t = torch.from_numpy(np.ascontiguousarray(item)) if is_np else item.detach()
@@ -197,10 +255,14 @@ def pack(item, node: str):
     return item
 
 
-def unpack(item):
-    """Map shared-memory handles back to tensors (zero-copy) and remove their files."""
+def unpack(item, host: bool = False):
+    """Map shared-memory and CUDA IPC handles back to tensors (zero-copy) and remove their files;
+    ``host=True`` (for a reader on another node) copies CUDA tensors to the CPU."""
     import torch
 
+    if isinstance(item, _CudaRef):
+        t = _open_cuda(item)
+        return t.to("cpu") if host else t
     if isinstance(item, _ShmRef):
         dtype = getattr(torch, item.dtype)
         numel = int(np.prod(item.shape)) if item.shape else 1
@@ -212,14 +274,15 @@ def unpack(item):
             os.unlink(item.path)
         return t.numpy() if item.numpy else t
     if isinstance(item, dict):
-        return {k: unpack(v) for k, v in item.items()}
+        return {k: unpack(v, host) for k, v in item.items()}
     if isinstance(item, (list, tuple)) and not hasattr(item, "_fields"):
-        return type(item)(unpack(v) for v in item)
+        return type(item)(unpack(v, host) for v in item)
     return item
 
 
 def refs(item):
-    if isinstance(item, _ShmRef):
+    """The shared-memory and CUDA IPC handles in ``item``."""
+    if isinstance(item, (_ShmRef, _CudaRef)):
         yield item
     elif isinstance(item, dict):
         for v in item.values():
@@ -232,9 +295,23 @@ def refs(item):
 def release(item) -> None:
     """Free the shared memory of an item that will never be read."""
     for ref in refs(item):
+        if isinstance(ref, _CudaRef):
+            _release_cuda(ref)
+            continue
         with contextlib.suppress(FileNotFoundError):
             if ref.capacity:  # a pooled segment: hand it back to its producer for reuse
                 with open(ref.path, "r+b") as f:
                     f.write(b"\0")
             else:
                 os.unlink(ref.path)
+
+
+def _release_cuda(ref: _CudaRef) -> None:
+    """Tell the producer that a CUDA tensor will never be read, so its GPU memory can be freed."""
+    import torch
+
+    if ref.node != HOSTNAME or not torch.cuda.is_available():
+        return  # the producer frees it when it exits
+    storage_cls, counter, offset = ref.args[4], ref.args[11], ref.args[12]
+    with contextlib.suppress(Exception):  # the producer may be gone already
+        storage_cls._release_ipc_counter(counter, offset, device=_local_index(ref.gpu_uuid))
