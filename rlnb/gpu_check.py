@@ -12,15 +12,17 @@ Checks, in order:
    NCCL all-reduce over every slot.
 4. ``ppo_cartpole_cuda``: PPO CartPole with actor and rollout on ``cuda``, to the solve threshold.
 5. ``ppo_cartpole_cuda_compiled``: the same with ``actor.compile=true``.
-6. ``grpo_tiny_lm_cuda``: GRPO on the locally built tiny LM, HF generation on the GPU, actor and
+6. ``ppo_gpu_env_obs_stay_on_gpu``: PPO on a simulator computed on the GPU (``rlnb/TorchCartPole-v1``
+   with ``device: cuda``, standing in for ManiSkill): observations stay on the GPU from env to actor.
+7. ``grpo_tiny_lm_cuda``: GRPO on the locally built tiny LM, HF generation on the GPU, actor and
    rollout collocated: the rollout offloads its model while the actor trains and onloads to generate.
-7. ``cuda_ipc_channel``: a CUDA tensor through a channel between two worker processes on one node
+8. ``cuda_ipc_channel``: a CUDA tensor through a channel between two worker processes on one node
    arrives without a host round trip (the consumer sees the producer's later writes).
-8. ``weight_sync_cuda_disaggregated``: PPO with actor and rollout in two worker processes on GPUs;
+9. ``weight_sync_cuda_disaggregated``: PPO with actor and rollout in two worker processes on GPUs;
    weights travel GPU to GPU (CUDA IPC on one node) and the policy learns.
-9. ``nccl_broadcast_two_groups``: a state-dict broadcast over NCCL between two groups (with one GPU:
+10. ``nccl_broadcast_two_groups``: a state-dict broadcast over NCCL between two groups (with one GPU:
    two processes on the same device, if NCCL allows it; if not, the line says so).
-10. ``vllm_rollout`` and 11. ``maniskill_pickcube``: where the packages are importable; else skipped
+11. ``vllm_rollout`` and 12. ``maniskill_pickcube``: where the packages are importable; else skipped
     with the reason.
 
 Usage:
@@ -225,11 +227,11 @@ def check_cluster(work: Path) -> dict:
         }
 
 
-def _ppo(work: Path, name: str, compile_: bool, cluster=None, placement=None, steps=None) -> dict:
+def _ppo(work: Path, name: str, compile_: bool, cluster=None, placement=None, steps=None, extra=()) -> dict:
     import rlnb
     from rlnb.config import load_recipe
 
-    overrides = ["actor.device=cuda", "rollout.device=cuda", f"actor.compile={str(compile_).lower()}"]
+    overrides = ["actor.device=cuda", "rollout.device=cuda", f"actor.compile={str(compile_).lower()}", *extra]
     if steps:
         overrides += [f"runner.steps={steps}", "runner.stop_return=null"]
     recipe = load_recipe("ppo_cartpole", overrides)
@@ -254,6 +256,8 @@ def _ppo(work: Path, name: str, compile_: bool, cluster=None, placement=None, st
             "compile_s": compile_stats.get("compile_s"),
             "compile_fallback": compile_stats.get("fallback"),
         }
+        obs = loop.groups["rollout"].sample(2).result()[0]["obs"]
+        out["batch_obs_device"] = str(obs.device)
         for name_, ch in loop.channels.items():
             out[f"channel_{name_}"] = ch.stats()
         if steps is None and stats["episode_return_mean"] < recipe.runner.stop_return:
@@ -271,6 +275,16 @@ def check_ppo_cartpole_cuda(work: Path) -> dict:
 
 def check_ppo_cartpole_cuda_compiled(work: Path) -> dict:
     return _ppo(work, "ppo_compiled", True)
+
+
+def check_ppo_gpu_env_obs_stay_on_gpu(work: Path) -> dict:
+    """A simulator on the GPU (rlnb/TorchCartPole-v1, as ManiSkill would be): observations stay there."""
+    out = _ppo(
+        work, "ppo_gpu_env", False, extra=("env.id=rlnb/TorchCartPole-v1", "env.kwargs={device: cuda}")
+    )
+    if not out["batch_obs_device"].startswith("cuda"):
+        raise RuntimeError(f"the rollout's batch holds observations on {out['batch_obs_device']}: {out}")
+    return out
 
 
 def check_grpo_tiny_lm_cuda(work: Path) -> dict:
@@ -376,12 +390,16 @@ def check_cuda_ipc_channel(work: Path) -> dict:
 
 def check_weight_sync_cuda_disaggregated(work: Path) -> dict:
     with _two_processes_on_gpus() as (cluster, where):
-        out = _ppo(work, "ppo_apart", False, cluster, {"actor": "0", "rollout,env": "1"}, steps=60)
+        out = _ppo(
+            work, "ppo_apart", False, cluster, {"actor": "0", "rollout,env": "1"}, steps=60,
+            extra=("env.id=rlnb/TorchCartPole-v1", "env.kwargs={device: cuda}"),
+        )  # fmt: skip
     out["where"] = where
     if out["episode_return_mean"] < 100:
         raise RuntimeError(f"PPO with weights synced GPU to GPU did not learn: {out}")
-    if not out.get("channel_weights", {}).get("cuda_ipc_tensors"):
-        raise RuntimeError(f"the weights did not travel by CUDA IPC: {out}")
+    for channel in ("channel_weights", "channel_batches"):
+        if not out.get(channel, {}).get("cuda_ipc_tensors"):
+            raise RuntimeError(f"{channel}: no tensor travelled by CUDA IPC: {out}")
     return out
 
 
@@ -467,6 +485,7 @@ CHECKS = [
     ("cluster", check_cluster),
     ("ppo_cartpole_cuda", check_ppo_cartpole_cuda),
     ("ppo_cartpole_cuda_compiled", check_ppo_cartpole_cuda_compiled),
+    ("ppo_gpu_env_obs_stay_on_gpu", check_ppo_gpu_env_obs_stay_on_gpu),
     ("grpo_tiny_lm_cuda", check_grpo_tiny_lm_cuda),
     ("cuda_ipc_channel", check_cuda_ipc_channel),
     ("weight_sync_cuda_disaggregated", check_weight_sync_cuda_disaggregated),

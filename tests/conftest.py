@@ -71,3 +71,11 @@ def kill_driver_after_a_checkpoint(
     driver.send_signal(signal.SIGKILL)
     driver.wait(30)
     return int(complete_checkpoints(run_dir)[-1].name.split("_")[1])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove shared-memory segments of processes the tests SIGKILLed (drivers, workers): a killed process
+    cannot unlink its own, and workers sweep them only when the next one starts."""
+    from rlnb.runtime.shm import sweep_dead_segments
+
+    sweep_dead_segments()

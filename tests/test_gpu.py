@@ -3,6 +3,7 @@
 They run on machines with a CUDA GPU (and, for ManiSkill, Vulkan); elsewhere they skip with the reason.
 """
 
+import copy
 import importlib.util
 
 import numpy as np
@@ -69,3 +70,21 @@ def test_cuda_tensors_cross_a_channel_by_cuda_ipc():
     out = check_cuda_ipc_channel(None)
     assert out["first"]["device"] == "cuda" and out["after_producer_write"] == 2.0
     assert out["cuda_ipc_tensors"] >= 1
+
+
+@requires_gpu
+def test_a_simulator_on_the_gpu_keeps_its_observations_there():
+    import torch
+
+    from rlnb.components import Env
+
+    env = Env(make_env="rlnb/TorchCartPole-v1", num_envs=4, kwargs={"device": "cuda"}, normalize_obs=True)
+    assert env.reset()[0].device.type == "cuda"
+    for _ in range(30):
+        out = env.step(0, np.zeros(4, dtype=np.int64))
+        assert out["obs"].device.type == "cuda" and out["reward"].shape == (4,)
+    state = copy.deepcopy(env.state_dict())  # as a checkpoint holds it: nothing shared with `env`
+    twin = Env(make_env="rlnb/TorchCartPole-v1", num_envs=4, kwargs={"device": "cuda"}, normalize_obs=True)
+    twin.load_state_dict(state)
+    a, b = env.step(0, np.ones(4, dtype=np.int64)), twin.step(0, np.ones(4, dtype=np.int64))
+    assert torch.equal(a["obs"], b["obs"])

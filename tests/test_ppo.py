@@ -1,7 +1,9 @@
 """Seeded PPO runs on real clusters: learning thresholds per placement, determinism, exact resume."""
 
+import copy
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,8 +119,11 @@ def test_same_seed_same_metrics(cluster, tmp_path):
     assert other != runs[0]
 
 
-def test_resume_reproduces_the_uninterrupted_run(cluster, tmp_path):
-    base = ["runner.steps=4", "runner.save_interval=2", "runner.tensorboard=false"]
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "rlnb/TorchCartPole-v1"])
+def test_resume_reproduces_the_uninterrupted_run(cluster, tmp_path, env_id):
+    """Also for a simulator that cannot be pickled (TorchCartPole, like ManiSkill's GPU simulator): its
+    checkpoint goes through its own state_dict()."""
+    base = ["runner.steps=4", "runner.save_interval=2", "runner.tensorboard=false", f"env.id={env_id}"]
     with Loop.from_recipe("ppo_cartpole", base, cluster=cluster, run_dir=tmp_path / "full") as loop:
         full = [without_wall_clock(r) for r in loop.run(progress=False)]
     assert [p.name for p in complete_checkpoints(tmp_path / "full")] == ["step_000002", "step_000004"]
@@ -184,3 +189,31 @@ def test_weight_sync_choices_are_checked_before_anything_starts(cluster, tmp_pat
     overrides = ["runner.steps=1", "cluster.component_placement={'env,rollout': 0, actor: 1}"]
     with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
         assert loop.weight_sync == "channel" and "weights" in loop.channels
+
+
+def test_a_torch_batched_env_learns_with_observations_kept_as_device_tensors(cluster, tmp_path):
+    """rlnb/TorchCartPole-v1 returns torch tensors (on its device: `cuda` in `make gpu-check`); the Env
+    normalises them in torch and the rollout's batch holds them as they came, with no numpy round trip."""
+    overrides = [*FAST, "env.id=rlnb/TorchCartPole-v1", "env.normalize_obs=true"]
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+        loop.run(progress=False)
+        assert loop.episode_stats()["episode_return_mean"] >= 195
+        obs = loop.groups["rollout"].sample(2).result()[0]["obs"]
+        assert isinstance(obs, torch.Tensor) and obs.dtype == torch.float32
+
+
+def test_env_checkpoints_a_simulator_through_its_state_api_not_by_pickling():
+    from rlnb.components import Env
+
+    env = Env(make_env="rlnb/TorchCartPole-v1", num_envs=4, seed=3)
+    env.reset()
+    for _ in range(5):
+        env.step(0, np.ones(4, dtype=np.int64))
+    state = env.state_dict()
+    state = copy.deepcopy(state)  # as a checkpoint holds it: nothing shared with `env`
+    assert state["envs"] is None and state["vector_state"] is not None
+    after = [env.step(0, np.zeros(4, dtype=np.int64))["obs"] for _ in range(20)]
+    twin = Env(make_env="rlnb/TorchCartPole-v1", num_envs=4, seed=99)
+    twin.load_state_dict(state)
+    again = [twin.step(0, np.zeros(4, dtype=np.int64))["obs"] for _ in range(20)]
+    assert all(torch.equal(a, b) for a, b in zip(after, again))

@@ -15,6 +15,7 @@ import logging
 
 import cloudpickle
 import numpy as np
+import torch
 
 from rlnb.components.launch import launcher
 from rlnb.config.schema import EnvConfig
@@ -23,6 +24,13 @@ from rlnb.errors import ComponentError, ConfigError, did_you_mean
 from rlnb.runtime.rank import RankInfo, current_rank
 
 log = logging.getLogger("rlnb")
+
+
+def _host(x, dtype=None) -> np.ndarray:
+    """A host (numpy) copy of a small per-env array the env returned as a tensor (on any device) or array."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=dtype)
 
 
 def _env_config(cfg, settings: dict | None = None) -> EnvConfig:
@@ -154,7 +162,9 @@ class Env:
         obs, reward, terminated, truncated, info = self.envs[stage].step(actions)
         lo = stage * self.per_stage
         idx = slice(lo, lo + self.per_stage)
-        reward = np.asarray(reward, dtype=np.float64)
+        # rewards and done flags ([n] each) come to the host for the episode statistics; observations
+        # of a simulator on a GPU stay there (torch tensors), as do its final observations
+        reward, terminated, truncated = _host(reward, np.float64), _host(terminated), _host(truncated)
         self.ep_return[idx] += reward
         self.ep_len[idx] += 1
         done = np.logical_or(terminated, truncated)
@@ -162,7 +172,11 @@ class Env:
             self.finished.append((float(self.ep_return[lo + i]), int(self.ep_len[lo + i])))
             self.ep_return[lo + i], self.ep_len[lo + i] = 0.0, 0
         final_idx = np.flatnonzero(np.logical_and(truncated, ~terminated))
-        final_obs = np.stack([info["final_obs"][i] for i in final_idx]) if len(final_idx) else None
+        final_obs = None
+        if len(final_idx) and isinstance(info["final_obs"], torch.Tensor):
+            final_obs = info["final_obs"][torch.as_tensor(final_idx, device=info["final_obs"].device)]
+        elif len(final_idx):
+            final_obs = np.stack([info["final_obs"][i] for i in final_idx])
         obs = self._norm_obs(obs, update=True)
         if final_obs is not None:
             final_obs = self._norm_obs(final_obs)
@@ -177,7 +191,17 @@ class Env:
             "final_idx": final_idx,
         }
 
-    def _norm_obs(self, obs: np.ndarray, update: bool = False) -> np.ndarray:
+    def _norm_obs(self, obs, update: bool = False):
+        if isinstance(obs, torch.Tensor):  # a simulator on a device: normalise there
+            obs = obs.float() if obs.dtype == torch.float64 else obs
+            if self.obs_rms is None:
+                return obs
+            if update:
+                var, mean = torch.var_mean(obs.double(), dim=0, correction=0)
+                self.obs_rms.update_from_moments(mean.cpu().numpy(), var.cpu().numpy(), obs.shape[0])
+            mean = torch.as_tensor(self.obs_rms.mean, device=obs.device, dtype=torch.float32)
+            std = torch.as_tensor(np.sqrt(self.obs_rms.var + 1e-8), device=obs.device, dtype=torch.float32)
+            return ((obs - mean) / std).clamp(-10.0, 10.0)
         obs = np.asarray(obs)
         if self.obs_rms is None:
             return obs.astype(np.float32) if obs.dtype == np.float64 else obs
@@ -226,13 +250,16 @@ class Env:
         saved beside them (:func:`rlnb.envs.gym_envs.capture_sim_state`).
         Async vector envs live in subprocesses and are not saved: after a resume they are reset (every
         episode restarts; counters, statistics and normalisation are restored).
+        A vector env with its own ``state_dict()``/``load_state_dict()`` (a GPU simulator: ManiSkill,
+        :class:`rlnb.envs.TorchCartPole`) is saved through them and never pickled.
         """
+        own = self._own_state_api()
+        pickled = self.cfg.vector_mode == "sync" and not own
         return {
-            "envs": cloudpickle.dumps(self.envs) if self.cfg.vector_mode == "sync" else None,
-            "sim_state": [capture_sim_state(v) for v in self.envs]
-            if self.cfg.vector_mode == "sync"
-            else None,
-            "obs": self.obs,
+            "envs": cloudpickle.dumps(self.envs) if pickled else None,
+            "sim_state": [capture_sim_state(v) for v in self.envs] if pickled else None,
+            "vector_state": [v.state_dict() for v in self.envs] if own else None,
+            "obs": [o.cpu() if isinstance(o, torch.Tensor) else o for o in self.obs],
             "ep_return": self.ep_return,
             "ep_len": self.ep_len,
             "finished": self.finished,
@@ -246,6 +273,12 @@ class Env:
     def load_state_dict(self, state: dict) -> None:
         for k in ("obs", "ep_return", "ep_len", "finished", "obs_rms", "ret_rms", "disc_return", "started"):
             setattr(self, k, state[k])
+        if state.get("vector_state") is not None:  # through the simulator's own state API
+            for vec, vec_state in zip(self.envs, state["vector_state"]):
+                vec.load_state_dict(vec_state)
+            device = getattr(self.envs[0], "device", None)
+            self.obs = [o.to(device) if isinstance(o, torch.Tensor) and device else o for o in self.obs]
+            return
         if state["envs"] is None:  # async envs: not in the checkpoint; start fresh episodes
             log.warning(
                 "%s[%d]: async vector envs restart their episodes after a resume", self.name, self.rank
@@ -258,6 +291,11 @@ class Env:
         self.envs = cloudpickle.loads(state["envs"])
         for vec, sim in zip(self.envs, state.get("sim_state") or [None] * len(self.envs)):
             restore_sim_state(vec, sim)  # MuJoCo physics and env RNGs, which pickling does not keep
+
+    def _own_state_api(self) -> bool:
+        return all(callable(getattr(v, "state_dict", None)) for v in self.envs) and all(
+            callable(getattr(v, "load_state_dict", None)) for v in self.envs
+        )
 
     def close(self) -> None:
         for env in self.envs:

@@ -37,20 +37,37 @@ def make_vector_env(
     """``num_envs`` copies of ``env_id`` in a vector env with ``AutoresetMode.SAME_STEP``.
 
     ``env_id`` is a registered gymnasium id, or a ``gymnasium.Env`` class or factory called with ``kwargs``.
+    An id registered with a ``vector_entry_point`` and no ``entry_point`` (a batched simulator such as
+    ``rlnb/TorchCartPole-v1``) and a ``gymnasium.vector.VectorEnv`` class are built whole:
+    ``cls(num_envs=num_envs, **kwargs)``. (Ids with both, like gymnasium's own ``CartPole-v1``, keep
+    their single envs in our vector env, for its same-step autoreset.)
 
     On the step an episode ends, the returned obs is already the reset obs and the last obs of the
     episode is in ``info["final_obs"]`` (mask ``info["_final_obs"]``). Built from picklable
     ``functools.partial`` factories, so a sync vector env can be pickled into a checkpoint.
     """
+    if isinstance(env_id, type) and issubclass(env_id, gym.vector.VectorEnv):
+        return env_id(num_envs=num_envs, **(kwargs or {}))
     if callable(env_id):
         fns = [functools.partial(env_id, **(kwargs or {})) for _ in range(num_envs)]
     elif env_id.startswith("maniskill:"):
         return ManiSkillVector(env_id.removeprefix("maniskill:"), num_envs, kwargs)
+    elif _vector_only(env_id):
+        spec = gym.registry[env_id]
+        creator = spec.vector_entry_point
+        if isinstance(creator, str):
+            creator = gym.envs.registration.load_env_creator(creator)
+        return creator(num_envs=num_envs, **{**spec.kwargs, **(kwargs or {})})
     else:
         fns = [functools.partial(gym.make, env_id, **(kwargs or {})) for _ in range(num_envs)]
     if mode == "sync":
         return SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
     return AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP, shared_memory=True)
+
+
+def _vector_only(env_id: str) -> bool:
+    spec = gym.registry.get(env_id)
+    return spec is not None and spec.entry_point is None and spec.vector_entry_point is not None
 
 
 def capture_sim_state(vec_env) -> list[dict] | None:
@@ -100,8 +117,11 @@ class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN)
     """A ManiSkill3 GPU-parallel task behind the same contract as our gymnasium vector envs.
 
     Wraps ``mani_skill.vector.wrappers.gymnasium.ManiSkillVectorEnv`` (auto reset, episode metrics)
-    and converts its GPU tensors to numpy; on the step an episode ends, ``info["final_obs"]`` holds
-    the batch's true next observations (ManiSkill's ``final_observation``) with mask ``_final_obs``.
+    and keeps observations on the GPU (rewards and done flags, ``[n]`` each, come to the host for episode
+    statistics); on the step an episode ends, ``info["final_obs"]`` holds the batch's true next
+    observations (ManiSkill's ``final_observation``) with mask ``_final_obs``. Checkpoints go through
+    ManiSkill's own state API (``get_state_dict``/``set_state_dict``: actor and articulation poses,
+    controller state) plus step counters, episode metrics and RNGs, never by pickling the simulator.
     """
 
     def __init__(self, task: str, num_envs: int, kwargs: dict | None = None):
@@ -126,13 +146,13 @@ class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN)
         self.single_action_space = self.env.single_action_space
         self.num_envs = num_envs
 
-    @staticmethod
-    def _np(x):
-        return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+    @property
+    def device(self):
+        return self.env.device
 
     def reset(self, seed=None):
         obs, info = self.env.reset(seed=seed[0] if isinstance(seed, list) else seed)
-        return self._np(obs), info
+        return obs, info
 
     def step(self, actions):
         obs, reward, terminated, truncated, info = self.env.step(
@@ -140,9 +160,48 @@ class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN)
         )
         out = {}
         if "final_observation" in info:
-            out["final_obs"] = self._np(info["final_observation"])
-            out["_final_obs"] = self._np(info["_final_observation"])
-        return self._np(obs), self._np(reward), self._np(terminated), self._np(truncated), out
+            out["final_obs"] = info["final_observation"]
+            out["_final_obs"] = info["_final_observation"]
+        return obs, reward, terminated, truncated, out
+
+    def state_dict(self) -> dict:
+        """The simulator's state through ManiSkill's API, its step counters, episode metrics and RNGs."""
+        torch, base = self._torch, self.env.base_env
+
+        def host(x):
+            if isinstance(x, dict):
+                return {k: host(v) for k, v in x.items()}
+            return x.detach().cpu() if isinstance(x, torch.Tensor) else x
+
+        metrics = {
+            k: getattr(self.env, k) for k in ("returns", "success_once", "fail_once") if hasattr(self.env, k)
+        }
+        return {
+            "sim": host(base.get_state_dict()),
+            "elapsed_steps": host(base._elapsed_steps),
+            "metrics": host(metrics),
+            "episode_rng": getattr(base, "_batched_episode_rng", None),  # numpy generators: plain data
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(self.env.device) if self.env.device.type == "cuda" else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        torch, base, dev = self._torch, self.env.base_env, self.env.device
+
+        def to_dev(x):
+            if isinstance(x, dict):
+                return {k: to_dev(v) for k, v in x.items()}
+            return x.to(dev) if isinstance(x, torch.Tensor) else x
+
+        base.set_state_dict(to_dev(state["sim"]))
+        base._elapsed_steps = to_dev(state["elapsed_steps"])
+        for k, v in state["metrics"].items():
+            setattr(self.env, k, to_dev(v))
+        if state["episode_rng"] is not None:
+            base._batched_episode_rng = state["episode_rng"]
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"], dev)
 
     def close(self):
         self.env.close()
@@ -157,7 +216,10 @@ class RunningMeanStd:
         self.count = epsilon
 
     def update(self, x: np.ndarray) -> None:
-        batch_mean, batch_var, n = x.mean(axis=0), x.var(axis=0), x.shape[0]
+        self.update_from_moments(x.mean(axis=0), x.var(axis=0), x.shape[0])
+
+    def update_from_moments(self, batch_mean, batch_var, n: int) -> None:
+        """Fold in a batch given by its mean, (population) variance and size."""
         delta, total = batch_mean - self.mean, self.count + n
         self.mean = self.mean + delta * n / total
         m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
