@@ -465,18 +465,42 @@ def check_maniskill_pickcube(work: Path) -> dict:
         )
     import rlnb
     from rlnb.config import load_recipe
+    from rlnb.envs.gym_envs import physx_gpu_library
 
-    recipe = load_recipe(
-        "ppo_maniskill",
-        ["runner.steps=3", "env.num_envs=64", "runner.eval_interval=0", "runner.save_interval=0"],
-    )
+    library, url = physx_gpu_library()
+    if not library.exists():
+        import socket
+
+        try:
+            socket.create_connection(("github.com", 443), timeout=5).close()
+        except OSError:
+            raise Skip(
+                f"SAPIEN's PhysX GPU library is not at {library}: SAPIEN downloads it from GitHub at first use, "
+                f"which this machine cannot reach; bring {url} and unzip it into {library.parent}"
+            ) from None
+
+    overrides = ["runner.steps=3", "env.num_envs=64", "runner.eval_interval=0", "runner.save_interval=0"]
+    recipe = load_recipe("ppo_maniskill", overrides)
+    out: dict = {}
     loop = rlnb.Loop.from_recipe(recipe, run_dir=work / "maniskill")
     try:
+        t0 = time.perf_counter()
         loop.run(progress=False)
+        out.update(
+            steps=loop.step, wall_s=round(time.perf_counter() - t0, 1), startup_s=round(loop.startup_s, 1)
+        )
+        out["batch_obs_device"] = str(loop.groups["rollout"].sample(2).result()[0]["obs"].device)
         path = loop.save()  # the simulator's state through its own API, never pickled
-        return {"steps": loop.step, "checkpoint": str(path)}
+        out["checkpoint"] = path.name
     finally:
         loop.close()
+    resumed = rlnb.Loop.resume(work / "maniskill")
+    try:
+        resumed.run(steps=1, progress=False)
+        out["resumed_to_step"] = resumed.step
+    finally:
+        resumed.close()
+    return out
 
 
 CHECKS = [

@@ -33,6 +33,12 @@ def test_embedded_cluster_uses_dask_cuda_and_nccl():
 )
 def test_maniskill_env_steps_on_gpu():
     from rlnb.components import Env
+    from rlnb.envs.gym_envs import _check_physx_gpu_library
+
+    try:
+        _check_physx_gpu_library()
+    except RuntimeError as e:  # an offline machine without SAPIEN's PhysX GPU library
+        pytest.skip(str(e))
     from rlnb.config import EnvConfig
 
     env = Env(
@@ -42,6 +48,10 @@ def test_maniskill_env_steps_on_gpu():
     assert obs.shape[0] == 4
     out = env.step(0, np.zeros((4, *env.action_space.shape), dtype=np.float32))
     assert out["obs"].shape == obs.shape and out["reward"].shape == (4,)
+    assert out["obs"].device.type == "cuda"  # observations stay on the GPU
+    state = env.state_dict()  # through ManiSkill's state API, not by pickling the simulator
+    assert state["envs"] is None and "sim" in state["vector_state"][0]
+    env.load_state_dict(state)
     env.close()
 
 

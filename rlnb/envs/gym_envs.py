@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
+from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -136,6 +137,8 @@ class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN)
             **(kwargs or {}),
         }
         self._torch = torch
+        if kw["sim_backend"] in ("physx_cuda", "gpu"):
+            _check_physx_gpu_library()
         self.env = ManiSkillVectorEnv(
             gym.make(task, num_envs=num_envs, **kw),
             auto_reset=True,
@@ -205,6 +208,36 @@ class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN)
 
     def close(self):
         self.env.close()
+
+
+def physx_gpu_library() -> tuple[Path, str]:
+    """Where SAPIEN (ManiSkill's simulator) keeps its PhysX GPU library, and the URL it downloads it from
+    at first use."""
+    import sapien.physx
+
+    version = sapien.physx.version()
+    return (
+        Path.home() / ".sapien" / "physx" / version / "libPhysXGpu_64.so",
+        f"https://github.com/sapien-sim/physx-precompiled/releases/download/{version}/linux-so.zip",
+    )
+
+
+def _check_physx_gpu_library() -> None:
+    """SAPIEN downloads its PhysX GPU library from GitHub at first use, with no timeout: on a machine
+    that cannot reach GitHub, say what to bring instead of failing deep in ``requests``."""
+    import socket
+
+    path, url = physx_gpu_library()
+    if path.exists():
+        return
+    try:
+        socket.create_connection(("github.com", 443), timeout=5).close()
+    except OSError as e:
+        raise RuntimeError(
+            f"ManiSkill's GPU simulator needs SAPIEN's PhysX GPU library at {path}, which SAPIEN downloads "
+            f"from {url} at first use; this machine cannot reach github.com ({e}). Download that zip "
+            f"elsewhere and unzip it into {path.parent}"
+        ) from None
 
 
 class RunningMeanStd:
