@@ -11,10 +11,13 @@ BIN    := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
+# on a machine with an NVIDIA GPU, the GPU extras too, so their tests run instead of skipping
+GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo ",vllm,maniskill")
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev$(GPU_EXTRAS)]"
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
