@@ -102,10 +102,33 @@ def algorithm_reference() -> str:
     return "\n".join(lines)
 
 
+def metrics_reference() -> str:
+    """Every logged metric and what it means, grouped by prefix (from :data:`rlnb.metrics.GLOSSARY`)."""
+    from rlnb.metrics import GLOSSARY
+
+    lines = [
+        "# Metrics glossary",
+        "",
+        "Every key the loops write to `metrics.jsonl` (and TensorBoard, W&B). The dashboard shows the same "
+        "text when you hover over a metric. Generated from `rlnb.metrics.GLOSSARY`.",
+    ]
+    groups: dict[str, list[str]] = {}
+    for key in GLOSSARY:
+        groups.setdefault(key.split("/")[0] if "/" in key else "bookkeeping", []).append(key)
+    for group, keys in groups.items():
+        lines += ["", f"## {group}", "", "| metric | meaning |", "|---|---|"]
+        lines += [f"| `{k}` | {GLOSSARY[k]} |" for k in keys]
+    return "\n".join(lines)
+
+
 def write_reference(out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pages = {"recipe.md": recipe_reference(), "algorithms.md": algorithm_reference()}
+    pages = {
+        "recipe.md": recipe_reference(),
+        "algorithms.md": algorithm_reference(),
+        "metrics.md": metrics_reference(),
+    }
     for name, text in pages.items():
         (out / name).write_text(text + "\n")
     return [out / n for n in pages]

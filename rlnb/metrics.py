@@ -14,6 +14,79 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+GLOSSARY: dict[str, str] = {
+    # bookkeeping
+    "step": "Training steps done (= the policy version the actor holds).",
+    "global_step": "Embodied PPO: env steps collected so far (all env ranks).",
+    "wall_time": "Seconds since the run started, when this record was logged.",
+    # env
+    "env/episode_return_mean": "Mean return of the last 20 finished episodes (undiscounted, before reward normalisation).",
+    "env/episode_len_mean": "Mean length of the last 20 finished episodes, in env steps.",
+    # rollout
+    "rollout/steps_per_s": "Env steps per second of the rollout phase (all env ranks).",
+    "rollout/episodes_finished": "Episodes that ended during this step's rollout.",
+    "rollout/tokens_per_s": "Tokens generated per second (asynchronous mode: over the generation time itself).",
+    "rollout/response_len_mean": "Mean completion length, in tokens.",
+    "rollout/reward_mean": "Mean reward of this step's completions.",
+    "rollout/accuracy": "Share of this step's completions with reward >= 1 (exact answers).",
+    "rollout/staleness_mean": "Asynchronous mode: mean policy versions between a token's generation and the step training on it.",
+    "rollout/staleness_max": "Asynchronous mode: the largest such staleness in the batch (<= algorithm.max_staleness).",
+    "rollout/interrupted_frac": "Asynchronous LM mode: share of sequences whose generation spanned a weight update.",
+    "rollout/weight_swaps": "Asynchronous LM mode: weight updates rollout ranks loaded mid-generation.",
+    "rollout/overlap_frac": "Share of rollout time hidden behind training (0: synchronous).",
+    # reward
+    "reward/mean": "Mean reward the reward component gave this step's completions.",
+    "reward/accuracy": "Share of this step's completions the reward scored >= 1.",
+    # advantages
+    "advantages/advantage_mean": "Mean advantage before minibatch normalisation.",
+    "advantages/advantage_std": "Standard deviation of the advantages.",
+    "advantages/advantage_abs_mean": "Mean absolute advantage (LM: over response tokens; 0 when every group is all-equal).",
+    "advantages/kl_mean": "REINFORCE++ with a KL penalty: mean per-token KL to the reference policy in the returns.",
+    "advantages/return_mean": "Mean return target (value targets for PPO; per-token returns for REINFORCE++).",
+    "advantages/logprob_drift": "Mean |log-prob now - behaviour log-prob| over response tokens: how far the actor moved from the policy that sampled.",
+    # train
+    "train/loss": "Total loss of the last update (policy + value + entropy terms, KL when on).",
+    "train/policy_loss": "Clipped surrogate loss (pg_loss), averaged over minibatches.",
+    "train/value_loss": "Value-function loss (v_loss), averaged over minibatches.",
+    "train/entropy": "Mean policy entropy over the batch; falling fast means the policy commits early.",
+    "train/approx_kl": "Approximate KL(old || new), estimator (ratio - 1) - log ratio; large values mean big policy steps.",
+    "train/clip_frac": "Share of samples whose probability ratio left [1 - clip_coef, 1 + clip_coef].",
+    "train/ratio_mean": "Mean probability ratio new / old over the update (drifts from 1 as the policy moves).",
+    "train/explained_variance": "1 - Var(returns - values) / Var(returns): 1 is a perfect value function, <= 0 useless.",
+    "train/grad_norm": "LM actor: gradient norm before clipping to algorithm.max_grad_norm.",
+    "train/lr": "Learning rate used in this update (after annealing).",
+    "train/epochs": "Update epochs actually run (fewer when target_kl stopped early).",
+    "train/kl": "Mean KL to the reference policy (LM, algorithm.kl_coef > 0).",
+    "train/behave_weight_mean": "Decoupled PPO: mean behaviour importance weight of kept tokens.",
+    "train/behave_masked_frac": "Decoupled PPO: share of tokens dropped by behave_weight_cap.",
+    # time
+    "time/sync_s": "Seconds in sync_weights() (actor -> rollout weights).",
+    "time/rollout_s": "Seconds in rollout() (env stepping, inference, rewards, the batch hand-off).",
+    "time/advantages_s": "Seconds in advantages().",
+    "time/train_s": "Seconds in train(), compile time excluded.",
+    "time/compile_s": "Seconds compiling the train step (torch.compile), on the step it happened.",
+    "time/step_s": "Seconds of the whole step (the phases above).",
+    "time/eval_s": "Seconds in evaluate().",
+    "time/sft_s": "Seconds of the supervised warm start.",
+    # eval and SFT
+    "eval/return_mean": "Mean return of deterministic evaluation episodes on fresh envs.",
+    "eval/return_std": "Standard deviation of those returns.",
+    "eval/len_mean": "Mean length of the evaluation episodes.",
+    "eval/accuracy": "Greedy accuracy on held-out problems.",
+    "eval/reward_mean": "Mean reward of the greedy held-out answers.",
+    "eval/size": "Held-out problems evaluated.",
+    "sft/loss_first": "Warm-start loss at its first step.",
+    "sft/loss_last": "Warm-start loss at its last step.",
+    "sft/steps": "Warm-start steps run.",
+}
+"""What every metric the loops log means (``docs/reference/metrics.md`` is generated from it, and the
+dashboard shows it on hover)."""
+
+
+def undocumented(keys) -> list[str]:
+    """The metric names in ``keys`` that :data:`GLOSSARY` does not explain."""
+    return sorted(k for k in keys if k not in GLOSSARY)
+
 
 class MetricLogger:
     """Writes one JSON object per step to ``<run_dir>/metrics.jsonl`` and fans out to listeners.

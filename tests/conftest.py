@@ -79,3 +79,15 @@ def pytest_sessionfinish(session, exitstatus):
     from rlnb.runtime.shm import sweep_dead_segments
 
     sweep_dead_segments()
+
+
+def assert_metrics_documented(run_dir) -> None:
+    """Every key a run logged is explained in the metrics glossary (rlnb.metrics.GLOSSARY)."""
+    import json
+
+    from rlnb.metrics import undocumented
+
+    keys = set()
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        keys |= set(json.loads(line))
+    assert keys and not undocumented(keys), f"metrics missing from the glossary: {undocumented(keys)}"

@@ -6,7 +6,7 @@ import pytest
 from rlnb.config import load_recipe
 from rlnb.errors import ConfigError
 from rlnb.loop import GRPOLoop, Loop, complete_checkpoints
-from tests.conftest import kill_driver_after_a_checkpoint, without_wall_clock
+from tests.conftest import assert_metrics_documented, kill_driver_after_a_checkpoint, without_wall_clock
 
 APART = "cluster.component_placement={'env,rollout': 0, actor: 1}"  # rollout and actor on different workers
 QUIET = ["runner.tensorboard=false", APART]
@@ -28,6 +28,7 @@ def test_async_ppo_runs_ahead_within_the_bound_and_learns(cluster, tmp_path):
         assert all(0 <= x <= 1 for x in overlap) and max(overlap) > 0.5, overlap
         ret = loop.episode_stats()["episode_return_mean"]
         assert ret >= 195, f"mean return {ret} after {loop.step} steps"
+    assert_metrics_documented(tmp_path)
 
 
 def test_async_resume_reproduces_the_uninterrupted_run(cluster, tmp_path):
@@ -92,6 +93,7 @@ def test_decoupled_ppo_learns_off_policy_and_its_behaviour_weight_cap_applies(cl
     with Loop.from_recipe("ppo_cartpole", tight, cluster=cluster, run_dir=tmp_path / "tight") as loop:
         masked = [r["train/behave_masked_frac"] for r in loop.run(progress=False)]
     assert max(masked) > 0, masked  # stale samples past the cap were dropped, on the actor's worker
+    assert_metrics_documented(tmp_path / "tight")
     with pytest.raises(ConfigError, match=r"algorithm.behave_weight_cap.*> 1.*0.5"):
         load_recipe("ppo_cartpole", ["algorithm.behave_weight_cap=0.5"])
 

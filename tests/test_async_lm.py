@@ -8,7 +8,7 @@ import pytest
 
 from rlnb.errors import ComponentError, ConfigError
 from rlnb.loop import GRPOLoop
-from tests.conftest import kill_driver_after_a_checkpoint
+from tests.conftest import assert_metrics_documented, kill_driver_after_a_checkpoint
 
 APART = "cluster.component_placement={'rollout,reward': 0, actor: 1}"
 SMALL = [
@@ -162,3 +162,4 @@ def test_decoupled_ppo_trains_asynchronous_grpo_with_its_behaviour_weight_cap(cl
     assert all("train/behave_weight_mean" in r for r in records)
     stale = [r for r in records if r["rollout/staleness_max"] > 0]
     assert stale and max(r["train/behave_masked_frac"] for r in stale) > 0  # the cap dropped stale tokens
+    assert_metrics_documented(tmp_path / "run")

@@ -13,7 +13,7 @@ from rlnb.errors import ConfigError
 from rlnb.loop import GRPOLoop, complete_checkpoints
 from rlnb.models.lm import build_tiny_lm, load_lm, token_logprobs
 from rlnb.runtime import rank as rank_mod
-from tests.conftest import requires_gpu, without_wall_clock
+from tests.conftest import assert_metrics_documented, requires_gpu, without_wall_clock
 
 QUIET = ["runner.tensorboard=false"]
 
@@ -140,6 +140,7 @@ def test_grpo_raises_reward(cluster, tmp_path):
             "time/train_s",
         ):
             assert k in loop.history[-1], k
+    assert_metrics_documented(tmp_path / "run")
 
 
 def test_grpo_resume_is_exact_and_reward_can_sit_elsewhere(cluster, tmp_path):

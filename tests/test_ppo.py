@@ -12,7 +12,7 @@ from rlnb.config import load_recipe
 from rlnb.errors import PlacementError
 from rlnb.loop import Loop, complete_checkpoints
 from rlnb.metrics import read_metrics
-from tests.conftest import without_wall_clock
+from tests.conftest import assert_metrics_documented, without_wall_clock
 
 FAST = [
     "runner.stop_return=195",
@@ -44,6 +44,7 @@ def test_collocated_cartpole_learns(cluster, tmp_path):
     ):
         assert k in keys, k
     assert records[-1]["eval/return_mean"] == ev["eval/return_mean"]
+    assert_metrics_documented(tmp_path)  # every logged key is in the metrics glossary
     assert (tmp_path / "recipe.yaml").exists()
 
 
@@ -217,3 +218,20 @@ def test_env_checkpoints_a_simulator_through_its_state_api_not_by_pickling():
     twin.load_state_dict(state)
     again = [twin.step(0, np.zeros(4, dtype=np.int64))["obs"] for _ in range(20)]
     assert all(torch.equal(a, b) for a, b in zip(after, again))
+
+
+def test_the_sample_after_advantages_shows_them_beside_rewards_and_dones(cluster, tmp_path):
+    """What the quickstart notebook shows after `advantages()`: the actor's batch with advantages and
+    returns (returns = advantages + values, GAE's value targets), read back from the actor's worker."""
+    with Loop.from_recipe(
+        "ppo_cartpole", ["runner.tensorboard=false"], cluster=cluster, run_dir=tmp_path
+    ) as loop:
+        loop.sync_weights()
+        loop.rollout()
+        before = loop.sample(5)
+        assert "advantages" not in before and before["rewards"].shape == (5, 8)
+        loop.advantages()
+        after = loop.sample(5)
+        assert after["advantages"].shape == after["rewards"].shape == after["dones"].shape == (5, 8)
+        assert torch.allclose(after["returns"], after["advantages"] + after["values"], atol=1e-5)
+        assert torch.equal(after["rewards"], before["rewards"])

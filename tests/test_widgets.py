@@ -53,6 +53,8 @@ def test_dashboard_view_follows_the_model():
     assert dash.bar.value == pytest.approx(0.6) and dash.label.value.startswith("step 3/5")
     assert "rollout" in dash.phases.value and "train" in dash.phases.value
     assert "env/episode_return_mean" in dash.metrics.value and "30" in dash.metrics.value
+    # hovering a metric shows its glossary entry
+    assert "title='Mean return of the last 20 finished episodes" in dash.metrics.value
     assert dash.plots.value[:8] == b"\x89PNG\r\n\x1a\n" and len(dash.plots.value) > 5000  # curves drawn
     for rec in _records(5):
         model.update(rec)

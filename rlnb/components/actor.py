@@ -255,6 +255,17 @@ class PPOActor(ActorBase):
         self.batch = batch
         return {"steps": int(batch["rewards"].numel()), "version": batch["version"]}
 
+    def sample(self, n: int = 4) -> dict:
+        """The first ``n`` time steps of this rank's batch (``[n, N, ...]``, on the CPU): what the rollout
+        collected and, once :meth:`compute_advantages` ran, ``advantages`` and ``returns`` beside them."""
+        if self.batch is None:
+            return {}
+        return {
+            k: (v[:n].detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) and v.dim() > 1 else v)
+            for k, v in self.batch.items()
+            if k != "last_values"
+        }
+
     # ------------------------------------------------------------------ phases
     def compute_advantages(self) -> dict:
         """Run the advantage estimator on the current batch (every input of the contract it accepts)."""

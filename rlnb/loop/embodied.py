@@ -379,7 +379,15 @@ class Loop(LoopBase):
         )
 
     def sample(self, n: int = 4) -> dict:
-        """The first ``n`` steps of rollout rank 0's last batch, to inspect in a notebook."""
+        """The first ``n`` time steps of the batch actor rank 0 trains on (``[n, N, ...]``), to inspect in
+        a notebook: ``obs``, ``actions``, ``logprobs``, ``values``, ``rewards``, ``dones`` and, after
+        :meth:`advantages`, ``advantages`` and ``returns``. (Rollout rank 0's batch, for an actor class
+        without ``sample``.)"""
+        actor = self.groups["actor"]
+        if callable(getattr(actor.cls, "sample", None)):
+            got = actor.on(0).sample(n).result()[0]
+            if got:
+                return got
         return self.groups["rollout"].on(0).sample(n).result()[0]
 
 

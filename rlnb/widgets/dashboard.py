@@ -6,13 +6,22 @@ import html
 
 import ipywidgets as w
 
+from rlnb.metrics import GLOSSARY
 from rlnb.widgets.model import DashboardModel, watch_messages
 
 
-def _table(rows: list[tuple[str, str]]) -> str:
+def _table(rows: list[tuple[str, str]], titles: dict[str, str] | None = None) -> str:
+    """An HTML table of ``(name, value)`` rows; a name in ``titles`` shows that text on hover."""
+    titles = titles or {}
+
+    def name(k: str) -> str:
+        tip = titles.get(k)
+        return (
+            f"<abbr title='{html.escape(tip, quote=True)}'>{html.escape(k)}</abbr>" if tip else html.escape(k)
+        )
+
     body = "".join(
-        f"<tr><td style='padding-right:1em'>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>"
-        for k, v in rows
+        f"<tr><td style='padding-right:1em'>{name(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in rows
     )
     return f"<table>{body}</table>"
 
@@ -55,7 +64,7 @@ class Dashboard(w.VBox):
             ]
         )
         keys = [k for k in sorted(model.latest) if not k.startswith("time/")][:16]
-        self.metrics.value = _table([(k, f"{model.latest[k]:.4g}") for k in keys])
+        self.metrics.value = _table([(k, f"{model.latest[k]:.4g}") for k in keys], GLOSSARY)
         self.messages.value = (
             "<b>warnings and errors</b><pre style='white-space:pre-wrap'>"
             + html.escape("\n".join(model.messages))
