@@ -59,6 +59,10 @@ GLOSSARY: dict[str, str] = {
     "train/kl": "Mean KL to the reference policy (LM, algorithm.kl_coef > 0).",
     "train/behave_weight_mean": "Decoupled PPO: mean behaviour importance weight of kept tokens.",
     "train/behave_masked_frac": "Decoupled PPO: share of tokens dropped by behave_weight_cap.",
+    # steering
+    "steer/lr": "Learning rate set between steps (set_hyperparameters or the dashboard), logged on the first step using it.",
+    "steer/ent_coef": "Entropy coefficient set between steps, logged on the first step using it.",
+    "steer/clip_coef": "Clip coefficient set between steps, logged on the first step using it.",
     # time
     "time/sync_s": "Seconds in sync_weights() (actor -> rollout weights).",
     "time/rollout_s": "Seconds in rollout() (env stepping, inference, rewards, the batch hand-off).",

@@ -131,3 +131,56 @@ def test_worker_warnings_and_a_failed_background_run_reach_the_dashboard(cluster
     finally:
         logging.getLogger("rlnb").removeHandler(handler)
         echo.shutdown()
+
+
+def _wait_until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_the_dashboard_steers_a_background_run(cluster, tmp_path):
+    """Its controls, clicked as a user would: pause holds the run at a step boundary, new hyperparameters
+    take effect on the next step (logged there, in the recipe and on the actor's worker), save now writes a
+    checkpoint after that step, a bad value is refused in the messages, stop ends the run."""
+    from rlnb.loop import complete_checkpoints
+
+    overrides = [
+        "runner.steps=400",
+        "runner.tensorboard=false",
+        "runner.stop_return=null",
+        "actor.anneal_lr=false",
+    ]
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+        dash = loop.dashboard()
+        loop.run(background=True)
+        _wait_until(lambda: loop.step >= 2)
+        dash.pause_button.value = True
+        time.sleep(1.0)  # the step in progress finishes
+        held = loop.step
+        time.sleep(1.0)
+        assert loop.paused and loop.step == held and dash.pause_button.description == "resume"
+        dash.hyperparameters["lr"].value = -1.0
+        dash.apply_button.click()
+        assert (
+            "not applied: set_hyperparameters: lr expected a number > 0, got -1.0" in dash.model.messages[-1]
+        )
+        dash.hyperparameters["lr"].value = 5e-4
+        dash.hyperparameters["clip_coef"].value = 0.1
+        dash.apply_button.click()
+        dash.save_button.click()
+        dash.pause_button.value = False
+        _wait_until(lambda: loop.step >= held + 3)
+        dash.stop_button.click()
+        loop.join(60)
+        assert held + 3 <= loop.step < 400
+        changed = [r for r in loop.history if any(k.startswith("steer/") for k in r)]
+        assert [(r["step"], r["steer/lr"], r["steer/clip_coef"]) for r in changed] == [(held + 1, 5e-4, 0.1)]
+        lrs = {r["step"]: r["train/lr"] for r in loop.history}
+        assert all(lr == 1e-3 for s, lr in lrs.items() if s <= held) and all(
+            lr == 5e-4 for s, lr in lrs.items() if s > held
+        )
+        assert loop.groups["actor"].describe().result()[0]["algorithm"]["clip_coef"] == 0.1
+        assert [p.name for p in complete_checkpoints(tmp_path)] == [f"step_{held + 1:06d}"]
+        assert "lr: 0.0005" in (tmp_path / "recipe.yaml").read_text()

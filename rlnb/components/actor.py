@@ -108,6 +108,25 @@ class ActorBase:
             else {"compiled": False, "compile_s": None, "fallback": None}
         )
 
+    def set_hyperparameters(self, **values: float) -> dict:
+        """Change ``lr`` (the optimizer's now, and the base of its annealing), ``ent_coef`` or ``clip_coef``
+        between steps; the loop checks the values first. Returns the values now in force."""
+        for key, value in values.items():
+            if key == "lr":
+                if getattr(self, "cfg", None) is not None:
+                    self.cfg = dataclasses.replace(self.cfg, lr=value)
+                if hasattr(self, "lr"):
+                    self.lr = value
+                for group in self.optimizer.param_groups:
+                    group["lr"] = value
+            else:
+                self.algo = dataclasses.replace(self.algo, **{key: value})
+        return {
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "ent_coef": self.algo.ent_coef,
+            "clip_coef": self.algo.clip_coef,
+        }
+
     def set_total_steps(self, total_steps: int) -> int:
         """The run's length in training steps, for schedules such as ``anneal_lr`` (a loop sets it)."""
         self.total_steps = max(1, int(total_steps))

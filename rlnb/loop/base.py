@@ -12,8 +12,10 @@ import dataclasses
 import html
 import json
 import logging
+import math
 import os
 import shutil
+import threading
 import time
 import uuid
 from dataclasses import asdict
@@ -25,7 +27,15 @@ from rlnb.cluster.cluster import Cluster, default_cpu_slots
 from rlnb.cluster.placement import Placement, resolve_placement
 from rlnb.config.loader import load_recipe, to_yaml
 from rlnb.config.schema import AlgorithmConfig, Recipe, RunnerConfig
-from rlnb.errors import ComponentError, ConfigError, PlacementError, RemoteError, RlnbError, WorkerLostError
+from rlnb.errors import (
+    ComponentError,
+    ConfigError,
+    PlacementError,
+    RemoteError,
+    RlnbError,
+    WorkerLostError,
+    did_you_mean,
+)
 from rlnb.metrics import MetricLogger
 from rlnb.runtime.channel import Channel
 from rlnb.runtime.group import Group, init_collective
@@ -33,6 +43,13 @@ from rlnb.runtime.group import Group, init_collective
 log = logging.getLogger("rlnb")
 
 WEIGHT_SYNC_GROUP = "rlnb-weight-sync"  # the process group of rollout.weight_sync=broadcast
+
+STEERABLE = {
+    "lr": ("actor", "lr"),
+    "ent_coef": ("algorithm", "ent_coef"),
+    "clip_coef": ("algorithm", "clip_coef"),
+}
+"""Hyperparameters :meth:`LoopBase.set_hyperparameters` changes between steps, and their recipe section."""
 
 
 class CheckpointError(RlnbError, OSError):
@@ -121,6 +138,13 @@ class LoopBase:
     ):
         t0 = time.perf_counter()
         self.recipe = recipe
+        # steering between steps (the dashboard's controls, or cells while run() goes on in the background)
+        self._steer_lock = threading.Lock()
+        self._steer_queue: dict[str, float] = {}
+        self._running = threading.Event()
+        self._running.set()
+        self._save_requested = False
+        self.steering: list[dict] = []  # applied changes: {"step": first step using them, name: value}
         c = recipe.cluster
         comps = self.COMPONENTS
         self.built_from_objects = components is not None
@@ -424,6 +448,7 @@ class LoopBase:
     # ------------------------------------------------------------------ shared phases
     def sync_weights(self) -> dict:
         """Actor -> rollout weights, stamped with the policy version (= training steps done)."""
+        self._apply_steering()
         t0 = time.perf_counter()
         self._sync()
         return self._phase("sync", t0, {"version": self.step})
@@ -515,8 +540,85 @@ class LoopBase:
         self._log_step(out)
         return out
 
+    # ------------------------------------------------------------------ steering
+    def set_hyperparameters(self, **values: float) -> dict:
+        """Change ``lr``, ``ent_coef`` or ``clip_coef`` between steps, e.g. from a cell while ``run()`` goes on
+        in the background, or from the dashboard: checked now, applied at the next step boundary (the start
+        of the next :meth:`step_once` or :meth:`sync_weights`), logged as ``steer/<name>`` on the first step
+        that uses it, and written to the run's ``recipe.yaml``. Returns the changes still queued.
+
+        Example:
+            >>> loop.set_hyperparameters(lr=1e-4, ent_coef=0.01)   # doctest: +SKIP
+        """
+        actor = self.groups["actor"]
+        if not callable(getattr(actor.cls, "set_hyperparameters", None)):
+            raise ComponentError(
+                "lacks method set_hyperparameters, which steering between steps calls; subclass the built-in "
+                "actor (rlnb.PPOActor, rlnb.LMActor)",
+                actor.name, actor.cls.__name__, "set_hyperparameters",
+            )  # fmt: skip
+        for key, value in values.items():
+            if key not in STEERABLE:
+                raise ConfigError(
+                    f"set_hyperparameters: {key!r} cannot change between steps; steerable: "
+                    f"{', '.join(STEERABLE)}.{did_you_mean(key, STEERABLE)}",
+                    key,
+                )
+            low_ok = key == "ent_coef"
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+                or (value == 0 and not low_ok)
+            ):
+                raise ConfigError(
+                    f"set_hyperparameters: {key} expected a number {'>= 0' if low_ok else '> 0'}, got {value!r}",
+                    key,
+                )
+        with self._steer_lock:
+            self._steer_queue.update({k: float(v) for k, v in values.items()})
+            return dict(self._steer_queue)
+
+    def _apply_steering(self) -> None:
+        with self._steer_lock:
+            changes, self._steer_queue = self._steer_queue, {}
+        if not changes:
+            return
+        self.groups["actor"].set_hyperparameters(**changes).result()
+        for key, value in changes.items():
+            section, field = STEERABLE[key]
+            setattr(getattr(self.recipe, section), field, value)  # the recipe describes the run as it goes on
+            self._pending[f"steer/{key}"] = value
+        self.steering.append({"step": self.step + 1, **changes})
+        if self.run_dir is not None and self.run_dir.exists():
+            (self.run_dir / "recipe.yaml").write_text(to_yaml(self.recipe))
+        log.info("step %d trains with %s", self.step + 1, changes)
+
+    def pause(self) -> None:
+        """Hold a running ``run()`` at the next step boundary until :meth:`unpause` (or :meth:`stop`)."""
+        self._running.clear()
+
+    def unpause(self) -> None:
+        """Let a paused ``run()`` go on."""
+        self._running.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    def request_save(self) -> None:
+        """Have ``run()`` write a checkpoint at the end of the step in progress (the dashboard's "save now")."""
+        self._save_requested = True
+
+    def _wait_while_paused(self) -> None:
+        while not self._running.wait(0.1):
+            if self._stop:
+                return
+
     def step_once(self) -> dict:
         """All phases of one step; returns the step's metric record."""
+        self._apply_steering()
         self.sync_weights()
         self.rollout()
         self.advantages()
@@ -596,11 +698,15 @@ class LoopBase:
         target = self._run_target = self.step + steps
         try:
             while self.step < target:
+                self._wait_while_paused()
+                if self._stop:
+                    break
                 try:
                     rec = self.step_once()
                     if r.eval_interval and self.step % r.eval_interval == 0:
                         self.evaluate()
-                    if r.save_interval and self.step % r.save_interval == 0:
+                    if (r.save_interval and self.step % r.save_interval == 0) or self._save_requested:
+                        self._save_requested = False
                         self.save()
                 except WorkerLostError as e:
                     if restarts >= r.max_restarts:
@@ -656,7 +762,7 @@ class LoopBase:
         p = self._pending
         record = {**record, "time/step_s": sum(v for k, v in p.items() if k.startswith("time/"))}
         for k, v in p.items():
-            if k.startswith(("train/", "time/", "advantages/")):
+            if k.startswith(("train/", "time/", "advantages/", "steer/")):
                 record[k] = v
         self._pending = {}
         return self.logger.log(self.step, record)

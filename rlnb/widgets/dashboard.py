@@ -29,13 +29,16 @@ def _table(rows: list[tuple[str, str]], titles: dict[str, str] | None = None) ->
 class Dashboard(w.VBox):
     """Progress bar with ETA, live curves, per-phase time breakdown and the latest metrics.
 
-    It observes a :class:`DashboardModel` (fed by the loop's metric stream); it never drives the run.
-    Curves redraw every ``plot_every`` updates.
+    It observes a :class:`DashboardModel` (fed by the loop's metric stream). With ``controls`` (the loop),
+    a row of controls steers the run at step boundaries: pause/resume, stop, save now, and ``lr``,
+    ``ent_coef``, ``clip_coef`` (:meth:`rlnb.loop.base.LoopBase.set_hyperparameters`). Curves redraw every
+    ``plot_every`` updates.
     """
 
-    def __init__(self, model: DashboardModel, title: str = "rlnb", plot_every: int = 10):
+    def __init__(self, model: DashboardModel, title: str = "rlnb", plot_every: int = 10, controls=None):
         self.model = model
         self.plot_every = plot_every
+        self.controls = controls
         self.bar = w.FloatProgress(
             value=0.0, min=0.0, max=1.0, description=title, layout=w.Layout(width="60%")
         )
@@ -44,13 +47,80 @@ class Dashboard(w.VBox):
         self.phases = w.HTML()
         self.metrics = w.HTML()
         self.messages = w.HTML()  # the latest warnings and errors, workers' included
-        super().__init__(
-            [w.HBox([self.bar, self.label]), self.plots, w.HBox([w.VBox([w.HTML("<b>time per phase (s)</b>"), self.phases]),
-                                                              w.VBox([w.HTML("<b>latest metrics</b>"), self.metrics])]),
-             self.messages]
-        )  # fmt: skip
+        rows = [w.HBox([self.bar, self.label])]
+        if controls is not None:
+            rows.append(self._control_row(controls))
+        rows += [
+            self.plots,
+            w.HBox(
+                [
+                    w.VBox([w.HTML("<b>time per phase (s)</b>"), self.phases]),
+                    w.VBox([w.HTML("<b>latest metrics</b>"), self.metrics]),
+                ]
+            ),
+            self.messages,
+        ]
+        super().__init__(rows)
         model.observe(self._render)
         self._render(model)
+
+    def _control_row(self, loop) -> w.HBox:
+        """Stop, pause/resume, save now, and hyperparameters applied at the next step boundary."""
+        from rlnb.loop.base import STEERABLE
+
+        self.pause_button = w.ToggleButton(description="pause", value=False, tooltip="hold at the next step")
+        self.stop_button = w.Button(description="stop", tooltip="end the run at the next step boundary")
+        self.save_button = w.Button(description="save now", tooltip="checkpoint at the end of this step")
+        self.hyperparameters = {
+            name: w.FloatText(
+                value=getattr(getattr(loop.recipe, section), field),
+                description=name,
+                layout=w.Layout(width="170px"),
+            )
+            for name, (section, field) in STEERABLE.items()
+        }
+        self.apply_button = w.Button(description="apply", tooltip="use these from the next step on")
+
+        def on_pause(change):
+            loop.pause() if change["new"] else loop.unpause()
+            self.pause_button.description = "resume" if change["new"] else "pause"
+
+        def on_stop(_):
+            loop.stop()
+            loop.unpause()  # a paused run ends too
+
+        def on_save(_):
+            loop.request_save()
+            self.model.note(f"a checkpoint will be written after step {loop.step + 1}")
+
+        def on_apply(_):
+            section_of = {name: STEERABLE[name] for name in self.hyperparameters}
+            changed = {
+                name: box.value
+                for name, box in self.hyperparameters.items()
+                if box.value != getattr(getattr(loop.recipe, section_of[name][0]), section_of[name][1])
+            }
+            if not changed:
+                return
+            try:
+                loop.set_hyperparameters(**changed)
+                self.model.note(f"from step {loop.step + 1}: {changed}")
+            except Exception as e:  # a bad value: say so here, change nothing
+                self.model.note(f"not applied: {e}")
+
+        self.pause_button.observe(on_pause, names="value")
+        self.stop_button.on_click(on_stop)
+        self.save_button.on_click(on_save)
+        self.apply_button.on_click(on_apply)
+        return w.HBox(
+            [
+                self.pause_button,
+                self.stop_button,
+                self.save_button,
+                *self.hyperparameters.values(),
+                self.apply_button,
+            ]
+        )
 
     def _render(self, model: DashboardModel) -> None:
         self.bar.value = model.fraction
@@ -151,4 +221,4 @@ def dashboard_for(loop, total: int | None = None, plot_every: int = 10) -> Dashb
         model.update(record)
     loop.logger.add_listener(model.update)
     watch_messages(model)
-    return Dashboard(model, title=loop.recipe.name, plot_every=plot_every)
+    return Dashboard(model, title=loop.recipe.name, plot_every=plot_every, controls=loop)
