@@ -1,91 +1,20 @@
 """`dask scheduler` and `dask worker` started from the command line, on loopback with random ports."""
 
 import os
-import re
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import rlnb
+from rlnb.cluster import DaskProcesses
 from rlnb.testing import Echo
-
-DASK = str(Path(sys.executable).with_name("dask"))
-
-
-def _wait_for(pattern: str, path: Path, timeout_s: float = 60) -> str:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        m = re.search(pattern, path.read_text() if path.exists() else "")
-        if m:
-            return m.group(1)
-        time.sleep(0.2)
-    raise TimeoutError(f"{pattern!r} not seen in {path}: {path.read_text()[-2000:]}")
 
 
 @pytest.fixture(scope="module")
-def cli_cluster(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("dask-cli")
-    procs = []
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    try:
-        log = tmp_path / "scheduler.log"
-        procs.append(
-            subprocess.Popen(
-                [
-                    DASK,
-                    "scheduler",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    "0",
-                    "--dashboard-address",
-                    ":0",
-                    "--no-show",
-                ],
-                stdout=log.open("w"),
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        )
-        address = _wait_for(r"Scheduler at:\s+(tcp://\S+)", log)
-        for i, resources in enumerate(["train=1", "sim=1"]):
-            wlog = tmp_path / f"worker{i}.log"
-            procs.append(
-                subprocess.Popen(
-                    [
-                        DASK,
-                        "worker",
-                        address,
-                        "--nthreads",
-                        "1",
-                        "--nworkers",
-                        "1",
-                        "--no-dashboard",
-                        "--host",
-                        "127.0.0.1",
-                        "--resources",
-                        resources,
-                        "--name",
-                        f"w{i}",
-                    ],
-                    stdout=wlog.open("w"),
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                )
-            )
-        yield address
-    finally:
-        for p in procs[::-1]:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
+def cli_cluster():
+    """The notebook's helper: `dask scheduler` and two `dask worker`s, node groups train and sim."""
+    with DaskProcesses({"w0": {"train": 1}, "w1": {"sim": 1}}) as procs:
+        yield procs.address
 
 
 def test_remote_cluster_from_dask_command_line(cli_cluster):
@@ -113,3 +42,19 @@ def test_remote_cluster_from_dask_command_line(cli_cluster):
 def test_remote_cluster_waits_for_workers_then_fails_clearly(cli_cluster):
     with pytest.raises(rlnb.ClusterError, match=r"has 2 worker\(s\); waited 3 s for 5"):
         rlnb.Cluster(cli_cluster, min_slots=5, timeout_s=3)
+
+
+def test_dask_processes_stop_and_clean_up_and_say_why_a_scheduler_did_not_start(tmp_path):
+    procs = DaskProcesses(1)
+    procs.start()
+    log_dir, pids = procs.log_dir, [p.pid for p in procs.processes]
+    assert procs.address.startswith("tcp://127.0.0.1:") and "scheduler" in procs.logs()
+    procs.close()
+    assert not log_dir.exists()
+    for pid in pids:  # reaped: no process left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    broken = DaskProcesses(1, host="203.0.113.1", timeout_s=30)  # an address of no interface here
+    with pytest.raises(rlnb.ClusterError, match="`dask scheduler` did not start"):
+        broken.start()
+    assert broken.processes == [] and not broken.log_dir.exists()

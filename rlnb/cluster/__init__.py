@@ -10,12 +10,14 @@ from rlnb.cluster.placement import (
     placement_mode,
     resolve_placement,
 )
+from rlnb.cluster.processes import DaskProcesses
 
 __all__ = [
     "COLLOCATED",
     "DISAGGREGATED",
     "HYBRID",
     "Cluster",
+    "DaskProcesses",
     "Placement",
     "Slot",
     "parse_slots",
