@@ -219,3 +219,26 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient_and_kl(tiny_lm):
         )  # the reference equals the policy before the update
         updated.append(torch.cat([p.detach().flatten() for p in actor.policy.parameters()]))
     assert torch.allclose(updated[0], updated[1], atol=1e-6)  # 4 micro-batches of 2 == one batch of 8
+
+
+def test_one_group_and_one_prompt_can_be_looked_at(cluster, tmp_path):
+    """What the GRPO notebook shows: a prompt's group from the training batch, with rewards and their
+    normalised advantages, and fresh completions of any prompt before and after training, which leave the
+    run's sampling seeds as they were."""
+    overrides = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "runner.steps=1"]
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        size = loop.recipe.algorithm.group_size
+        loop.sft()
+        calls = loop.groups["rollout"].on(0).state_dict().result()[0]["calls"]
+        tried = loop.try_prompt("3+4=", "7")
+        assert len(tried) == size and all(set(r) == {"completion", "reward", "advantage"} for r in tried)
+        assert loop.groups["rollout"].on(0).state_dict().result()[0]["calls"] == calls
+        loop.sync_weights()
+        loop.rollout()
+        rows = loop.sample_group(0)
+        assert len(rows) == size and "advantage" not in rows[0] and rows[0]["prompt"].endswith("=")
+        loop.advantages()
+        rows = loop.sample_group(0)
+        rewards = torch.tensor([r["reward"] for r in rows])
+        expected = (rewards - rewards.mean()) / (rewards.std() + 1e-6)  # GRPO, scale=group
+        assert torch.allclose(torch.tensor([r["advantage"] for r in rows]), expected, atol=1e-4)

@@ -224,6 +224,15 @@ class HFRollout(RolloutBase):
         """Greedy completions (evaluation, samples in notebooks)."""
         return self._generate(prompts, 1, greedy=True)[1]
 
+    def sample_completions(self, prompt: str, n: int) -> list[str]:
+        """``n`` sampled completions of one prompt, to look at: the batch in progress and the training's
+        sampling seeds are left as they were."""
+        calls = self.calls
+        try:
+            return self._generate([prompt], n, greedy=False)[1]
+        finally:
+            self.calls = calls
+
     # ------------------------------------------------------------------ asynchronous generation
     def stream(
         self, problems: list[tuple[int, str, str]], n: int, train_version: int, groups: int, max_staleness: int,
@@ -612,6 +621,29 @@ class LMActor(ActorBase):
             ids, attn = b["input_ids"][sl].to(self.device), b["attention_mask"][sl].to(self.device)
             out.append(token_logprobs(model, ids, attn, self.temperature).cpu())
         return torch.cat(out)
+
+    def sample_group(self, group: int = 0) -> list[dict]:
+        """One prompt's ``group_size`` completions in this rank's batch, decoded: ``prompt``, ``completion``,
+        ``reward``, the sampling ``logprob`` of the completion and, once :meth:`compute_advantages` ran, its
+        ``advantage`` (mean over its tokens)."""
+        b = self.batch
+        if b is None:
+            return []
+        rows = []
+        size = self.algo.group_size
+        for i in range(group * size, min((group + 1) * size, b["input_ids"].shape[0])):
+            response = b["response_mask"][i].bool()
+            prompt = b["attention_mask"][i].bool() & ~response
+            row = {
+                "prompt": self.tok.decode(b["input_ids"][i][prompt], skip_special_tokens=True),
+                "completion": self.tok.decode(b["input_ids"][i][response], skip_special_tokens=True),
+                "reward": float(b["rewards"][i]),
+                "logprob": float(b["logprobs"][i][response].sum()),
+            }
+            if "advantages" in b:
+                row["advantage"] = float(b["advantages"][i][response].mean()) if response.any() else 0.0
+            rows.append(row)
+        return rows
 
     def compute_advantages(self) -> dict:
         """Recompute old log-probs with the actor, reference log-probs (if KL), and group advantages."""

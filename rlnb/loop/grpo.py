@@ -363,6 +363,33 @@ class GRPOLoop(LoopBase):
         }
         return self._phase("rollout", t0, out)
 
+    # ------------------------------------------------------------------ looking inside
+    def sample_group(self, group: int = 0) -> list[dict]:
+        """One prompt's group of completions in the batch actor rank 0 trains on: prompt, completion,
+        reward, sampling log-prob and, after :meth:`advantages`, the normalised advantage of each."""
+        return self.groups["actor"].on(0).sample_group(group).result()[0]
+
+    def try_prompt(self, prompt: str, answer: str) -> list[dict]:
+        """``group_size`` completions of ``prompt`` sampled with the rollout's current weights, scored by the
+        reward and normalised by the advantage as a training batch would be; nothing in the run changes.
+        Call it before and after training to see what GRPO did to one prompt."""
+        import torch
+
+        from rlnb.algorithms import ADVANTAGES
+
+        algorithm = self.recipe.algorithm
+        size = algorithm.group_size
+        texts = self.groups["rollout"].on(0).sample_completions(prompt, size).result()[0]
+        rewards = self.groups["reward"].on(0).score(texts, [answer] * size, [prompt] * size).result()[0]
+        offered = {"rewards": torch.tensor(rewards, dtype=torch.float32), "group_size": size}
+        offered.update(scale=algorithm.scale, gamma=algorithm.gamma, kl_coef=0.0)
+        advantages = ADVANTAGES.entry(algorithm.advantage)(**offered)
+        advantages = advantages[0] if isinstance(advantages, tuple) else advantages
+        return [
+            {"completion": t, "reward": r, "advantage": float(a)}
+            for t, r, a in zip(texts, rewards, advantages)
+        ]
+
     # ------------------------------------------------------------------ asynchronous RL
     def sync_weights(self) -> dict:
         """Actor -> rollout weights. In asynchronous mode the actor publishes them without waiting: the
