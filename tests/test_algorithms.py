@@ -371,3 +371,26 @@ def test_raising_reward_scores_zero_and_logs_once(caplog):
     assert len([rec for rec in caplog.records if "explodes" in rec.getMessage()]) == 1
     with pytest.raises(UnknownNameError, match="Did you mean 'math'"):
         get_reward("mth")
+
+
+def test_cleanrl_style_ppo_equals_the_composed_losses():
+    """The embodied loss, written out as CleanRL does, equals the general clipped surrogate plus the value
+    loss minus the entropy bonus (random minibatch, clipping active, clipped value loss)."""
+    from rlnb.algorithms.losses import entropy_bonus, ppo
+
+    g = torch.Generator().manual_seed(0)
+    m = 64
+    logp, old = torch.randn(m, generator=g) * 0.3, torch.randn(m, generator=g) * 0.3
+    adv, values, old_values, returns = (torch.randn(m, generator=g) for _ in range(4))
+    entropy = torch.rand(m, generator=g)
+    loss, metrics = get_policy_loss("ppo_clip_value_entropy")(
+        logprobs=logp, old_logprobs=old, advantages=adv, values=values, old_values=old_values,
+        returns=returns, entropy=entropy, clip_coef=0.2, vf_coef=0.5, ent_coef=0.01, clip_vloss=True,
+    )  # fmt: skip
+    norm = (adv - adv.mean()) / (adv.std() + 1e-8)
+    pg, pg_metrics = ppo(logp, old, norm, clip_coef=0.2)
+    expected = (
+        pg + 0.5 * value_loss(values, old_values, returns, clip_coef=0.2) - 0.01 * entropy_bonus(entropy)
+    )
+    assert close(loss, float(expected)) and 0 < float(metrics["clip_frac"]) < 1
+    assert close(metrics["approx_kl"], float(pg_metrics["approx_kl"]))

@@ -197,24 +197,56 @@ def ppo_clip_value_entropy(
     old_values,
     returns,
     entropy,
-    mask=None,
     clip_coef: float = 0.2,
     vf_coef: float = 0.5,
     ent_coef: float = 0.0,
     clip_vloss: bool = True,
     norm_adv: bool = True,
 ):
-    """PPO on embodied tasks (CleanRL's ``ppo.py``): clipped policy loss + value loss - entropy bonus.
+    """PPO on embodied tasks, written as CleanRL's ``ppo.py`` writes it, top to bottom.
 
-    All tensors are one minibatch, ``[M]``. ``norm_adv`` normalises advantages within the minibatch.
+    Shapes: every tensor is one minibatch, ``[M]`` (``M = T * N / num_minibatches`` samples).
+    ``logprobs``, ``values`` and ``entropy`` come from the current policy (with grad); ``old_logprobs``,
+    ``old_values``, ``advantages`` and ``returns`` from the rollout and GAE (no grad).
+
+    Returns:
+        ``(loss, {"policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "ratio_mean"})``.
     """
-    if norm_adv and advantages.numel() > 1:
-        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-    pg_loss, metrics = ppo(logprobs, old_logprobs, advantages, mask, clip_coef=clip_coef)
-    v_loss = value_loss(values, old_values, returns, mask, clip_coef if clip_vloss else None)
-    ent = entropy_bonus(entropy, mask)
-    loss = pg_loss - ent_coef * ent + vf_coef * v_loss
-    metrics.update(policy_loss=pg_loss.detach(), value_loss=v_loss.detach(), entropy=ent.detach())
+    check_positive("clip_coef", clip_coef)
+    logratio = logprobs - old_logprobs.detach()  # [M]
+    ratio = logratio.exp()  # pi_new / pi_old
+    with torch.no_grad():
+        approx_kl = ((ratio - 1) - logratio).mean()  # k3 estimator (Schulman 2020)
+        clip_frac = ((ratio - 1.0).abs() > clip_coef).float().mean()
+
+    mb_advantages = advantages.detach()
+    if norm_adv and mb_advantages.numel() > 1:
+        mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+
+    # policy loss: the pessimistic (max) of the unclipped and the clipped surrogate
+    pg_loss1 = -mb_advantages * ratio
+    pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - clip_coef, 1 + clip_coef)
+    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+    # value loss, optionally clipped around the rollout's values
+    if clip_vloss:
+        v_loss_unclipped = (values - returns) ** 2
+        v_clipped = old_values + torch.clamp(values - old_values, -clip_coef, clip_coef)
+        v_loss_clipped = (v_clipped - returns) ** 2
+        v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
+    else:
+        v_loss = 0.5 * ((values - returns) ** 2).mean()
+
+    entropy_loss = entropy.mean()
+    loss = pg_loss - ent_coef * entropy_loss + vf_coef * v_loss
+    metrics = {
+        "policy_loss": pg_loss.detach(),
+        "value_loss": v_loss.detach(),
+        "entropy": entropy_loss.detach(),
+        "approx_kl": approx_kl,
+        "clip_frac": clip_frac,
+        "ratio_mean": ratio.detach().mean(),
+    }
     return loss, metrics
 
 
