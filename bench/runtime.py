@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import rlnb
-from rlnb.testing import Echo
+from rlnb.demo import Echo
 
 CALLS = 500
 

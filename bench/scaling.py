@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 import rlnb
-from rlnb.testing import Echo
+from rlnb.demo import Echo
 
 CALLS = 40
 

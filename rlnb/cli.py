@@ -25,7 +25,7 @@ def _demo(args) -> int:
     import time
 
     import rlnb
-    from rlnb.testing import Collective, Echo
+    from rlnb.demo import Collective, Echo
 
     t0 = time.perf_counter()
     with rlnb.Cluster(args.address, slots=args.slots) as cluster:

@@ -199,7 +199,7 @@ def check_cluster(work: Path) -> dict:
     import torch
 
     import rlnb
-    from rlnb.testing import Collective
+    from rlnb.demo import Collective
 
     t0 = time.perf_counter()
     with rlnb.Cluster() as cluster:
@@ -358,7 +358,7 @@ def _two_processes_on_gpus():
 
 def check_cuda_ipc_channel(work: Path) -> dict:
     import rlnb
-    from rlnb.testing import CudaProbe
+    from rlnb.demo import CudaProbe
 
     with _two_processes_on_gpus() as (cluster, where):
         producer = rlnb.Group.launch(CudaProbe, cluster, "0", name="producer")
@@ -405,7 +405,7 @@ def check_weight_sync_cuda_disaggregated(work: Path) -> dict:
 
 def check_nccl_broadcast_two_groups(work: Path) -> dict:
     import rlnb
-    from rlnb.testing import Collective
+    from rlnb.demo import Collective
 
     with _two_processes_on_gpus() as (cluster, where):
         a = rlnb.Group.launch(Collective, cluster, "0", name="actor")
@@ -523,7 +523,7 @@ DRY_RUN_IMPORTS = (
     "rlnb.cluster",
     "rlnb.loop",
     "rlnb.components.lm",
-    "rlnb.testing",
+    "rlnb.demo",
     "rlnb.runtime",
     "rlnb.runtime.shm",
 )

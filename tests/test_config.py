@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from rlnb.config import Recipe, RecipeError, field_docs, load_recipe, to_dict, to_yaml
+from rlnb.errors import ConfigError
 
 
 def test_bundled_recipe_and_overrides():
@@ -107,3 +108,20 @@ def test_malformed_yaml_and_missing_recipe(tmp_path):
         load_recipe("ppo_cartpol")
     with pytest.raises(Exception, match="expected key=value"):
         load_recipe("ppo_cartpole", ["env.num_envs"])
+
+
+def test_env_ids_in_module_form_import_their_module_and_are_checked():
+    """`module:id` (gymnasium's form): the module registers the id; rlnb's package import registers no test env."""
+    import subprocess
+    import sys
+
+    code = "import gymnasium as gym, rlnb.envs, rlnb.loop; print('rlnb-test/NaNReward-v0' in gym.registry)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+    load_recipe("ppo_cartpole", ["env.id=rlnb.testing:rlnb-test/NaNReward-v0"])
+    with pytest.raises(
+        ConfigError, match=r"rlnb.testing registers no gymnasium environment 'rlnb-test/NaNRewrd-v0'"
+    ):
+        load_recipe("ppo_cartpole", ["env.id=rlnb.testing:rlnb-test/NaNRewrd-v0"])
+    with pytest.raises(ConfigError, match=r"module 'no_such_module' does not import"):
+        load_recipe("ppo_cartpole", ["env.id=no_such_module:Env-v0"])

@@ -181,7 +181,7 @@ def test_max_restarts_recovers_automatically(own_cluster, tmp_path):
 
 # ---------------------------------------------------------------- bad data and disks
 def test_nan_loss_stops_clearly_and_keeps_last_good_checkpoint(cluster, tmp_path):
-    overrides = ["env.id=rlnb-test/NaNReward-v0", "env.kwargs={nan_after: 100}", "runner.save_interval=1",
+    overrides = ["env.id=rlnb.testing:rlnb-test/NaNReward-v0", "env.kwargs={nan_after: 100}", "runner.save_interval=1",
                  "runner.steps=10", *QUIET]  # fmt: skip
     with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
         with pytest.raises(TrainingDivergedError) as e:

@@ -120,7 +120,7 @@ def test_worker_warnings_and_a_failed_background_run_reach_the_dashboard(cluster
         ), list(model.messages)
         overrides = [
             "runner.tensorboard=false",
-            "env.id=rlnb-test/NaNReward-v0",
+            "env.id=rlnb.testing:rlnb-test/NaNReward-v0",
             "env.kwargs={nan_after: 10}",
         ]
         with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:

@@ -454,13 +454,27 @@ def _check_lm(recipe: Recipe) -> list[str]:
 
 
 def check_env_id(env_id: str) -> str | None:
-    """An error message if ``env_id`` is not a registered gymnasium id (ManiSkill ids are checked on GPU)."""
+    """An error message if ``env_id`` is not a registered gymnasium id (ManiSkill ids are checked on GPU).
+
+    ``module:id`` (gymnasium's form) imports ``module`` first, where the id is registered; workers do the
+    same when they build the env."""
     if env_id.startswith("maniskill:"):
         return None
+    import importlib
+
     import gymnasium as gym
 
     import rlnb.envs  # noqa: F401  (registers rlnb/ ids)
 
+    if ":" in env_id:
+        module, _, name = env_id.partition(":")
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            return f"env.id: {env_id!r}: module {module!r} does not import ({e})"
+        if name in gym.registry:
+            return None
+        return f"env.id: {env_id!r}: {module} registers no gymnasium environment {name!r}.{did_you_mean(name, list(gym.registry))}"
     if env_id in gym.registry:
         return None
     return f"env.id: {env_id!r} is not a registered gymnasium environment.{did_you_mean(env_id, list(gym.registry))}"
