@@ -134,6 +134,39 @@ def write_reference(out_dir: str | Path) -> list[Path]:
     return [out / n for n in pages]
 
 
+def write_notebook_pages(
+    out_dir: str | Path = "docs/notebooks", source: str | Path = "notebooks"
+) -> list[Path]:
+    """One docs page per notebook, with its outputs: the copy the notebook tests executed
+    (``build/notebooks/``) when there is one, else the notebook as committed (no outputs), said so on top."""
+    import nbformat
+    from nbconvert import MarkdownExporter
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pages = []
+    for path in sorted(Path(source).glob("*.ipynb")):
+        executed = Path("build") / "notebooks" / path.name
+        nb = nbformat.read(executed if executed.exists() else path, as_version=4)
+        body, resources = MarkdownExporter().from_notebook_node(
+            nb, resources={"output_files_dir": f"{path.stem}_files"}
+        )
+        for name, data in (resources.get("outputs") or {}).items():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / name).write_bytes(data)
+        note = (
+            f"*Executed by the test command; the notebook is `notebooks/{path.name}`.*"
+            if executed.exists()
+            else f"*Not executed in this docs build (run `make test`); the notebook is `notebooks/{path.name}`.*"
+        )
+        page = out / f"{path.stem}.md"
+        page.write_text(f"{note}\n\n{body}")
+        pages.append(page)
+    return pages
+
+
 if __name__ == "__main__":
     for p in write_reference(sys.argv[1] if len(sys.argv) > 1 else "docs/reference"):
+        print(p)
+    for p in write_notebook_pages():
         print(p)
