@@ -2,7 +2,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -41,36 +40,69 @@ def cluster():
 
 
 KILLED_DRIVER = """
-import sys
+import os, signal, sys
 import rlnb
 from rlnb.loop import {loop}
 
-address, run_dir, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+address, run_dir, kill_at, overrides = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 with rlnb.Cluster(address) as cluster:
     with {loop}.from_recipe("{recipe}", overrides, cluster=cluster, run_dir=run_dir) as loop:
+        calls = [0]
+
+        def wrap(name):
+            phase = getattr(loop, name)
+
+            def counted(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == kill_at:  # the driver dies here, inside a step, work in flight
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return phase(*args, **kwargs)
+
+            setattr(loop, name, counted)
+
+        for name in ("sync_weights", "rollout", "advantages", "train"):
+            wrap(name)
         loop.run(progress=False)
 """
+PHASES_PER_STEP = 4  # sync_weights, rollout, advantages, train
 
 
-def kill_driver_after_a_checkpoint(
-    cluster, loop: str, recipe: str, overrides, run_dir: Path, timeout_s=180
-) -> int:
-    """Run ``recipe`` with ``loop`` in a driver process on ``cluster``, SIGKILL it as soon as a checkpoint is
-    complete (mid-run, work in flight most likely); the step of the last complete checkpoint."""
+def kill_driver_inside_a_step(
+    cluster,
+    loop: str,
+    recipe: str,
+    overrides,
+    run_dir: Path,
+    save_interval: int,
+    seed: int = 0,
+    timeout_s=180,
+) -> tuple[int, int, str]:
+    """Run ``recipe`` with ``loop`` in a driver process on ``cluster`` and SIGKILL it inside a step chosen
+    by ``seed``: just before the rollout, advantages or train phase of one of the steps after the first
+    checkpoint (``save_interval``) and up to the second. Returns ``(step of the last complete checkpoint,
+    the step killed in, the phase it was about to run)``; the checkpoint is always ``save_interval``'s."""
+    import random
+
     from rlnb.loop import complete_checkpoints
 
+    rng = random.Random(seed)
+    step = rng.randrange(save_interval + 1, 2 * save_interval + 1)
+    offset = rng.randrange(2, PHASES_PER_STEP + 1)  # rollout, advantages or train: inside the step
+    kill_at = PHASES_PER_STEP * (step - 1) + offset
     script = run_dir.parent / f"{run_dir.name}-driver.py"
     script.write_text(KILLED_DRIVER.format(loop=loop, recipe=recipe))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     driver = subprocess.Popen(
-        [sys.executable, str(script), cluster.address, str(run_dir), *overrides], env=env
+        [sys.executable, str(script), cluster.address, str(run_dir), str(kill_at), *overrides], env=env
     )
-    deadline = time.monotonic() + timeout_s
-    while not complete_checkpoints(run_dir) and driver.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    driver.send_signal(signal.SIGKILL)
-    driver.wait(30)
-    return int(complete_checkpoints(run_dir)[-1].name.split("_")[1])
+    try:
+        code = driver.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        raise
+    assert code == -signal.SIGKILL, f"the driver was not killed at phase {kill_at} (exit code {code})"
+    phase = ("sync_weights", "rollout", "advantages", "train")[offset - 1]
+    return int(complete_checkpoints(run_dir)[-1].name.split("_")[1]), step, phase
 
 
 def pytest_sessionfinish(session, exitstatus):

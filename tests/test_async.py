@@ -6,7 +6,7 @@ import pytest
 from rlnb.config import load_recipe
 from rlnb.errors import ConfigError
 from rlnb.loop import GRPOLoop, Loop, complete_checkpoints
-from tests.conftest import assert_metrics_documented, kill_driver_after_a_checkpoint, without_wall_clock
+from tests.conftest import assert_metrics_documented, kill_driver_inside_a_step, without_wall_clock
 
 APART = "cluster.component_placement={'env,rollout': 0, actor: 1}"  # rollout and actor on different workers
 QUIET = ["runner.tensorboard=false", APART]
@@ -72,8 +72,14 @@ def test_a_killed_async_run_resumes_without_double_counting_or_skipping(cluster,
     with Loop.from_recipe("ppo_cartpole", base, cluster=cluster, run_dir=tmp_path / "full") as loop:
         full = [without_wall_clock(r) for r in loop.run(progress=False)]
     cut = tmp_path / "cut"
-    saved = kill_driver_after_a_checkpoint(cluster, "Loop", "ppo_cartpole", base, cut, timeout_s=120)
-    assert saved in (3, 6), saved
+    saved, step, phase = kill_driver_inside_a_step(
+        cluster, "Loop", "ppo_cartpole", base, cut, 3, timeout_s=120
+    )
+    assert saved == 3 and 4 <= step <= 6, (
+        saved,
+        step,
+        phase,
+    )  # killed inside step 4-6, before its checkpoint
     with Loop.resume(cut, cluster=cluster) as loop:
         assert loop.step == saved
         resumed = [without_wall_clock(r) for r in loop.run(progress=False)]

@@ -8,7 +8,7 @@ import pytest
 
 from rlnb.errors import ComponentError, ConfigError
 from rlnb.loop import GRPOLoop
-from tests.conftest import assert_metrics_documented, kill_driver_after_a_checkpoint
+from tests.conftest import assert_metrics_documented, kill_driver_inside_a_step
 
 APART = "cluster.component_placement={'rollout,reward': 0, actor: 1}"
 SMALL = [
@@ -98,8 +98,10 @@ def test_a_killed_async_grpo_run_resumes_without_training_a_problem_twice_or_ski
     base = [*SMALL, f"actor.model_path={tmp_path / 'model'}", "actor.sft_steps=20", "runner.steps=12",
             "runner.save_interval=4", "algorithm.max_staleness=2", "rollout.chunk_tokens=1"]  # fmt: skip
     cut = tmp_path / "cut"
-    saved = kill_driver_after_a_checkpoint(cluster, "GRPOLoop", "grpo_arith", base, cut, timeout_s=180)
-    assert saved in (4, 8), saved
+    saved, step, phase = kill_driver_inside_a_step(
+        cluster, "GRPOLoop", "grpo_arith", base, cut, 4, timeout_s=180
+    )
+    assert saved == 4 and 5 <= step <= 8, (saved, step, phase)
     with GRPOLoop.resume(cut, cluster=cluster) as loop:
         assert loop.step == saved and len(loop.trained_problems) == saved
         pool_at_resume = _pool(loop)
