@@ -647,57 +647,61 @@ class LMActor(ActorBase):
 
     def compute_advantages(self) -> dict:
         """Recompute old log-probs with the actor, reference log-probs (if KL), and group advantages."""
-        b, a = self.batch, self.algo
+        batch, algo = self.batch, self.algo
         # One on-policy pass over the batch: the old log-probs are the current ones, detached in the
         # loss (as TRL does), so the recompute is skipped. Otherwise recompute them with the actor.
-        b["stale"] = b["version"] != self.step  # sampled by older weights (asynchronous mode)
-        single_pass = a.update_epochs == 1 and a.num_minibatches == 1 and not b["stale"]
+        batch["stale"] = batch["version"] != self.step  # sampled by older weights (asynchronous mode)
+        single_pass = algo.update_epochs == 1 and algo.num_minibatches == 1 and not batch["stale"]
         if single_pass:
-            b["old_logprobs"] = None
+            batch["old_logprobs"] = None
         else:
-            b["old_logprobs"] = self._logprobs(self.policy, b)  # [B, L]
+            batch["old_logprobs"] = self._logprobs(self.policy, batch)  # [B, L]
         if self.ref is not None:
-            b["ref_logprobs"] = self._logprobs(self.ref, b)
-        mask = b["response_mask"].float()
+            batch["ref_logprobs"] = self._logprobs(self.ref, batch)
+        mask = batch["response_mask"].float()
         offered = {
-            "rewards": b["rewards"], "response_mask": mask, "group_size": a.group_size, "scale": a.scale,
-            "kl_coef": a.kl_coef, "gamma": a.gamma,
+            "rewards": batch["rewards"], "response_mask": mask, "group_size": algo.group_size, "scale": algo.scale,
+            "kl_coef": algo.kl_coef, "gamma": algo.gamma,
         }  # fmt: skip
         if self.kl_in_advantage:
-            current = b["old_logprobs"] if b["old_logprobs"] is not None else self._logprobs(self.policy, b)
-            offered["kl"] = kl_penalty(current, b["ref_logprobs"], a.kl_estimator) * mask  # [B, L]
+            current = (
+                batch["old_logprobs"]
+                if batch["old_logprobs"] is not None
+                else self._logprobs(self.policy, batch)
+            )
+            offered["kl"] = kl_penalty(current, batch["ref_logprobs"], algo.kl_estimator) * mask  # [B, L]
         adv, _ = self.advantage(**offered)
-        if isinstance(adv, torch.Tensor) and adv.shape == b["rewards"].shape:
+        if isinstance(adv, torch.Tensor) and adv.shape == batch["rewards"].shape:
             adv = adv[:, None] * mask  # per-sequence advantages, broadcast over response tokens
         if not isinstance(adv, torch.Tensor) or adv.shape != mask.shape:
             got = tuple(adv.shape) if isinstance(adv, torch.Tensor) else type(adv).__name__
             raise ConfigError(
                 f"algorithm.advantage {self.advantage.name!r}: expected advantages of shape {tuple(mask.shape)} "
-                f"([B, L], like response_mask) or {tuple(b['rewards'].shape)} ([B]); got {got}",
+                f"([B, L], like response_mask) or {tuple(batch['rewards'].shape)} ([B]); got {got}",
                 "algorithm.advantage",
             )
-        b["advantages"] = adv
+        batch["advantages"] = adv
         out = {"advantage_abs_mean": float(masked_mean(adv.abs(), mask))}
         if "kl" in offered:  # the KL to the reference went into the advantage's returns (REINFORCE++)
             out["kl_mean"] = float(masked_mean(offered["kl"], mask))
-        if b["old_logprobs"] is not None:  # how far the sampler's log-probs are from the actor's
-            out["logprob_drift"] = float(masked_mean((b["old_logprobs"] - b["logprobs"]).abs(), mask))
+        if batch["old_logprobs"] is not None:  # how far the sampler's log-probs are from the actor's
+            out["logprob_drift"] = float(masked_mean((batch["old_logprobs"] - batch["logprobs"]).abs(), mask))
         return out
 
     def train(self) -> dict:
         """``update_epochs`` x ``num_minibatches`` updates, micro-batched with gradient accumulation."""
-        a, b = self.algo, self.batch
-        if "advantages" not in b:
+        batch, algo = self.batch, self.algo
+        if "advantages" not in batch:
             self.compute_advantages()
         if self.anneal_lr:  # linear decay to 0 over the run (the loop sets total_steps)
             frac = max(0.0, 1.0 - self.step / self.total_steps)
             for g in self.optimizer.param_groups:
                 g["lr"] = frac * self.lr
-        n = b["input_ids"].shape[0]
-        mb = max(1, n // a.num_minibatches)
+        n = batch["input_ids"].shape[0]
+        mb = max(1, n // algo.num_minibatches)
         sums: dict[str, float] = {}
         count, epochs_run = 0, 0
-        for _ in range(a.update_epochs):
+        for _ in range(algo.update_epochs):
             perm = torch.randperm(n, generator=self.generator)
             for start in range(0, n - mb + 1, mb):
                 metrics = self._update(perm[start : start + mb])
@@ -706,7 +710,7 @@ class LMActor(ActorBase):
                 count += 1
             epochs_run += 1
             kl = metrics.get("approx_kl")
-            if a.target_kl is not None and kl is not None and self._mean_over_ranks(kl) > a.target_kl:
+            if algo.target_kl is not None and kl is not None and self._mean_over_ranks(kl) > algo.target_kl:
                 break  # early stop, as in the embodied actor: the policy moved far enough this step
         self.step += 1
         out = {k: v / max(1, count) for k, v in sums.items()}
@@ -714,37 +718,41 @@ class LMActor(ActorBase):
         return out
 
     def _update(self, idx: torch.Tensor) -> dict:
-        a, b = self.algo, self.batch
-        mask_all = b["response_mask"][idx].float()
+        batch, algo = self.batch, self.algo
+        mask_all = batch["response_mask"][idx].float()
         total_tokens, total_seqs = mask_all.sum().clamp(min=1), len(idx)
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {}
         micro = list(_micro_batches(len(idx), self.micro_batch_size))
         for i, sl in enumerate(micro):
             j = idx[sl]
-            ids, attn = b["input_ids"][j].to(self.device), b["attention_mask"][j].to(self.device)
-            mask = b["response_mask"][j].float().to(self.device)
+            ids, attn = batch["input_ids"][j].to(self.device), batch["attention_mask"][j].to(self.device)
+            mask = batch["response_mask"][j].float().to(self.device)
             sync = self.world_size > 1 and i < len(micro) - 1
             with self.model.no_sync() if sync else contextlib.nullcontext():
                 logp = token_logprobs(self.model, ids, attn, self.temperature)  # (m, L)
                 # the policy before this update as the actor computes it (decoupled PPO's proximal one);
                 # the ratio is to the behaviour policy when the batch is stale or the loss is decoupled
-                prox = logp.detach() if b["old_logprobs"] is None else b["old_logprobs"][j].to(self.device)
-                behaviour = "prox_logprobs" in self.loss.needs or b["stale"]
+                prox = (
+                    logp.detach()
+                    if batch["old_logprobs"] is None
+                    else batch["old_logprobs"][j].to(self.device)
+                )
+                behaviour = "prox_logprobs" in self.loss.needs or batch["stale"]
                 loss, m = self.loss(
-                    logprobs=logp, old_logprobs=b["logprobs"][j].to(self.device) if behaviour else prox,
-                    prox_logprobs=prox, advantages=b["advantages"][j].to(self.device), mask=mask,
-                    clip_coef=a.clip_coef, clip_coef_high=a.clip_coef_high, dual_clip=a.dual_clip, agg=a.agg,
-                    behave_weight_cap=a.behave_weight_cap,
+                    logprobs=logp, old_logprobs=batch["logprobs"][j].to(self.device) if behaviour else prox,
+                    prox_logprobs=prox, advantages=batch["advantages"][j].to(self.device), mask=mask,
+                    clip_coef=algo.clip_coef, clip_coef_high=algo.clip_coef_high, dual_clip=algo.dual_clip, agg=algo.agg,
+                    behave_weight_cap=algo.behave_weight_cap,
                 )  # fmt: skip
                 if self.ref is not None and not self.kl_in_advantage:
                     kl = masked_mean(
-                        kl_penalty(logp, b["ref_logprobs"][j].to(self.device), a.kl_estimator), mask
+                        kl_penalty(logp, batch["ref_logprobs"][j].to(self.device), algo.kl_estimator), mask
                     )
-                    loss = loss + a.kl_coef * kl
+                    loss = loss + algo.kl_coef * kl
                     m["kl"] = float(kl.detach())
                 # each micro-batch's share of the minibatch mean (tokens for token-mean, sequences otherwise)
-                share = mask.sum() / total_tokens if a.agg == "token-mean" else len(j) / total_seqs
+                share = mask.sum() / total_tokens if algo.agg == "token-mean" else len(j) / total_seqs
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"non-finite loss {float(loss)} at training step {self.step}")
                 (loss * share).backward()

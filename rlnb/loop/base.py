@@ -649,8 +649,8 @@ class LoopBase:
         A lost worker is recovered from up to ``runner.max_restarts`` times. Returns the step records
         (or the thread, with ``background``).
         """
-        r = self.recipe.runner
-        steps = r.steps - self.step if steps is None else steps
+        runner = self.recipe.runner
+        steps = runner.steps - self.step if steps is None else steps
         if live:
             from rlnb.widgets import show_dashboard
 
@@ -687,7 +687,7 @@ class LoopBase:
             raise err
 
     def _run_steps(self, steps: int, progress: bool) -> list[dict]:
-        r = self.recipe.runner
+        runner = self.recipe.runner
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -703,17 +703,19 @@ class LoopBase:
                     break
                 try:
                     rec = self.step_once()
-                    if r.eval_interval and self.step % r.eval_interval == 0:
+                    if runner.eval_interval and self.step % runner.eval_interval == 0:
                         self.evaluate()
-                    if (r.save_interval and self.step % r.save_interval == 0) or self._save_requested:
+                    if (
+                        runner.save_interval and self.step % runner.save_interval == 0
+                    ) or self._save_requested:
                         self._save_requested = False
                         self.save()
                 except WorkerLostError as e:
-                    if restarts >= r.max_restarts:
+                    if restarts >= runner.max_restarts:
                         raise
                     restarts += 1
                     self.restarts += 1
-                    log.warning("%s; recovering (%d/%d)", e, restarts, r.max_restarts)
+                    log.warning("%s; recovering (%d/%d)", e, restarts, runner.max_restarts)
                     self.recover()
                     if bar is not None:
                         bar.n = steps - (target - self.step)

@@ -129,26 +129,26 @@ class Loop(LoopBase):
 
     def _check_rank_counts(self) -> None:
         super()._check_rank_counts()
-        p, e = self.placement, self.recipe
-        n_env, n_roll, n_act = len(p["env"]), len(p["rollout"]), len(p["actor"])
+        placement, recipe = self.placement, self.recipe
+        n_env, n_roll, n_act = len(placement["env"]), len(placement["rollout"]), len(placement["actor"])
         if n_env % n_roll:
             raise PlacementError(
                 f"component_placement: {n_env} env rank(s) cannot be shared evenly by {n_roll} rollout rank(s); "
                 "use a multiple", "component_placement"
             )  # fmt: skip
-        self.check_layout(p.slots)
+        self.check_layout(placement.slots)
         self._check_async_apart("{'env,rollout': 0, actor: 1}")
-        envs_per_rollout = e.env.num_envs * n_env // n_roll
+        envs_per_rollout = recipe.env.num_envs * n_env // n_roll
         if n_act > n_roll and envs_per_rollout % (n_act // n_roll):
             raise PlacementError(
                 f"component_placement: each of the {n_roll} rollout rank(s) steps {envs_per_rollout} envs, which "
                 f"cannot be split evenly over {n_act // n_roll} actor ranks; make env.num_envs a multiple",
                 "component_placement",
             )
-        per_actor = e.rollout.steps_per_rollout * e.env.num_envs * n_env // n_act
-        if per_actor < e.algorithm.num_minibatches:
+        per_actor = recipe.rollout.steps_per_rollout * recipe.env.num_envs * n_env // n_act
+        if per_actor < recipe.algorithm.num_minibatches:
             raise ConfigError(
-                f"algorithm.num_minibatches: {e.algorithm.num_minibatches} minibatches of a {per_actor}-sample batch "
+                f"algorithm.num_minibatches: {recipe.algorithm.num_minibatches} minibatches of a {per_actor}-sample batch "
                 "per actor rank; lower it or raise rollout.steps_per_rollout x env.num_envs", "algorithm.num_minibatches"
             )  # fmt: skip
 

@@ -193,21 +193,29 @@ class GRPOLoop(LoopBase):
             )
 
     def _prepare(self) -> None:
-        r = self.recipe
-        d = r.data
+        recipe = self.recipe
+        d = recipe.data
         if self.built_from_objects:
-            self.task = _FileTask(problems_from_records(self._prompts), d.held_out_frac, r.seed)
+            self.task = _FileTask(problems_from_records(self._prompts), d.held_out_frac, recipe.seed)
             return
-        path = r.actor.model_path
+        path = recipe.actor.model_path
         # build_if_missing applies to local paths only: a hub id loads through from_pretrained or fails
-        if r.actor.build_if_missing and not is_hub_id(path) and not (Path(path) / "config.json").exists():
-            t = r.actor.tiny_lm
-            build_tiny_lm(Path(path).resolve(), t.hidden_size, t.num_layers, t.num_heads, t.arch, seed=r.seed)
+        if (
+            recipe.actor.build_if_missing
+            and not is_hub_id(path)
+            and not (Path(path) / "config.json").exists()
+        ):
+            t = recipe.actor.tiny_lm
+            build_tiny_lm(
+                Path(path).resolve(), t.hidden_size, t.num_layers, t.num_heads, t.arch, seed=recipe.seed
+            )
         self.model_path = resolve_model(path, "actor.model_path")  # before any worker starts
         if d.task == "arithmetic":
-            self.task = ArithmeticTask(d.max_operand, d.ops, d.held_out_frac, seed=r.seed)
+            self.task = ArithmeticTask(d.max_operand, d.ops, d.held_out_frac, seed=recipe.seed)
         else:
-            self.task = _FileTask(load_qa_file(d.path, d.question_key, d.answer_key), d.held_out_frac, r.seed)
+            self.task = _FileTask(
+                load_qa_file(d.path, d.question_key, d.answer_key), d.held_out_frac, recipe.seed
+            )
 
     def _launch(self) -> None:
         """The recipe path: the same public ``launch`` calls a notebook makes."""
@@ -283,18 +291,20 @@ class GRPOLoop(LoopBase):
     def sft(self, steps: int | None = None) -> dict:
         """Supervised warm start on the training answers (``actor.sft_steps``); exports ``<run_dir>/sft_model``."""
         t0 = time.perf_counter()
-        r = self.recipe
-        steps = r.actor.sft_steps if steps is None else steps
+        recipe = self.recipe
+        steps = recipe.actor.sft_steps if steps is None else steps
         prompts = [p.prompt for p in self.task.train]
         answers = [p.answer for p in self.task.train]
         # data.sft_noise > 0: an imperfect teacher, off by one on a fraction of its demonstrations
         wrong = (
-            [str(int(a) + 1) if a.lstrip("-").isdigit() else a for a in answers] if r.data.sft_noise else None
+            [str(int(a) + 1) if a.lstrip("-").isdigit() else a for a in answers]
+            if recipe.data.sft_noise
+            else None
         )
         actor = self.groups["actor"]
-        per_rank = max(1, r.actor.sft_batch_size // actor.world_size)
+        per_rank = max(1, recipe.actor.sft_batch_size // actor.world_size)
         losses = actor.sft(
-            prompts, answers, steps, per_rank, r.actor.sft_lr, wrong, r.data.sft_noise
+            prompts, answers, steps, per_rank, recipe.actor.sft_lr, wrong, recipe.data.sft_noise
         ).result()[0]
         actor.on(0).export_hf(str(self.run_dir / "sft_model")).result()
         self.sft_done = True
@@ -320,11 +330,11 @@ class GRPOLoop(LoopBase):
         t0 = time.perf_counter()
         if self.max_staleness:
             return self._rollout_async(t0)
-        r = self.recipe
+        recipe = self.recipe
         rollout, reward = self.groups["rollout"], self.groups["reward"]
-        problems = self.task.sample(r.data.prompts_per_step)
+        problems = self.task.sample(recipe.data.prompts_per_step)
         shards = _shard(problems, rollout.world_size)
-        G = r.algorithm.group_size
+        G = recipe.algorithm.group_size
         if self.reward_local:  # score in-process next to the rollout
             summaries = rollout.call_each(
                 "generate", [([p.prompt for p in s], [p.answer for p in s], G, reward.name) for s in shards]
