@@ -535,18 +535,13 @@ def dry_run() -> dict:
     from rlnb.config import load_recipe
 
     imports = {}
-    for module in DRY_RUN_IMPORTS:
+    for module in (*DRY_RUN_IMPORTS, *GPU_ONLY):
         try:
             importlib.import_module(module)
             imports[module] = "ok"
         except Exception as e:
-            imports[module] = f"{type(e).__name__}: {e}"
-    for name in GPU_ONLY:
-        try:
-            importlib.import_module(name)
-            imports[name] = "ok"
-        except Exception as e:
-            imports[name] = f"not importable here ({type(e).__name__}: {e})"
+            reason = f"{type(e).__name__}: {e}"
+            imports[module] = f"not importable here ({reason})" if module in GPU_ONLY else reason
     recipes = {
         "ppo_cartpole": load_recipe(
             "ppo_cartpole", ["actor.device=cuda", "rollout.device=cuda", "actor.compile=true"]
