@@ -45,6 +45,7 @@ SWEEP = {
     "actor.tiny_lm.arch": (GRPO, []),
     "rollout.backend": (None, []),  # policy -> PPO, hf and vllm -> GRPO
     "rollout.device": (PPO, []),
+    "rollout.weight_sync": (PPO, ["cluster.component_placement={'env,rollout': 0, actor: 1}"]),
     "env.vector_mode": (PPO, []),
     "env.normalize_obs": (PPO, []),
     "env.normalize_reward": (PPO, []),
