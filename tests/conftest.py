@@ -105,12 +105,32 @@ def kill_driver_inside_a_step(
     return int(complete_checkpoints(run_dir)[-1].name.split("_")[1]), step, phase
 
 
+SESSION_START = time.time()
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Remove shared-memory segments of processes the tests SIGKILLed (drivers, workers): a killed process
-    cannot unlink its own, and workers sweep them only when the next one starts."""
+    cannot unlink its own, and workers sweep them only when the next one starts. Likewise the named
+    semaphores (``sem.mp-*``) that multiprocessing's resource tracker of a killed process left: those made
+    during this session that no live process maps any more."""
+    import glob
+
     from rlnb.runtime.shm import sweep_dead_segments
 
     sweep_dead_segments()
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split()[-1] for line in f if "/dev/shm/sem." in line)
+        except OSError:  # the process ended meanwhile
+            continue
+    for path in glob.glob("/dev/shm/sem.mp-*"):
+        try:
+            if path not in mapped and os.stat(path).st_mtime >= SESSION_START:
+                os.unlink(path)
+        except OSError:
+            continue
 
 
 def assert_metrics_documented(run_dir) -> None:

@@ -55,6 +55,9 @@ def test_dask_processes_stop_and_clean_up_and_say_why_a_scheduler_did_not_start(
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     broken = DaskProcesses(1, host="203.0.113.1", timeout_s=30)  # an address of no interface here
-    with pytest.raises(rlnb.ClusterError, match="`dask scheduler` did not start"):
-        broken.start()
-    assert broken.processes == [] and not broken.log_dir.exists()
+    try:
+        with pytest.raises(rlnb.ClusterError, match="`dask scheduler` did not start"):
+            broken.start()
+        assert broken.processes == [] and not broken.log_dir.exists()
+    finally:
+        broken.close()  # nothing left running even if start() unexpectedly worked
