@@ -199,7 +199,7 @@ def test_a_hub_id_in_the_local_cache_loads_through_from_pretrained(tmp_path):
     assert out.returncode == 0 and out.stdout.split() == ["qwen2", "True"], out.stderr[-2000:]
 
 
-def test_lm_actor_honours_target_kl_and_anneal_lr_and_refuses_compile(cluster, tmp_path):
+def test_lm_actor_honours_target_kl_and_anneal_lr_and_accepts_compile(cluster, tmp_path):
     overrides = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "runner.steps=2", "actor.sft_steps=10",
                  "algorithm.update_epochs=3", "algorithm.target_kl=1e-12", "actor.anneal_lr=true"]  # fmt: skip
     with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
@@ -209,8 +209,8 @@ def test_lm_actor_honours_target_kl_and_anneal_lr_and_refuses_compile(cluster, t
     assert [r["train/epochs"] for r in trained] == [2.0, 2.0]
     lr = loop.recipe.actor.lr
     assert [r["train/lr"] for r in trained] == pytest.approx([lr, lr / 2])  # annealed over runner.steps=2
-    with pytest.raises(rlnb.ConfigError, match="actor.compile: not supported by the LM loop"):
-        rlnb.config.load_recipe("grpo_arith", ["actor.compile=true"])
+    # actor.compile=true is served now (tests/test_compile.py compiles the LM actor's step on a worker)
+    assert rlnb.config.load_recipe("grpo_arith", ["actor.compile=true"]).actor.compile is True
 
 
 def test_resume_purges_tensorboard_and_tolerates_a_torn_metrics_line(cluster, tmp_path):

@@ -20,6 +20,7 @@ from rlnb.algorithms.contract import LM, check_algorithm, check_reward
 from rlnb.algorithms.losses import masked_mean
 from rlnb.algorithms.rewards import SafeReward
 from rlnb.components.actor import ActorBase, with_settings
+from rlnb.components.compile import StepCompiler
 from rlnb.components.launch import launcher
 from rlnb.components.rollout import RolloutBase, resolve_device
 from rlnb.config.schema import ActorConfig
@@ -515,7 +516,7 @@ class LMActor(ActorBase):
         rank_info = rank_info or current_rank()  # subclasses need not pass it on
         torch.set_num_threads(torch_threads)
         algorithm = self.algorithm_config(algorithm)
-        _, self.algo = with_settings(ActorConfig(), algorithm, settings, "actor")
+        actor_config, self.algo = with_settings(ActorConfig(), algorithm, settings, "actor")
         self.cfg = None
         self.rank = rank_info.rank if rank_info else 0
         self.world_size = rank_info.world_size if rank_info else 1
@@ -542,6 +543,8 @@ class LMActor(ActorBase):
         )
         self.step = 0
         self.batch: dict | None = None
+        # actor.compile (compile=...): the micro-batch objective, forward, loss and backward, compiled
+        self.step_compiler = StepCompiler.for_device(actor_config.compile, self.device, "actor")
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """Weights for the rollout: a detached copy on the actor's device (on a GPU they reach the rollout
@@ -715,6 +718,8 @@ class LMActor(ActorBase):
         self.step += 1
         out = {k: v / max(1, count) for k, v in sums.items()}
         out.update(epochs=epochs_run, lr=self.optimizer.param_groups[0]["lr"])
+        if self.step_compiler is not None:
+            out.update(self.step_compiler.report())  # compile time, once, apart from training time
         return out
 
     def _update(self, idx: torch.Tensor) -> dict:
@@ -724,33 +729,29 @@ class LMActor(ActorBase):
         self.optimizer.zero_grad(set_to_none=True)
         metrics: dict[str, float] = {}
         micro = list(_micro_batches(len(idx), self.micro_batch_size))
+        # the ratio is to the behaviour policy when the batch is stale or the loss is decoupled
+        behaviour = "prox_logprobs" in self.loss.needs or batch["stale"]
+        kl_in_loss = self.ref is not None and not self.kl_in_advantage
         for i, sl in enumerate(micro):
             j = idx[sl]
-            ids, attn = batch["input_ids"][j].to(self.device), batch["attention_mask"][j].to(self.device)
-            mask = batch["response_mask"][j].float().to(self.device)
+
+            def take(key, rows=j):
+                return None if batch.get(key) is None else batch[key][rows].to(self.device)
+
+            micro_batch = {
+                "input_ids": take("input_ids"), "attention_mask": take("attention_mask"),
+                "mask": take("response_mask").float(), "advantages": take("advantages"),
+                "old_logprobs": take("old_logprobs"),  # None: one on-policy pass, the current ones
+                "behaviour_logprobs": take("logprobs") if behaviour else None,
+                "ref_logprobs": take("ref_logprobs") if kl_in_loss else None,
+            }  # fmt: skip
+            if self.step_compiler is not None and not self.step_compiler.ready:
+                self.step_compiler.warm_up(self._objective, micro_batch, self.policy)
+            objective = self.step_compiler.fn if self.step_compiler is not None else self._objective
+            mask = micro_batch["mask"]
             sync = self.world_size > 1 and i < len(micro) - 1
             with self.model.no_sync() if sync else contextlib.nullcontext():
-                logp = token_logprobs(self.model, ids, attn, self.temperature)  # (m, L)
-                # the policy before this update as the actor computes it (decoupled PPO's proximal one);
-                # the ratio is to the behaviour policy when the batch is stale or the loss is decoupled
-                prox = (
-                    logp.detach()
-                    if batch["old_logprobs"] is None
-                    else batch["old_logprobs"][j].to(self.device)
-                )
-                behaviour = "prox_logprobs" in self.loss.needs or batch["stale"]
-                loss, m = self.loss(
-                    logprobs=logp, old_logprobs=batch["logprobs"][j].to(self.device) if behaviour else prox,
-                    prox_logprobs=prox, advantages=batch["advantages"][j].to(self.device), mask=mask,
-                    clip_coef=algo.clip_coef, clip_coef_high=algo.clip_coef_high, dual_clip=algo.dual_clip, agg=algo.agg,
-                    behave_weight_cap=algo.behave_weight_cap,
-                )  # fmt: skip
-                if self.ref is not None and not self.kl_in_advantage:
-                    kl = masked_mean(
-                        kl_penalty(logp, batch["ref_logprobs"][j].to(self.device), algo.kl_estimator), mask
-                    )
-                    loss = loss + algo.kl_coef * kl
-                    m["kl"] = float(kl.detach())
+                loss, m = objective(micro_batch)
                 # each micro-batch's share of the minibatch mean (tokens for token-mean, sequences otherwise)
                 share = mask.sum() / total_tokens if algo.agg == "token-mean" else len(j) / total_seqs
                 if not torch.isfinite(loss):
@@ -763,6 +764,28 @@ class LMActor(ActorBase):
         self.optimizer.step()
         metrics["grad_norm"] = float(grad_norm) if math.isfinite(float(grad_norm)) else float("nan")
         return metrics
+
+    def _objective(self, micro_batch: dict) -> tuple[torch.Tensor, dict]:
+        """Forward and loss of one micro-batch (tensors ``[m, L]``): what ``actor.compile`` compiles, its
+        backward with it."""
+        algo, mask = self.algo, micro_batch["mask"]
+        logp = token_logprobs(
+            self.model, micro_batch["input_ids"], micro_batch["attention_mask"], self.temperature
+        )
+        # the policy before this update as the actor computes it (decoupled PPO's proximal one)
+        prox = logp.detach() if micro_batch["old_logprobs"] is None else micro_batch["old_logprobs"]
+        behaviour = micro_batch["behaviour_logprobs"]
+        loss, metrics = self.loss(
+            logprobs=logp, old_logprobs=prox if behaviour is None else behaviour, prox_logprobs=prox,
+            advantages=micro_batch["advantages"], mask=mask, clip_coef=algo.clip_coef,
+            clip_coef_high=algo.clip_coef_high, dual_clip=algo.dual_clip, agg=algo.agg,
+            behave_weight_cap=algo.behave_weight_cap,
+        )  # fmt: skip
+        if micro_batch["ref_logprobs"] is not None:
+            kl = masked_mean(kl_penalty(logp, micro_batch["ref_logprobs"], algo.kl_estimator), mask)
+            loss = loss + algo.kl_coef * kl
+            metrics = {**metrics, "kl": kl.detach()}
+        return loss, metrics
 
     def export_hf(self, path: str) -> str:
         """Write the current model in Hugging Face format (``save_pretrained``)."""

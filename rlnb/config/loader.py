@@ -436,10 +436,6 @@ def _check_lm(recipe: Recipe) -> list[str]:
     ):  # fmt: skip
         if isinstance(value, int) and value < low:
             errs.append(f"{key}: expected an integer >= {low}, got {value!r}")
-    if act.compile is True:
-        errs.append(
-            "actor.compile: not supported by the LM loop yet (its train step runs eager); set actor.compile=false"
-        )
     if isinstance(ro.temperature, float) and ro.temperature <= 0:
         errs.append(f"rollout.temperature: expected a number > 0, got {ro.temperature!r}")
     if isinstance(ro.top_p, float) and not 0 < ro.top_p <= 1:

@@ -149,7 +149,8 @@ class ActorConfig:
     compile: bool | Literal["auto"] = "auto"
     """``torch.compile`` the train step (forward, loss and their backward), compiled on the first step and
     logged as ``time/compile_s``: ``true``, ``false`` or ``auto`` (on where it measured faster: see
-    ``rlnb.components.compile.AUTO``). A compile failure trains eager, with one warning. Embodied PPO only."""
+    ``rlnb.components.compile.AUTO``). A compile failure trains eager, with one warning. Both loops: the LM
+    actor compiles its micro-batch objective."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: the slot's device."""
     torch_threads: int = 1

@@ -239,6 +239,7 @@ class GRPOLoop(LoopBase):
             lr=r.actor.lr, micro_batch_size=r.actor.micro_batch_size, temperature=ro.temperature,
             max_grad_norm=r.algorithm.max_grad_norm, seed=r.seed, device=r.actor.device,
             torch_threads=r.actor.torch_threads, advantage=advantage, policy_loss=loss, anneal_lr=r.actor.anneal_lr,
+            compile=r.actor.compile,
         )  # fmt: skip
         self.groups["reward"] = RewardWorker.launch(
             cl, p["reward"], call_timeout_s=timeout, fn=check_reward(r.reward.name)
