@@ -27,6 +27,7 @@ from rlnb.errors import ConfigError, did_you_mean
 from rlnb.models.policies import make_policy
 from rlnb.runtime.collective import broadcast_state_dict
 from rlnb.runtime.rank import RankInfo, current_rank, local_peer, process_group
+from rlnb.seeding import rank_seed
 
 
 def with_settings(actor: ActorConfig, algorithm: AlgorithmConfig, settings: dict, owner: str):
@@ -191,7 +192,8 @@ class PPOActor(ActorBase):
         obs_space, act_space: gymnasium spaces of one env; without them the policy is built by
             :meth:`bind_spaces`, which a loop calls with its env's spaces.
         total_steps: training steps of the run (for learning-rate annealing).
-        seed: seed of the minibatch shuffling (rank ``r`` uses ``seed + r``) and of the initial weights.
+        seed: seed of the initial weights and of the minibatch shuffling (rank ``r``:
+            ``rlnb.seeding.rank_seed(seed, r, "actor")``).
         policy: the policy (see :func:`rlnb.models.make_policy`): an ``nn.Module`` class or factory
             defined anywhere, a notebook cell included; default ``actor.model`` (the built-in MLP/CNN).
         advantage, policy_loss: registered names or functions; override ``algorithm``'s.
@@ -232,7 +234,7 @@ class PPOActor(ActorBase):
         self.seed = seed
         self.device = resolve_device(self.cfg.device, rank_info)
         self.policy_spec = self.cfg.model if policy is None else policy
-        self.generator = torch.Generator().manual_seed(seed + 104729 * (self.rank + 1))
+        self.generator = torch.Generator().manual_seed(rank_seed(seed, self.rank, "actor"))
         self.total_steps = max(1, total_steps)
         self.step = 0
         # names resolve here; functions (and registry entries resolved by the driver) travel by value,

@@ -22,6 +22,7 @@ from rlnb.config.schema import EnvConfig
 from rlnb.envs.gym_envs import RunningMeanStd, capture_sim_state, make_vector_env, restore_sim_state
 from rlnb.errors import ComponentError, ConfigError, did_you_mean
 from rlnb.runtime.rank import RankInfo, current_rank
+from rlnb.seeding import rank_seed
 
 log = logging.getLogger("rlnb")
 
@@ -58,7 +59,7 @@ class Env:
 
     Args:
         config: an :class:`rlnb.config.EnvConfig` (or its dict); default ``EnvConfig()``.
-        seed: base seed; env ``i`` of rank ``r`` resets with ``seed + 10_000 * r + i``.
+        seed: base seed; env ``i`` of rank ``r`` resets with ``rlnb.seeding.rank_seed(seed, r, "env") + i``.
         gamma: discount, for reward normalisation.
         make_env: a registered gymnasium id, or a ``gymnasium.Env`` class or factory (called with
             ``config.kwargs``) defined anywhere, a notebook cell included; default ``config.id``.
@@ -87,7 +88,7 @@ class Env:
         self.rank = rank_info.rank if rank_info else 0
         self.stages = self.cfg.pipeline_stages
         self.per_stage = self.cfg.num_envs // self.stages
-        self.seed = seed + 10_000 * self.rank
+        self.seed = rank_seed(seed, self.rank, "env")
         self.gamma = gamma
         self.envs = [
             make_vector_env(make_env or self.cfg.id, self.per_stage, self.cfg.vector_mode, self.cfg.kwargs)

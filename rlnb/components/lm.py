@@ -27,6 +27,7 @@ from rlnb.config.schema import ActorConfig
 from rlnb.errors import ConfigError
 from rlnb.models.lm import load_lm, token_logprobs
 from rlnb.runtime.rank import RankInfo, current_rank, local_peer
+from rlnb.seeding import rank_seed
 
 
 def _pad_left(rows: list[list[int]], pad: int) -> torch.Tensor:
@@ -86,7 +87,8 @@ class HFRollout(RolloutBase):
     Args:
         model_path: a ``save_pretrained`` directory.
         max_new_tokens, temperature, top_p: sampling parameters.
-        seed: rank ``r`` seeds each call from ``seed + r`` and a call counter (reproducible).
+        seed: rank ``r`` seeds each call from ``rlnb.seeding.rank_seed(seed, r, "lm_rollout")`` and a call
+            counter (reproducible).
     """
 
     launch = launcher("rollout")
@@ -103,7 +105,7 @@ class HFRollout(RolloutBase):
         self.model, self.tok = load_lm(model_path, self.device)
         self.model.eval().requires_grad_(False)
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-        self.seed, self.calls = seed + 1009 * self.rank, 0
+        self.seed, self.calls = rank_seed(seed, self.rank, "lm_rollout"), 0
         self.version = 0
         self.batch = None
         self.offloaded = False
@@ -531,7 +533,7 @@ class LMActor(ActorBase):
         self.anneal_lr, self.total_steps = anneal_lr, 1
         self.max_grad_norm = max_grad_norm
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=0.0)
-        self.generator = torch.Generator().manual_seed(seed + 104729 * (self.rank + 1))
+        self.generator = torch.Generator().manual_seed(rank_seed(seed, self.rank, "actor"))
         self.advantage, self.loss = check_algorithm(
             self.CONTRACT,
             advantage_fn or advantage or self.algo.advantage,

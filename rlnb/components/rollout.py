@@ -19,6 +19,7 @@ from rlnb.components.launch import launcher
 from rlnb.models.policies import make_policy
 from rlnb.runtime.collective import broadcast_state_dict
 from rlnb.runtime.rank import RankInfo, current_rank, local_peer, process_group
+from rlnb.seeding import rank_seed
 
 
 def resolve_device(device: str, rank_info: RankInfo | None) -> torch.device:
@@ -131,7 +132,7 @@ class PolicyRollout(RolloutBase):
         obs_space, act_space: gymnasium spaces of one env; without them the policy is built by
             :meth:`bind_spaces`, which a loop calls with its env's spaces.
         gamma: discount, for bootstrapping truncated episodes.
-        seed: sampling seed; rank ``r`` uses ``seed + r``.
+        seed: the run's seed; rank ``r`` samples from ``rlnb.seeding.rank_seed(seed, r, "rollout")``.
         policy: instead of ``model``, an ``nn.Module`` class or factory (see
             :func:`rlnb.models.make_policy`), e.g. defined in a notebook cell.
 
@@ -161,7 +162,7 @@ class PolicyRollout(RolloutBase):
         self.policy_spec = model if policy is None else policy
         self.policy = None
         self.gamma = gamma
-        self.seed = seed + 7919 * (self.rank + 1)
+        self.seed = rank_seed(seed, self.rank, "rollout")
         self.generator = torch.Generator(self.device).manual_seed(self.seed)
         self.version = 0
         self.batch: dict | None = None
