@@ -1,4 +1,5 @@
-"""Notebook widgets: the only layer that imports ipywidgets and hvplot. They observe, never drive, a run."""
+"""Notebook widgets: the only layer that imports ipywidgets (and draws with matplotlib). They observe a run;
+the dashboard's controls steer it between steps."""
 
 from rlnb.widgets.cluster_view import cluster_view, refresh_cluster_view
 from rlnb.widgets.dashboard import Dashboard, dashboard_for, show_dashboard
