@@ -148,6 +148,14 @@ def write_notebook_pages(
     for path in sorted(Path(source).glob("*.ipynb")):
         executed = Path("build") / "notebooks" / path.name
         nb = nbformat.read(executed if executed.exists() else path, as_version=4)
+        for cell in nb.cells:  # a widget has no static form: say what it is instead of its text repr
+            for output in cell.get("outputs", []):
+                data = output.get("data", {})
+                if "application/vnd.jupyter.widget-view+json" in data:
+                    kind = data.get("text/plain", "widget").split("(")[0]
+                    output["data"] = {
+                        "text/markdown": f"*[{kind}: a live widget, shown when the notebook runs]*"
+                    }
         body, resources = MarkdownExporter().from_notebook_node(
             nb, resources={"output_files_dir": f"{path.stem}_files"}
         )
