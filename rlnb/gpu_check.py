@@ -465,19 +465,12 @@ def check_maniskill_pickcube(work: Path) -> dict:
         )
     import rlnb
     from rlnb.config import load_recipe
-    from rlnb.envs.gym_envs import physx_gpu_library
+    from rlnb.envs.gym_envs import _check_physx_gpu_library
 
-    library, url = physx_gpu_library()
-    if not library.exists():
-        import socket
-
-        try:
-            socket.create_connection(("github.com", 443), timeout=5).close()
-        except OSError:
-            raise Skip(
-                f"SAPIEN's PhysX GPU library is not at {library}: SAPIEN downloads it from GitHub at first use, "
-                f"which this machine cannot reach; bring {url} and unzip it into {library.parent}"
-            ) from None
+    try:
+        _check_physx_gpu_library()  # the env's own check: SAPIEN's PhysX GPU library, or GitHub to fetch it
+    except RuntimeError as e:
+        raise Skip(str(e)) from None
 
     overrides = ["runner.steps=3", "env.num_envs=64", "runner.eval_interval=0", "runner.save_interval=0"]
     recipe = load_recipe("ppo_maniskill", overrides)

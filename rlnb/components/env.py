@@ -294,8 +294,8 @@ class Env:
             restore_sim_state(vec, sim)  # MuJoCo physics and env RNGs, which pickling does not keep
 
     def _own_state_api(self) -> bool:
-        return all(callable(getattr(v, "state_dict", None)) for v in self.envs) and all(
-            callable(getattr(v, "load_state_dict", None)) for v in self.envs
+        return all(
+            callable(getattr(v, m, None)) for v in self.envs for m in ("state_dict", "load_state_dict")
         )
 
     def close(self) -> None:

@@ -71,13 +71,14 @@ class Dashboard(w.VBox):
         self.pause_button = w.ToggleButton(description="pause", value=False, tooltip="hold at the next step")
         self.stop_button = w.Button(description="stop", tooltip="end the run at the next step boundary")
         self.save_button = w.Button(description="save now", tooltip="checkpoint at the end of this step")
+
+        def current(name: str) -> float:
+            section, field = STEERABLE[name]
+            return getattr(getattr(loop.recipe, section), field)
+
         self.hyperparameters = {
-            name: w.FloatText(
-                value=getattr(getattr(loop.recipe, section), field),
-                description=name,
-                layout=w.Layout(width="170px"),
-            )
-            for name, (section, field) in STEERABLE.items()
+            name: w.FloatText(value=current(name), description=name, layout=w.Layout(width="170px"))
+            for name in STEERABLE
         }
         self.apply_button = w.Button(description="apply", tooltip="use these from the next step on")
 
@@ -94,11 +95,8 @@ class Dashboard(w.VBox):
             self.model.note(f"a checkpoint will be written after step {loop.step + 1}")
 
         def on_apply(_):
-            section_of = {name: STEERABLE[name] for name in self.hyperparameters}
             changed = {
-                name: box.value
-                for name, box in self.hyperparameters.items()
-                if box.value != getattr(getattr(loop.recipe, section_of[name][0]), section_of[name][1])
+                name: box.value for name, box in self.hyperparameters.items() if box.value != current(name)
             }
             if not changed:
                 return
