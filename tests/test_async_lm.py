@@ -93,6 +93,38 @@ def test_a_generation_interrupted_by_a_weight_update_goes_on_with_the_new_weight
             thing.close() if hasattr(thing, "put") else thing.shutdown()
 
 
+def test_a_stream_waits_for_the_weights_its_problems_were_admitted_at(cluster, tmp_path):
+    """The loop admits the problems of the batch trained at ``t`` once it published version ``t - 1``; an
+    unbounded put does not wait for delivery, so those weights may reach the rollout rank after the stream
+    starts. Generating them with older weights put a group N + 1 versions behind its batch (CI, d53d55c)."""
+    import threading
+
+    from rlnb import Channel, HFRollout
+    from rlnb.components.lm import RewardWorker
+    from rlnb.models import build_tiny_lm, load_lm
+
+    model = str(build_tiny_lm(tmp_path / "tiny", hidden_size=32, num_layers=1, num_heads=2))
+    rollout = HFRollout.launch(cluster, "0", model_path=model, max_new_tokens=4)
+    reward = RewardWorker.launch(cluster, "0", fn=lambda completion: 0.0)
+    weights = Channel.create(cluster, "w", slot=0)
+    batches = Channel.create(cluster, "b", slot=1)
+    try:
+        state = load_lm(model)[0].state_dict()
+        late = threading.Timer(4.0, lambda: weights.put({"state": state, "version": 1}, key="w0"))
+        late.start()  # the rollout holds version 0; version 1 arrives while the stream for t=2 starts
+        problems = [(0, "1+2=", "3"), (1, "4+4=", "8")]
+        call = rollout.on(0).stream(
+            problems, 2, 2, 2, 1, weights, "w0", batches, "b0", reward.name, chunk_tokens=1
+        )
+        summary = call.result(timeout=120)[0]
+        late.join()
+        assert summary["staleness"] == [1, 1], summary  # started with version 1, trained at 2: within N = 1
+        batches.get(key="b0", timeout=30)
+    finally:
+        for thing in (rollout, reward, weights, batches):
+            thing.close() if hasattr(thing, "put") else thing.shutdown()
+
+
 def test_a_killed_async_grpo_run_resumes_without_training_a_problem_twice_or_skipping_one(cluster, tmp_path):
     """AReaL #1388. The groups still generating at a checkpoint are in the rollout ranks' checkpoints."""
     base = [*SMALL, f"actor.model_path={tmp_path / 'model'}", "actor.sft_steps=20", "runner.steps=12",

@@ -244,6 +244,8 @@ class HFRollout(RolloutBase):
         """Partial-rollout generation for asynchronous training (AReaL): admit ``problems``
         (``(serial, prompt, answer)``, ``n`` completions each) to the pool of groups in progress, then
         generate ``chunk_tokens`` at a time for every unfinished sequence until ``groups`` groups are done.
+        The loop admits them at version ``train_version - 1``: the call first waits (up to the channel's
+        deadline) for those weights if they have not arrived yet.
 
         Between chunks it takes the newest weights the actor published under ``weights_key``: a
         generation interrupted by a weight update goes on with the new weights, and every token keeps
@@ -264,6 +266,11 @@ class HFRollout(RolloutBase):
                 {"serial": serial, "prompt": prompt, "answer": answer, "prompt_ids": ids, "start": None, "seqs": seqs}
             )  # fmt: skip
         swaps, tokens, chunks = 0, 0, 0
+        # the loop admitted these problems once it had published version train_version - 1, but a put does
+        # not wait for delivery: generating them with older weights would put them N + 1 versions behind
+        while self.version < train_version - 1:
+            self.load_from_channel(weights, weights_key)
+            swaps += 1
         last_due = train_version - max_staleness  # groups started at or before it must be in this batch
         while True:
             if self.poll_weights(weights, weights_key) is not None:
