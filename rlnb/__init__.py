@@ -23,12 +23,16 @@ from rlnb.errors import (
     UnknownNameError,
     WorkerLostError,
 )
-from rlnb.runtime import Channel, Group, GroupResult, RankInfo, current_rank, init_collective, process_group
 
 __version__ = "0.1.0"
 
-# components and loops import torch: loaded on first use, so `import rlnb` (and the CLI) stays quick
+# the runtime, components and loops import torch (~2.5 s here): loaded on first use, so `import rlnb` (and
+# the CLI) stays quick, and an embedded cluster's workers start importing it while the driver does too
 _LAZY = {
+    **dict.fromkeys(
+        ("Channel", "Group", "GroupResult", "RankInfo", "current_rank", "init_collective", "process_group"),
+        "rlnb.runtime",
+    ),
     "Env": "rlnb.components",
     "HFRollout": "rlnb.components",
     "LMActor": "rlnb.components",

@@ -8,6 +8,9 @@ thread** (exactly as Dask runs actor methods), call an actor method without the 
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 
 def run_on_actor_thread(worker, fn, args: tuple, name: str):
     """Submit ``fn(*args)`` to ``worker``'s actor executor with Dask's per-task thread state (what
@@ -86,3 +89,37 @@ def fork_workers_from_preloaded_server(preload=WORKER_PRELOAD) -> bool:
         dask_utils._forkserver_preload_set = True
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
     return True
+
+
+def prestart_fork_server(preload=WORKER_PRELOAD) -> bool:
+    """Start the workers' fork server now, so it imports ``preload`` (~5 s of one core here) while the
+    driver goes on with its own imports on the other cores; the embedded cluster's workers then fork
+    from it. Needs neither torch nor Dask imported. ``rlnb run`` calls it once the recipe asks for an
+    embedded CPU cluster. Returns whether a fork server is (now) running."""
+    import multiprocessing
+    import os
+
+    if os.environ.get("RLNB_WORKER_START", "forkserver") != "forkserver" or (
+        "forkserver" not in multiprocessing.get_all_start_methods()
+    ):
+        return False
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload(list(preload))  # no effect once the server runs
+    forkserver.ensure_running()  # returns at once: the server imports in its own process
+    return True
+
+
+def stop_fork_server() -> None:
+    """Stop a fork server :func:`prestart_fork_server` started, at once, even mid-import (a recipe that
+    failed its checks after the server started): nothing is left running behind the driver."""
+    import signal
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    server._stop()  # closes its pipe and socket, reaps it

@@ -52,6 +52,13 @@ def _demo(args) -> int:
     return 0
 
 
+def _prestart_embedded_workers() -> bool:
+    from rlnb._dask import prestart_fork_server
+    from rlnb.cluster.cluster import _count_gpus
+
+    return not _count_gpus()[0] and prestart_fork_server()
+
+
 def _run(args) -> int:
     import signal
 
@@ -60,7 +67,25 @@ def _run(args) -> int:
     overrides = list(args.overrides)
     if args.run_dir:
         overrides.append(f"runner.run_dir={args.run_dir}")
-    recipe = load_recipe(args.recipe, overrides)  # every config error reported here, before any worker starts
+    prestarted = False
+    if not args.print_config:
+        # an embedded CPU cluster's workers fork from a server that imports torch (~5 s of a core here):
+        # started now, it does that while this process imports torch for the recipe's checks
+        try:
+            structure = load_recipe(args.recipe, overrides, check=False)
+        except ConfigError:  # reported below with every other error of the recipe
+            structure = None
+        prestarted = (
+            structure is not None and structure.cluster.address is None and _prestart_embedded_workers()
+        )
+    try:
+        recipe = load_recipe(args.recipe, overrides)  # every config error reported here, before any work
+    except ConfigError:
+        if prestarted:
+            from rlnb._dask import stop_fork_server
+
+            stop_fork_server()
+        raise
     if args.print_config:
         print(to_yaml(recipe), end="")
         return 0

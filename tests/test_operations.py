@@ -60,6 +60,51 @@ def test_cli_usage_config_errors_and_print_config():
     assert r.returncode == 0 and "ppo_cartpole" in r.stdout and "ppo_mujoco" in r.stdout
 
 
+def test_cli_starts_workers_while_it_checks_the_recipe_and_stops_them_when_the_checks_fail(tmp_path):
+    """``rlnb run`` starts the embedded workers' fork server before the recipe's checks import torch; a
+    recipe failing those checks must not leave that server importing behind the exited driver."""
+    with open(tmp_path / "err", "w+") as stderr:  # a file: a pipe would wait for every process holding it
+        proc = subprocess.Popen(
+            [*RLNB, "run", "ppo_cartpole", "algorithm.advantage=gea", *QUIET],
+            stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
+        )  # fmt: skip
+        proc.wait(timeout=120)
+        stderr.seek(0)
+        err = stderr.read()
+    left = [p for p in _processes_in_group(proc.pid) if p != proc.pid]
+    if left:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 2 and "Did you mean 'gae'?" in err, err
+    assert not left, f"processes left behind by a failed recipe check: {left}"
+
+
+def _processes_in_group(pgid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def test_importing_rlnb_does_not_import_torch_and_a_first_cluster_imports_it_beside_the_workers():
+    code = (
+        "import sys, threading, rlnb\n"
+        "assert 'torch' not in sys.modules, 'import rlnb imported torch'\n"
+        "if __name__ == '__main__':\n"
+        "    with rlnb.Cluster(slots=1, gpus=False):\n"
+        "        assert 'torch' in sys.modules and 'rlnb.loop' in sys.modules\n"
+        "        assert not [t for t in threading.enumerate() if t.name == 'rlnb-driver-imports']\n"
+        "    print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
 def test_cli_unreachable_scheduler_exits_1():
     r = _run(["info", "--address", "tcp://127.0.0.1:9", "--timeout-s", "2"])
     assert r.returncode == 1 and "cannot reach the Dask scheduler at 'tcp://127.0.0.1:9'" in r.stderr

@@ -86,6 +86,27 @@ def _count_gpus() -> tuple[int, str]:
         return 0, ""
 
 
+def _import_in_background(module: str):
+    """Import ``module`` on a helper thread unless torch is in already (a first embedded cluster: the
+    workers' fork server imports torch on one core while this process does on another, instead of the
+    first component paying it after the cluster is up). Returns the thread, or None."""
+    import sys
+    import threading
+
+    if "torch" in sys.modules:
+        return None
+
+    def run():
+        import importlib
+
+        with contextlib.suppress(Exception):  # an import error surfaces where the module is used
+            importlib.import_module(module)
+
+    thread = threading.Thread(target=run, name="rlnb-driver-imports", daemon=True)
+    thread.start()
+    return thread
+
+
 def _connect(address: str, timeout_s: float, security=None):
     """A Dask ``Client`` for ``address`` within ``timeout_s``, or a :class:`ClusterError` saying what is there.
 
@@ -202,6 +223,7 @@ class Cluster:
         self._channels: list = []  # closed with the cluster, freeing their shared memory
         self.address: str
         if address is None:
+            warming = _import_in_background("rlnb.loop")  # the driver's own torch import, beside the workers'
             self._local = self._start_local(slots, gpus, dashboard_address)
             self.address = self._local.scheduler_address
             self.client = Client(self._local, direct_to_workers=True)
@@ -213,6 +235,9 @@ class Cluster:
                 raise ClusterError(
                     f"the embedded cluster's {n} worker process(es) did not start within 60 s"
                 ) from None
+            finally:
+                if warming is not None:
+                    warming.join(60.0)
             # warnings that components log on their workers (logger "rlnb") reach this process's "rlnb"
             # logger, so a notebook and the dashboard see them; only for workers this driver owns
             self.client.forward_logging("rlnb", level=logging.WARNING)
