@@ -1,6 +1,7 @@
 """How group calls and channels scale with the number of ranks, and where the driver becomes the bottleneck.
 
-Run: ``.venv/bin/python bench/scaling.py [--ranks 2 8 32 64]`` (prints figures; not a timed test).
+Run: ``.venv/bin/python bench/scaling.py [--part ranks work] [--ranks 2 8 32 64]`` (prints figures; not a
+timed test).
 
 For each size it starts an embedded cluster of that many small CPU worker processes and measures, against a
 floor taken in the same run:
@@ -9,6 +10,12 @@ floor taken in the same run:
   puts, every rank takes its own key), in items per second.
 It then fits the driver's cost of one group call as ``fixed + per_rank * ranks`` and prints the rank count at
 which a call would exceed a given share of a training step (see docs/benchmarks.md, "Scaling").
+
+``--part work``: how a PPO step's cost grows with the work, on the default embedded cluster: ``ppo_cartpole``
+(collocated, synchronous) with num_envs 8 -> 1024, policy width 64 -> 1024, and 1 -> 2 data-parallel
+ranks. Each row gives the step time and its parts timed where they run (env stepping, inference, the
+advantage and update compute) and the loop's own overhead, the rest, as a share of the step (target < 5%).
+It saves a plot to ``docs/img/scaling_work.png``.
 """
 
 from __future__ import annotations
@@ -97,13 +104,98 @@ def measure(ranks: int, items_per_rank: int) -> dict:
         cluster.close()
 
 
+WORK_PARTS = ("env", "inference", "advantages_compute", "train_compute")
+SIZES = [  # (label, overrides): one axis grows at a time from the recipe's own size
+    ("num_envs 8 (recipe)", []),
+    ("num_envs 64", ["env.num_envs=64"]),
+    ("num_envs 256", ["env.num_envs=256"]),
+    ("num_envs 1024", ["env.num_envs=1024"]),
+    ("width 256", ["actor.model.hidden_sizes=[256, 256]"]),
+    ("width 1024", ["actor.model.hidden_sizes=[1024, 1024]"]),
+    ("num_envs 64, 1 rank", ["env.num_envs=64"]),
+    ("num_envs 64, 2 ranks", ["env.num_envs=64", "cluster.component_placement={'actor,rollout,env': 0-1}"]),
+]
+
+
+def work_row(cluster, overrides: list[str], steps: int) -> dict:
+    """Medians over ``steps`` PPO steps after one warm-up: the step, its timed work, the overhead share."""
+    import tempfile
+
+    from rlnb.loop import Loop
+
+    base = ["runner.tensorboard=false", "runner.stop_return=100000", "runner.eval_interval=0"]
+    with (
+        tempfile.TemporaryDirectory() as run_dir,
+        Loop.from_recipe("ppo_cartpole", [*base, *overrides], cluster=cluster, run_dir=run_dir) as loop,
+    ):
+        loop.run(1, progress=False)
+        records = loop.run(steps, progress=False)
+    row = {"step_s": float(np.median([r["time/step_s"] for r in records]))}
+    for part in WORK_PARTS:
+        row[part] = float(np.median([r[f"time/{part}_s"] for r in records]))
+    row["overhead_frac"] = float(np.median([r["time/overhead_frac"] for r in records]))
+    return row
+
+
+def work_scaling(steps: int, plot: str | None) -> None:
+    print(
+        f"{'PPO step, ppo_cartpole':<22} {'step':>8} {'env':>8} {'inference':>9} {'GAE':>7} {'update':>8} "
+        f"{'overhead':>9}"
+    )
+    rows = []
+    with rlnb.Cluster(slots=2, gpus=False) as cluster:
+        for label, overrides in SIZES:
+            r = work_row(cluster, overrides, steps)
+            rows.append((label, r))
+            print(
+                f"{label:<22} {r['step_s'] * 1e3:>6.1f}ms {r['env'] * 1e3:>6.1f}ms {r['inference'] * 1e3:>7.1f}ms "
+                f"{r['advantages_compute'] * 1e3:>5.1f}ms {r['train_compute'] * 1e3:>6.1f}ms "
+                f"{100 * r['overhead_frac']:>8.1f}%",
+                flush=True,
+            )
+    if plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 4))
+        labels = [label for label, _ in rows]
+        bottom = np.zeros(len(rows))
+        for part in WORK_PARTS:
+            share = np.array([r[part] / r["step_s"] for _, r in rows])
+            ax.barh(labels, share, left=bottom, label=part.replace("_", " "))
+            bottom += share
+        ax.barh(
+            labels, [r["overhead_frac"] for _, r in rows], left=bottom, label="loop overhead", color="0.3"
+        )
+        for y, (_, r) in enumerate(rows):
+            ax.text(1.01, y, f"{r['step_s'] * 1e3:.0f} ms/step", va="center", fontsize=8)
+        ax.set_xlim(0, 1.18)
+        ax.invert_yaxis()
+        ax.set_xlabel("share of a PPO step")
+        ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=5, fontsize=8, frameon=False)
+        fig.tight_layout()
+        fig.savefig(plot, dpi=110)
+        print(f"plot: {plot}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8, 32, 64])
+    parser.add_argument("--part", nargs="+", choices=["ranks", "work"], default=["work", "ranks"])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--items-per-rank", type=int, default=200)
     parser.add_argument("--step-s", type=float, default=0.5, help="a training step's duration, for the model")
+    parser.add_argument("--steps", type=int, default=8, help="--part work: steps measured per size")
+    parser.add_argument(
+        "--plot", default="docs/img/scaling_work.png", help="--part work: where the plot goes"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if "work" in args.part:
+        work_scaling(args.steps, args.plot)
+    if "ranks" not in args.part:
+        return
     rows = []
     print(
         f"{'ranks':>5} {'start':>7} {'group call':>11} {'driver CPU':>11} {'Dask actors':>12} {'ratio':>6} "

@@ -45,6 +45,10 @@ def test_collocated_cartpole_learns(cluster, tmp_path):
         assert k in keys, k
     assert records[-1]["eval/return_mean"] == ev["eval/return_mean"]
     assert_metrics_documented(tmp_path)  # every logged key is in the metrics glossary
+    for r in records[1:-1]:  # the work, timed on the worker, fits inside the step; the rest is overhead
+        work = ("time/env_s", "time/inference_s", "time/advantages_compute_s", "time/train_compute_s")
+        assert all(r[k] > 0 for k in work) and sum(r[k] for k in work) < r["time/step_s"], r
+        assert 0 < r["time/overhead_frac"] < 1
     assert (tmp_path / "recipe.yaml").exists()
 
 

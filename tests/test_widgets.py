@@ -76,6 +76,7 @@ def test_loop_dashboard_background_run_and_stop(cluster, tmp_path):
         stopped_at = loop.step
         assert 3 <= stopped_at < 200 and loop.stopped
         assert dash.model.step == stopped_at and dash.bar.value == pytest.approx(stopped_at / 200)
+        assert "overhead</abbr>" in dash.phases.value and "% of the step" in dash.phases.value
         assert len(loop.history) == stopped_at  # no half-finished step
         view = loop._repr_html_()  # the step, the placement and the latest summary metric
         assert f"step {stopped_at}" in view and "<td>env</td>" in view and loop.SUMMARY_KEYS[0] in view

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 
 import torch
 
@@ -291,10 +292,12 @@ class PPOActor(ActorBase):
     def compute_advantages(self) -> dict:
         """Run the advantage estimator on the current batch (every input of the contract it accepts)."""
         b, algo = self.batch, self.algo
+        t0 = time.perf_counter()
         advantages, returns = self.advantage(
             rewards=b["rewards"], values=b["values"], dones=b["dones"], last_values=b["last_values"],
             gamma=algo.gamma, gae_lambda=algo.gae_lambda,
         )  # fmt: skip
+        compute_s = time.perf_counter() - t0
         for key, x in (("advantages", advantages), ("returns", returns)):
             if not isinstance(x, torch.Tensor) or x.shape != b["rewards"].shape:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -308,6 +311,7 @@ class PPOActor(ActorBase):
             "advantage_mean": float(advantages.mean()),
             "advantage_std": float(advantages.std()),
             "return_mean": float(returns.mean()),
+            "compute_s": compute_s,
         }
 
     def train(self) -> dict:
@@ -331,12 +335,15 @@ class PPOActor(ActorBase):
         # so a step sees (ranks x mb_size) samples, as one rank would with the whole batch
         mb_size = max(1, n // algo.num_minibatches)
         sums: dict[str, float] = {}
-        count, epochs_run = 0, 0
+        count, epochs_run, compute_s = 0, 0, 0.0
         for _ in range(algo.update_epochs):
             perm = torch.randperm(n, generator=self.generator)
             for start in range(0, n - mb_size + 1, mb_size):
-                idx = perm[start : start + mb_size]
-                metrics = self._train_minibatch({k: v[idx] for k, v in flat.items()})
+                # one minibatch of the whole batch: every term is a mean over samples, so no shuffle
+                mb = flat if mb_size == n else {k: v[perm[start : start + mb_size]] for k, v in flat.items()}
+                t0 = time.perf_counter()
+                metrics = self._train_minibatch(mb)
+                compute_s += time.perf_counter() - t0
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
@@ -345,7 +352,7 @@ class PPOActor(ActorBase):
                 break
         self.step += 1
         out = {k: v / max(count, 1) for k, v in sums.items()}
-        out.update(epochs=epochs_run, lr=self.optimizer.param_groups[0]["lr"])
+        out.update(epochs=epochs_run, lr=self.optimizer.param_groups[0]["lr"], compute_s=compute_s)
         if self.step_compiler is not None:
             out.update(self.step_compiler.report())  # compile time, once, apart from training time
         with torch.no_grad():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import cloudpickle
 import numpy as np
@@ -106,6 +107,7 @@ class Env:
         self.ret_rms = RunningMeanStd(()) if self.cfg.normalize_reward else None
         self.disc_return = np.zeros(n)
         self.started = False
+        self.sim_s = 0.0  # seconds inside the vector envs' step(), since the last pop_sim_s()
 
     @classmethod
     def prepare_launch(cls, kwargs: dict) -> dict:
@@ -160,7 +162,9 @@ class Env:
         the ``k`` episodes truncated on this step (the rollout bootstraps them with the value function).
         """
         actions = np.asarray(actions)
+        t0 = time.perf_counter()
         obs, reward, terminated, truncated, info = self.envs[stage].step(actions)
+        self.sim_s += time.perf_counter() - t0  # the simulator's own work, for the loop's overhead share
         lo = stage * self.per_stage
         idx = slice(lo, lo + self.per_stage)
         # rewards and done flags ([n] each) come to the host for the episode statistics; observations
@@ -235,6 +239,11 @@ class Env:
         return steps * self.cfg.num_envs
 
     # ------------------------------------------------------------------ stats and state
+    def pop_sim_s(self) -> float:
+        """Seconds spent inside the vector envs' own ``step()`` since the last call."""
+        out, self.sim_s = self.sim_s, 0.0
+        return out
+
     def pop_episodes(self) -> list[tuple[float, int]]:
         """(return, length) of the episodes finished since the last call, in finishing order."""
         out, self.finished = self.finished, []

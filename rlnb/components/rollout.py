@@ -10,6 +10,8 @@ Batch layout (all tensors, T = steps, N = envs of the rank)::
 
 from __future__ import annotations
 
+import time
+
 import gymnasium as gym
 import numpy as np
 import torch
@@ -43,9 +45,17 @@ class _Trajectory:
             self.cols[k][stage].append(v)
 
     def stack(self) -> dict[str, torch.Tensor]:
-        # per stage: list over t of [n, ...] -> [T, n, ...]; stages side by side along N
+        # per stage: list over t of [n, ...] -> [T, n, ...]; stages side by side along N (rewards and dones
+        # are kept as numpy arrays while stepping: one conversion here instead of a few per step)
         return {
-            k: torch.cat([torch.stack(s) for s in per_stage], dim=1) for k, per_stage in self.cols.items()
+            k: torch.cat(
+                [
+                    torch.from_numpy(np.stack(s)) if isinstance(s[0], np.ndarray) else torch.stack(s)
+                    for s in per_stage
+                ],
+                dim=1,
+            )
+            for k, per_stage in self.cols.items()
         }
 
 
@@ -201,11 +211,11 @@ class PolicyRollout(RolloutBase):
     @torch.no_grad()
     def _record_step(self, traj: _Trajectory, stage: int, out: dict):
         """Rewards/dones of a step; truncated episodes get ``gamma * V(final_obs)`` added to their reward."""
-        reward = torch.as_tensor(out["reward"], dtype=torch.float32).clone()
+        reward = np.array(out["reward"], dtype=np.float32)  # [n], a copy
         if out["final_obs"] is not None and len(out["final_idx"]):
-            v = self.policy.value(torch.as_tensor(out["final_obs"], device=self.device)).cpu()
-            reward[torch.as_tensor(out["final_idx"])] += self.gamma * v
-        done = torch.as_tensor(np.logical_or(out["terminated"], out["truncated"]), dtype=torch.float32)
+            v = self.policy.value(torch.as_tensor(out["final_obs"], device=self.device)).cpu().numpy()
+            reward[out["final_idx"]] += self.gamma * v
+        done = np.logical_or(out["terminated"], out["truncated"]).astype(np.float32)  # [n]
         traj.add(stage, rewards=reward, dones=done)
 
     def _finish(self, traj: _Trajectory, last_obs: list) -> dict:
@@ -231,14 +241,19 @@ class PolicyRollout(RolloutBase):
         env_obj: Env = local_peer(env, self.rank)
         obs = env_obj.current_obs()
         traj = _Trajectory(env_obj.stages)
+        env_obj.pop_sim_s()
+        inference_s = 0.0
         for _ in range(steps):
             for s in range(env_obj.stages):
+                t0 = time.perf_counter()
                 actions, logprob, value = self.act(obs[s])
+                inference_s += time.perf_counter() - t0
                 traj.add(s, obs=torch.as_tensor(obs[s]), actions=actions, logprobs=logprob, values=value)
                 out = env_obj.step(s, self.env_actions(actions))
                 self._record_step(traj, s, out)
                 obs[s] = out["obs"]
         summary = self._finish(traj, obs)
+        summary.update(env_s=env_obj.pop_sim_s(), inference_s=inference_s)  # the work; the rest is overhead
         if actor is not None:
             local_peer(actor, self.rank).set_batch([self.batch])
             summary["episodes"] = env_obj.pop_episodes()

@@ -297,6 +297,9 @@ class Loop(LoopBase):
             "episodes_finished": len(self.episodes),
             **extra,
         }
+        for key in ("env_s", "inference_s"):  # the collocated path times its work (the slowest rank's)
+            if all(key in s for s in summaries):
+                out[key] = max(s[key] for s in summaries)
         out.update(self.episode_stats())
         return self._phase("rollout", t0, out)
 
@@ -366,6 +369,17 @@ class Loop(LoopBase):
             "env/episode_len_mean": stats["episode_len_mean"],
             "rollout/steps_per_s": self._pending.get("rollout/steps_per_s"),
         }
+        p = self._pending
+        work = {  # seconds of the work itself inside the phases, timed where it runs (wall clock: time/)
+            "time/env_s": p.pop("rollout/env_s", None),
+            "time/inference_s": p.pop("rollout/inference_s", None),
+            "time/advantages_compute_s": p.pop("advantages/compute_s", None),
+            "time/train_compute_s": p.pop("train/compute_s", None),
+        }
+        record.update({k: v for k, v in work.items() if v is not None})
+        if None not in work.values() and not self.max_staleness:  # collocated: one phase after another
+            step_s = sum(v for k, v in p.items() if k.startswith("time/") and k != "time/compile_s")
+            record["time/overhead_frac"] = max(0.0, 1.0 - sum(work.values()) / step_s) if step_s > 0 else None
         if self.max_staleness:  # versions behind, of the batch this step trained on
             record["rollout/staleness_mean"] = self._pending.get("rollout/staleness_mean")
             record["rollout/staleness_max"] = self._pending.get("rollout/staleness_max")

@@ -125,12 +125,13 @@ class Dashboard(w.VBox):
         self.bar.bar_style = "success" if model.done else ""
         self.label.value = model.progress_text()
         total = sum(model.phase_s.values()) or 1.0
-        self.phases.value = _table(
-            [
-                (p, f"{s:.3f}  {'█' * int(20 * s / total)}")
-                for p, s in sorted(model.phase_s.items(), key=lambda kv: -kv[1])
-            ]
-        )
+        rows = [
+            (p, f"{s:.3f}  {'█' * int(20 * s / total)}")
+            for p, s in sorted(model.phase_s.items(), key=lambda kv: -kv[1])
+        ]
+        if "time/overhead_frac" in model.latest:  # how much of a step is the loop's own, not the work
+            rows.append(("overhead", f"{100 * model.latest['time/overhead_frac']:.1f} % of the step"))
+        self.phases.value = _table(rows, {"overhead": GLOSSARY["time/overhead_frac"]})
         keys = [k for k in sorted(model.latest) if not k.startswith("time/")][:16]
         self.metrics.value = _table([(k, f"{model.latest[k]:.4g}") for k in keys], GLOSSARY)
         self.messages.value = (
