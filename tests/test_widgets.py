@@ -47,7 +47,7 @@ def test_model_state_after_updates():
 
 def test_dashboard_view_follows_the_model():
     model = DashboardModel(total=5)
-    dash = Dashboard(model, title="test", plot_every=2)
+    dash = Dashboard(model, title="test")
     for rec in _records(3):
         model.update(rec)
     assert dash.bar.value == pytest.approx(0.6) and dash.label.value.startswith("step 3/5")
@@ -55,10 +55,26 @@ def test_dashboard_view_follows_the_model():
     assert "env/episode_return_mean" in dash.metrics.value and "30" in dash.metrics.value
     # hovering a metric shows its glossary entry
     assert "title='Mean return of the last 20 finished episodes" in dash.metrics.value
-    assert dash.plots.value[:8] == b"\x89PNG\r\n\x1a\n" and len(dash.plots.value) > 5000  # curves drawn
+    # live curves: every update reaches the lines the page draws, one panel per group of metrics
+    series = [(float(s), float(v)) for s, v in model.series["env/episode_return_mean"]]
+    assert len(series) == 3 and dash.plots.points("return / reward", "env/episode_return_mean") == series
+    assert [p.figure.title for p in dash.plots.panels.values()] == [title for title, _ in model.curves()]
     for rec in _records(5):
         model.update(rec)
     assert dash.bar.bar_style == "success"
+    assert len(dash.plots.points("losses", "train/policy_loss")) == len(model.series["train/policy_loss"])
+
+
+def test_dashboard_png_curves_redraw_every_plot_every_updates():
+    model = DashboardModel(total=5)
+    dash = Dashboard(model, title="test", plot_every=2, curves="png")
+    model.update(next(_records(1)))
+    assert dash.plots.value == b""  # not yet: the first redraw is at the 2nd update
+    for rec in list(_records(3))[1:]:
+        model.update(rec)
+    assert dash.plots.value[:8] == b"\x89PNG\r\n\x1a\n" and len(dash.plots.value) > 5000  # curves drawn
+    with pytest.raises(ValueError, match="expected 'live' or 'png', got 'svg'"):
+        Dashboard(model, curves="svg")
 
 
 def test_loop_dashboard_background_run_and_stop(cluster, tmp_path):
@@ -77,6 +93,8 @@ def test_loop_dashboard_background_run_and_stop(cluster, tmp_path):
         assert 3 <= stopped_at < 200 and loop.stopped
         assert dash.model.step == stopped_at and dash.bar.value == pytest.approx(stopped_at / 200)
         assert "overhead</abbr>" in dash.phases.value and "% of the step" in dash.phases.value
+        # the live curves hold a point for every step the background run finished
+        assert len(dash.plots.points("return / reward", "env/episode_return_mean")) == stopped_at
         assert len(loop.history) == stopped_at  # no half-finished step
         view = loop._repr_html_()  # the step, the placement and the latest summary metric
         assert f"step {stopped_at}" in view and "<td>env</td>" in view and loop.SUMMARY_KEYS[0] in view

@@ -628,11 +628,16 @@ class LoopBase:
     def evaluate(self, *args, **kwargs) -> dict:
         raise NotImplementedError
 
-    def dashboard(self, total: int | None = None, plot_every: int = 10):
-        """A live notebook dashboard of this loop (progress, curves, phase times, metrics)."""
+    def dashboard(self, total: int | None = None, plot_every: int = 10, curves: str = "live"):
+        """A live notebook dashboard of this loop (progress, curves, phase times, metrics, controls).
+
+        ``curves="live"`` streams every step into interactive curves (zoom, pan, hover); ``"png"`` draws a
+        static image every ``plot_every`` steps, for a front end without bqplot's JavaScript."""
         from rlnb.widgets import dashboard_for  # the widget layer is imported only when asked for
 
-        return dashboard_for(self, total=total or self.recipe.runner.steps, plot_every=plot_every)
+        return dashboard_for(
+            self, total=total or self.recipe.runner.steps, plot_every=plot_every, curves=curves
+        )
 
     def run(
         self, steps: int | None = None, progress: bool = True, live: bool = False, background: bool = False

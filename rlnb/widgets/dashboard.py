@@ -1,4 +1,5 @@
-"""The live dashboard widget (ipywidgets + matplotlib), a view of :class:`DashboardModel`."""
+"""The live dashboard widget (ipywidgets; curves by bqplot, or matplotlib PNGs), a view of
+:class:`DashboardModel`."""
 
 from __future__ import annotations
 
@@ -31,11 +32,23 @@ class Dashboard(w.VBox):
 
     It observes a :class:`DashboardModel` (fed by the loop's metric stream). With ``controls`` (the loop),
     a row of controls steers the run at step boundaries: pause/resume, stop, save now, and ``lr``,
-    ``ent_coef``, ``clip_coef`` (:meth:`rlnb.loop.base.LoopBase.set_hyperparameters`). Curves redraw every
-    ``plot_every`` updates.
+    ``ent_coef``, ``clip_coef`` (:meth:`rlnb.loop.base.LoopBase.set_hyperparameters`).
+
+    Curves: ``"live"`` (default) streams every step into interactive bqplot figures (zoom, pan, hover;
+    :class:`rlnb.widgets.curves.LiveCurves`); ``"png"`` redraws a static image every ``plot_every`` updates,
+    for a front end that cannot load bqplot's JavaScript.
     """
 
-    def __init__(self, model: DashboardModel, title: str = "rlnb", plot_every: int = 10, controls=None):
+    def __init__(
+        self,
+        model: DashboardModel,
+        title: str = "rlnb",
+        plot_every: int = 10,
+        controls=None,
+        curves: str = "live",
+    ):
+        if curves not in ("live", "png"):
+            raise ValueError(f"Dashboard(curves=...): expected 'live' or 'png', got {curves!r}")
         self.model = model
         self.plot_every = plot_every
         self.controls = controls
@@ -43,7 +56,12 @@ class Dashboard(w.VBox):
             value=0.0, min=0.0, max=1.0, description=title, layout=w.Layout(width="60%")
         )
         self.label = w.Label(value=model.progress_text())
-        self.plots = w.Image(format="png", layout=w.Layout(min_height="260px"))
+        if curves == "live":
+            from rlnb.widgets.curves import LiveCurves
+
+            self.plots = LiveCurves()
+        else:
+            self.plots = w.Image(format="png", layout=w.Layout(min_height="260px"))
         self.phases = w.HTML()
         self.metrics = w.HTML()
         self.messages = w.HTML()  # the latest warnings and errors, workers' included
@@ -141,15 +159,14 @@ class Dashboard(w.VBox):
             if model.messages
             else ""
         )
-        if model.updates % self.plot_every == 0 or model.done:
+        if not isinstance(self.plots, w.Image):
+            self.plots.update(model)  # live: every step, a few KB to the page
+        elif model.updates % self.plot_every == 0 or model.done:
             self._plot(model)
 
     def _plot(self, model: DashboardModel) -> None:
-        """Redraw the curves as a PNG (matplotlib, ~0.1 s).
-
-        A PNG in an ``Image`` widget needs no JavaScript in the page, so it updates from a background
-        run's thread and renders the same in JupyterLab, Voila and VS Code.
-        """
+        """Redraw the curves as a PNG (matplotlib, ~0.1 s): an ``Image`` widget needs no JavaScript beyond
+        ipywidgets' own, so it renders wherever ipywidgets does."""
         curves = model.curves()
         if not curves:
             return
@@ -193,11 +210,11 @@ def show_dashboard(loop, total: int | None = None) -> Dashboard:
     return dash
 
 
-def dashboard_for(loop, total: int | None = None, plot_every: int = 10) -> Dashboard:
+def dashboard_for(loop, total: int | None = None, plot_every: int = 10, curves: str = "live") -> Dashboard:
     """A dashboard observing ``loop``'s metric logger (history replayed first)."""
     model = DashboardModel(total=total, start_step=loop.step)
     for record in loop.history:
         model.update(record)
     loop.logger.add_listener(model.update)
     watch_messages(model)
-    return Dashboard(model, title=loop.recipe.name, plot_every=plot_every, controls=loop)
+    return Dashboard(model, title=loop.recipe.name, plot_every=plot_every, controls=loop, curves=curves)

@@ -1,0 +1,98 @@
+"""Live curves for the dashboard: bqplot figures whose lines grow as steps finish.
+
+Each panel of :meth:`DashboardModel.curves` is a bqplot ``Figure``: hover a point for its step and value;
+the toolbar above it turns on pan and zoom (drag, mouse wheel) and resets the view. A background run's thread updates the lines' ``x``/``y``
+traits; ipywidgets sends the new arrays to the page (binary buffers, a few KB a step), so the curves move in
+JupyterLab, Notebook 7 and Voila without a redraw on the Python side.
+
+Example:
+    >>> from rlnb.widgets.model import DashboardModel
+    >>> model = DashboardModel(total=10)
+    >>> curves = LiveCurves()
+    >>> model.update({"step": 1, "env/episode_return_mean": 20.0}); curves.update(model)
+    >>> curves.points("return / reward", "env/episode_return_mean")
+    [(1.0, 20.0)]
+"""
+
+from __future__ import annotations
+
+import bqplot as bq
+import ipywidgets as w
+import numpy as np
+
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+
+
+class _Panel:
+    """One figure: a shared step axis, one line per metric (metrics may be logged at different steps)."""
+
+    def __init__(self, title: str):
+        self.x_scale, self.y_scale = bq.LinearScale(), bq.LinearScale()
+        self.lines: dict[str, tuple[bq.Lines, bq.Scatter]] = {}
+        self.figure = bq.Figure(
+            title=title,
+            marks=[],
+            axes=[
+                bq.Axis(scale=self.x_scale, label="step", num_ticks=5),
+                bq.Axis(scale=self.y_scale, orientation="vertical", num_ticks=5, tick_format=".3~g"),
+            ],
+            legend_location="top-left",
+            fig_margin={"top": 40, "bottom": 40, "left": 55, "right": 15},
+            layout=w.Layout(width="100%", height="240px"),
+            title_style={"font-size": "13px"},
+        )
+
+        # pan/zoom is a toggle in the toolbar: while it is on it takes the mouse, and hovering shows no values
+        self.toolbar = bq.Toolbar(figure=self.figure)
+        self.box = w.VBox([self.toolbar, self.figure], layout=w.Layout(width="100%"))
+
+    def line(self, metric: str) -> tuple[bq.Lines, bq.Scatter]:
+        """The line of ``metric`` and its points (the points carry the hover values: a bqplot line's
+        tooltip knows the line, not the point under the mouse)."""
+        if metric not in self.lines:
+            color = COLORS[len(self.lines) % len(COLORS)]
+            scales = {"x": self.x_scale, "y": self.y_scale}
+            line = bq.Lines(
+                x=np.zeros(0),
+                y=np.zeros(0),
+                scales=scales,
+                colors=[color],
+                labels=[metric],
+                display_legend=True,
+            )
+            points = bq.Scatter(
+                x=np.zeros(0), y=np.zeros(0), scales=scales, colors=[color], default_size=14,
+                tooltip=bq.Tooltip(fields=["x", "y"], labels=["step", metric], formats=[".0f", ".4~g"]),
+            )  # fmt: skip
+            self.lines[metric] = (line, points)
+            self.figure.marks = [*self.figure.marks, line, points]
+        return self.lines[metric]
+
+
+class LiveCurves(w.GridBox):
+    """The dashboard's curve panels, two per row, updated in place by :meth:`update`."""
+
+    def __init__(self):
+        super().__init__(layout=w.Layout(grid_template_columns="repeat(2, minmax(0, 1fr))", width="100%"))
+        self.panels: dict[str, _Panel] = {}
+
+    def update(self, model) -> None:
+        """Bring every panel up to the model's series (new panels appear when their metrics first do)."""
+        added = False
+        for title, data in model.curves():
+            if title not in self.panels:
+                self.panels[title] = _Panel(title)
+                added = True
+            panel = self.panels[title]
+            for metric, series in data.items():
+                steps, values = (np.asarray(v, dtype=float) for v in zip(*series))
+                for mark in panel.line(metric):
+                    with mark.hold_sync():  # x and y in one message, so the page never sees them unequal
+                        mark.x, mark.y = steps, values
+        if added:
+            self.children = [p.box for p in self.panels.values()]
+
+    def points(self, title: str, metric: str) -> list[tuple[float, float]]:
+        """``(step, value)`` pairs one line holds now (what the page is sent)."""
+        line, _ = self.panels[title].lines[metric]
+        return [(float(x), float(y)) for x, y in zip(line.x, line.y)]
