@@ -134,11 +134,52 @@ def write_reference(out_dir: str | Path) -> list[Path]:
     return [out / n for n in pages]
 
 
+def github_repository(url: str | None = None) -> tuple[str, str] | None:
+    """``(owner, repo)`` of the GitHub repository the notebooks are published from: ``url``, else
+    ``$RLNB_REPO_URL``, else this checkout's ``origin`` remote; ``None`` when none of them is on GitHub
+    (Binder and Colab badges then stay out of the docs, as neither could open the notebook).
+
+    Example:
+        >>> github_repository("git@github.com:rlnb-dev/rlnb.git")
+        ('rlnb-dev', 'rlnb')
+    """
+    import os
+    import re
+    import subprocess
+
+    if url is None:
+        url = os.environ.get("RLNB_REPO_URL")
+    if url is None:
+        try:
+            url = subprocess.run(
+                ["git", "remote", "get-url", "origin"], capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            url = ""
+    m = re.fullmatch(r"(?:https://github\.com/|git@github\.com:)([\w.-]+)/([\w.-]+?)(?:\.git)?/?", url or "")
+    return (m.group(1), m.group(2)) if m else None
+
+
+def notebook_badges(repository: tuple[str, str], notebook: str, branch: str = "main") -> str:
+    """Markdown badges opening ``notebooks/<notebook>`` of ``repository`` on Binder (its environment is
+    ``binder/``) and Colab."""
+    owner, repo = repository
+    binder = f"https://mybinder.org/v2/gh/{owner}/{repo}/{branch}?labpath=notebooks%2F{notebook}"
+    colab = f"https://colab.research.google.com/github/{owner}/{repo}/blob/{branch}/notebooks/{notebook}"
+    return (
+        f"[![Binder](https://mybinder.org/badge_logo.svg)]({binder}) "
+        f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({colab})"
+    )
+
+
 def write_notebook_pages(
-    out_dir: str | Path = "docs/notebooks", source: str | Path = "notebooks"
+    out_dir: str | Path = "docs/notebooks", source: str | Path = "notebooks", repository: str | None = None
 ) -> list[Path]:
     """One docs page per notebook, with its outputs: the copy the notebook tests executed
-    (``build/notebooks/``) when there is one, else the notebook as committed (no outputs), said so on top."""
+    (``build/notebooks/``) when there is one, else the notebook as committed (no outputs), said so on top.
+    Each page opens with Binder and Colab badges when the repository is on GitHub (:func:`github_repository`
+    of ``repository``)."""
+    github = github_repository(repository)
     import nbformat
     from nbconvert import MarkdownExporter
 
@@ -167,6 +208,8 @@ def write_notebook_pages(
             if executed.exists()
             else f"*Not executed in this docs build (run `make test`); the notebook is `notebooks/{path.name}`.*"
         )
+        if github is not None:
+            note = f"{notebook_badges(github, path.name)}\n\n{note}"
         page = out / f"{path.stem}.md"
         page.write_text(f"{note}\n\n{body}")
         pages.append(page)

@@ -67,3 +67,23 @@ def test_notebook_runs_and_does_what_it_says(path):
 def test_every_notebook_is_checked_or_said_why_not():
     unchecked = {p.stem for p in NOTEBOOKS} - set(CHECKS)
     assert unchecked == {"03_placement", "05_remote_cluster"}, unchecked  # they show placements, not learning
+
+
+def test_notebook_pages_open_with_binder_and_colab_badges_when_the_repository_is_on_github(
+    tmp_path, monkeypatch
+):
+    from rlnb.docs import github_repository, write_notebook_pages
+
+    monkeypatch.delenv("RLNB_REPO_URL", raising=False)
+    assert github_repository("https://github.com/rlnb-dev/rlnb") == ("rlnb-dev", "rlnb")
+    assert github_repository("https://gitlab.com/rlnb-dev/rlnb.git") is None  # Colab opens GitHub only
+    pages = write_notebook_pages(tmp_path / "on", repository="https://github.com/rlnb-dev/rlnb.git")
+    assert len(pages) == len(list(Path("notebooks").glob("*.ipynb"))) >= 5
+    for page in pages:
+        first = page.read_text().splitlines()[0]
+        name = page.stem + ".ipynb"
+        assert f"(https://mybinder.org/v2/gh/rlnb-dev/rlnb/main?labpath=notebooks%2F{name})" in first, first
+        assert f"(https://colab.research.google.com/github/rlnb-dev/rlnb/blob/main/notebooks/{name})" in first
+    monkeypatch.setenv("RLNB_REPO_URL", "")  # no GitHub repository known: no badges pointing nowhere
+    for page in write_notebook_pages(tmp_path / "off"):
+        assert "mybinder" not in page.read_text() and "colab" not in page.read_text()
