@@ -25,7 +25,9 @@ from rlnb.models.lm import build_tiny_lm
 GROUP, PROMPTS, TOKENS = 8, 16, 32
 
 
-def trl_run(model_path: str, steps: int, seed: int) -> tuple[float, float]:
+def trl_run(model_path: str, steps: int, seed: int, processes: int = 1) -> tuple[float, float]:
+    """TRL's ``GRPOTrainer`` in this process, or one of ``processes`` DDP ranks (``torchrun`` sets the
+    rank: each takes ``PROMPTS * GROUP / processes`` completions of every step)."""
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -54,7 +56,7 @@ def trl_run(model_path: str, steps: int, seed: int) -> tuple[float, float]:
     tok = AutoTokenizer.from_pretrained(model_path, padding_side="left")
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
+            output_dir=out, per_device_train_batch_size=PROMPTS * GROUP // processes, num_generations=GROUP,
             max_completion_length=TOKENS, max_steps=steps, learning_rate=2e-4, beta=0.0, num_iterations=1,
             temperature=1.0, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
             seed=seed, disable_tqdm=True, dataloader_num_workers=0,
@@ -67,6 +69,39 @@ def trl_run(model_path: str, steps: int, seed: int) -> tuple[float, float]:
     step_s = statistics.median(times[1:])
     tokens = (statistics.mean(lengths) if lengths else TOKENS) * PROMPTS * GROUP
     return step_s, tokens / step_s
+
+
+TRL_DDP = """
+import json, sys, torch
+sys.path.insert(0, {bench!r})
+from grpo_vs_trl import trl_run
+torch.set_num_threads(1)
+if __name__ == "__main__":
+    step_s, tps = trl_run({path!r}, {steps}, {seed}, processes=2)
+    if torch.distributed.get_rank() == 0:
+        print("RESULT " + json.dumps([step_s, tps]))
+"""
+
+
+def trl_ddp_run(model_path: str, steps: int, seed: int) -> tuple[float, float]:
+    """TRL on two CPU processes with DDP (``torchrun``, gloo): the peer of rlnb's two-slot figure."""
+    import json
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory() as d:
+        script = Path(d) / "trl_ddp.py"
+        bench = str(Path(__file__).resolve().parent)
+        script.write_text(TRL_DDP.format(bench=bench, path=model_path, steps=steps, seed=seed))
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+            capture_output=True, text=True, timeout=1800,
+        )  # fmt: skip
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"TRL with DDP failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    step_s, tps = json.loads(line[len("RESULT ") :])
+    return step_s, tps
 
 
 def rlnb_run(model_path: str, steps: int, seed: int, placement: str) -> tuple[float, float, dict]:
@@ -94,6 +129,16 @@ def rlnb_run(model_path: str, steps: int, seed: int, placement: str) -> tuple[fl
     return step_s, tokens / step_s, phases
 
 
+def matmul_flops(hidden: int = 256, tokens: int = 4096, reps: int = 20) -> float:
+    """Single-thread float32 matmul throughput at the model's width (FLOP/s): the floor's unit."""
+    a, b = torch.randn(tokens, hidden), torch.randn(hidden, 4 * hidden)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * tokens * hidden * 4 * hidden * reps / (time.perf_counter() - t0)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
@@ -109,18 +154,34 @@ def main():
             f"model: Qwen2, {n_params / 1e6:.2f} M parameters; {PROMPTS} prompts x {GROUP} completions of <= {TOKENS} tokens"
         )
         trl_step, trl_tps = trl_run(path, args.steps, args.seed)
-        print(f"TRL  GRPOTrainer: {trl_step:.3f} s/step  {trl_tps:8.0f} generated tokens/s", flush=True)
-        for placement, label in (
-            ("0", "1 slot (same core count as TRL)"),
-            ("0-1", "2 slots, DDP (default cluster)"),
+        print(
+            f"TRL  GRPOTrainer, 1 process: {trl_step:.3f} s/step  {trl_tps:8.0f} generated tokens/s",
+            flush=True,
+        )
+        trl_ddp_step, trl_ddp_tps = trl_ddp_run(path, args.steps, args.seed)
+        print(
+            f"TRL  GRPOTrainer, 2 processes, DDP: {trl_ddp_step:.3f} s/step  {trl_ddp_tps:8.0f} generated tokens/s",
+            flush=True,
+        )
+        for placement, label, peer in (
+            ("0", "1 slot (vs TRL in 1 process)", trl_step),
+            ("0-1", "2 slots, DDP (vs TRL on 2 processes, DDP)", trl_ddp_step),
         ):
             our_step, our_tps, phases = rlnb_run(path, args.steps, args.seed, placement)
             print(f"rlnb GRPOLoop, {label}: {our_step:.3f} s/step  {our_tps:8.0f} generated tokens/s  "
-                  f"ratio rlnb/TRL {our_step / trl_step:.2f}")  # fmt: skip
+                  f"ratio rlnb/TRL {our_step / peer:.2f}")  # fmt: skip
             print(
                 "  step breakdown (median s): "
                 + ", ".join(f"{k.split('/')[1][:-2]} {v:.3f}" for k, v in phases.items())
             )
+        # the update's floor: forward + backward ~ 6 x parameters x tokens of matmul (prompt ~8 tokens)
+        flops = matmul_flops()
+        tokens = PROMPTS * GROUP * (8 + our_tps * our_step / (PROMPTS * GROUP))
+        floor_s = 6 * n_params * tokens / flops
+        print(
+            f"update floor at {flops / 1e9:.0f} GFLOP/s (1 thread): {floor_s:.2f} s for {tokens:.0f} tokens, "
+            f"i.e. {floor_s / 2:.2f} s a rank on 2 slots"
+        )
 
 
 if __name__ == "__main__":

@@ -208,6 +208,9 @@ def write_notebook_pages(
             if executed.exists()
             else f"*Not executed in this docs build (run `make test`); the notebook is `notebooks/{path.name}`.*"
         )
+        # the notebooks link the docs as ../docs/... (right from notebooks/ on GitHub and in Jupyter);
+        # their pages live in docs/notebooks/
+        body = body.replace("](../docs/", "](../")
         if github is not None:
             note = f"{notebook_badges(github, path.name)}\n\n{note}"
         page = out / f"{path.stem}.md"

@@ -87,3 +87,21 @@ def test_notebook_pages_open_with_binder_and_colab_badges_when_the_repository_is
     monkeypatch.setenv("RLNB_REPO_URL", "")  # no GitHub repository known: no badges pointing nowhere
     for page in write_notebook_pages(tmp_path / "off"):
         assert "mybinder" not in page.read_text() and "colab" not in page.read_text()
+
+
+def test_notebook_links_to_the_algorithm_reference_land_on_its_entries(tmp_path):
+    """The phase cells link the function they run in the docs' algorithm reference: from the notebook (in
+    notebooks/) and from its docs page (in docs/notebooks/), each link names an entry the reference has."""
+    import re
+
+    from rlnb.docs import algorithm_reference, write_notebook_pages
+
+    entries = set(re.findall(r"^### `(\w+)`", algorithm_reference(), flags=re.M))
+    linked = set()
+    for path in Path("notebooks").glob("*.ipynb"):
+        text = "".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown")
+        linked |= set(re.findall(r"\]\(\.\./docs/reference/algorithms\.md#(\w+)\)", text))
+    assert {"gae", "ppo_clip_value_entropy", "grpo", "ppo"} <= linked <= entries, (linked, entries)
+    pages = "".join(p.read_text() for p in write_notebook_pages(tmp_path))
+    assert set(re.findall(r"\]\(\.\./reference/algorithms\.md#(\w+)\)", pages)) == linked
+    assert "](../docs/" not in pages
