@@ -39,10 +39,38 @@ TICKS = """() => Array.from(Array.from(document.querySelectorAll('.bqplot')).fin
   .querySelectorAll('g.axis')[0].querySelectorAll('g.tick text')).map(t => t.textContent)"""
 
 
+# how much of its figure's plot area the return curve spans, left to right (a collapsed x range gives ~0)
+SPREAD = """() => { const f = Array.from(document.querySelectorAll('.bqplot')).find(e => e.textContent.includes('return / reward'));
+  const line = f.querySelector('path.line').getBoundingClientRect();
+  return line.width / f.querySelector('rect.plotarea_background').getBoundingClientRect().width; }"""
+
+
+def _chromium(p):
+    return p.chromium.launch(
+        executable_path=CHROMIUM,
+        args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+    )  # fmt: skip
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
 def _ticks(page) -> str:
     import json
 
     return json.dumps(page.evaluate(TICKS))
+
+
+def sync_playwright_or_skip():
+    from playwright.sync_api import sync_playwright
+
+    return sync_playwright()
 
 
 def _step(text: str) -> int:
@@ -62,11 +90,7 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
     )  # fmt: skip
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(
-                executable_path=CHROMIUM,
-                args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                      "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-            )  # fmt: skip
+            browser = _chromium(p)
             page = browser.new_page()
             deadline = time.time() + 60
             while True:  # Voila needs a moment to listen
@@ -97,6 +121,7 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
             label.filter(has_text="done").wait_for(timeout=120_000)
             figure = page.locator(".bqplot", has_text="return / reward").first
             assert page.evaluate(POINTS) == 60  # one point a step
+            assert page.evaluate(SPREAD) > 0.9  # across the whole step axis
             figure.locator("path.dot").nth(30).hover()  # hovering a point shows its step and value
             tooltip = page.locator(".bqplot_tooltip_div", has_text="env/episode_return_mean")
             shown = " ".join(tooltip.first.inner_text().split())
@@ -112,8 +137,57 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             browser.close()
     finally:
-        voila.terminate()
-        try:
-            voila.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            voila.kill()
+        _stop(voila)
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("jupyterlab") is None,
+    reason="jupyterlab is not installed (dev extra)",
+)
+def test_dashboard_curves_stream_in_jupyterlab(tmp_path):
+    """JupyterLab shows the dashboard before its first point (Voila, above, renders it mid-run): the
+    curves must still grow and span their axes while the run trains."""
+    import shutil
+
+    shutil.copy(NOTEBOOK, tmp_path / NOTEBOOK.name)
+    port = _free_port()
+    env = {**__import__("os").environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "ws")}  # fmt: skip
+    lab = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
+         "--IdentityProvider.token=rlnb-test", f"--ServerApp.root_dir={tmp_path}", "--allow-root",
+         "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
+    )  # fmt: skip
+    try:
+        with sync_playwright_or_skip() as p:
+            browser = _chromium(p)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            url = f"http://127.0.0.1:{port}/lab/tree/{NOTEBOOK.name}?token=rlnb-test"
+            deadline = time.time() + 120
+            while True:  # the server needs a moment to listen
+                try:
+                    page.goto(url, timeout=120_000)
+                    break
+                except Exception:
+                    if time.time() > deadline:
+                        raise
+                    time.sleep(0.5)
+            page.locator(".jp-Notebook .jp-Cell").first.click()
+            page.keyboard.press("Shift+Enter")  # runs once the kernel is up
+            label = page.get_by_text(re.compile(r"step \d+/60"))
+            label.wait_for(timeout=180_000)
+            seen = []
+            while not seen or (seen[-1][0] < 30 and time.time() < deadline + 300):
+                step = _step(label.inner_text())
+                if step >= 3:
+                    seen.append((step, page.evaluate(POINTS), page.evaluate(SPREAD)))
+                time.sleep(0.5)
+            middle = [s for s in seen if s[0] < 60]
+            assert middle and all(abs(points - step) <= 2 for step, points, _ in middle), (
+                seen
+            )  # grows as it trains
+            assert all(spread > 0.8 for *_, spread in middle), seen  # and spans its axis, not one x
+            browser.close()
+    finally:
+        _stop(lab)

@@ -46,6 +46,23 @@ class _Panel:
         self.toolbar = bq.Toolbar(figure=self.figure)
         self.box = w.VBox([self.toolbar, self.figure], layout=w.Layout(width="100%"))
 
+    def follow(self, steps: np.ndarray, values: np.ndarray) -> None:
+        """Set the axes' ranges to the data, unless the user zoomed or panned (the toolbar's pan/zoom was
+        turned on since its last reset). The ranges are set here rather than left to the page: a figure
+        shown before its first points, as a dashboard is, otherwise kept the range of its first point."""
+        if self.toolbar._panzoom is not None:
+            return
+        values = values[np.isfinite(values)]
+        if not len(steps) or not len(values):
+            return
+        x_lo, x_hi = float(steps.min()), float(steps.max())
+        y_lo, y_hi = float(values.min()), float(values.max())
+        pad = 0.05 * (y_hi - y_lo) or max(abs(y_hi) * 0.05, 1e-3)
+        for scale, lo, hi in ((self.x_scale, x_lo - (x_lo == x_hi), x_hi + (x_lo == x_hi)),
+                              (self.y_scale, y_lo - pad, y_hi + pad)):  # fmt: skip
+            with scale.hold_sync():
+                scale.min, scale.max = lo, hi
+
     def line(self, metric: str) -> tuple[bq.Lines, bq.Scatter]:
         """The line of ``metric`` and its points (the points carry the hover values: a bqplot line's
         tooltip knows the line, not the point under the mouse)."""
@@ -84,11 +101,15 @@ class LiveCurves(w.GridBox):
                 self.panels[title] = _Panel(title)
                 added = True
             panel = self.panels[title]
+            all_steps, all_values = [], []
             for metric, series in data.items():
                 steps, values = (np.asarray(v, dtype=float) for v in zip(*series))
                 for mark in panel.line(metric):
                     with mark.hold_sync():  # x and y in one message, so the page never sees them unequal
                         mark.x, mark.y = steps, values
+                all_steps.append(steps)
+                all_values.append(values)
+            panel.follow(np.concatenate(all_steps), np.concatenate(all_values))
         if added:
             self.children = [p.box for p in self.panels.values()]
 
