@@ -63,6 +63,16 @@ def test_dashboard_view_follows_the_model():
         model.update(rec)
     assert dash.bar.bar_style == "success"
     assert len(dash.plots.points("losses", "train/policy_loss")) == len(model.series["train/policy_loss"])
+    panel = dash.plots.panels["return / reward"]  # the axes follow the data...
+    assert (panel.x_scale.min, panel.x_scale.max) == (1.0, 5.0) and 50.0 < panel.y_scale.max < 60.0
+    import bqplot
+
+    panel.toolbar.set_trait("_panzoom", bqplot.PanZoom())  # ...until the user pans or zooms
+    model.update({**next(_records(1)), "step": 9, "env/episode_return_mean": 500.0})
+    assert panel.x_scale.max == 5.0 and panel.y_scale.max < 60.0
+    panel.toolbar.set_trait("_panzoom", None)  # the toolbar's reset: following again
+    model.update({**next(_records(1)), "step": 10})
+    assert panel.x_scale.max == 10.0 and panel.y_scale.max > 500.0
 
 
 def test_dashboard_png_curves_redraw_every_plot_every_updates():
