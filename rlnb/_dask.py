@@ -67,6 +67,16 @@ def actor_worker(actor):
 WORKER_PRELOAD = ("distributed", "numpy", "torch", "torch._dynamo", "gymnasium", "rlnb.components")
 
 
+def _fork_server_wanted() -> bool:
+    """Whether workers start from a fork server: rlnb's default where the platform has one;
+    ``RLNB_WORKER_START=spawn`` keeps Dask's default."""
+    import multiprocessing
+
+    return os.environ.get("RLNB_WORKER_START", "forkserver") == "forkserver" and (
+        "forkserver" in multiprocessing.get_all_start_methods()
+    )
+
+
 def fork_workers_from_preloaded_server(preload=WORKER_PRELOAD) -> bool:
     """Make local Dask worker processes start from a fork server that has imported ``preload`` once,
     instead of each spawned process importing them again (Dask's ``multiprocessing-method:
@@ -74,14 +84,11 @@ def fork_workers_from_preloaded_server(preload=WORKER_PRELOAD) -> bool:
     ``distributed.utils._forkserver_preload_set``: rlnb sets its own list first. ``RLNB_WORKER_START=spawn``
     keeps Dask's default. Returns whether the fork server is used."""
     import multiprocessing
-    import os
 
     import dask
     import distributed.utils as dask_utils
 
-    if os.environ.get("RLNB_WORKER_START", "forkserver") != "forkserver" or (
-        "forkserver" not in multiprocessing.get_all_start_methods()
-    ):
+    if not _fork_server_wanted():
         dask.config.set({"distributed.worker.multiprocessing-method": "spawn"})  # Dask's default
         return False
     if not dask_utils._forkserver_preload_set:
@@ -96,12 +103,7 @@ def prestart_fork_server(preload=WORKER_PRELOAD) -> bool:
     driver goes on with its own imports on the other cores; the embedded cluster's workers then fork
     from it. Needs neither torch nor Dask imported. ``rlnb run`` calls it once the recipe asks for an
     embedded CPU cluster. Returns whether a fork server is (now) running."""
-    import multiprocessing
-    import os
-
-    if os.environ.get("RLNB_WORKER_START", "forkserver") != "forkserver" or (
-        "forkserver" not in multiprocessing.get_all_start_methods()
-    ):
+    if not _fork_server_wanted():
         return False
     from multiprocessing import forkserver
 
