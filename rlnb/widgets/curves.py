@@ -1,9 +1,11 @@
 """Live curves for the dashboard: bqplot figures whose lines grow as steps finish.
 
 Each panel of :meth:`DashboardModel.curves` is a bqplot ``Figure``: hover a point for its step and value;
-the toolbar above it turns on pan and zoom (drag, mouse wheel) and resets the view. A background run's thread updates the lines' ``x``/``y``
-traits; ipywidgets sends the new arrays to the page (binary buffers, a few KB a step), so the curves move in
-JupyterLab, Notebook 7 and Voila without a redraw on the Python side.
+the toolbar above it turns on pan and zoom (drag, mouse wheel) and resets the view. A background run's
+thread updates the lines' ``x``/``y`` traits; ipywidgets sends the new arrays to the page as binary buffers,
+so the curves move in JupyterLab, Notebook 7 and Voila without a redraw on the Python side. bqplot has no
+append: a metric that gained a point is sent whole (16 bytes a point, twice: line and points); one that did
+not is not sent again.
 
 Example:
     >>> from rlnb.widgets.model import DashboardModel
@@ -29,6 +31,7 @@ class _Panel:
     def __init__(self, title: str):
         self.x_scale, self.y_scale = bq.LinearScale(), bq.LinearScale()
         self.lines: dict[str, tuple[bq.Lines, bq.Scatter]] = {}
+        self.sent: dict[str, int] = {}  # metric -> points the page holds
         self.figure = bq.Figure(
             title=title,
             marks=[],
@@ -41,7 +44,6 @@ class _Panel:
             layout=w.Layout(width="100%", height="240px"),
             title_style={"font-size": "13px"},
         )
-
         # pan/zoom is a toggle in the toolbar: while it is on it takes the mouse, and hovering shows no values
         self.toolbar = bq.Toolbar(figure=self.figure)
         self.box = w.VBox([self.toolbar, self.figure], layout=w.Layout(width="100%"))
@@ -101,12 +103,16 @@ class LiveCurves(w.GridBox):
                 self.panels[title] = _Panel(title)
                 added = True
             panel = self.panels[title]
+            if all(panel.sent.get(metric) == len(series) for metric, series in data.items()):
+                continue  # nothing new in this panel (e.g. evaluation metrics between evaluations)
             all_steps, all_values = [], []
             for metric, series in data.items():
                 steps, values = (np.asarray(v, dtype=float) for v in zip(*series))
-                for mark in panel.line(metric):
-                    with mark.hold_sync():  # x and y in one message, so the page never sees them unequal
-                        mark.x, mark.y = steps, values
+                if panel.sent.get(metric) != len(series):
+                    for mark in panel.line(metric):
+                        with mark.hold_sync():  # x and y in one message, so the page never sees them unequal
+                            mark.x, mark.y = steps, values
+                    panel.sent[metric] = len(series)
                 all_steps.append(steps)
                 all_values.append(values)
             panel.follow(np.concatenate(all_steps), np.concatenate(all_values))
