@@ -67,10 +67,17 @@ def _ticks(page) -> str:
     return json.dumps(page.evaluate(TICKS))
 
 
-def sync_playwright_or_skip():
-    from playwright.sync_api import sync_playwright
-
-    return sync_playwright()
+def _open(page, url: str, timeout_s: float = 60) -> None:
+    """Load ``url``, retrying while the server is still starting to listen."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            page.goto(url, timeout=120_000)
+            return
+        except Exception:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def _step(text: str) -> int:
@@ -92,15 +99,7 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
         with sync_playwright() as p:
             browser = _chromium(p)
             page = browser.new_page()
-            deadline = time.time() + 60
-            while True:  # Voila needs a moment to listen
-                try:
-                    page.goto(f"http://127.0.0.1:{port}/", timeout=120_000)
-                    break
-                except Exception:
-                    if time.time() > deadline:
-                        raise
-                    time.sleep(0.5)
+            _open(page, f"http://127.0.0.1:{port}/")
             label = page.get_by_text(re.compile(r"step \d+/60"))
             label.wait_for(timeout=120_000)
             first = later = _step(label.inner_text())
@@ -160,25 +159,18 @@ def test_dashboard_curves_stream_in_jupyterlab(tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
     )  # fmt: skip
     try:
-        with sync_playwright_or_skip() as p:
+        from playwright.sync_api import sync_playwright
+
+        with sync_playwright() as p:
             browser = _chromium(p)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            url = f"http://127.0.0.1:{port}/lab/tree/{NOTEBOOK.name}?token=rlnb-test"
-            deadline = time.time() + 120
-            while True:  # the server needs a moment to listen
-                try:
-                    page.goto(url, timeout=120_000)
-                    break
-                except Exception:
-                    if time.time() > deadline:
-                        raise
-                    time.sleep(0.5)
+            _open(page, f"http://127.0.0.1:{port}/lab/tree/{NOTEBOOK.name}?token=rlnb-test", timeout_s=120)
             page.locator(".jp-Notebook .jp-Cell").first.click()
             page.keyboard.press("Shift+Enter")  # runs once the kernel is up
             label = page.get_by_text(re.compile(r"step \d+/60"))
             label.wait_for(timeout=180_000)
-            seen = []
-            while not seen or (seen[-1][0] < 30 and time.time() < deadline + 300):
+            seen, deadline = [], time.time() + 300
+            while not seen or (seen[-1][0] < 30 and time.time() < deadline):
                 step = _step(label.inner_text())
                 if step >= 3:
                     seen.append((step, page.evaluate(POINTS), page.evaluate(SPREAD)))
