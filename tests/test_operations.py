@@ -105,6 +105,56 @@ def test_importing_rlnb_does_not_import_torch_and_a_first_cluster_imports_it_bes
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
+def test_a_script_starting_a_cluster_at_import_time_fails_at_once_instead_of_hanging(tmp_path):
+    """Workers start by fork server (or spawn), which imports the driver's script again: without a
+    ``__main__`` guard each would start a cluster of its own, and Dask hangs (dask/distributed#5726)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from rlnb.loop import Loop\n"
+        "\n"
+        "def main():\n"
+        "    return Loop.from_recipe('ppo_cartpole', ['runner.steps=1'], run_dir=None)\n"
+        "\n"
+        "loop = main()\n"
+    )
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True
+    )
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the script, its fork server and its workers
+        proc.communicate()
+        pytest.fail("a script starting a cluster at import time hung")
+    assert proc.returncode == 1, stderr[-2000:]
+    assert f"rlnb.errors.ClusterError: {script}:6 starts an embedded Cluster at import time" in stderr
+    assert 'if __name__ == "__main__":' in stderr and time.monotonic() - t0 < 30
+
+
+def test_which_lines_of_a_script_run_when_it_is_imported():
+    from rlnb.cluster.cluster import runs_at_import
+
+    source = (
+        "import rlnb\n"  # 1
+        "c = rlnb.Cluster()\n"  # 2
+        "if __name__ == '__main__':\n"  # 3
+        "    c = rlnb.Cluster()\n"  # 4
+        "    for i in range(2):\n"  # 5
+        "        main(i)\n"  # 6
+        "else:\n"  # 7
+        "    c = rlnb.Cluster()\n"  # 8
+        "if '__main__' == __name__ and True:\n"  # 9: not the guard's plain form
+        "    main()\n"  # 10
+        "with ctx():\n"  # 11
+        '    if "__main__" == __name__:\n'  # 12
+        "        main()\n"  # 13
+        "    main()\n"  # 14
+    )
+    ran = {line: runs_at_import(source, line) for line in (2, 4, 6, 8, 10, 13, 14)}
+    assert ran == {2: True, 4: False, 6: False, 8: True, 10: True, 13: False, 14: True}
+
+
 def test_cli_unreachable_scheduler_exits_1():
     r = _run(["info", "--address", "tcp://127.0.0.1:9", "--timeout-s", "2"])
     assert r.returncode == 1 and "cannot reach the Dask scheduler at 'tcp://127.0.0.1:9'" in r.stderr
