@@ -75,6 +75,26 @@ def test_dashboard_view_follows_the_model():
     assert panel.x_scale.max == 10.0 and panel.y_scale.max > 500.0
 
 
+def test_a_long_runs_curves_send_a_bounded_number_of_points_keeping_the_newest_and_every_spike():
+    from rlnb.widgets.curves import MAX_POINTS, RECENT_POINTS, LiveCurves
+
+    model, curves = DashboardModel(total=None), LiveCurves()
+    for i in range(1, 6001):  # a slow rise with one spike far back
+        model.update({"step": i, "env/episode_return_mean": 900.0 if i == 1234 else i / 100})
+    curves.update(model)
+    drawn = curves.points("return / reward", "env/episode_return_mean")
+    series = [(float(s), v) for s, v in model.series["env/episode_return_mean"]]
+    assert len(drawn) <= MAX_POINTS and drawn[-RECENT_POINTS:] == series[-RECENT_POINTS:]
+    assert drawn[0] == (1.0, 0.01) and (1234.0, 900.0) in drawn
+    assert [x for x, _ in drawn] == sorted({x for x, _ in drawn})  # in step order, no repeats
+    panel = curves.panels["return / reward"]
+    assert (panel.x_scale.min, panel.x_scale.max) == (1.0, 6000.0)  # the axes still span every step
+    model.update({"step": 6001, "env/episode_return_mean": 60.01})
+    curves.update(model)
+    again = curves.points("return / reward", "env/episode_return_mean")
+    assert again[-1] == (6001.0, 60.01) and again[:100] == drawn[:100]  # older points stay put
+
+
 def test_dashboard_png_curves_redraw_every_plot_every_updates():
     model = DashboardModel(total=5)
     dash = Dashboard(model, title="test", plot_every=2, curves="png")

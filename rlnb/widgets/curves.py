@@ -5,7 +5,9 @@ the toolbar above it turns on pan and zoom (drag, mouse wheel) and resets the vi
 thread updates the lines' ``x``/``y`` traits; ipywidgets sends the new arrays to the page as binary buffers,
 so the curves move in JupyterLab, Notebook 7 and Voila without a redraw on the Python side. bqplot has no
 append: a metric that gained a point is sent whole (16 bytes a point, twice: line and points); one that did
-not is not sent again.
+not is not sent again. A long run's series is thinned before it is sent (:func:`thin`): the newest
+``RECENT_POINTS`` exactly, older ones as the lowest and highest point of each bucket, so a step costs at most
+``MAX_POINTS`` points a metric however long the run, and no spike disappears from the curve.
 
 Example:
     >>> from rlnb.widgets.model import DashboardModel
@@ -22,7 +24,37 @@ import bqplot as bq
 import ipywidgets as w
 import numpy as np
 
+MAX_POINTS = 2000
+"""Most points a line is sent (the axes still span every step)."""
+RECENT_POINTS = 500
+"""The newest points, always sent exactly."""
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+
+
+def thin(values: np.ndarray, max_points: int = MAX_POINTS, recent: int = RECENT_POINTS) -> np.ndarray:
+    """Indices of the points of a series to draw: all of them up to ``max_points``; beyond, the newest
+    ``recent`` and, of the older ones, the first, lowest and highest of each bucket of ``k`` points. ``k`` is a
+    power of two fixed from the start of the series, so the buckets, and the points drawn, stay put as it
+    grows (``k`` doubles now and then).
+
+    Example:
+        >>> idx = thin(np.sin(np.arange(10_000) / 50))
+        >>> len(idx) <= MAX_POINTS, int(idx[0]), int(idx[-RECENT_POINTS])
+        (True, 0, 9500)
+    """
+    n = len(values)
+    if n <= max_points:
+        return np.arange(n)
+    old = n - recent
+    buckets = (max_points - recent) // 3  # up to three points each
+    k = 1 << max(0, int(np.ceil(np.log2(old / buckets))))
+    padded = np.concatenate([values[:old], np.full(-old % k, np.nan)]).reshape(-1, k)
+    nan = np.isnan(padded)
+    lowest = np.where(nan, np.inf, padded).argmin(axis=1)
+    highest = np.where(nan, -np.inf, padded).argmax(axis=1)
+    starts = np.arange(len(padded)) * k
+    kept = np.concatenate([starts, starts + lowest, starts + highest])  # a bucket's first point anchors it
+    return np.unique(np.concatenate([kept[kept < old], np.arange(old, n)]))
 
 
 class _Panel:
@@ -109,9 +141,10 @@ class LiveCurves(w.GridBox):
             for metric, series in data.items():
                 steps, values = (np.asarray(v, dtype=float) for v in zip(*series))
                 if panel.sent.get(metric) != len(series):
+                    drawn = thin(values)
                     for mark in panel.line(metric):
                         with mark.hold_sync():  # x and y in one message, so the page never sees them unequal
-                            mark.x, mark.y = steps, values
+                            mark.x, mark.y = steps[drawn], values[drawn]
                     panel.sent[metric] = len(series)
                 all_steps.append(steps)
                 all_values.append(values)
