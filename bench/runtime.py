@@ -45,16 +45,16 @@ class Sink:
         return time.perf_counter() - t0
 
 
-def channel_throughput(cluster, producer, nbytes: int, n: int) -> tuple[float, float]:
+def channel_throughput(cluster, producer, nbytes: int, n: int, shared: bool = False) -> tuple[float, float]:
     ch = rlnb.Channel.create(cluster, f"bench{nbytes}", maxsize=4, slot=0)
     numel = nbytes // 4
-    producer.on(1).produce(ch, 2, numel, key="warm").result(120)
+    producer.on(1).produce(ch, 2, numel, key="warm", shared=shared).result(120)
     producer.on(0).consume(ch, 2, key="warm").result(120)
     t0 = time.perf_counter()
     consumer = producer.on(0).consume(ch, n, key="x")
     # The producer rewrites only element 0 of one buffer per item (fill=False), as the Pipe floor
     # sends one ready payload: this times the transfer, not a memset of the whole tensor per item.
-    producer.on(1).produce(ch, n, numel, key="x", fill=False).result(300)
+    producer.on(1).produce(ch, n, numel, key="x", fill=False, shared=shared).result(300)
     consumer.result(300)
     dt = time.perf_counter() - t0
     ch.close()
@@ -173,6 +173,11 @@ def main():
             f"{mib:>2} MiB tensors: {items_s:8.1f} items/s  {gbs:5.2f} GB/s   "
             f"raw Pipe {floor:5.2f} GB/s   ratio channel/Pipe {gbs / floor:.2f}   "
             f"1-thread memcpy {copy:5.2f} GB/s   ratio channel/memcpy {gbs / copy:.2f}"
+        )
+        items_s, gbs = channel_throughput(cluster, group, nbytes, n, shared=True)
+        print(
+            f"{mib:>2} MiB built in shared memory (Channel.empty, no copy): {items_s:8.1f} items/s  "
+            f"{gbs:5.2f} GB/s   ratio to memcpy {gbs / copy:.2f}"
         )
     cluster.close()
 

@@ -44,15 +44,20 @@ class Echo:
             "init_rank": self.rank_info.rank if self.rank_info else None,
         }
 
-    def produce(self, channel, n: int, numel: int, key: str = "default", fill: bool = True):
+    def produce(
+        self, channel, n: int, numel: int, key: str = "default", fill: bool = True, shared: bool = False
+    ):
         """Put ``n`` float32 tensors of ``numel`` elements (value = index) into ``channel``.
 
         One buffer is reused for every item: ``put`` has copied the data out when it returns.
-        ``fill=False`` only writes the first element (the index): a benchmark then times the
-        transfer, not a 16 MiB memset per item.
+        ``shared=True`` builds each item in shared memory instead (``channel.empty``), which a put
+        sends without copying. ``fill=False`` only writes the first element (the index): a
+        benchmark then times the transfer, not a 16 MiB memset per item.
         """
         buf = torch.zeros(numel)
         for i in range(n):
+            if shared:
+                buf = channel.empty((numel,))  # the previous item is the reader's now
             if fill:
                 buf.fill_(float(i))
             else:

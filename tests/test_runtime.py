@@ -215,6 +215,48 @@ def test_channel_worker_to_worker_big_tensors_use_shared_memory(cluster, echo):
     assert 1 <= len(glob.glob(f"/dev/shm/rlnb-ch-{producer_pid}-*")) <= 3
 
 
+def _put_stats_and_pool():
+    """On a worker: its channel puts so far and its pooled segments (all, and those taken now)."""
+    from rlnb.runtime import shm
+
+    gc.collect()
+    taken = sum(int(seg[3][0]) for seg in shm._POOL.segments)
+    return {**shm.PUT_STATS, "segments": len(shm._POOL.segments), "taken": taken}
+
+
+def _an_unsent_buffer_goes_back_to_the_pool():
+    from rlnb.runtime import shm
+
+    before = _put_stats_and_pool()
+    buffer = shm.shared_empty((1024, 1024))
+    view = buffer[1:]  # a view keeps the segment, as the tensor does
+    del buffer
+    held = _put_stats_and_pool()
+    del view
+    return before["taken"], held["taken"], _put_stats_and_pool()["taken"]
+
+
+def test_a_tensor_built_in_shared_memory_is_put_without_a_copy(cluster, echo):
+    ch = rlnb.Channel.create(cluster, "zero_copy", maxsize=2, slot=0)
+    producer = [echo.infos[0].address]
+    before = cluster.client.run(_put_stats_and_pool, workers=producer)[producer[0]]
+    numel = 4 * 1024 * 1024  # 16 MiB of float32
+    consumer = echo.on(1).consume(ch, 6, key="z")
+    assert echo.on(0).produce(ch, 6, numel, key="z", shared=True).result(60) == [6]
+    assert consumer.result(60) == [[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]  # each item whole, in order
+    after = cluster.client.run(_put_stats_and_pool, workers=producer)[producer[0]]
+    assert after["zero_copy_bytes"] - before["zero_copy_bytes"] == 6 * numel * 4
+    assert after["copied_bytes"] == before["copied_bytes"]  # nothing was copied into shared memory
+    # the reader handed every segment back: reused (maxsize 2: at most 3 in flight), none held now
+    assert after["segments"] - before["segments"] <= 3 and after["taken"] == 0
+    # built but never put: back to the pool once the tensor and its views are freed
+    free, held, freed = cluster.client.run(_an_unsent_buffer_goes_back_to_the_pool, workers=producer)[
+        producer[0]
+    ]
+    assert (held, freed) == (free + 1, free)
+    ch.close()
+
+
 def test_channel_close_releases_unconsumed_shared_memory(cluster):
     import os
 

@@ -210,6 +210,18 @@ class Channel:
         cluster._channels.append(channel)
         return channel
 
+    @staticmethod
+    def empty(shape, dtype=None):
+        """An uninitialised CPU tensor in this process's shared memory: fill it and :meth:`put` it, and a
+        channel on this node sends it with no copy (the reader maps the same pages). Once put it is the
+        reader's: do not write to it again. See :func:`rlnb.runtime.shm.shared_empty`.
+
+        Example:
+            >>> obs = channel.empty((64, 3, 84, 84))  # doctest: +SKIP
+            >>> env.render_into(obs); channel.put(obs, key="obs")  # doctest: +SKIP
+        """
+        return shm.shared_empty(shape, dtype)
+
     # ---- sync API
     def put(self, item, key: str = "default", timeout: float | None = None) -> None:
         """Append ``item`` to queue ``key``; waits while the queue holds ``maxsize`` items.

@@ -2,7 +2,9 @@
 ``/dev/shm`` files (0600, named after the creating process), pooled per producer process.
 
 A producer copies a tensor once into a pooled segment and sends a small :class:`_ShmRef`; the reader
-maps the segment without a copy and hands it back (header byte 0) once its tensor is freed. One-off
+maps the segment without a copy and hands it back (header byte 0) once its tensor is freed. A producer
+that builds its tensor in a segment to begin with (:func:`shared_empty`, ``Channel.empty``) sends it with
+no copy at all. One-off
 files (past the pool's budget) are unlinked by their reader. :func:`sweep_dead_segments` removes
 what killed processes left behind.
 
@@ -17,12 +19,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import mmap
 import os
 import socket
 import tempfile
 import threading
 import uuid
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,7 +160,8 @@ class _SegmentPool:
     :class:`_Lease`); the producer then reuses the segment."""
 
     def __init__(self):
-        self.segments: list[tuple[str, int, object]] = []  # (path, capacity, uint8 mapping)
+        # (path, capacity, uint8 tensor mapping, the same bytes as numpy: its header is read per put)
+        self.segments: list[tuple[str, int, object, np.ndarray]] = []
         self.total = 0
         # several threads of one process send at once (components, the notebook): without it two of
         # them could take the same free segment and overwrite each other's tensor
@@ -167,22 +172,23 @@ class _SegmentPool:
             return self._acquire(nbytes)
 
     def _acquire(self, nbytes: int):
-        for path, cap, mapping in self.segments:
-            if cap >= nbytes + HEADER and int(mapping[0]) == 0:
-                mapping[0] = 1
-                return path, cap, mapping
+        for segment in self.segments:
+            if segment[1] >= nbytes + HEADER and segment[3][0] == 0:
+                segment[3][0] = 1
+                return segment
         cap = max(1 << 20, 1 << (nbytes + HEADER - 1).bit_length())
         if self.total + cap > POOL_MAX_BYTES:
             return None
         path, mapping = _new_shm_file(cap)
-        mapping[0] = 1
-        self.segments.append((path, cap, mapping))
+        segment = (path, cap, mapping, mapping.numpy())
+        segment[3][0] = 1
+        self.segments.append(segment)
         self.total += cap
-        return path, cap, mapping
+        return segment
 
     def close(self) -> None:
         with self._lock:
-            for path, _, _ in self.segments:
+            for path, *_ in self.segments:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             self.segments, self.total = [], 0
@@ -221,6 +227,73 @@ def _leased_view(path: str, capacity: int, offset: int, nbytes: int) -> np.ndarr
     return view
 
 
+class _Unsent:
+    """A :func:`shared_empty` tensor's claim on its pooled segment until a put sends it: freed unsent
+    (the tensor and its views gone), the segment goes back to the pool; once sent, the reader frees it."""
+
+    __slots__ = ("__weakref__", "capacity", "header", "nbytes", "path", "sent")
+
+    def __init__(self, path: str, capacity: int, nbytes: int, header: np.ndarray):
+        self.path, self.capacity, self.nbytes, self.header = path, capacity, nbytes, header
+        self.sent = False
+
+    def __del__(self):
+        if not self.sent:
+            with contextlib.suppress(Exception):  # interpreter exit
+                self.header[0] = 0
+
+
+# data address of a shared_empty tensor not sent yet -> its claim (weakly: the tensor's storage owns it)
+_UNSENT: weakref.WeakValueDictionary[int, _Unsent] = weakref.WeakValueDictionary()
+_UNSENT_LOCK = threading.Lock()
+PUT_STATS = {"copied_bytes": 0, "zero_copy_bytes": 0}
+"""This process's tensors put into channels through shared memory: bytes copied into a segment, and bytes
+sent where they lay (:func:`shared_empty`)."""
+
+
+def shared_empty(shape, dtype=None):
+    """An uninitialised CPU tensor in a pooled shared-memory segment of this process.
+
+    Fill it and put it into a channel on this node: the channel sends a handle and the reader maps the
+    same pages, so the tensor is never copied (a plain tensor is copied once into a segment). Once put, it
+    belongs to the reader: do not write to it again. Freed without being put, its segment returns to the
+    pool. Small tensors (under 256 KiB), and any once the pool is full, are ordinary tensors.
+
+    Example:
+        >>> import torch
+        >>> t = shared_empty((1024, 1024))
+        >>> t.fill_(1.0).sum().item(), t.dtype
+        (1048576.0, torch.float32)
+    """
+    import torch
+
+    dtype = dtype or torch.float32
+    shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else (int(shape),)
+    nbytes = math.prod(shape) * dtype.itemsize
+    seg = _POOL.acquire(nbytes) if nbytes >= SHM_MIN_BYTES else None
+    if seg is None:
+        return torch.empty(shape, dtype=dtype)
+    path, capacity, _, header = seg
+    view = header[HEADER : HEADER + nbytes].view(_LeasedBytes)
+    view._lease = claim = _Unsent(path, capacity, nbytes, header)  # lives as long as the tensor's storage
+    t = torch.from_numpy(view).view(dtype).view(shape)
+    with _UNSENT_LOCK:
+        _UNSENT[t.data_ptr()] = claim
+    return t
+
+
+def _take_unsent(t, nbytes: int) -> _Unsent | None:
+    """The claim of ``t`` if it is a whole :func:`shared_empty` tensor not sent yet (now marked sent)."""
+    with _UNSENT_LOCK:
+        claim = _UNSENT.get(t.data_ptr())
+        if claim is None or claim.nbytes != nbytes or not t.is_contiguous() or claim.sent:
+            return None
+        claim.sent = True
+        # its address may come back with a later shared_empty tensor once the reader frees this one
+        del _UNSENT[t.data_ptr()]
+        return claim
+
+
 atexit.register(_POOL.close)
 
 
@@ -244,9 +317,14 @@ def pack(item, node: str):
             return item
         nbytes = t.numel() * t.element_size()
         dtype = str(t.dtype).removeprefix("torch.")
+        claim = _take_unsent(t, nbytes)
+        if claim is not None:  # built in its segment: nothing to copy
+            PUT_STATS["zero_copy_bytes"] += nbytes
+            return _ShmRef(claim.path, node, dtype, tuple(t.shape), is_np, nbytes, HEADER, claim.capacity)
+        PUT_STATS["copied_bytes"] += nbytes
         seg = _POOL.acquire(nbytes)
         if seg is not None:
-            path, cap, mapping = seg
+            path, cap, mapping, _ = seg
             mapping[HEADER : HEADER + nbytes].view(t.dtype).copy_(t.reshape(-1))  # the producer's one copy
             return _ShmRef(path, node, dtype, tuple(t.shape), is_np, nbytes, HEADER, cap)
         path, mapping = _new_shm_file(nbytes)
