@@ -95,6 +95,64 @@ def test_hf_rollout_contract_and_logprob_agreement(tiny_lm):
     del rank_mod._PEERS[("", "reward-test", 0)]
 
 
+def test_completions_share_their_prompts_prefill_on_a_worker_with_the_same_tokens_and_logprobs(
+    cluster, tiny_lm
+):
+    prompts, answers = ["1+2=", "13+4=", "7="], ["3", "17", "7"]  # prompts of different lengths (padding)
+    batches = {}
+    for share in (True, False):
+        rollout = HFRollout.launch(
+            cluster, "0", model_path=tiny_lm, max_new_tokens=6, seed=3, share_prompt_prefill=share,
+            name=f"rollout_share_{share}",
+        )  # fmt: skip
+        rollout.generate(prompts, answers, n=4).result(120)
+        batches[share] = rollout.take_batch().result(60)[0]
+        stats = rollout.generation_stats().result(60)[0]
+        assert stats == {"shared_prefills": int(share), "prefill_fallback": None}
+        rollout.shutdown()
+    shared, alone = batches[True], batches[False]
+    assert torch.equal(shared["input_ids"], alone["input_ids"])  # the same samples, token for token
+    assert torch.equal(shared["response_mask"], alone["response_mask"])
+    assert torch.allclose(shared["logprobs"], alone["logprobs"], atol=1e-5)
+
+
+class _UnsharableCache(HFRollout):
+    """A model that fails on the shared prefill (as an architecture whose cache cannot be repeated
+    would): the rollout must fall back to prefilling per completion."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        forward = self.model.forward
+
+        def strict_forward(*a, **kw):
+            if kw["input_ids"].shape[0] == 2:  # the two prompts alone: the shared prefill
+                raise NotImplementedError("this cache cannot be repeated")
+            return forward(*a, **kw)
+
+        self.model.forward = strict_forward
+
+
+def test_a_model_whose_cache_cannot_be_shared_prefills_per_completion_and_says_why(tiny_lm, caplog):
+    prompts, answers = ["1+2=", "13+4="], ["3", "17"]
+    plain = HFRollout(tiny_lm, max_new_tokens=5, seed=4, share_prompt_prefill=False)
+    plain.generate(prompts, answers, n=4)
+    fallback = _UnsharableCache(tiny_lm, max_new_tokens=5, seed=4)
+    with caplog.at_level("WARNING", logger="rlnb"):
+        fallback.generate(prompts, answers, n=4)
+        first = fallback.take_batch()
+        fallback.generate(prompts, answers, n=4)  # not tried again
+    assert fallback.generation_stats() == {
+        "shared_prefills": 0,
+        "prefill_fallback": "NotImplementedError: this cache cannot be repeated",
+    }
+    warned = [r.getMessage() for r in caplog.records if "prefilled once per completion" in r.getMessage()]
+    assert warned == [
+        "rollout[0]: prompts are prefilled once per completion; sharing them failed "
+        "(NotImplementedError: this cache cannot be repeated)"
+    ]
+    assert torch.equal(first["input_ids"], plain.take_batch()["input_ids"])  # the same samples
+
+
 def test_sft_then_grpo_update_moves_the_right_way(tiny_lm):
     algo = AlgorithmConfig(
         advantage="grpo", policy_loss="ppo", group_size=4, num_minibatches=1, update_epochs=1

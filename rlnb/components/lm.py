@@ -10,6 +10,7 @@ Batch layout (B = prompts x group_size sequences, L = prompt + response tokens, 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 
@@ -28,6 +29,8 @@ from rlnb.errors import ConfigError
 from rlnb.models.lm import load_lm, token_logprobs
 from rlnb.runtime.rank import RankInfo, current_rank, local_peer
 from rlnb.seeding import rank_seed
+
+log = logging.getLogger("rlnb")
 
 
 def _pad_left(rows: list[list[int]], pad: int) -> torch.Tensor:
@@ -89,6 +92,9 @@ class HFRollout(RolloutBase):
         max_new_tokens, temperature, top_p: sampling parameters.
         seed: rank ``r`` seeds each call from ``rlnb.seeding.rank_seed(seed, r, "lm_rollout")`` and a call
             counter (reproducible).
+        share_prompt_prefill: compute each prompt's KV cache once for its ``n`` completions and repeat
+            it, where ``generate`` would compute it ``n`` times (same tokens and log-probs). If a model's
+            cache cannot be shared this way, the rollout says why once and prefills per completion.
     """
 
     launch = launcher("rollout")
@@ -96,9 +102,13 @@ class HFRollout(RolloutBase):
     def __init__(
         self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
         device: str = "auto", torch_threads: int = 1, rank_info: RankInfo | None = None,
+        share_prompt_prefill: bool = True,
     ):  # fmt: skip
         rank_info = rank_info or current_rank()  # subclasses need not pass it on
         torch.set_num_threads(torch_threads)
+        self.share_prompt_prefill = share_prompt_prefill
+        self.prefill_fallback: str | None = None  # why prompts could not share their prefill, if so
+        self.shared_prefills = 0  # generate calls whose prompts were prefilled once for all completions
         self.rank = rank_info.rank if rank_info else 0
         self.device = resolve_device(device, rank_info)
         self.model_path = model_path
@@ -147,12 +157,22 @@ class HFRollout(RolloutBase):
         if not greedy:  # greedy decoding draws nothing: evaluating does not shift training's sampling seeds
             torch.manual_seed(self.seed * 1_000_003 + self.calls)
             self.calls += 1
-        out = self.model.generate(
-            **enc, do_sample=not greedy, temperature=self.temperature if not greedy else None,
+        sampling = dict(
+            do_sample=not greedy, temperature=self.temperature if not greedy else None,
             top_p=self.top_p if not greedy else None, top_k=None, max_new_tokens=self.max_new_tokens,
-            num_return_sequences=n, pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
+            pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
             return_dict_in_generate=True, output_scores=True,
         )  # fmt: skip
+        cache = self._shared_prompt_cache(enc, n)
+        if cache is not None:  # every completion starts from its prompt's cache: only its last token is left
+            out = self.model.generate(
+                input_ids=enc["input_ids"].repeat_interleave(n, 0),
+                attention_mask=enc["attention_mask"].repeat_interleave(n, 0),
+                past_key_values=cache,
+                **sampling,
+            )
+        else:
+            out = self.model.generate(**enc, num_return_sequences=n, **sampling)
         prompt_len = enc["input_ids"].shape[1]
         seqs = out.sequences  # (B*n, P+R)
         response = seqs[:, prompt_len:]  # (B*n, R)
@@ -174,6 +194,40 @@ class HFRollout(RolloutBase):
             "response_mask": torch.cat([zeros, resp_mask], dim=1).cpu(),
             "logprobs": torch.cat([zeros.float(), logp], dim=1).cpu(),
         }, texts
+
+    def _shared_prompt_cache(self, enc, n: int):
+        """The KV cache of each prompt but its last token, computed once and repeated for its ``n``
+        completions; ``None`` for one completion, a one-token prompt, or a model whose cache cannot be
+        shared (said once, with the reason)."""
+        ids, attn = enc["input_ids"], enc["attention_mask"]
+        if n < 2 or ids.shape[1] < 2 or not self.share_prompt_prefill or self.prefill_fallback:
+            return None
+        try:
+            from transformers import DynamicCache
+
+            try:
+                cache = DynamicCache(config=self.model.config)
+            except TypeError:  # transformers < 4.56 builds it without the config
+                cache = DynamicCache()
+            position_ids = (attn[:, :-1].cumsum(-1) - 1).clamp(min=0)  # left padding, as generate counts
+            self.model(
+                input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=position_ids,
+                past_key_values=cache, use_cache=True,
+            )  # fmt: skip
+            cache.batch_repeat_interleave(n)  # [B, ...] -> [B * n, ...], each prompt's rows side by side
+            self.shared_prefills += 1
+            return cache
+        except Exception as e:  # an architecture whose cache is not a plain per-layer key/value cache
+            self.prefill_fallback = f"{type(e).__name__}: {e}"[:300]
+            log.warning(
+                "rollout[%d]: prompts are prefilled once per completion; sharing them failed (%s)",
+                self.rank, self.prefill_fallback,
+            )  # fmt: skip
+            return None
+
+    def generation_stats(self) -> dict:
+        """How this rank generated: calls whose prompts shared one prefill, and why sharing stopped, if it did."""
+        return {"shared_prefills": self.shared_prefills, "prefill_fallback": self.prefill_fallback}
 
     def generate(self, prompts: list[str], answers: list[str], n: int, reward: str | None = None) -> dict:
         """Sample ``n`` completions per prompt and keep the batch; score in-process if ``reward`` is collocated.
