@@ -334,6 +334,38 @@ def check_grpo_tiny_lm_cuda(work: Path) -> dict:
         loop.close()
 
 
+def check_shared_prompt_prefill_cuda(work: Path) -> dict:
+    """``HFRollout`` on the GPU: completions sampled from one prefill per prompt are the tokens, and
+    the log-probs, of prefilling each completion; and how long each way takes there."""
+    import torch
+
+    from rlnb.components.lm import HFRollout
+    from rlnb.models.lm import build_tiny_lm
+
+    path = str(build_tiny_lm(work / "tiny-prefill", hidden_size=256, num_layers=4, num_heads=4, seed=0))
+    preamble = "You are a careful calculator. Think step by step, then answer with the number only. "
+    prompts = [f"{preamble}{a}+{a * 7 % 50}=" for a in range(16)]
+    answers = [str(a + a * 7 % 50) for a in range(16)]
+    batches, seconds = {}, {}
+    for share in (True, False, True, False):  # interleaved; the second of each is timed
+        rollout = HFRollout(path, max_new_tokens=32, seed=0, device="cuda", share_prompt_prefill=share)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rollout.generate(prompts, answers, n=8)
+        torch.cuda.synchronize()
+        seconds[share] = round(time.perf_counter() - t0, 3)
+        batches[share] = rollout.take_batch()
+        if rollout.generation_stats()["shared_prefills"] != int(share):
+            raise RuntimeError(f"share_prompt_prefill={share}: {rollout.generation_stats()}")
+    same_tokens = torch.equal(batches[True]["input_ids"], batches[False]["input_ids"])
+    drift = float((batches[True]["logprobs"] - batches[False]["logprobs"]).abs().max())
+    out = {"same_tokens": same_tokens, "logprob_max_diff": drift,
+           "generate_s_shared": seconds[True], "generate_s_per_completion": seconds[False]}  # fmt: skip
+    if not same_tokens or drift > 1e-3:
+        raise RuntimeError(f"a shared prefill changed what was sampled: {out}")
+    return out
+
+
 @contextlib.contextmanager
 def _two_processes_on_gpus():
     """Two worker processes: one per GPU with two or more GPUs, else both on GPU 0."""
@@ -504,6 +536,7 @@ CHECKS = [
     ("ppo_cartpole_cuda_compiled", check_ppo_cartpole_cuda_compiled),
     ("ppo_gpu_env_obs_stay_on_gpu", check_ppo_gpu_env_obs_stay_on_gpu),
     ("grpo_tiny_lm_cuda", check_grpo_tiny_lm_cuda),
+    ("shared_prompt_prefill_cuda", check_shared_prompt_prefill_cuda),
     ("cuda_ipc_channel", check_cuda_ipc_channel),
     ("weight_sync_cuda_disaggregated", check_weight_sync_cuda_disaggregated),
     ("nccl_broadcast_two_groups", check_nccl_broadcast_two_groups),
