@@ -105,6 +105,8 @@ class HFRollout(RolloutBase):
     """
 
     launch = launcher("rollout")
+    # what generation_stats() reports for a subclass with its own engine (vLLM caches prefixes itself)
+    share_prompt_prefill, shared_prefills, prefill_fallback = False, 0, None
 
     def __init__(
         self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
