@@ -228,6 +228,10 @@ def test_lm_recipe_errors():
     assert "algorithm.group_size: grpo needs at least 2 samples per prompt, got 1" in msg
     assert "rollout.temperature: expected a number > 0, got 0.0" in msg
     assert "data.path: data.task=file needs an existing .jsonl/.parquet file, got None" in msg
+    with pytest.raises(
+        RecipeError, match=r"data.path: 'qa.jsonl' is set, but data.task is 'arithmetic'.*data.task=file"
+    ):
+        load_recipe("grpo_arith", ["data.path=qa.jsonl"])  # silently trained on arithmetic before
 
 
 @requires_gpu

@@ -428,6 +428,11 @@ def _check_lm(recipe: Recipe) -> list[str]:
         )
     if d.task == "file" and (d.path is None or not Path(d.path).exists()):
         errs.append(f"data.path: data.task=file needs an existing .jsonl/.parquet file, got {d.path!r}")
+    if d.task == "arithmetic" and d.path is not None:  # it would train on generated problems instead
+        errs.append(
+            f"data.path: {d.path!r} is set, but data.task is 'arithmetic', which generates its problems and "
+            "would ignore the file; set data.task=file to train on it"
+        )
     for key, value, low in (
         ("data.prompts_per_step", d.prompts_per_step, 1), ("data.eval_size", d.eval_size, 1),
         ("rollout.max_new_tokens", ro.max_new_tokens, 1), ("rollout.chunk_tokens", ro.chunk_tokens, 1),
