@@ -5,7 +5,10 @@ prompts: 16 prompts per step, 8 completions each (group size 8), completions of 
 one PPO-clip update per step, no KL term, no warm start. Prints seconds per step, generated
 tokens/s and the ratio rlnb/TRL, and where rlnb's step time goes.
 
-Run: ``.venv/bin/python bench/grpo_vs_trl.py [--steps 12]`` (needs ``pip install trl``).
+``--instruction-chars N`` puts the same N-character instruction before every prompt, on both sides:
+real tasks' prompts (a chat template, a system prompt, a worked example) are far longer than ``12+34=``.
+
+Run: ``.venv/bin/python bench/grpo_vs_trl.py [--steps 12] [--instruction-chars 100]`` (needs ``pip install trl``).
 """
 
 from __future__ import annotations
@@ -23,17 +26,32 @@ from rlnb.data import ArithmeticTask
 from rlnb.models.lm import build_tiny_lm
 
 GROUP, PROMPTS, TOKENS = 8, 16, 32
+INSTRUCTION = (
+    "You are a careful calculator. Add the two numbers, check the sum twice, answer with the number only. "
+)
 
 
-def trl_run(model_path: str, steps: int, seed: int, processes: int = 1) -> tuple[float, float]:
+def instruction(chars: int) -> str:
+    """The first ``chars`` characters of the instruction repeated."""
+    return (INSTRUCTION * (chars // len(INSTRUCTION) + 1))[:chars]
+
+
+def problems(seed: int, n: int, prefix: str) -> list[dict]:
+    """The arithmetic problems both sides train on, each prompt behind ``prefix``."""
+    task = ArithmeticTask(max_operand=99, seed=seed)
+    return [{"prompt": prefix + p.prompt, "answer": p.answer} for p in task.train[:n]]
+
+
+def trl_run(
+    model_path: str, steps: int, seed: int, processes: int = 1, prefix: str = ""
+) -> tuple[float, float]:
     """TRL's ``GRPOTrainer`` in this process, or one of ``processes`` DDP ranks (``torchrun`` sets the
     rank: each takes ``PROMPTS * GROUP / processes`` completions of every step)."""
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    task = ArithmeticTask(max_operand=99, seed=seed)
-    rows = [{"prompt": p.prompt, "answer": p.answer} for p in task.train[: PROMPTS * (steps + 2)]]
+    rows = problems(seed, PROMPTS * (steps + 2), prefix)
     reward = get_reward("arithmetic")
 
     def arithmetic(completions, answer, **_):
@@ -77,13 +95,13 @@ sys.path.insert(0, {bench!r})
 from grpo_vs_trl import trl_run
 torch.set_num_threads(1)
 if __name__ == "__main__":
-    step_s, tps = trl_run({path!r}, {steps}, {seed}, processes=2)
+    step_s, tps = trl_run({path!r}, {steps}, {seed}, processes=2, prefix={prefix!r})
     if torch.distributed.get_rank() == 0:
         print("RESULT " + json.dumps([step_s, tps]))
 """
 
 
-def trl_ddp_run(model_path: str, steps: int, seed: int) -> tuple[float, float]:
+def trl_ddp_run(model_path: str, steps: int, seed: int, prefix: str = "") -> tuple[float, float]:
     """TRL on two CPU processes with DDP (``torchrun``, gloo): the peer of rlnb's two-slot figure."""
     import json
     import subprocess
@@ -92,7 +110,7 @@ def trl_ddp_run(model_path: str, steps: int, seed: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "trl_ddp.py"
         bench = str(Path(__file__).resolve().parent)
-        script.write_text(TRL_DDP.format(bench=bench, path=model_path, steps=steps, seed=seed))
+        script.write_text(TRL_DDP.format(bench=bench, path=model_path, steps=steps, seed=seed, prefix=prefix))
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
             capture_output=True, text=True, timeout=1800,
@@ -104,7 +122,11 @@ def trl_ddp_run(model_path: str, steps: int, seed: int) -> tuple[float, float]:
     return step_s, tps
 
 
-def rlnb_run(model_path: str, steps: int, seed: int, placement: str) -> tuple[float, float, dict]:
+def rlnb_run(
+    model_path: str, steps: int, seed: int, placement: str, prefix: str = ""
+) -> tuple[float, float, dict]:
+    import json
+
     from rlnb.loop import GRPOLoop
 
     overrides = [
@@ -114,6 +136,13 @@ def rlnb_run(model_path: str, steps: int, seed: int, placement: str) -> tuple[fl
         "actor.lr=0.0002", "actor.micro_batch_size=128", f"cluster.component_placement={{'actor,rollout,reward': {placement}}}",
     ]  # fmt: skip
     with tempfile.TemporaryDirectory() as run_dir:
+        if prefix:  # the same prompts as TRL's, from a file
+            path = Path(run_dir) / "problems.jsonl"
+            rows = problems(seed, PROMPTS * (steps + 2) * 2, prefix)
+            path.write_text(
+                "".join(json.dumps({"question": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows)
+            )
+            overrides += ["data.task=file", f"data.path={path}"]
         loop = GRPOLoop.from_recipe("grpo_arith", overrides, run_dir=run_dir)
         try:
             recs = [loop.step_once() for _ in range(steps)]
@@ -143,22 +172,30 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--instruction-chars", type=int, default=0, help="an instruction this long before each prompt"
+    )
     args = ap.parse_args()
+    prefix = instruction(args.instruction_chars) if args.instruction_chars else ""
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as d:
         path = str(build_tiny_lm(Path(d) / "lm", hidden_size=256, num_layers=4, num_heads=4, seed=args.seed))
         from rlnb.models.lm import load_lm
 
-        n_params = sum(p.numel() for p in load_lm(path)[0].parameters())
+        model, tok = load_lm(path)
+        n_params = sum(p.numel() for p in model.parameters())
+        prefix_tokens = len(tok(prefix).input_ids) if prefix else 0
         print(
             f"model: Qwen2, {n_params / 1e6:.2f} M parameters; {PROMPTS} prompts x {GROUP} completions of <= {TOKENS} tokens"
         )
-        trl_step, trl_tps = trl_run(path, args.steps, args.seed)
+        if prefix:
+            print(f"every prompt starts with a {len(prefix)}-character instruction: {prefix[:60]!r}...")
+        trl_step, trl_tps = trl_run(path, args.steps, args.seed, prefix=prefix)
         print(
             f"TRL  GRPOTrainer, 1 process: {trl_step:.3f} s/step  {trl_tps:8.0f} generated tokens/s",
             flush=True,
         )
-        trl_ddp_step, trl_ddp_tps = trl_ddp_run(path, args.steps, args.seed)
+        trl_ddp_step, trl_ddp_tps = trl_ddp_run(path, args.steps, args.seed, prefix)
         print(
             f"TRL  GRPOTrainer, 2 processes, DDP: {trl_ddp_step:.3f} s/step  {trl_ddp_tps:8.0f} generated tokens/s",
             flush=True,
@@ -167,16 +204,16 @@ def main():
             ("0", "1 slot (vs TRL in 1 process)", trl_step),
             ("0-1", "2 slots, DDP (vs TRL on 2 processes, DDP)", trl_ddp_step),
         ):
-            our_step, our_tps, phases = rlnb_run(path, args.steps, args.seed, placement)
+            our_step, our_tps, phases = rlnb_run(path, args.steps, args.seed, placement, prefix)
             print(f"rlnb GRPOLoop, {label}: {our_step:.3f} s/step  {our_tps:8.0f} generated tokens/s  "
                   f"ratio rlnb/TRL {our_step / peer:.2f}")  # fmt: skip
             print(
                 "  step breakdown (median s): "
                 + ", ".join(f"{k.split('/')[1][:-2]} {v:.3f}" for k, v in phases.items())
             )
-        # the update's floor: forward + backward ~ 6 x parameters x tokens of matmul (prompt ~8 tokens)
+        # the update's floor: forward + backward ~ 6 x parameters x tokens of matmul (prompt ~8 tokens, plus the instruction's)
         flops = matmul_flops()
-        tokens = PROMPTS * GROUP * (8 + our_tps * our_step / (PROMPTS * GROUP))
+        tokens = PROMPTS * GROUP * (8 + prefix_tokens + our_tps * our_step / (PROMPTS * GROUP))
         floor_s = 6 * n_params * tokens / flops
         print(
             f"update floor at {flops / 1e9:.0f} GFLOP/s (1 thread): {floor_s:.2f} s for {tokens:.0f} tokens, "
