@@ -125,3 +125,11 @@ def stop_fork_server() -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     server._stop()  # closes its pipe and socket, reaps it
+    # the resource tracker the fork server started exits on its own once the driver has, which on a
+    # loaded machine is after the driver's exit: close its pipe and reap it here (a later start relaunches it)
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    if getattr(tracker, "_pid", None) is not None:
+        with contextlib.suppress(ChildProcessError, OSError):
+            tracker._stop()

@@ -78,6 +78,26 @@ def test_cli_starts_workers_while_it_checks_the_recipe_and_stops_them_when_the_c
     assert not left, f"processes left behind by a failed recipe check: {left}"
 
 
+def test_stopping_the_fork_server_leaves_no_child_process_running():
+    """What ``rlnb run`` does when a recipe fails its checks after the fork server started: stopping it
+    must also stop the resource tracker it started, not leave it to exit after the driver (on a loaded
+    machine the CLI test above then found it still running)."""
+    code = (
+        "import os\n"
+        "from rlnb._dask import prestart_fork_server, stop_fork_server\n"
+        "assert prestart_fork_server()\n"
+        "stop_fork_server()\n"
+        "def parent(pid):\n"
+        "    try:\n"
+        "        return int(open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[1])\n"
+        "    except OSError:\n"
+        "        return None\n"
+        "print([p for p in os.listdir('/proc') if p.isdigit() and parent(p) == os.getpid()])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
+
+
 def _processes_in_group(pgid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
