@@ -62,7 +62,7 @@ def actor_worker(actor):
     return getattr(actor, "_worker", None)
 
 
-# What every worker of an embedded CPU cluster imports before it does anything: torch._dynamo alone is
+# What every worker of an embedded cluster (CPU or GPU) imports before it does anything: torch._dynamo alone is
 # ~3 s here, and the first torch.optim optimizer imports it.
 WORKER_PRELOAD = ("distributed", "numpy", "torch", "torch._dynamo", "gymnasium", "rlnb.components")
 
@@ -102,7 +102,7 @@ def prestart_fork_server(preload=WORKER_PRELOAD) -> bool:
     """Start the workers' fork server now, so it imports ``preload`` (~5 s of one core here) while the
     driver goes on with its own imports on the other cores; the embedded cluster's workers then fork
     from it. Needs neither torch nor Dask imported. ``rlnb run`` calls it once the recipe asks for an
-    embedded CPU cluster. Returns whether a fork server is (now) running."""
+    embedded cluster (CPU or GPU). Returns whether a fork server is (now) running."""
     if not _fork_server_wanted():
         return False
     from multiprocessing import forkserver

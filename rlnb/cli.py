@@ -54,9 +54,8 @@ def _demo(args) -> int:
 
 def _prestart_embedded_workers() -> bool:
     from rlnb._dask import prestart_fork_server
-    from rlnb.cluster.cluster import _count_gpus
 
-    return not _count_gpus()[0] and prestart_fork_server()
+    return prestart_fork_server()  # CPU and GPU (dask-cuda) workers alike fork from it
 
 
 def _run(args) -> int:
@@ -69,7 +68,7 @@ def _run(args) -> int:
         overrides.append(f"runner.run_dir={args.run_dir}")
     prestarted = False
     if not args.print_config:
-        # an embedded CPU cluster's workers fork from a server that imports torch (~5 s of a core here):
+        # an embedded cluster's workers (CPU or GPU) fork from a server that imports torch (~5 s of a core here):
         # started now, it does that while this process imports torch for the recipe's checks
         try:
             structure = load_recipe(args.recipe, overrides, check=False)

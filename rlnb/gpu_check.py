@@ -199,6 +199,7 @@ def check_cluster(work: Path) -> dict:
     import torch
 
     import rlnb
+    from rlnb._dask import _fork_server_wanted
     from rlnb.demo import Collective
 
     t0 = time.perf_counter()
@@ -207,6 +208,10 @@ def check_cluster(work: Path) -> dict:
         kind = type(cluster._local).__name__
         if kind != "LocalCUDACluster":
             raise RuntimeError(f"the embedded cluster is a {kind}, expected dask-cuda's LocalCUDACluster")
+        # workers fork from the server that preloaded torch (rlnb's default) yet each sees its own GPU
+        started = cluster.client.run(_worker_start_probe)
+        if _fork_server_wanted() and not all(p["preloaded"] for p in started.values()):
+            raise RuntimeError(f"GPU workers did not start from the preloaded fork server: {started}")
         n = torch.cuda.device_count()
         if len(cluster.slots) != n or not all(s.device == "cuda:0" for s in cluster.slots):
             raise RuntimeError(
@@ -224,7 +229,22 @@ def check_cluster(work: Path) -> dict:
             "slots": [f"{s.address} {s.device} {s.gpu_name}" for s in cluster.slots],
             "start_s": round(start_s, 2),
             "process_group": backend,
+            "worker_start": sorted(
+                {"fork server, preloaded" if p["preloaded"] else "spawn" for p in started.values()}
+            ),
+            "worker_devices": sorted(p["device"] for p in started.values()),
         }
+
+
+def _worker_start_probe() -> dict:
+    """On a fresh worker: whether it forked from the preloaded server, and the GPU it then sees."""
+    import sys
+
+    preloaded = "torch._dynamo" in sys.modules  # nothing else has run on this worker yet
+    import torch
+
+    x = torch.ones(1, device="cuda") * 2  # CUDA works after the fork (the server never initialised it)
+    return {"preloaded": preloaded, "device": f"{x.device} {torch.cuda.get_device_name()}"}
 
 
 def _ppo(work: Path, name: str, compile_: bool, cluster=None, placement=None, steps=None, extra=()) -> dict:
