@@ -152,6 +152,23 @@ def test_a_script_starting_a_cluster_at_import_time_fails_at_once_instead_of_han
     assert 'if __name__ == "__main__":' in stderr and time.monotonic() - t0 < 30
 
 
+def test_a_guarded_script_edited_while_it_runs_is_not_taken_for_an_unguarded_one(tmp_path):
+    """The check reads the script from disk: edited since it started (a benchmark's file saved while it
+    runs), its line numbers are not the running code's, and a guarded call was refused."""
+    script = tmp_path / "bench.py"
+    script.write_text(
+        "import pathlib\n"
+        "from rlnb.cluster.cluster import _check_script_guard\n"
+        "if __name__ == '__main__':\n"
+        "    path = pathlib.Path(__file__)\n"
+        "    path.write_text('\\n' * 3 + path.read_text())  # line 6 is now the `if` line\n"
+        "    _check_script_guard()\n"
+        "    print('checked')\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "checked\n", proc.stderr[-2000:]
+
+
 def test_which_lines_of_a_script_run_when_it_is_imported():
     from rlnb.cluster.cluster import runs_at_import
 

@@ -169,7 +169,14 @@ def _check_script_guard() -> None:
                 return  # e.g. an IPython cell running with __main__'s namespace
             try:
                 with open(path, encoding="utf-8") as f:
-                    unguarded = runs_at_import(f.read(), frame.f_lineno)
+                    source = f.read()
+                on_disk = compile(source, path, "exec", dont_inherit=True)
+                if (on_disk.co_code, on_disk.co_linetable) != (
+                    frame.f_code.co_code,
+                    frame.f_code.co_linetable,
+                ):
+                    return  # the script was edited since it started: its lines are not the running ones
+                unguarded = runs_at_import(source, frame.f_lineno)
             except (OSError, SyntaxError, ValueError):
                 return  # not a readable script: nothing to check
             if unguarded:
