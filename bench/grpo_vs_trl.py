@@ -211,14 +211,19 @@ def main():
                 "  step breakdown (median s): "
                 + ", ".join(f"{k.split('/')[1][:-2]} {v:.3f}" for k, v in phases.items())
             )
-        # the update's floor: forward + backward ~ 6 x parameters x tokens of matmul (prompt ~8 tokens, plus the instruction's)
+        # the update's floor: forward + backward ~ 6 x parameters x tokens of matmul (prompt ~8 tokens, plus
+        # the instruction's), over every sequence's tokens, or with each prompt once per group (as rlnb does)
         flops = matmul_flops()
-        tokens = PROMPTS * GROUP * (8 + prefix_tokens + our_tps * our_step / (PROMPTS * GROUP))
-        floor_s = 6 * n_params * tokens / flops
-        print(
-            f"update floor at {flops / 1e9:.0f} GFLOP/s (1 thread): {floor_s:.2f} s for {tokens:.0f} tokens, "
-            f"i.e. {floor_s / 2:.2f} s a rank on 2 slots"
-        )
+        response = our_tps * our_step / (PROMPTS * GROUP)  # mean generated tokens a sequence
+        for what, tokens in (
+            ("every sequence's tokens", PROMPTS * GROUP * (8 + prefix_tokens + response)),
+            ("each prompt once per group", PROMPTS * (8 + prefix_tokens) + PROMPTS * GROUP * response),
+        ):
+            floor_s = 6 * n_params * tokens / flops
+            print(
+                f"update floor at {flops / 1e9:.0f} GFLOP/s (1 thread), {what}: {floor_s:.2f} s for "
+                f"{tokens:.0f} tokens, i.e. {floor_s / 2:.2f} s a rank on 2 slots"
+            )
 
 
 if __name__ == "__main__":

@@ -356,7 +356,8 @@ def check_grpo_tiny_lm_cuda(work: Path) -> dict:
 
 def check_shared_prompt_prefill_cuda(work: Path) -> dict:
     """``HFRollout`` on the GPU: completions sampled from one prefill per prompt are the tokens, and
-    the log-probs, of prefilling each completion; and how long each way takes there."""
+    the log-probs, of prefilling each completion; the actor's update computing each prompt once has the
+    log-probs and gradients of one over every sequence; and how long each way takes there."""
     import torch
 
     from rlnb.components.lm import HFRollout
@@ -383,6 +384,42 @@ def check_shared_prompt_prefill_cuda(work: Path) -> dict:
            "generate_s_shared": seconds[True], "generate_s_per_completion": seconds[False]}  # fmt: skip
     if not same_tokens or drift > 1e-3:
         raise RuntimeError(f"a shared prefill changed what was sampled: {out}")
+    out.update(_shared_prompt_update_cuda(path, batches[True]))
+    return out
+
+
+def _shared_prompt_update_cuda(path: str, batch: dict, device: str = "cuda") -> dict:
+    """The actor's side on the GPU: each prompt computed once gives the log-probs and gradients of a
+    forward over every sequence, and the time of each (forward + backward, the second of two)."""
+    import torch
+
+    from rlnb.models.lm import load_lm, shared_prompt_logprobs, token_logprobs
+
+    model, _ = load_lm(path, device)
+    ids, attn, response = (batch[k].to(device) for k in ("input_ids", "attention_mask", "response_mask"))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    mask = response.float()
+    results, seconds = {}, {}
+    for name in ("shared", "plain") * 2:
+        model.zero_grad()
+        sync()
+        t0 = time.perf_counter()
+        if name == "shared":
+            logp = shared_prompt_logprobs(model, ids, attn, response)
+        else:
+            logp = token_logprobs(model, ids, attn)
+        ((logp * mask).sum() / mask.sum()).backward()
+        sync()
+        seconds[name] = round(time.perf_counter() - t0, 4)
+        results[name] = (logp.detach() * mask, [p.grad.clone() for p in model.parameters()])
+    (a, grads_a), (b, grads_b) = results["shared"], results["plain"]
+    grad_diff = max(
+        float((x - y).abs().max() / y.abs().max().clamp(min=1e-12)) for x, y in zip(grads_a, grads_b)
+    )
+    out = {"update_logprob_max_diff": float((a - b).abs().max()), "update_grad_max_rel_diff": grad_diff,
+           "update_s_shared": seconds["shared"], "update_s_per_sequence": seconds["plain"]}  # fmt: skip
+    if out["update_logprob_max_diff"] > 1e-3 or grad_diff > 1e-2:
+        raise RuntimeError(f"computing each prompt once changed the update's log-probs or gradients: {out}")
     return out
 
 

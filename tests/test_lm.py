@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from rlnb.config import AlgorithmConfig, RecipeError, load_recipe
 from rlnb.data import ArithmeticTask, load_qa_file
 from rlnb.errors import ConfigError
 from rlnb.loop import GRPOLoop, complete_checkpoints
-from rlnb.models.lm import build_tiny_lm, load_lm, token_logprobs
+from rlnb.models.lm import build_tiny_lm, load_lm, shared_prompt_logprobs, token_logprobs
 from rlnb.runtime import rank as rank_mod
 from tests.conftest import assert_metrics_documented, requires_gpu, without_wall_clock
 
@@ -153,6 +154,100 @@ def test_a_model_whose_cache_cannot_be_shared_prefills_per_completion_and_says_w
     assert torch.equal(first["input_ids"], plain.take_batch()["input_ids"])  # the same samples
 
 
+def _two_rollout_batches(tiny_lm):
+    """A GRPO batch as an actor holds it: two rollout ranks' batches (prompts of different widths,
+    and response lengths, so one's responses start later), each prompt 4 times."""
+    batches = []
+    for prompts, answers, tokens in (
+        (["1+2=", "13+4="], ["3", "17"], 5),
+        (["7=", "2+2=", "1+1+1="], ["7", "4", "3"], 2),
+    ):
+        ro = HFRollout(tiny_lm, max_new_tokens=tokens, seed=len(prompts))
+        ro.generate(prompts, answers, n=4)
+        ro.set_rewards([float(i % 3 == 0) for i in range(4 * len(prompts))])
+        batches.append(ro.take_batch())
+    return batches
+
+
+def test_each_prompt_computed_once_gives_the_same_logprobs_and_gradients(tiny_lm):
+    model, _ = load_lm(tiny_lm)
+    actor = LMActor(tiny_lm, group_size=4, seed=0)
+    actor.set_batch(_two_rollout_batches(tiny_lm))
+    b = actor.batch
+    ids, attn, response = b["input_ids"], b["attention_mask"], b["response_mask"]
+    starts = (response.cumsum(1) == 1).long().argmax(1)  # each row's first response column
+    assert len(set(starts.tolist())) == 2  # responses start at two columns: the later ones share less
+    mask = response.float()
+
+    def loss_and_grads(fn):
+        model.zero_grad()
+        logp = fn()
+        ((logp * mask).sum() / mask.sum()).backward()
+        return logp.detach(), [p.grad.clone() for p in model.parameters()]
+
+    plain, plain_grads = loss_and_grads(lambda: token_logprobs(model, ids, attn))
+    shared, shared_grads = loss_and_grads(lambda: shared_prompt_logprobs(model, ids, attn, response))
+    assert torch.allclose(shared * mask, plain * mask, atol=1e-5)  # every response position
+    for a, b_ in zip(plain_grads, shared_grads):
+        assert torch.allclose(a, b_, atol=1e-6, rtol=1e-4)
+    # nothing to share: every prompt once, or no prompt column before the responses
+    once = torch.tensor([0, 4])  # the first rollout batch's two prompts
+    assert shared_prompt_logprobs(model, ids[once], attn[once], response[once]) is None
+    assert shared_prompt_logprobs(model, ids[:, 3:], attn[:, 3:], response[:, 3:]) is None
+    # or less to save than asked (a GPU's threshold): 16 of 20 rows repeat a 4-column prefix, 64 of 200 positions
+    assert shared_prompt_logprobs(model, ids, attn, response, min_saved_fraction=0.33) is None
+    assert shared_prompt_logprobs(model, ids, attn, response, min_saved_fraction=0.31) is not None
+
+
+def test_the_actor_computes_each_prompt_once_on_a_worker_and_trains_as_if_it_did_not(cluster, tiny_lm):
+    batches = _two_rollout_batches(tiny_lm)
+    weights, stats, metrics = {}, {}, {}
+    for share in (True, False):
+        # two epochs and a KL to the reference: the update, and the old and reference log-probs' recompute
+        actor = LMActor.launch(
+            cluster, "1", model_path=tiny_lm, group_size=4, update_epochs=2, kl_coef=0.1, micro_batch_size=8,
+            lr=1e-2, share_prompt_forward=share, name=f"actor_share_{share}",
+        )  # fmt: skip
+        actor.set_batch([dict(b) for b in batches]).result(60)
+        metrics[share] = actor.train().result(120)[0]
+        weights[share] = actor.policy_state().result(60)[0]
+        stats[share] = actor.forward_stats().result(60)[0]
+        actor.shutdown()
+    # 20 rows in micro-batches of 8: each micro-batch's groups sit together (the update sorts its rows)
+    assert stats[True]["shared_forwards"] >= 6 and stats[True]["prompt_forward_fallback"] is None
+    assert stats[False] == {"shared_forwards": 0, "prompt_forward_fallback": None}
+    for name, w in weights[True].items():
+        # a key bias's gradient is zero but for rounding (softmax ignores a shift common to all keys),
+        # and Adam turns rounding-sized gradients into full-sized steps: those weights differ by noise
+        if not name.endswith("k_proj.bias"):
+            assert torch.allclose(w, weights[False][name], atol=1e-5), name
+    assert metrics[True] == pytest.approx(metrics[False], rel=1e-4, abs=1e-6)
+
+
+def test_an_actor_whose_model_cannot_share_prompts_trains_per_sequence_and_says_why(tiny_lm, caplog):
+    actor = LMActor(tiny_lm, group_size=4, seed=0, update_epochs=2)
+    forward = actor.policy.forward
+
+    def no_cache_forward(*a, **kw):
+        if kw.get("past_key_values") is not None:  # as a model whose cache cannot be repeated
+            raise NotImplementedError("this cache cannot be repeated")
+        return forward(*a, **kw)
+
+    actor.policy.forward = no_cache_forward
+    actor.set_batch(_two_rollout_batches(tiny_lm))
+    with caplog.at_level("WARNING", logger="rlnb"):
+        metrics = actor.train()
+    assert math.isfinite(metrics["loss"])
+    assert actor.forward_stats() == {
+        "shared_forwards": 0,
+        "prompt_forward_fallback": "NotImplementedError: this cache cannot be repeated",
+    }
+    warned = [r.getMessage() for r in caplog.records if "sharing prompts failed" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(
+        "actor[0]: each sequence's prompt goes through the model"
+    )
+
+
 def test_sft_then_grpo_update_moves_the_right_way(tiny_lm):
     algo = AlgorithmConfig(
         advantage="grpo", policy_loss="ppo", group_size=4, num_minibatches=1, update_epochs=1
@@ -190,6 +285,9 @@ def test_grpo_raises_reward(cluster, tmp_path):
         assert last > first + 0.05, (first, last)
         assert (tmp_path / "run" / "sft_model" / "config.json").exists()  # HF-format warm start
         assert any("eval/accuracy" in r and r["step"] == 0 for r in loop.history)
+        # both DDP ranks computed each prompt once (calling the DDP wrapper twice a micro-batch)
+        for stats in loop.groups["actor"].forward_stats().result(60):
+            assert stats["prompt_forward_fallback"] is None and stats["shared_forwards"] >= 60, stats
         for k in (
             "rollout/tokens_per_s",
             "rollout/response_len_mean",

@@ -130,6 +130,21 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu", key: str = "ac
     return model, tok
 
 
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows, as ``generate`` counts them: ``[B, L]`` -> ``[B, L]``."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def new_cache(model):
+    """An empty ``transformers`` ``DynamicCache`` for ``model`` (or the model a DDP wrapper holds)."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=getattr(model, "module", model).config)
+    except TypeError:  # transformers < 4.56 builds it without the config
+        return DynamicCache()
+
+
 def token_logprobs(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
@@ -137,10 +152,66 @@ def token_logprobs(
 
     ``input_ids [B, L]``, ``attention_mask [B, L]`` -> ``logprobs [B, L]``.
     """
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask)
     ).logits  # (B, L, V)
     logits = logits[:, :-1].float() / temperature
     logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
     return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+
+
+def shared_prompt_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+    min_saved_fraction: float = 0.0,
+) -> torch.Tensor | None:
+    """:func:`token_logprobs` at the response positions, with each distinct prompt computed once.
+
+    A GRPO batch holds each prompt ``group_size`` times. The columns before the first response token
+    (but the last, whose logits score it) are a prefix: its distinct rows go through the model once,
+    their KV cache is repeated for every row sharing them, and only the rest of each row, with logits
+    for it alone, goes through per row. Gradients flow through the shared prefix as through the plain
+    forward, so the values and their gradients are :func:`token_logprobs`'s (up to float rounding)
+    from the first response column on; columns before it get 0 (a loss masks them).
+
+    ``input_ids``, ``attention_mask``, ``response_mask`` ``[B, L]`` -> ``logprobs [B, L]``, or ``None``
+    when there is nothing to share (no two rows with the same prefix, or a prefix under 2 columns), or
+    sharing would save under ``min_saved_fraction`` of the batch's ``B x L`` token positions.
+
+    Example:
+        >>> logp = shared_prompt_logprobs(model, ids, attn, response_mask)   # doctest: +SKIP
+    """
+    in_response = response_mask.bool().any(0).nonzero()
+    if len(in_response) == 0:
+        return None
+    cut = int(in_response[0]) - 1  # prefix: columns [0, cut); the token at `cut` predicts the first response
+    if cut < 2:
+        return None
+    prefix_key = torch.where(attention_mask[:, :cut].bool(), input_ids[:, :cut], -1)
+    unique, inverse = torch.unique(prefix_key, dim=0, return_inverse=True)  # (U, cut), (B,)
+    rows = len(input_ids)
+    if len(unique) == rows or (rows - len(unique)) * cut < min_saved_fraction * input_ids.numel():
+        return None
+    first = torch.full((len(unique),), rows, device=inverse.device)  # one row holding each distinct prefix
+    first = first.scatter_reduce(0, inverse, torch.arange(rows, device=inverse.device), reduce="amin")
+    positions = positions_from_mask(attention_mask)
+    cache = new_cache(model)
+    # only the prefix's cache is used: logits for one position, not all of its own
+    model(
+        input_ids=input_ids[first, :cut], attention_mask=attention_mask[first, :cut],
+        position_ids=positions[first, :cut], past_key_values=cache, use_cache=True, logits_to_keep=1,
+    )  # fmt: skip
+    cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...), differentiable
+    logits = model(
+        input_ids=input_ids[:, cut:],
+        attention_mask=attention_mask,
+        position_ids=positions[:, cut:],
+        past_key_values=cache,
+        use_cache=True,
+    ).logits  # (B, L - cut, V)
+    logits = logits[:, :-1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, cut + 1 :, None]).squeeze(-1)
+    return torch.cat([logp.new_zeros(rows, cut + 1), logp], dim=1)  # (B, L)
