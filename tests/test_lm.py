@@ -199,6 +199,35 @@ def test_each_prompt_computed_once_gives_the_same_logprobs_and_gradients(tiny_lm
     assert shared_prompt_logprobs(model, ids, attn, response, min_saved_fraction=0.31) is not None
 
 
+def test_logprobs_from_the_first_response_column_compute_only_the_logits_they_need(tiny_lm):
+    model, _ = load_lm(tiny_lm)
+    ro = HFRollout(tiny_lm, max_new_tokens=4, seed=1)
+    ro.generate(["1+2=", "13+4="], ["3", "17"], n=2)
+    b = ro.take_batch()
+    ids, attn, response = b["input_ids"], b["attention_mask"], b["response_mask"]
+    first = int(response.bool().any(0).nonzero()[0])
+    shapes = []
+    model.lm_head.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
+    with torch.no_grad():
+        full = token_logprobs(model, ids, attn)
+        part = token_logprobs(model, ids, attn, from_column=first)
+    length, vocab = ids.shape[1], model.config.vocab_size
+    assert shapes == [(4, length, vocab), (4, length - first + 1, vocab)]  # the prompt's logits skipped
+    assert torch.allclose(part[:, first:], full[:, first:], atol=1e-6) and not part[:, :first].any()
+
+    class NoLogitsToKeep(torch.nn.Module):  # a model whose forward does not take logits_to_keep
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, input_ids, attention_mask, position_ids):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+    with torch.no_grad():
+        plain = token_logprobs(NoLogitsToKeep(), ids, attn, from_column=first)
+    assert torch.allclose(plain, part, atol=1e-6)
+
+
 def test_the_actor_computes_each_prompt_once_on_a_worker_and_trains_as_if_it_did_not(cluster, tiny_lm):
     batches = _two_rollout_batches(tiny_lm)
     weights, stats, metrics = {}, {}, {}

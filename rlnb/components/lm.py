@@ -26,7 +26,14 @@ from rlnb.components.launch import launcher
 from rlnb.components.rollout import RolloutBase, resolve_device
 from rlnb.config.schema import ActorConfig
 from rlnb.errors import ConfigError
-from rlnb.models.lm import load_lm, new_cache, positions_from_mask, shared_prompt_logprobs, token_logprobs
+from rlnb.models.lm import (
+    load_lm,
+    logits_kept,
+    new_cache,
+    positions_from_mask,
+    shared_prompt_logprobs,
+    token_logprobs,
+)
 from rlnb.runtime.rank import RankInfo, current_rank, local_peer
 from rlnb.seeding import rank_seed
 
@@ -222,7 +229,7 @@ class HFRollout(RolloutBase):
             cache = new_cache(self.model)
             self.model(
                 input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=positions_from_mask(attn[:, :-1]),
-                past_key_values=cache, use_cache=True, logits_to_keep=1,
+                past_key_values=cache, use_cache=True, **logits_kept(self.model, 1),
             )  # fmt: skip
             cache.batch_repeat_interleave(n)  # [B, ...] -> [B * n, ...], each prompt's rows side by side
             self.shared_prefills += 1
@@ -709,7 +716,9 @@ class LMActor(ActorBase):
     def _token_logprobs(self, model, ids, attn, response_mask) -> torch.Tensor:
         """``[m, L]`` log-probs, each distinct prompt computed once where it can be (exact at response
         positions, which are all a loss or a KL reads)."""
-        if self.share_prompt_forward and self.prompt_forward_fallback is None and self.step_compiler is None:
+        if self.step_compiler is not None:  # compiled: one graph, with no data-dependent column or cache
+            return token_logprobs(model, ids, attn, self.temperature)
+        if self.share_prompt_forward and self.prompt_forward_fallback is None:
             try:
                 least = GPU_MIN_SHARED_FRACTION if self.device.type == "cuda" else 0.0
                 logp = shared_prompt_logprobs(model, ids, attn, response_mask, self.temperature, least)
@@ -723,7 +732,9 @@ class LMActor(ActorBase):
                 if logp is not None:
                     self.shared_forwards += 1
                     return logp
-        return token_logprobs(model, ids, attn, self.temperature)
+        in_response = response_mask.bool().any(0).nonzero()
+        first = int(in_response[0]) if len(in_response) else 1  # logits only from the first response column
+        return token_logprobs(model, ids, attn, self.temperature, first)
 
     def forward_stats(self) -> dict:
         """How this rank computed log-probs: micro-batches whose prompts went through the model once per

@@ -145,19 +145,45 @@ def new_cache(model):
         return DynamicCache()
 
 
+def logits_kept(model, positions: int) -> dict:
+    """``{"logits_to_keep": positions}`` for a model whose forward takes it (``transformers`` causal LMs
+    since 4.50: logits of the last ``positions`` positions only), else ``{}`` (all of them)."""
+    import inspect
+
+    forward = getattr(model, "module", model).forward  # a DDP wrapper's model
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    takes = "logits_to_keep" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return {"logits_to_keep": positions} if takes else {}
+
+
 def token_logprobs(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float = 1.0,
+    from_column: int = 1,
 ) -> torch.Tensor:
     """Log-prob of each token given the ones before it: ``[B, L]`` (position 0 gets 0).
 
-    ``input_ids [B, L]``, ``attention_mask [B, L]`` -> ``logprobs [B, L]``.
+    ``input_ids [B, L]``, ``attention_mask [B, L]`` -> ``logprobs [B, L]``. With ``from_column`` (a
+    batch's first response column), logits are computed only for the positions scoring columns from
+    there on (``logits_to_keep``, as TRL does: a large vocabulary's ``[B, L, V]`` logits of the prompts
+    are most of the memory), and earlier columns get 0.
     """
+    length = input_ids.shape[1]
+    keep = length - max(from_column, 1) + 1  # logits of columns from_column - 1 .. L - 1
     logits = model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions_from_mask(attention_mask)
-    ).logits  # (B, L, V)
-    logits = logits[:, :-1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
-    return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions_from_mask(attention_mask),
+        **(logits_kept(model, keep) if keep < length else {}),
+    ).logits  # (B, keep or L, V)
+    logits = logits[:, -keep:-1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, length - keep + 1 :, None]).squeeze(-1)
+    return torch.cat([logp.new_zeros(len(input_ids), length - keep + 1), logp], dim=1)  # (B, L)
 
 
 def shared_prompt_logprobs(
@@ -202,7 +228,7 @@ def shared_prompt_logprobs(
     # only the prefix's cache is used: logits for one position, not all of its own
     model(
         input_ids=input_ids[first, :cut], attention_mask=attention_mask[first, :cut],
-        position_ids=positions[first, :cut], past_key_values=cache, use_cache=True, logits_to_keep=1,
+        position_ids=positions[first, :cut], past_key_values=cache, use_cache=True, **logits_kept(model, 1),
     )  # fmt: skip
     cache.batch_select_indices(inverse)  # (U, ...) -> (B, ...), differentiable
     logits = model(
