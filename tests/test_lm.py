@@ -317,6 +317,8 @@ def test_grpo_raises_reward(cluster, tmp_path):
         # both DDP ranks computed each prompt once (calling the DDP wrapper twice a micro-batch)
         for stats in loop.groups["actor"].forward_stats().result(60):
             assert stats["prompt_forward_fallback"] is None and stats["shared_forwards"] >= 60, stats
+        rank0, rank1 = loop.groups["actor"].policy_state().result(60)  # DDP kept the replicas equal
+        assert all(torch.equal(w, rank1[name]) for name, w in rank0.items())
         for k in (
             "rollout/tokens_per_s",
             "rollout/response_len_mean",
