@@ -27,6 +27,7 @@ from rlnb.components.rollout import RolloutBase, resolve_device
 from rlnb.config.schema import ActorConfig
 from rlnb.errors import ConfigError
 from rlnb.models.lm import (
+    first_response_column,
     load_lm,
     logits_kept,
     new_cache,
@@ -732,9 +733,8 @@ class LMActor(ActorBase):
                 if logp is not None:
                     self.shared_forwards += 1
                     return logp
-        in_response = response_mask.bool().any(0).nonzero()
-        first = int(in_response[0]) if len(in_response) else 1  # logits only from the first response column
-        return token_logprobs(model, ids, attn, self.temperature, first)
+        # logits only from the first response column
+        return token_logprobs(model, ids, attn, self.temperature, first_response_column(response_mask))
 
     def forward_stats(self) -> dict:
         """How this rank computed log-probs: micro-batches whose prompts went through the model once per

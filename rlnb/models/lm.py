@@ -159,6 +159,20 @@ def logits_kept(model, positions: int) -> dict:
     return {"logits_to_keep": positions} if takes else {}
 
 
+def first_response_column(response_mask: torch.Tensor) -> int:
+    """The first column holding a response token in any row of ``response_mask [B, L]`` (1 if none)."""
+    in_response = response_mask.bool().any(0).nonzero()
+    return int(in_response[0]) if len(in_response) else 1
+
+
+def _scored(logits: torch.Tensor, input_ids: torch.Tensor, column: int, temperature: float) -> torch.Tensor:
+    """``[B, L]`` log-probs of ``input_ids``' columns ``column..L-1`` from ``logits [B, L - column, V]``
+    (the positions before them), and 0 before ``column``."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp.gather(-1, input_ids[:, column:, None]).squeeze(-1)  # (B, L - column)
+    return torch.cat([logp.new_zeros(len(input_ids), column), logp], dim=1)
+
+
 def token_logprobs(
     model,
     input_ids: torch.Tensor,
@@ -181,9 +195,7 @@ def token_logprobs(
         position_ids=positions_from_mask(attention_mask),
         **(logits_kept(model, keep) if keep < length else {}),
     ).logits  # (B, keep or L, V)
-    logits = logits[:, -keep:-1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, length - keep + 1 :, None]).squeeze(-1)
-    return torch.cat([logp.new_zeros(len(input_ids), length - keep + 1), logp], dim=1)  # (B, L)
+    return _scored(logits[:, -keep:-1], input_ids, length - keep + 1, temperature)
 
 
 def shared_prompt_logprobs(
@@ -210,11 +222,9 @@ def shared_prompt_logprobs(
     Example:
         >>> logp = shared_prompt_logprobs(model, ids, attn, response_mask)   # doctest: +SKIP
     """
-    in_response = response_mask.bool().any(0).nonzero()
-    if len(in_response) == 0:
-        return None
-    cut = int(in_response[0]) - 1  # prefix: columns [0, cut); the token at `cut` predicts the first response
-    if cut < 2:
+    # the prefix: columns [0, cut); the token at `cut` scores the first response column
+    cut = first_response_column(response_mask) - 1
+    if cut < 2:  # no response (column 1 then), or too short a prompt to share
         return None
     prefix_key = torch.where(attention_mask[:, :cut].bool(), input_ids[:, :cut], -1)
     unique, inverse = torch.unique(prefix_key, dim=0, return_inverse=True)  # (U, cut), (B,)
@@ -238,6 +248,4 @@ def shared_prompt_logprobs(
         past_key_values=cache,
         use_cache=True,
     ).logits  # (B, L - cut, V)
-    logits = logits[:, :-1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, cut + 1 :, None]).squeeze(-1)
-    return torch.cat([logp.new_zeros(rows, cut + 1), logp], dim=1)  # (B, L)
+    return _scored(logits[:, :-1], input_ids, cut + 1, temperature)
