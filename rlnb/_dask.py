@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import time
 
 
 def run_on_actor_thread(worker, fn, args: tuple, name: str):
@@ -31,6 +33,59 @@ def run_on_actor_thread(worker, fn, args: tuple, name: str):
         worker.active_threads,
         worker.active_threads_lock,
     )
+
+
+@contextlib.contextmanager
+def as_actor_thread(worker, name: str):
+    """Give the calling thread, for as long as it lasts, the thread state Dask gives an actor
+    method (what ``get_worker()`` and ``thread_state`` report). For the thread that *is* the
+    worker's actor thread (:class:`rlnb.runtime.actor_thread.ActorThread`): setting it once
+    instead of per call, as ``_run_actor`` does, saves ~10 us a call here.
+
+    Private: ``distributed.utils.set_thread_state``, ``distributed.worker._worker_cvar``,
+    ``Worker.execution_state``.
+    """
+    from distributed.utils import set_thread_state
+    from distributed.worker import _worker_cvar
+
+    with set_thread_state(
+        start_time=time.time(), execution_state=worker.execution_state, key=name, actor=True
+    ):
+        token = _worker_cvar.set(worker)
+        try:
+            yield
+        finally:
+            _worker_cvar.reset(token)
+
+
+def mark_active(worker, key: str | None) -> None:
+    """Record the calling thread as running ``key`` (``None``: as idle again), where Dask's profiler
+    and its "long-running task" reports look. Private: ``Worker.active_threads(_lock)``."""
+    ident = threading.get_ident()
+    with worker.active_threads_lock:
+        if key is None:
+            worker.active_threads.pop(ident, None)
+        else:
+            worker.active_threads[ident] = key
+
+
+def replace_actor_executor(worker, make):
+    """Put ``make(thread_name)`` in place of ``worker``'s actor executor, where Dask runs every actor
+    method, and return it; ``None`` (nothing replaced) if that executor already started its thread:
+    an actor method that ran there must not see its next call on another thread.
+
+    Private: ``Worker.executors["actor"]`` (a one-thread ``distributed.threadpoolexecutor.
+    ThreadPoolExecutor``, its ``_threads``, ``_thread_name_prefix``).
+    """
+    from distributed.threadpoolexecutor import ThreadPoolExecutor
+
+    current = worker.executors.get("actor")
+    if type(current) is not ThreadPoolExecutor or current._threads:
+        return None
+    executor = make(f"{current._thread_name_prefix}-rlnb")
+    worker.executors["actor"] = executor
+    current.shutdown(wait=False)
+    return executor
 
 
 async def actor_execute(actor, op: str, args: tuple) -> dict:

@@ -20,7 +20,14 @@ def test_the_private_dask_names_rlnb_uses_still_exist():
     for name in ("self._client", "self._future", "self._worker"):
         assert name in source, f"Actor no longer keeps {name}"
     import distributed.utils
+    from distributed.threadpoolexecutor import ThreadPoolExecutor
+    from distributed.worker import _worker_cvar
 
+    assert callable(distributed.utils.set_thread_state), "distributed.utils.set_thread_state is gone"
+    assert hasattr(_worker_cvar, "set"), "distributed.worker._worker_cvar is no longer a context variable"
+    pool = ThreadPoolExecutor(1, thread_name_prefix="probe")
+    assert pool._threads == set() and pool._thread_name_prefix == "probe", "ThreadPoolExecutor's fields moved"
+    pool.shutdown()
     assert isinstance(distributed.utils._forkserver_preload_set, bool), (
         "utils._forkserver_preload_set is gone"
     )
@@ -28,8 +35,10 @@ def test_the_private_dask_names_rlnb_uses_still_exist():
 
 
 def _worker_internals(dask_worker) -> dict:
+    from rlnb.runtime.actor_thread import ActorThread
+
     return {
-        "actor executor": "actor" in dask_worker.executors,
+        "actor executor": isinstance(dask_worker.executors.get("actor"), ActorThread),
         "execution_state": isinstance(dask_worker.execution_state, dict),
         "active_threads": isinstance(dask_worker.active_threads, dict),
         "active_threads_lock": hasattr(dask_worker.active_threads_lock, "acquire"),
@@ -38,11 +47,12 @@ def _worker_internals(dask_worker) -> dict:
 
 
 def test_the_wrappers_work_against_a_real_worker(cluster):
-    for address, found in cluster.client.run(_worker_internals).items():
-        assert all(found.values()), f"{address}: missing {[k for k, ok in found.items() if not ok]}"
-    group = rlnb.Group.launch(Echo, cluster, "0", name="internals")
+    group = rlnb.Group.launch(Echo, cluster, "0", name="internals")  # (rlnb's worker plugin is set up by now)
     try:
-        # direct calls run through run_on_actor_thread, Dask-route calls through actor_execute
+        for address, found in cluster.client.run(_worker_internals).items():
+            assert all(found.values()), f"{address}: missing {[k for k, ok in found.items() if not ok]}"
+        # direct calls run on the ActorThread that replaced Dask's actor executor, Dask-route calls
+        # through actor_execute on that same thread
         assert group.thread().result(20) == [group._dask_route.send([(0, "call", ("thread", (), {}))], 20)[0]
                                              .future.result(20)[1]]  # fmt: skip
         host = group._dask_route.hosts[0]

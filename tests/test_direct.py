@@ -6,6 +6,7 @@ import os
 import pickle
 import socket
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -46,6 +47,93 @@ def test_both_transports_run_component_code_on_the_dask_actor_thread(echo, echo_
     threads = echo.thread().result(30)
     assert all("Dask-Actor-Threads" in t for t in threads), threads
     assert threads == echo_dask.thread().result(30)  # the very same thread per worker
+
+
+def _actor_thread(dask_worker):
+    from rlnb.runtime import direct
+
+    server = direct._SERVERS[dask_worker.address]
+    executor = dask_worker.executors["actor"]
+    return type(executor).__name__, executor is server.actor_thread, getattr(executor, "served", None)
+
+
+def test_rank_calls_are_answered_on_the_actor_thread_itself(cluster, echo):
+    """No hop from a connection's thread to the actor thread and back: the actor thread reads the
+    request, runs it and sends the reply (each of those hops cost ~0.1 ms here)."""
+    before = cluster.client.run(_actor_thread)
+    for _ in range(20):
+        echo.noop().result(30)
+    after = cluster.client.run(_actor_thread)
+    for address, (kind, is_servers, served) in after.items():
+        assert kind == "ActorThread" and is_servers, address
+        assert served >= before[address][2] + 20, (address, before[address], served)
+
+
+def test_a_reply_not_read_yet_does_not_hold_the_actor_thread(echo):
+    """A big reply the driver has not started reading fills the socket: a helper thread finishes
+    sending it, and the actor thread answers the next call meanwhile."""
+    big = torch.arange(8 << 20, dtype=torch.float32)  # 32 MiB, far more than a socket's buffer
+    pending = echo.on(0).echo(big)  # not read yet
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    assert echo.on(0).add(1).result(10) == [6]  # answered while the reply above waits
+    assert time.perf_counter() - t0 < 5
+    assert torch.equal(pending.result(60)[0], big)
+    assert echo.on(0).add(2).result(10) == [7]  # and its connection serves again
+
+
+def test_a_worker_whose_actor_thread_already_ran_keeps_it_and_hops_to_it():
+    """A Dask actor called before rlnb set up its worker plugin (a shared cluster): its thread is
+    kept, so that actor never sees a second thread, and direct calls reach that same thread."""
+    with rlnb.Cluster(slots=1, gpus=False) as cl:
+        plain = cl.client.submit(Echo, actor=True, pure=False).result(30)
+        first = plain.thread().result(30)
+        g = rlnb.Group.launch(Echo, cl, "0", kwargs={"offset": 1})
+        assert g.transport == "direct" and g.add(1).result(30) == [2]
+        assert g.thread().result(30) == [first] == [plain.thread().result(30)]
+        kind, is_servers, _ = next(iter(cl.client.run(_actor_thread).values()))
+        assert kind == "ThreadPoolExecutor" and not is_servers
+        g.shutdown()
+
+
+def _request(key: str, method: str, *args) -> bytes:
+    parts = [direct._REQ.pack(key.encode(), b"call"), *direct.dumps((method, args, {}))]
+    return b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+
+
+def test_a_request_that_stops_arriving_does_not_hold_the_actor_thread(echo):
+    """A client stopping halfway through a request (stopped, or a broken network) is read on a
+    thread of its own; the rank's other callers are answered meanwhile."""
+    link = echo._links[0]
+    with socket.create_connection(link.address, timeout=10) as raw:  # (over TCP, as from another host)
+        raw.sendall(link.token + _request(link.key, "add", 1))
+        assert direct.recv_message(raw)  # answered: the connection now waits on the actor thread
+        whole = _request(link.key, "add", 2)
+        raw.sendall(whole[: len(whole) - 5])  # all but the last 5 bytes
+        time.sleep(0.3)
+        t0 = time.perf_counter()
+        assert echo.on(0).add(3).result(10) == [8]
+        assert time.perf_counter() - t0 < 5
+        raw.sendall(whole[-5:])  # the rest arrives: the request is answered
+        payload, buffers = direct.recv_message(raw)
+        assert direct.loads(payload, buffers)[:2] == ("ok", 7)
+
+
+def test_a_driver_on_the_workers_host_connects_over_a_unix_socket(echo, monkeypatch):
+    link = echo._links[0]
+    assert link.unix_name and link.unix_name.startswith("rlnb-direct-")
+    with link.connect() as sock:
+        assert sock.family == socket.AF_UNIX
+    monkeypatch.setenv("RLNB_DIRECT_UNIX", "0")  # turned off: TCP
+    off = direct.DirectLink(*link.address, link.token, link.key, link.unix_name)
+    elsewhere = direct.DirectLink(*link.address, link.token, link.key, "rlnb-direct-no-such-socket")
+    monkeypatch.delenv("RLNB_DIRECT_UNIX")
+    for other in (off, elsewhere):  # the name is not found here (another host): TCP, and it works
+        with other.connect() as sock:
+            assert sock.family in (socket.AF_INET, socket.AF_INET6)
+        assert other.send("call", ("add", (4,), {}), 10).read()[:2] == ("ok", 9)
+        other.close()
+    assert elsewhere.unix_name is None  # tried once
 
 
 def _tensors():
@@ -292,8 +380,8 @@ def test_channel_falls_back_to_dask_when_its_direct_port_is_unreachable(cluster,
     held = socket.create_connection(blackhole.getsockname(), timeout=1)  # fills the queue
     try:
         ch = rlnb.Channel.create(cluster, "firewalled", maxsize=0)
-        _, _, token, key = ch._direct
-        ch._direct = ("127.0.0.1", blackhole.getsockname()[1], token, key)
+        _, _, token, key, _unix_name = ch._direct
+        ch._direct = ("127.0.0.1", blackhole.getsockname()[1], token, key, None)  # (as from another host)
         ch.put({"x": 1})  # an unbounded put: the ordered sender finds the port unreachable
         ch.put({"x": 2})
         assert ch._direct in c._UNREACHABLE

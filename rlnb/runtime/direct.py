@@ -2,13 +2,21 @@
 
 A Dask actor call costs ~1-2 ms on a 2-core VM, most of it in Dask's comm layer and event-loop
 hops. Group calls are the per-step heartbeat of a training loop, so each worker process also runs
-a small :class:`CallServer`: one thread per driver connection reads a request, runs it on the
-worker's **actor thread** (exactly where Dask runs actor methods, with the same thread state, so a
-component sees no difference and calls from both paths never overlap), and writes the reply.
+a small :class:`CallServer`. A thread per new connection checks its token and reads its first
+request; a connection to a rank is then handed to the worker's **actor thread**
+(:class:`rlnb.runtime.actor_thread.ActorThread`, which takes the place of Dask's actor executor).
+That thread reads each request, runs it and writes the reply itself, between the actor methods
+Dask gives it: exactly where Dask runs actor methods, with the same thread state, so a component
+sees no difference, calls from both paths never overlap, and no thread hop is paid per call. A
+worker whose actor thread had already run something before rlnb's plugin was set up keeps it, and
+calls hop to it from the connection's thread.
 
 A host with a thread-safe ``direct_call(op, args)`` (a channel's queue server) is called on the
 connection's thread instead: a blocked ``get`` there is woken by a ``put`` on another connection
 without any hop through the actor thread or the event loop.
+
+A driver on the worker's host connects over a Unix socket in Linux's abstract namespace (no file;
+``RLNB_DIRECT_UNIX=0`` turns it off), anything else over TCP on the worker's own interface.
 
 A request starts with ``!32s16s`` (host key, operation). Then, in both directions: ``!IQ`` (number
 of out-of-band buffers, pickle length), one ``!Q`` length per buffer, the pickle (protocol 5; the
@@ -21,14 +29,17 @@ rpc (the direct port is not encrypted), as does ``RLNB_DIRECT_CALLS=0``.
 Limits, so a stray or hostile client cannot exhaust a worker: the token must arrive within
 ``TOKEN_TIMEOUT_S``; at most ``RLNB_DIRECT_MAX_CONNECTIONS`` (256) connections are served at once
 (more are closed on accept); a message may not exceed ``RLNB_MAX_MESSAGE_BYTES`` (8 GiB), checked on
-its header before anything is allocated, and by the sender before anything is sent. Every send
-from the driver has a deadline (the call's timeout). Authentication and protocol failures are logged
-once per worker.
+its header before anything is allocated, and by the sender before anything is sent (a message of
+at most 64 KiB always passes). Every send from the driver has a deadline (the call's timeout). The
+actor thread never waits on a socket: a request still arriving is read, and a reply the driver is
+not reading yet is written, by a helper thread (each piece of a request within ``STALL_S``).
+Authentication and protocol failures are logged once per worker.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import errno
 import io
 import logging
@@ -48,6 +59,7 @@ import cloudpickle
 
 from rlnb import _dask
 from rlnb.errors import RlnbError, pack_exception
+from rlnb.runtime.actor_thread import DETACHED, DROP, KEEP, ActorThread
 
 log = logging.getLogger("rlnb")
 _REQ = struct.Struct("!32s16s")  # a request starts with the host's key and the operation
@@ -56,6 +68,10 @@ _LEN = struct.Struct("!Q")
 TOKEN_BYTES = 16
 TOKEN_TIMEOUT_S = 10.0  # a connection that has not sent its token by then is closed
 MAX_BUFFERS = 1 << 16  # out-of-band buffers in one message
+_IOV_MAX = 512  # buffers per sendmsg (Linux takes up to 1024)
+ALWAYS_ACCEPTED_BYTES = 64 * 1024  # a message this small passes whatever RLNB_MAX_MESSAGE_BYTES says
+READ_BYTES = 64 * 1024  # a reply or a request is read in one go up to this size
+STALL_S = 60.0  # on a worker's actor thread, the longest wait for the rest of a request
 OUT_OF_BAND_MIN_BYTES = 64 * 1024  # tensors this big travel outside the pickle
 RANK_OPS = frozenset(
     {"call", "ready", "save_state", "load_state", "open_store", "join_group", "destroy_groups"}
@@ -87,6 +103,8 @@ class MessageTooLarge(RlnbError, ValueError):
 
 
 def _check_size(nbytes: int, what: str) -> None:
+    if nbytes <= ALWAYS_ACCEPTED_BYTES:  # (reading the limit from the environment costs a call ~1%)
+        return
     limit = max_message_bytes()
     if nbytes > limit:
         raise MessageTooLarge(
@@ -124,12 +142,27 @@ def _reduce_tensor(obj):
     return _tensor_from_bytes, (data, str(t.dtype).removeprefix("torch."), tuple(t.shape))
 
 
-class _FastPickler(pickle.Pickler):
-    """The standard pickler, with tensors as raw bytes."""
+def _reduce_tensor_or_default(obj):
+    """For the standard pickler's dispatch table (a C-level lookup by exact type, so ints, strings
+    and containers never reach Python code, unlike ``reducer_override``)."""
+    out = _reduce_tensor(obj)
+    return obj.__reduce_ex__(5) if out is None else out
 
-    def reducer_override(self, obj):
-        out = _reduce_tensor(obj)
-        return NotImplemented if out is None else out
+
+_DISPATCH: tuple = (None, None)  # (the key it was built for, the table)
+
+
+def _dispatch_table() -> dict:
+    """copyreg's dispatch table plus CPU tensors as raw bytes (once torch is imported)."""
+    global _DISPATCH
+    torch = sys.modules.get("torch")
+    key = (torch is not None, len(copyreg.dispatch_table))
+    if _DISPATCH[0] != key:
+        table = dict(copyreg.dispatch_table)
+        if torch is not None:
+            table[torch.Tensor] = _reduce_tensor_or_default
+        _DISPATCH = (key, table)
+    return _DISPATCH[1]
 
 
 class _CloudPickler(cloudpickle.Pickler):
@@ -151,20 +184,25 @@ def dumps(obj) -> list:
     buffers: list[pickle.PickleBuffer] = []
     f = io.BytesIO()
     try:
-        _FastPickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
-        data = f.getvalue()  # (a memoryview would test for an int, not a substring)
-        fast = b"__main__" not in data and not any(
-            m.encode() in data for m in cloudpickle.list_registry_pickle_by_value()
+        pickler = pickle.Pickler(f, protocol=5, buffer_callback=buffers.append)
+        pickler.dispatch_table = _dispatch_table()
+        pickler.dump(obj)
+        payload = f.getvalue()  # (a memoryview would test for an int, not a substring)
+        fast = b"__main__" not in payload and not any(
+            m.encode() in payload for m in cloudpickle.list_registry_pickle_by_value()
         )
     except Exception:
         fast = False
     if not fast:
         buffers, f = [], io.BytesIO()
         _CloudPickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
-    payload = f.getbuffer()
+        payload = f.getvalue()
+    if not buffers:
+        _check_size(len(payload), "a message")
+        return [_HEAD.pack(0, len(payload)), payload]
     raws = [b.raw() for b in buffers]
-    _check_size(payload.nbytes + sum(r.nbytes for r in raws), "a message")
-    head = _HEAD.pack(len(raws), payload.nbytes) + b"".join(_LEN.pack(r.nbytes) for r in raws)
+    _check_size(len(payload) + sum(r.nbytes for r in raws), "a message")
+    head = _HEAD.pack(len(raws), len(payload)) + b"".join(_LEN.pack(r.nbytes) for r in raws)
     return [head, payload, *raws]
 
 
@@ -186,6 +224,9 @@ def send_within(sock: socket.socket, parts: list, timeout_s: float | None) -> No
     is then unusable, its peer may have half a message)."""
     if timeout_s is None:
         return send_parts(sock, parts)
+    parts = send_nowait(sock, parts)  # most messages fit the socket's buffer: one syscall, no timeout set
+    if not parts:
+        return None
     sock.settimeout(max(timeout_s, 0.001))
     try:
         send_parts(sock, parts)
@@ -199,27 +240,116 @@ def _failure(error: OSError) -> str:
     return "timeout" if isinstance(error, TimeoutError) else "lost"
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
+def _recv_into(sock: socket.socket, view: memoryview, stall_s: float | None) -> None:
+    """Fill ``view`` from ``sock``. With ``stall_s``, on a blocking socket: never wait more than
+    ``stall_s`` seconds for the next piece (``TimeoutError``), so a peer that stops halfway
+    through a message cannot hold the reading thread."""
+    got, n = 0, view.nbytes
     while got < n:
-        k = sock.recv_into(view[got:])
+        if stall_s is None:
+            k = sock.recv_into(view[got:])
+        else:
+            try:
+                k = sock.recv_into(view[got:], 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if not readable([sock], stall_s):
+                    raise TimeoutError(f"a message stopped arriving for {stall_s:g} s") from None
+                continue
         if k == 0:
             raise ConnectionResetError("connection closed by the other end")
         got += k
+
+
+def _recv_exact(sock: socket.socket, n: int, stall_s: float | None = None) -> bytearray:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf), stall_s)
     return buf
 
 
-def recv_message(sock: socket.socket):
+class ProtocolError(ValueError):
+    """Bytes on a connection that do not follow the protocol (e.g. more than the one message due)."""
+
+
+class _Reader:
+    """Exact-size reads from a socket, starting with bytes already read from it (``got``)."""
+
+    def __init__(self, sock: socket.socket, got: bytes, stall_s: float | None):
+        self.sock, self.got, self.at, self.stall_s = sock, got, 0, stall_s
+
+    def exact(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        take = min(n, len(self.got) - self.at)
+        if take:
+            buf[:take] = self.got[self.at : self.at + take]
+            self.at += take
+        if take < n:
+            _recv_into(self.sock, memoryview(buf)[take:], self.stall_s)
+        return buf
+
+    def message(self, head: bytes | None = None) -> tuple:
+        """One message's ``(payload, buffers)``; ``head``: its header, already read."""
+        nbufs, plen = _HEAD.unpack(head if head is not None else self.exact(_HEAD.size))
+        if nbufs > MAX_BUFFERS:
+            raise MessageTooLarge(f"a message header announces {nbufs:,} buffers (at most {MAX_BUFFERS:,})")
+        lens = struct.unpack(f"!{nbufs}Q", self.exact(_LEN.size * nbufs)) if nbufs else ()
+        _check_size(plen + sum(lens), "an incoming message")
+        payload = self.exact(plen)
+        return payload, [self.exact(n) for n in lens]
+
+    def done(self) -> None:
+        if self.at < len(self.got):
+            raise ProtocolError(f"{len(self.got) - self.at} bytes past the end of a message")
+
+
+def recv_message(sock: socket.socket, stall_s: float | None = None, got: bytes = b""):
     """One message: ``(payload, buffers)``. Raises ``ConnectionError`` when the peer is gone and
-    :class:`MessageTooLarge` when its header announces more than the limit (nothing allocated yet)."""
-    nbufs, plen = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
-    if nbufs > MAX_BUFFERS:
-        raise MessageTooLarge(f"a message header announces {nbufs:,} buffers (at most {MAX_BUFFERS:,})")
-    lens = [_LEN.unpack_from(b)[0] for b in (_recv_exact(sock, _LEN.size) for _ in range(nbufs))]
-    _check_size(plen + sum(lens), "an incoming message")
-    payload = _recv_exact(sock, plen)
-    return payload, [_recv_exact(sock, n) for n in lens]
+    :class:`MessageTooLarge` when its header announces more than the limit (nothing allocated yet).
+    ``got``: its first bytes, already read (and nothing past it)."""
+    reader = _Reader(sock, got, stall_s)
+    out = reader.message()
+    reader.done()
+    return out
+
+
+def recv_request(sock: socket.socket, stall_s: float | None = None, got: bytes = b"") -> tuple:
+    """One request: ``(host key, operation, payload, buffers)`` (``got``: as for :func:`recv_message`)."""
+    reader = _Reader(sock, got, stall_s)
+    start = reader.exact(_REQ.size + _HEAD.size)  # (one read for both fixed-size headers)
+    key, op = (b.rstrip(b"\0").decode() for b in _REQ.unpack_from(start))
+    out = (key, op, *reader.message(head=start[_REQ.size :]))
+    reader.done()
+    return out
+
+
+def request_complete(data: bytes) -> bool:
+    """Whether ``data`` holds a whole request (reading it from there needs no wait)."""
+    fixed = _REQ.size + _HEAD.size
+    if len(data) < fixed:
+        return False
+    nbufs, plen = _HEAD.unpack_from(data, _REQ.size)
+    lens_end = fixed + _LEN.size * nbufs
+    if lens_end > len(data):
+        return False
+    return len(data) >= lens_end + plen + sum(struct.unpack_from(f"!{nbufs}Q", data, fixed))
+
+
+def send_nowait(sock: socket.socket, parts: list) -> list:
+    """Send what ``sock`` takes now without waiting (a blocking socket); returns what is left."""
+    views = [memoryview(p).cast("B") for p in parts]
+    views = [v for v in views if v.nbytes]
+    while views:
+        try:
+            sent = sock.sendmsg(views[:_IOV_MAX], [], socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return views
+        i = 0
+        while sent and sent >= views[i].nbytes:
+            sent -= views[i].nbytes
+            i += 1
+        views = views[i:]
+        if sent:
+            views[0] = views[0][sent:]
+    return views
 
 
 # ---------------------------------------------------------------------------------- worker side
@@ -239,36 +369,50 @@ class CallServer:
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
         self.sock = _listen(ip, family)
         self.address = (ip, self.sock.getsockname()[1])
+        # a driver on this host (and network namespace) connects here instead: a Unix socket in the
+        # abstract namespace (no file to leave behind) saves ~40 us a round trip over TCP loopback
+        self.unix_sock, self.unix_name = _listen_unix()
         self._closing = False
+        # rank calls are answered on the worker's actor thread itself where rlnb runs it (no hop)
+        self.actor_thread = _dask.replace_actor_executor(
+            worker,
+            lambda name: ActorThread(name, context=lambda: _dask.as_actor_thread(worker, "rlnb-direct-call")),
+        )
         _SERVERS[worker.address] = self
-        threading.Thread(target=self._accept, name="rlnb-direct-accept", daemon=True).start()
+        for sock in (self.sock, self.unix_sock):
+            if sock is not None:
+                threading.Thread(
+                    target=self._accept, args=(sock,), name="rlnb-direct-accept", daemon=True
+                ).start()
 
     def close(self) -> None:
         """Stop accepting (connections being served end with their driver)."""
         self._closing = True
         _SERVERS.pop(self.worker.address, None)
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
-        self.sock.close()
+        for sock in (self.sock, self.unix_sock):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+                sock.close()
 
     def register(self, host) -> tuple:
         key = uuid.uuid4().hex  # 32 characters, as the request header expects
         with self._lock:
             self.hosts[key] = host
-        return (*self.address, self.token, key)
+        return (*self.address, self.token, key, self.unix_name)
 
     def unregister(self, host) -> None:
         with self._lock:
             for key in [k for k, h in list(self.hosts.items()) if h is host]:
                 del self.hosts[key]
 
-    def _accept(self):
+    def _accept(self, sock: socket.socket):
         delay_s = 0.0
         while True:
             try:
-                conn, _ = self.sock.accept()
+                conn, _ = sock.accept()
             except OSError as e:
-                if self._closing or self.sock.fileno() < 0:  # closed: the worker is shutting down
+                if self._closing or sock.fileno() < 0:  # closed: the worker is shutting down
                     return
                 # transient (too many open files, a connection reset before accept...): back off and
                 # keep serving; one bad moment must not stop direct calls on this worker for good
@@ -289,7 +433,8 @@ class CallServer:
                 )
                 conn.close()
                 continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if conn.family != socket.AF_UNIX:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), name="rlnb-direct-conn", daemon=True).start()
 
     def _log_once(self, kind: str, message: str, *args) -> None:
@@ -298,45 +443,141 @@ class CallServer:
             log.warning("direct-call server on %s:%s: " + message + " (logged once)", *self.address, *args)
 
     def _serve(self, conn: socket.socket):
+        adopted = False
         try:
-            with conn:
-                self._serve_connection(conn)
+            adopted = self._serve_connection(conn)
         finally:
-            with self._lock:
-                self.connections -= 1
+            if not adopted:
+                conn.close()
+                self._closed_connection(conn)
 
-    def _serve_connection(self, conn: socket.socket):
-        try:
-            conn.settimeout(TOKEN_TIMEOUT_S)
-            token = bytes(_recv_exact(conn, TOKEN_BYTES))
-        except (OSError, EOFError) as e:
-            why = f"no token within {TOKEN_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else str(e)
-            self._log_once("auth", "a connection closed before authenticating (%s)", why)
-            return
-        if not secrets.compare_digest(token, self.token):
-            self._log_once("auth", "a connection sent a wrong token; closed")
-            return
-        conn.settimeout(None)  # an authenticated connection may idle in the driver's pool
+    def _closed_connection(self, conn: socket.socket) -> None:
+        with self._lock:
+            self.connections -= 1
+
+    def _serve_connection(self, conn: socket.socket, first: tuple | None = None) -> bool:
+        """Serve ``conn`` on this thread until it ends (False), or hand it to the actor thread after
+        its first request for a rank (True: the actor thread owns it now)."""
+        if first is None:
+            try:
+                conn.settimeout(TOKEN_TIMEOUT_S)
+                token = bytes(_recv_exact(conn, TOKEN_BYTES))
+            except (OSError, EOFError) as e:
+                why = f"no token within {TOKEN_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else str(e)
+                self._log_once("auth", "a connection closed before authenticating (%s)", why)
+                return False
+            if not secrets.compare_digest(token, self.token):
+                self._log_once("auth", "a connection sent a wrong token; closed")
+                return False
+            conn.settimeout(None)  # an authenticated connection may idle in the driver's pool
         try:
             while True:
-                key, op = (b.rstrip(b"\0").decode() for b in _REQ.unpack(_recv_exact(conn, _REQ.size)))
-                payload, buffers = recv_message(conn)
-                host = self.hosts.get(key)
+                request, first = first or recv_request(conn), None
+                host = self.hosts.get(request[0])
                 if host is not None and hasattr(host, "direct_call"):
-                    send_parts(conn, self._execute_here(host, op, payload, buffers))
-                    continue
-                reply = _dask.run_on_actor_thread(
-                    self.worker, self._execute, (host, op, payload, buffers), "rlnb-direct-call"
-                )
-                send_parts(conn, reply.result())
+                    send_parts(conn, self._execute_here(host, *request[1:]))
+                elif self.actor_thread is not None and self.actor_thread.adopt(
+                    conn, self._serve_on_actor_thread, self._closed_connection, first=request
+                ):
+                    return True
+                else:
+                    reply = _dask.run_on_actor_thread(
+                        self.worker, self._execute, (host, *request[1:]), "rlnb-direct-call"
+                    )
+                    send_parts(conn, reply.result())
         except MessageTooLarge as e:  # say why before closing (the payload cannot be skipped)
-            self._log_once("size", "%s", e)
-            with contextlib.suppress(OSError):
-                send_parts(conn, dumps(("err", pack_exception(e), 0.0)))
+            self._refuse(conn, e)
         except (OSError, EOFError):  # the driver went away, or the worker is closing: it sees EOF
-            return
+            pass
         except Exception as e:  # a bug or a garbled request: log it, close the connection
             self._log_once("protocol", "closed a connection after %s: %s", type(e).__name__, e)
+        return False
+
+    def _refuse(self, conn: socket.socket, error: MessageTooLarge) -> None:
+        self._log_once("size", "%s", error)
+        with contextlib.suppress(OSError):
+            send_parts(conn, dumps(("err", pack_exception(error), 0.0)))
+
+    def _serve_on_actor_thread(self, conn: socket.socket, request: tuple | None) -> str:
+        """Answer one request on the actor thread (:class:`ActorThread` calls it when ``conn`` has
+        data): read it, run it there, send the reply. A reply the driver is not reading yet, or a
+        request for a thread-safe host, goes on on a thread of its own."""
+        try:
+            if request is None:
+                try:
+                    got = conn.recv(READ_BYTES, socket.MSG_DONTWAIT)
+                except BlockingIOError:  # (woken for nothing)
+                    return KEEP
+                if not got:  # the driver closed it
+                    return DROP
+                if not request_complete(got):  # still arriving (or big): read on a thread of its own
+                    self._spawn(self._read_then_adopt, conn, got)
+                    return DETACHED
+                request = recv_request(conn, got=got)
+            host = self.hosts.get(request[0])
+            if host is not None and hasattr(
+                host, "direct_call"
+            ):  # (a blocking get must not hold this thread)
+                self._spawn(self._serve_connection, conn, request)
+                return DETACHED
+            _dask.mark_active(self.worker, "rlnb-direct-call")
+            try:
+                reply = self._execute(host, *request[1:])
+            finally:
+                _dask.mark_active(self.worker, None)
+            rest = send_nowait(conn, reply)
+        except MessageTooLarge as e:
+            self._refuse(conn, e)
+            return DROP
+        except (OSError, EOFError):
+            return DROP
+        except Exception as e:
+            self._log_once("protocol", "closed a connection after %s: %s", type(e).__name__, e)
+            return DROP
+        if rest:
+            self._spawn(self._finish_reply, conn, rest)
+            return DETACHED
+        return KEEP
+
+    def _read_then_adopt(self, conn: socket.socket, got: bytes) -> None:
+        """Read the rest of a request still arriving (each piece within ``STALL_S``), then give
+        ``conn`` back to the actor thread to answer it."""
+        try:
+            request = recv_request(conn, STALL_S, got)
+        except MessageTooLarge as e:
+            self._refuse(conn, e)
+        except (OSError, EOFError):
+            pass
+        except Exception as e:
+            self._log_once("protocol", "closed a connection after %s: %s", type(e).__name__, e)
+        else:
+            if self.actor_thread.adopt(
+                conn, self._serve_on_actor_thread, self._closed_connection, first=request
+            ):
+                return
+        conn.close()
+        self._closed_connection(conn)
+
+    def _finish_reply(self, conn: socket.socket, rest: list) -> None:
+        """Send the rest of a reply (as long as the driver takes to read it), then give ``conn``
+        back to the actor thread."""
+        try:
+            send_parts(conn, rest)
+        except OSError:
+            pass
+        else:
+            if self.actor_thread.adopt(conn, self._serve_on_actor_thread, self._closed_connection):
+                return
+        conn.close()
+        self._closed_connection(conn)
+
+    def _spawn(self, target, conn: socket.socket, arg) -> None:
+        def run():
+            if target(conn, arg) is False:  # (_serve_connection: the connection is over)
+                conn.close()
+                self._closed_connection(conn)
+
+        threading.Thread(target=run, name="rlnb-direct-conn", daemon=True).start()
 
     def _execute(self, host, op: str, payload, buffers) -> list:
         """On the actor thread (where Dask runs actor methods): decode, run, encode the reply."""
@@ -391,6 +632,22 @@ def _listen(ip: str, family) -> socket.socket:
     raise OSError(f"RLNB_DIRECT_PORTS={spec}: no free port on {ip}")
 
 
+def _listen_unix() -> tuple[socket.socket | None, str | None]:
+    """A listening Unix socket in Linux's abstract namespace (reachable only from this host's network
+    namespace, and leaving no file), or ``(None, None)``: not Linux, or ``RLNB_DIRECT_UNIX=0``."""
+    if not sys.platform.startswith("linux") or not env_flag("RLNB_DIRECT_UNIX"):
+        return None, None
+    name = f"rlnb-direct-{uuid.uuid4().hex}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + name)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        return None, None
+    return sock, name
+
+
 # The call servers of this process, by worker address: an index only (weak); each server's life
 # belongs to its worker's :class:`rlnb.runtime.plugin.WorkerRuntime` (set up and torn down by Dask).
 _SERVERS: weakref.WeakValueDictionary[str, CallServer] = weakref.WeakValueDictionary()
@@ -423,7 +680,7 @@ def drop_link(offer: tuple) -> None:
 
 def local_host(offer: tuple):
     """The host object behind ``offer`` if it lives in this very process, else ``None``."""
-    ip, port, _, key = offer
+    ip, port, _, key, *_ = offer
     for server in list(_SERVERS.values()):
         if server.address == (ip, port):
             return server.hosts.get(key)
@@ -467,23 +724,42 @@ class Unreachable(ConnectionError):
 class DirectLink:
     """The driver's connections to one rank host: a pool of sockets, one per call in flight."""
 
-    def __init__(self, ip: str, port: int, token: bytes, key: str):
+    def __init__(self, ip: str, port: int, token: bytes, key: str, unix_name: str | None = None):
         self.address, self.token, self.key = (ip, port), token, key
+        # the worker's Unix socket, while it answers from here (a worker on another host does not)
+        self.unix_name = unix_name if env_flag("RLNB_DIRECT_UNIX") else None
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
 
     def connect(self, timeout_s: float | None = None) -> socket.socket:
-        """A new connection. Raises :class:`Unreachable` when the port cannot be reached at all
-        (no route, or a firewall dropping packets) rather than refused (the process is gone)."""
-        try:
-            sock = socket.create_connection(self.address, timeout=timeout_s or CONNECT_TIMEOUT_S)
-        except (TimeoutError, OSError) as e:
-            if isinstance(e, TimeoutError) or e.errno in _UNREACHABLE_ERRNOS:
-                raise Unreachable(f"{self.address[0]}:{self.address[1]}: {e}") from e
-            raise
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        """A new connection: to the worker's Unix socket when it is on this host, else over TCP.
+        Raises :class:`Unreachable` when the port cannot be reached at all (no route, or a firewall
+        dropping packets) rather than refused (the process is gone)."""
+        timeout_s = timeout_s or CONNECT_TIMEOUT_S
+        sock = self._connect_unix(timeout_s) if self.unix_name else None
+        if sock is None:
+            try:
+                sock = socket.create_connection(self.address, timeout=timeout_s)
+            except (TimeoutError, OSError) as e:
+                if isinstance(e, TimeoutError) or e.errno in _UNREACHABLE_ERRNOS:
+                    raise Unreachable(f"{self.address[0]}:{self.address[1]}: {e}") from e
+                raise
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(self.token)  # (still under the connect timeout)
         sock.settimeout(None)
+        return sock
+
+    def _connect_unix(self, timeout_s: float) -> socket.socket | None:
+        """A connection to the worker's Unix socket, or ``None`` (from now on) if there is none
+        here: the worker is on another host or in another network namespace."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect("\0" + self.unix_name)
+        except OSError:
+            sock.close()
+            self.unix_name = None
+            return None
         return sock
 
     def send(self, op: str, args: tuple | list, timeout_s: float | None = None) -> PendingCall:
@@ -540,18 +816,25 @@ class PendingCall:
     def read(self):
         """The host's ``(status, value, duration_s)``; status ``"lost"`` if the connection broke."""
         if self.reply is None:
+            sock, self.sock = self.sock, None
             try:
-                payload, buffers = recv_message(self.sock)
-                self.reply = loads(payload, buffers)
+                got = sock.recv(READ_BYTES)  # (one read for a small reply, header and all)
+                if not got:
+                    raise ConnectionResetError("connection closed by the other end")
+                payload, buffers = recv_message(sock, got=got)
             except (OSError, EOFError) as e:
-                self.sock.close()
-                self.sock, self.reply = None, ("lost", e, 0.0)
+                sock.close()
+                self.reply = ("lost", e, 0.0)
+                return self.reply
+            except Exception as e:  # half a message read (too large, garbled): the socket is unusable
+                sock.close()
+                self.reply = ("err", pack_exception(e), 0.0)
+                return self.reply
+            self.link.give_back(sock)  # (the whole reply is read: the socket can carry the next call)
+            try:
+                self.reply = loads(payload, buffers)
             except Exception as e:  # a reply that cannot be unpickled in the driver
-                self.link.give_back(self.sock)
-                self.sock, self.reply = None, ("err", pack_exception(e), 0.0)
-            else:
-                self.link.give_back(self.sock)
-                self.sock = None
+                self.reply = ("err", pack_exception(e), 0.0)
         return self.reply
 
     def discard(self) -> None:

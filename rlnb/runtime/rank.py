@@ -169,12 +169,14 @@ class RankHost:
 
     def call(self, method: str, args: tuple, kwargs: dict):
         t0 = time.perf_counter()
+        prev, _local.host = getattr(_local, "host", None), self  # (_as_current, inlined: the per-call path)
         try:
-            with _as_current(self):
-                out = getattr(self.obj, method)(*args, **kwargs)
+            out = getattr(self.obj, method)(*args, **kwargs)
             return ("ok", out, time.perf_counter() - t0)
         except Exception as e:
             return ("err", pack_exception(e), time.perf_counter() - t0)
+        finally:
+            _local.host = prev
 
     # ---- checkpoints: each rank writes/reads its own component state (big state stays on workers)
     def save_state(self, path: str):
