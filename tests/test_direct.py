@@ -96,6 +96,22 @@ def test_a_worker_whose_actor_thread_already_ran_keeps_it_and_hops_to_it():
         g.shutdown()
 
 
+def test_a_big_request_to_a_busy_rank_does_not_hold_the_driver(echo):
+    """A request larger than a socket's buffer is read by the worker while its rank is still busy,
+    so sending it neither waits for the rank nor holds up the other ranks' requests."""
+    big = torch.ones(16 << 20, dtype=torch.uint8)  # 16 MiB
+    both = [echo.on(0).noop(), echo.on(0).noop()]  # two connections to rank 0, both idle after this
+    assert [b.result(30) for b in both] == [[None], [None]]
+    busy = echo.on(0).sleep(3)
+    time.sleep(0.2)
+    t0 = time.perf_counter()
+    pending = echo.echo(big)  # rank 0 is busy for ~3 s more; rank 1 is free
+    sent_s = time.perf_counter() - t0
+    assert sent_s < 1.5, f"sending took {sent_s:.1f} s: it waited for the busy rank"
+    busy.result(30)
+    assert all(torch.equal(x, big) for x in pending.result(60))
+
+
 def _request(key: str, method: str, *args) -> bytes:
     parts = [direct._REQ.pack(key.encode(), b"call"), *direct.dumps((method, args, {}))]
     return b"".join(bytes(memoryview(p).cast("B")) for p in parts)

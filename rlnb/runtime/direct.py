@@ -71,6 +71,7 @@ MAX_BUFFERS = 1 << 16  # out-of-band buffers in one message
 _IOV_MAX = 512  # buffers per sendmsg (Linux takes up to 1024)
 ALWAYS_ACCEPTED_BYTES = 64 * 1024  # a message this small passes whatever RLNB_MAX_MESSAGE_BYTES says
 READ_BYTES = 64 * 1024  # a reply or a request is read in one go up to this size
+BIG_REQUEST_BYTES = 128 * 1024  # a request above this goes on a connection of its own (DirectLink.send)
 STALL_S = 60.0  # on a worker's actor thread, the longest wait for the rest of a request
 OUT_OF_BAND_MIN_BYTES = 64 * 1024  # tensors this big travel outside the pickle
 RANK_OPS = frozenset(
@@ -724,8 +725,18 @@ class Unreachable(ConnectionError):
 class DirectLink:
     """The driver's connections to one rank host: a pool of sockets, one per call in flight."""
 
-    def __init__(self, ip: str, port: int, token: bytes, key: str, unix_name: str | None = None):
+    def __init__(
+        self,
+        ip: str,
+        port: int,
+        token: bytes,
+        key: str,
+        unix_name: str | None = None,
+        *,
+        rank: bool = False,
+    ):
         self.address, self.token, self.key = (ip, port), token, key
+        self.rank = rank  # a rank host: its worker's actor thread reads its pooled connections
         # the worker's Unix socket, while it answers from here (a worker on another host does not)
         self.unix_name = unix_name if env_flag("RLNB_DIRECT_UNIX") else None
         self._idle: list[socket.socket] = []
@@ -770,8 +781,15 @@ class DirectLink:
             _REQ.pack(self.key.encode(), op.encode()),
             *(args if isinstance(args, list) else dumps(args)),
         ]
-        with self._lock:
-            sock = self._idle.pop() if self._idle else None
+        # A rank's pooled connection is read by the worker's actor thread, only once it is free. A
+        # request bigger than a socket's buffer goes on a new connection instead: the worker's
+        # connection thread reads it while the rank is still busy, so the send holds neither this
+        # thread nor the requests to other ranks. That connection is closed after its reply.
+        big = self.rank and sum(memoryview(p).nbytes for p in parts) > BIG_REQUEST_BYTES
+        sock = None
+        if not big:
+            with self._lock:
+                sock = self._idle.pop() if self._idle else None
         try:
             sock = sock or self.connect()
             send_within(sock, parts, timeout_s)
@@ -781,7 +799,7 @@ class DirectLink:
             if sock is not None:
                 sock.close()
             return PendingCall(self, None, (_failure(e), e, 0.0))
-        return PendingCall(self, sock, None)
+        return PendingCall(self, sock, None, pooled=not big)
 
     def give_back(self, sock: socket.socket) -> None:
         with self._lock:
@@ -797,8 +815,8 @@ class DirectLink:
 class PendingCall:
     """One request in flight on its own socket; ``read()`` blocks for the reply."""
 
-    def __init__(self, link: DirectLink, sock: socket.socket | None, reply):
-        self.link, self.sock, self.reply = link, sock, reply
+    def __init__(self, link: DirectLink, sock: socket.socket | None, reply, pooled: bool = True):
+        self.link, self.sock, self.reply, self.pooled = link, sock, reply, pooled
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -830,7 +848,10 @@ class PendingCall:
                 sock.close()
                 self.reply = ("err", pack_exception(e), 0.0)
                 return self.reply
-            self.link.give_back(sock)  # (the whole reply is read: the socket can carry the next call)
+            if self.pooled:  # (the whole reply is read: the socket can carry the next call)
+                self.link.give_back(sock)
+            else:
+                sock.close()
             try:
                 self.reply = loads(payload, buffers)
             except Exception as e:  # a reply that cannot be unpickled in the driver

@@ -37,7 +37,7 @@ class DirectRoute:
         or one cannot be reached from here (e.g. a firewall)."""
         if not direct.enabled() or any(o is None for o in offers):
             return None
-        links = [DirectLink(*o) for o in offers]
+        links = [DirectLink(*o, rank=True) for o in offers]
         try:
             for link in links:
                 link.give_back(link.connect(timeout_s=5.0))
