@@ -45,6 +45,32 @@ _LAZY = {
 }
 
 
+def warm_up() -> bool:
+    """Start, in the background, what a first embedded :class:`Cluster` waits for; returns at once.
+
+    A first cluster in a process waits for torch and ``torch._dynamo`` to be imported, ~5 s of one
+    core here: once in the fork server its workers start from, once in this process. Call this in a
+    notebook's import cell: while you read and run the next cells, both imports happen, and the
+    first ``rlnb.Cluster()`` is up, its loop built, in under a second. ``rlnb run`` does it itself.
+    Calling it again does nothing more. The fork server lives as long as this process.
+
+    Returns:
+        Whether the workers' fork server is starting or running (``False`` with
+        ``RLNB_WORKER_START=spawn``, where each worker imports torch itself).
+
+    Example:
+        >>> import rlnb
+        >>> rlnb.warm_up()  # doctest: +SKIP
+        True
+    """
+    from rlnb._dask import prestart_fork_server
+    from rlnb.cluster.cluster import _import_in_background
+
+    started = prestart_fork_server()
+    _import_in_background("rlnb.loop")
+    return started
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
@@ -84,4 +110,5 @@ __all__ = [
     "init_collective",
     "launch",
     "process_group",
+    "warm_up",
 ]

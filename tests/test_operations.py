@@ -98,6 +98,46 @@ def test_stopping_the_fork_server_leaves_no_child_process_running():
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
 
 
+WARM_UP_CHILD = """
+import os, sys, time
+from multiprocessing import forkserver
+import rlnb
+t = time.perf_counter()
+assert rlnb.warm_up()
+returned_s = time.perf_counter() - t
+server = forkserver._forkserver._forkserver_pid
+if __name__ == "__main__":
+    with rlnb.Cluster(slots=1, gpus=False) as cluster:
+        def preloaded(dask_worker=None):
+            import sys
+            return "torch._dynamo" in sys.modules and "rlnb.components" in sys.modules
+        ok = all(cluster.client.run(preloaded).values())
+        same = forkserver._forkserver._forkserver_pid == server
+    print("RESULT", returned_s, ok, same, server)
+"""
+
+
+def test_warm_up_returns_at_once_and_the_first_cluster_forks_from_its_server():
+    """``rlnb.warm_up()`` in a notebook's import cell: it starts the workers' fork server (importing
+    torch in the background) and returns; the first cluster's workers then fork from that very
+    server, preloaded; and it ends with the process, leaving nothing behind."""
+    r = subprocess.run([sys.executable, "-c", WARM_UP_CHILD], capture_output=True, text=True, timeout=180)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, r.stderr[-3000:]
+    returned_s, preloaded, same_server, server = line.split()[1:]
+    assert float(returned_s) < 1.0, f"warm_up took {returned_s} s: it waited for the imports"
+    assert preloaded == "True" and same_server == "True"
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{server}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{server}").exists(), "the fork server outlived its process"
+    r = subprocess.run(
+        [sys.executable, "-c", "import rlnb; print(rlnb.warm_up())"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "RLNB_WORKER_START": "spawn"},
+    )  # fmt: skip
+    assert r.stdout.strip() == "False", r.stderr[-2000:]
+
+
 def _processes_in_group(pgid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
