@@ -67,6 +67,15 @@ def test_rank_calls_are_answered_on_the_actor_thread_itself(cluster, echo):
     for address, (kind, is_servers, served) in after.items():
         assert kind == "ActorThread" and is_servers, address
         assert served >= before[address][2] + 20, (address, before[address], served)
+    # Dask's thread state, as an actor method has it: get_worker() and thread_state.actor
+    assert echo.apply(_dask_thread_state).result(30) == [(s.address, True) for s in cluster.slots[:2]]
+
+
+def _dask_thread_state():
+    from distributed import get_worker
+    from distributed.worker import thread_state
+
+    return get_worker().address, getattr(thread_state, "actor", None)
 
 
 def test_a_reply_not_read_yet_does_not_hold_the_actor_thread(echo):
