@@ -119,10 +119,11 @@ class ActorThread(concurrent.futures.Executor):
                         poller.register(conn, select.POLLIN | select.POLLPRI)
                 if task is not None:
                     self._run_task(*task)
-                    continue  # tasks first, then the connections that are ready meanwhile
-                if closing:
+                elif closing:
                     return
-                for fd, _ in poller.poll():
+                # after a task, only the requests already waiting (then the next task: each waits
+                # its turn, in neither order's favour); with no task, sleep until a request or a task
+                for fd, _ in poller.poll(0 if task is not None else None):
                     if fd == self._wake_r:
                         with contextlib.suppress(BlockingIOError, OSError):
                             while os.read(self._wake_r, 4096):
