@@ -6,6 +6,7 @@ import os
 import pickle
 import socket
 import sys
+import threading
 import time
 
 import numpy as np
@@ -142,6 +143,46 @@ def test_a_request_that_stops_arriving_does_not_hold_the_actor_thread(echo):
         raw.sendall(whole[-5:])  # the rest arrives: the request is answered
         payload, buffers = direct.recv_message(raw)
         assert direct.loads(payload, buffers)[:2] == ("ok", 7)
+
+
+def _raw_request(key: str, op: str, args: tuple) -> bytes:
+    parts = [direct._REQ.pack(key.encode(), op.encode()), *direct.dumps(args)]
+    return b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+
+
+def test_requests_arriving_back_to_back_are_each_read_once_and_in_order(cluster):
+    """A channel's connection carries puts back to back: the worker reads whatever has arrived in one
+    go and keeps what is past a request for the next, big items (read straight into place) included."""
+    ch = rlnb.Channel.create(cluster, "back_to_back", maxsize=0)
+    ip, port, token, key, _unix = ch._direct
+    big = np.arange(300_000, dtype=np.float32)  # 1.2 MB: bigger than one read
+    items = [{"i": 0}, {"i": 1}, big, {"i": 3}, "x" * 70_000]
+    stream = token + b"".join(_raw_request(key, "put", ("k", item, 10.0)) for item in items)
+    with socket.create_connection((ip, port), timeout=30) as raw:
+        raw.sendall(stream)  # all five requests in one send
+        replies = [direct.loads(*direct.recv_message(raw)) for _ in items]
+    assert [r[:2] for r in replies] == [("ok", ("ok", n)) for n in range(1, 6)]
+    got = ch.get_batch(5, key="k", timeout=10)
+    assert got[0] == {"i": 0} and got[1] == {"i": 1} and got[3] == {"i": 3} and got[4] == "x" * 70_000
+    assert np.array_equal(got[2], big)
+    ch.close()
+
+
+def test_the_buffered_reader_keeps_what_is_past_a_request():
+    a, b = socket.socketpair()
+    with a, b:
+        reqs = [_raw_request("k" * 32, "put", (i, "y" * (i * 40_000))) for i in range(4)]
+        sender = threading.Thread(target=a.sendall, args=(b"".join(reqs),))  # (more than the socket holds)
+        sender.start()
+        reader = direct._Reader(b, b"", None, buffered=True)
+        for i in range(4):
+            key, op, payload, buffers = direct._read_request(reader)
+            assert (key, op) == ("k" * 32, "put") and direct.loads(payload, buffers) == (
+                i,
+                "y" * (i * 40_000),
+            )
+        assert reader.leftover() == 0
+        sender.join(10)
 
 
 def test_a_driver_on_the_workers_host_connects_over_a_unix_socket(echo, monkeypatch):

@@ -272,20 +272,40 @@ class ProtocolError(ValueError):
 
 
 class _Reader:
-    """Exact-size reads from a socket, starting with bytes already read from it (``got``)."""
+    """Exact-size reads from a socket, starting with bytes already read from it (``got``).
 
-    def __init__(self, sock: socket.socket, got: bytes, stall_s: float | None):
-        self.sock, self.got, self.at, self.stall_s = sock, got, 0, stall_s
+    ``buffered``: a small read takes whatever the socket has, up to ``READ_BYTES``, and keeps what
+    is past it for the next read (a connection whose requests may come back to back: one ``recv``
+    per request instead of one per header). Big reads go straight into their buffer.
+    """
+
+    def __init__(self, sock: socket.socket, got: bytes, stall_s: float | None, buffered: bool = False):
+        self.sock, self.got, self.at, self.stall_s, self.buffered = sock, got, 0, stall_s, buffered
 
     def exact(self, n: int) -> bytearray:
         buf = bytearray(n)
         take = min(n, len(self.got) - self.at)
         if take:
-            buf[:take] = self.got[self.at : self.at + take]
+            buf[:take] = memoryview(self.got)[self.at : self.at + take]
             self.at += take
-        if take < n:
-            _recv_into(self.sock, memoryview(buf)[take:], self.stall_s)
+        view = memoryview(buf)[take:]
+        if not self.buffered or view.nbytes >= READ_BYTES:
+            if view.nbytes:
+                _recv_into(self.sock, view, self.stall_s)
+            return buf
+        while view.nbytes:
+            data = self.sock.recv(READ_BYTES)
+            if not data:
+                raise ConnectionResetError("connection closed by the other end")
+            k = min(len(data), view.nbytes)
+            view[:k] = data[:k]
+            view = view[k:]
+            self.got, self.at = data, k  # (what is past this read stays for the next)
         return buf
+
+    def leftover(self) -> int:
+        """Bytes read from the socket and not yet taken."""
+        return len(self.got) - self.at
 
     def message(self, head: bytes | None = None) -> tuple:
         """One message's ``(payload, buffers)``; ``head``: its header, already read."""
@@ -315,11 +335,15 @@ def recv_message(sock: socket.socket, stall_s: float | None = None, got: bytes =
 def recv_request(sock: socket.socket, stall_s: float | None = None, got: bytes = b"") -> tuple:
     """One request: ``(host key, operation, payload, buffers)`` (``got``: as for :func:`recv_message`)."""
     reader = _Reader(sock, got, stall_s)
-    start = reader.exact(_REQ.size + _HEAD.size)  # (one read for both fixed-size headers)
-    key, op = (b.rstrip(b"\0").decode() for b in _REQ.unpack_from(start))
-    out = (key, op, *reader.message(head=start[_REQ.size :]))
+    out = _read_request(reader)
     reader.done()
     return out
+
+
+def _read_request(reader: _Reader) -> tuple:
+    start = reader.exact(_REQ.size + _HEAD.size)  # (one read for both fixed-size headers)
+    key, op = (b.rstrip(b"\0").decode() for b in _REQ.unpack_from(start))
+    return (key, op, *reader.message(head=start[_REQ.size :]))
 
 
 def request_complete(data: bytes) -> bool:
@@ -471,14 +495,19 @@ class CallServer:
                 self._log_once("auth", "a connection sent a wrong token; closed")
                 return False
             conn.settimeout(None)  # an authenticated connection may idle in the driver's pool
+        reader = _Reader(conn, b"", None, buffered=True)  # (a channel's puts may come back to back)
         try:
             while True:
-                request, first = first or recv_request(conn), None
+                request, first = first or _read_request(reader), None
                 host = self.hosts.get(request[0])
                 if host is not None and hasattr(host, "direct_call"):
                     send_parts(conn, self._execute_here(host, *request[1:]))
-                elif self.actor_thread is not None and self.actor_thread.adopt(
-                    conn, self._serve_on_actor_thread, self._closed_connection, first=request
+                elif (
+                    self.actor_thread is not None
+                    and not reader.leftover()  # (a rank's connection carries one request at a time)
+                    and self.actor_thread.adopt(
+                        conn, self._serve_on_actor_thread, self._closed_connection, first=request
+                    )
                 ):
                     return True
                 else:
