@@ -168,6 +168,23 @@ def test_requests_arriving_back_to_back_are_each_read_once_and_in_order(cluster)
     ch.close()
 
 
+def test_replies_read_later_arrive_in_order_when_many_come_in_one_read(cluster):
+    """A channel's puts are sent now and their replies read later: one read may take in many
+    replies at once, and each later one comes from what was kept, not from waiting on the socket."""
+    ch = rlnb.Channel.create(cluster, "later", maxsize=0)
+    sender = direct.OrderedSender(direct.link_for(ch._direct))
+    try:
+        for i in range(40):
+            assert sender.send("put", ("k", i, 10.0), 10.0) == []
+        time.sleep(0.5)  # every reply is in the socket by now
+        replies = sender.drain(1.0)
+        assert [r[:2] for r in replies] == [("ok", ("ok", n)) for n in range(1, 41)]
+        assert sender.unread == 0 and ch.get_batch(40, key="k", timeout=10) == list(range(40))
+    finally:
+        sender.close()
+        ch.close()
+
+
 def test_the_buffered_reader_keeps_what_is_past_a_request():
     a, b = socket.socketpair()
     with a, b:

@@ -906,6 +906,7 @@ class OrderedSender:
 
     def __init__(self, link: DirectLink):
         self.link, self.sock, self.unread = link, None, 0
+        self.reader: _Reader | None = None  # replies come back to back: read a batch of them per recv
         self.lock = threading.Lock()
 
     def send(self, op: str, args: tuple, timeout_s: float) -> list:
@@ -916,6 +917,7 @@ class OrderedSender:
             try:
                 if self.sock is None:
                     self.sock = self.link.connect()
+                    self.reader = _Reader(self.sock, b"", None, buffered=True)
                 send_within(self.sock, parts, timeout_s)
             except OSError as e:
                 self._reset()
@@ -932,9 +934,9 @@ class OrderedSender:
         replies = []
         while self.unread:
             try:
-                if not readable([self.sock], timeout_s):
+                if not self.reader.leftover() and not readable([self.sock], timeout_s):
                     raise TimeoutError(f"no reply within {timeout_s:g} s")
-                payload, buffers = recv_message(self.sock)
+                payload, buffers = self.reader.message()
                 replies.append(loads(payload, buffers))
                 self.unread -= 1
             except (OSError, EOFError) as e:
@@ -950,7 +952,7 @@ class OrderedSender:
         if self.sock is not None:
             with contextlib.suppress(OSError):
                 self.sock.close()
-        self.sock, self.unread = None, 0
+        self.sock, self.reader, self.unread = None, None, 0
 
 
 _LINKS: dict[tuple, DirectLink] = {}
