@@ -154,7 +154,10 @@ _DISPATCH: tuple = (None, None)  # (the key it was built for, the table)
 
 
 def _dispatch_table() -> dict:
-    """copyreg's dispatch table plus CPU tensors as raw bytes (once torch is imported)."""
+    """copyreg's dispatch table plus CPU tensors as raw bytes (once torch is imported). Copied again
+    when torch arrives or a type is registered (the table's size changes); a type registered anew
+    with another reducer keeps the one copied (torch alone registers ~400 types: comparing every
+    entry per message would cost more than the dispatch table saves)."""
     global _DISPATCH
     torch = sys.modules.get("torch")
     key = (torch is not None, len(copyreg.dispatch_table))
@@ -261,9 +264,9 @@ def _recv_into(sock: socket.socket, view: memoryview, stall_s: float | None) -> 
         got += k
 
 
-def _recv_exact(sock: socket.socket, n: int, stall_s: float | None = None) -> bytearray:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
-    _recv_into(sock, memoryview(buf), stall_s)
+    _recv_into(sock, memoryview(buf), None)
     return buf
 
 
@@ -318,8 +321,8 @@ class _Reader:
         return payload, [self.exact(n) for n in lens]
 
     def done(self) -> None:
-        if self.at < len(self.got):
-            raise ProtocolError(f"{len(self.got) - self.at} bytes past the end of a message")
+        if self.leftover():
+            raise ProtocolError(f"{self.leftover()} bytes past the end of a message")
 
 
 def recv_message(sock: socket.socket, stall_s: float | None = None, got: bytes = b""):
@@ -473,12 +476,33 @@ class CallServer:
             adopted = self._serve_connection(conn)
         finally:
             if not adopted:
-                conn.close()
-                self._closed_connection(conn)
+                self._drop(conn)
 
     def _closed_connection(self, conn: socket.socket) -> None:
         with self._lock:
             self.connections -= 1
+
+    def _drop(self, conn: socket.socket) -> None:
+        """Close ``conn``, which no thread serves any more."""
+        conn.close()
+        self._closed_connection(conn)
+
+    def _adopt(self, conn: socket.socket, first: tuple | None = None) -> bool:
+        """Hand ``conn`` to the actor thread (``first``: a request already read from it); False if
+        that thread is shutting down."""
+        return self.actor_thread.adopt(
+            conn, self._serve_on_actor_thread, self._closed_connection, first=first
+        )
+
+    def _ended(self, conn: socket.socket, error: Exception) -> None:
+        """What serving ``conn`` ending with ``error`` calls for, before it is closed."""
+        if isinstance(error, MessageTooLarge):  # say why (the payload cannot be skipped)
+            self._log_once("size", "%s", error)
+            with contextlib.suppress(OSError):
+                send_parts(conn, dumps(("err", pack_exception(error), 0.0)))
+        # an OSError or EOFError: the driver went away, or the worker is closing (nothing to say)
+        elif not isinstance(error, (OSError, EOFError)):
+            self._log_once("protocol", "closed a connection after %s: %s", type(error).__name__, error)
 
     def _serve_connection(self, conn: socket.socket, first: tuple | None = None) -> bool:
         """Serve ``conn`` on this thread until it ends (False), or hand it to the actor thread after
@@ -505,9 +529,7 @@ class CallServer:
                 elif (
                     self.actor_thread is not None
                     and not reader.leftover()  # (a rank's connection carries one request at a time)
-                    and self.actor_thread.adopt(
-                        conn, self._serve_on_actor_thread, self._closed_connection, first=request
-                    )
+                    and self._adopt(conn, request)
                 ):
                     return True
                 else:
@@ -515,18 +537,9 @@ class CallServer:
                         self.worker, self._execute, (host, *request[1:]), "rlnb-direct-call"
                     )
                     send_parts(conn, reply.result())
-        except MessageTooLarge as e:  # say why before closing (the payload cannot be skipped)
-            self._refuse(conn, e)
-        except (OSError, EOFError):  # the driver went away, or the worker is closing: it sees EOF
-            pass
-        except Exception as e:  # a bug or a garbled request: log it, close the connection
-            self._log_once("protocol", "closed a connection after %s: %s", type(e).__name__, e)
+        except Exception as e:
+            self._ended(conn, e)
         return False
-
-    def _refuse(self, conn: socket.socket, error: MessageTooLarge) -> None:
-        self._log_once("size", "%s", error)
-        with contextlib.suppress(OSError):
-            send_parts(conn, dumps(("err", pack_exception(error), 0.0)))
 
     def _serve_on_actor_thread(self, conn: socket.socket, request: tuple | None) -> str:
         """Answer one request on the actor thread (:class:`ActorThread` calls it when ``conn`` has
@@ -545,9 +558,8 @@ class CallServer:
                     return DETACHED
                 request = recv_request(conn, got=got)
             host = self.hosts.get(request[0])
-            if host is not None and hasattr(
-                host, "direct_call"
-            ):  # (a blocking get must not hold this thread)
+            # a thread-safe host's operation runs on a thread of its own: a blocking get must not hold this one
+            if host is not None and hasattr(host, "direct_call"):
                 self._spawn(self._serve_connection, conn, request)
                 return DETACHED
             _dask.mark_active(self.worker, "rlnb-direct-call")
@@ -556,13 +568,8 @@ class CallServer:
             finally:
                 _dask.mark_active(self.worker, None)
             rest = send_nowait(conn, reply)
-        except MessageTooLarge as e:
-            self._refuse(conn, e)
-            return DROP
-        except (OSError, EOFError):
-            return DROP
         except Exception as e:
-            self._log_once("protocol", "closed a connection after %s: %s", type(e).__name__, e)
+            self._ended(conn, e)
             return DROP
         if rest:
             self._spawn(self._finish_reply, conn, rest)
@@ -574,19 +581,12 @@ class CallServer:
         ``conn`` back to the actor thread to answer it."""
         try:
             request = recv_request(conn, STALL_S, got)
-        except MessageTooLarge as e:
-            self._refuse(conn, e)
-        except (OSError, EOFError):
-            pass
         except Exception as e:
-            self._log_once("protocol", "closed a connection after %s: %s", type(e).__name__, e)
+            self._ended(conn, e)
         else:
-            if self.actor_thread.adopt(
-                conn, self._serve_on_actor_thread, self._closed_connection, first=request
-            ):
+            if self._adopt(conn, request):
                 return
-        conn.close()
-        self._closed_connection(conn)
+        self._drop(conn)
 
     def _finish_reply(self, conn: socket.socket, rest: list) -> None:
         """Send the rest of a reply (as long as the driver takes to read it), then give ``conn``
@@ -596,16 +596,14 @@ class CallServer:
         except OSError:
             pass
         else:
-            if self.actor_thread.adopt(conn, self._serve_on_actor_thread, self._closed_connection):
+            if self._adopt(conn):
                 return
-        conn.close()
-        self._closed_connection(conn)
+        self._drop(conn)
 
     def _spawn(self, target, conn: socket.socket, arg) -> None:
         def run():
             if target(conn, arg) is False:  # (_serve_connection: the connection is over)
-                conn.close()
-                self._closed_connection(conn)
+                self._drop(conn)
 
         threading.Thread(target=run, name="rlnb-direct-conn", daemon=True).start()
 
