@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import time
 
 import torch
@@ -22,6 +23,7 @@ from rlnb.algorithms.contract import EMBODIED, check_algorithm
 from rlnb.algorithms.losses import entropy_bonus, value_loss
 from rlnb.components.compile import StepCompiler
 from rlnb.components.launch import launcher
+from rlnb.components.optim import ClipAndStep
 from rlnb.components.rollout import resolve_device
 from rlnb.config.schema import ActorConfig, AlgorithmConfig
 from rlnb.errors import ConfigError, did_you_mean
@@ -258,6 +260,7 @@ class PPOActor(ActorBase):
             self.policy = make_policy(self.policy_spec, obs_space, act_space, self.name).to(self.device)
             # fused Adam: one kernel for all parameters (the default on CPU loops over tensors in Python)
             self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.cfg.lr, eps=1e-5, fused=True)
+            self.clip_and_step = ClipAndStep(self.optimizer)  # clip_grad_norm_ + step(), minus their Python
             self.model = self.policy  # what the train step calls (DDP wraps it)
             self.step_compiler = StepCompiler.for_device(self.cfg.compile, self.device, "actor")
         return {"policy": type(getattr(self.policy, "module", self.policy)).__name__}
@@ -337,10 +340,10 @@ class PPOActor(ActorBase):
         sums: dict[str, float] = {}
         count, epochs_run, compute_s = 0, 0, 0.0
         for _ in range(algo.update_epochs):
-            perm = torch.randperm(n, generator=self.generator)
+            # one minibatch of the whole batch: every term is a mean over samples, so no shuffle
+            perm = None if mb_size == n else torch.randperm(n, generator=self.generator)
             for start in range(0, n - mb_size + 1, mb_size):
-                # one minibatch of the whole batch: every term is a mean over samples, so no shuffle
-                mb = flat if mb_size == n else {k: v[perm[start : start + mb_size]] for k, v in flat.items()}
+                mb = flat if perm is None else {k: v[perm[start : start + mb_size]] for k, v in flat.items()}
                 t0 = time.perf_counter()
                 metrics = self._train_minibatch(mb)
                 compute_s += time.perf_counter() - t0
@@ -368,16 +371,18 @@ class PPOActor(ActorBase):
             self.step_compiler.warm_up(self._objective, mb, self.policy)
         objective = self.step_compiler.fn if self.step_compiler is not None else self._objective
         loss, metrics = objective(mb)
-        if not torch.isfinite(loss):
+        if self.clip_and_step.optimizer is not self.optimizer:  # a subclass replaced the optimizer
+            self.clip_and_step = ClipAndStep(self.optimizer)
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
             raise FloatingPointError(
-                f"non-finite loss {loss.item()} at training step {self.step}; metrics {metrics}"
+                f"non-finite loss {loss_value} at training step {self.step}; metrics {metrics}"
             )
-        self.optimizer.zero_grad(set_to_none=True)
+        self.clip_and_step.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.algo.max_grad_norm)
-        self.optimizer.step()
+        self.clip_and_step(self.algo.max_grad_norm)
         metrics = {k: float(v) for k, v in metrics.items()}
-        metrics["loss"] = float(loss.detach())
+        metrics["loss"] = loss_value
         return metrics
 
     def _objective(self, mb: dict) -> tuple[torch.Tensor, dict]:

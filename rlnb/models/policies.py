@@ -20,8 +20,48 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -
     return layer
 
 
+class _SigmoidTanh(torch.autograd.Function):
+    """``tanh(x) = 2 * sigmoid(2x) - 1``, with tanh's own backward (``grad * (1 - y^2)``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.sigmoid(x * 2).mul_(2).sub_(1)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return torch.ops.aten.tanh_backward(grad, y)
+
+
+class Tanh(nn.Module):
+    """The MLPs' ``tanh`` activation: ``torch.tanh``, except for big CPU tensors, where it computes
+    ``2 * sigmoid(2x) - 1``.
+
+    torch's CPU ``tanh`` kernel runs one element at a time where its ``sigmoid`` is vectorised: on this
+    project's 2-core AVX-512 machine, 35 µs against 4 µs for 256 x 64 floats (one ``ppo_cartpole``
+    minibatch). Forward and backward then take 42 µs instead of 54 at 256 x 64, and 116 µs instead of 327
+    at 2048 x 64; without autograd (a rollout), 14 µs instead of 35 at 256 x 64. The values differ from
+    ``torch.tanh``'s by at most 2e-7 (``torch.tanh``'s own error is 5e-8); the gradient is tanh's, computed
+    from the output. Below ``SIGMOID_FROM`` elements (``SIGMOID_WITH_GRAD_FROM`` under autograd, whose
+    Python backward costs ~10 µs) the few small kernels cost more than the one, so ``torch.tanh`` runs.
+    """
+
+    SIGMOID_FROM = 8192
+    SIGMOID_WITH_GRAD_FROM = 16384
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel()
+        if n < self.SIGMOID_FROM or x.device.type != "cpu" or not x.is_floating_point():
+            return torch.tanh(x)
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _SigmoidTanh.apply(x) if n >= self.SIGMOID_WITH_GRAD_FROM else torch.tanh(x)
+        return torch.sigmoid(x * 2).mul_(2).sub_(1)
+
+
 def mlp(sizes: list[int], activation: str, out_std: float | None = None) -> nn.Sequential:
-    act = {"tanh": nn.Tanh, "relu": nn.ReLU}[activation]
+    act = {"tanh": Tanh, "relu": nn.ReLU}[activation]
     layers: list[nn.Module] = []
     for i in range(len(sizes) - 1):
         last = i == len(sizes) - 2

@@ -1,0 +1,173 @@
+"""The PPO actor's train step: clipping and the Adam update called straight (``ClipAndStep``), bit for bit
+what torch's own functions give, on the worker too; and the MLPs' ``Tanh``, equal to ``torch.tanh``."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import rlnb
+from rlnb.components.env import Env
+from rlnb.components.optim import ClipAndStep
+from rlnb.loop import Loop
+from rlnb.models.policies import Tanh
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _train(model, optimizer, step, scales, max_grad_norm=0.5):
+    """A few steps on fixed data whose gradients are scaled by ``scales`` (some clipped, some not), with
+    ``step`` doing clip-and-update (``None``: torch's clip_grad_norm_ and optimizer.step())."""
+    g = torch.Generator().manual_seed(1)
+    norms = []
+    for scale in scales:
+        x, y = torch.randn(32, 4, generator=g), torch.randn(32, 3, generator=g)
+        loss = scale * ((model(x) - y) ** 2).mean()
+        if step is None:
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+            optimizer.step()
+        else:
+            step.zero_grad()
+            loss.backward()
+            norms.append(step(max_grad_norm))
+    return norms
+
+
+OPTIMIZERS = {
+    "adam fused": lambda p: torch.optim.Adam(p, lr=1e-2, eps=1e-5, fused=True),
+    "adamw fused, weight decay": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam fused, decoupled decay": lambda p: torch.optim.Adam(
+        p, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, fused=True
+    ),
+    "adam fused, l2 decay": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, fused=True),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_direct_step_is_bit_for_bit_torchs_clip_and_step(name):
+    make = OPTIMIZERS[name]
+    scales = [0.01, 5.0, 1.0, 50.0, 0.1, 3.0]  # norms below and above max_grad_norm
+    reference = _model()
+    ref_opt = make(reference.parameters())
+    ref_norms = _train(reference, ref_opt, None, scales)
+    model = _model()
+    optimizer = make(model.parameters())
+    step = ClipAndStep(optimizer)
+    norms = _train(model, optimizer, step, scales)
+    # the first step creates the optimizer's state through optimizer.step(); every later one is direct
+    assert step.direct_steps == len(scales) - 1
+    assert [float(n) for n in norms] == [float(n) for n in ref_norms]
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+    state = optimizer.state_dict()["state"]  # the optimizer's steps and moments too
+    for k, s in ref_opt.state_dict()["state"].items():
+        for key, value in s.items():
+            assert torch.equal(state[k][key], value), (k, key)
+
+
+@pytest.mark.parametrize(
+    "make, hook",
+    [
+        (lambda p: torch.optim.Adam(p, lr=1e-2), False),  # foreach, not fused
+        (lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), False),
+        (lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, fused=True), False),
+        (lambda p: torch.optim.Adam(p, lr=1e-2, fused=True), True),  # a step hook must run
+    ],
+    ids=["adam foreach", "sgd", "amsgrad", "hooked"],
+)
+def test_anything_else_takes_torchs_own_step_with_the_same_result(make, hook):
+    scales = [0.01, 5.0, 50.0]
+    reference = _model()
+    _train(reference, make(reference.parameters()), None, scales)
+    model = _model()
+    optimizer = make(model.parameters())
+    calls = []
+    if hook:
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append(1))
+    step = ClipAndStep(optimizer)
+    _train(model, optimizer, step, scales)
+    assert step.direct_steps == 0
+    assert len(calls) == (len(scales) if hook else 0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_resumed_optimizer_state_is_read_afresh():
+    """``load_state_dict`` replaces the optimizer's state tensors: the direct step must use the new ones."""
+    scales = [1.0, 5.0, 0.5, 2.0]
+    reference = _model()
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, fused=True)
+    _train(reference, ref_opt, None, scales)
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    step = ClipAndStep(optimizer)
+    _train(model, optimizer, step, scales[:2])
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    _train(model, optimizer, step, [100.0, 100.0])  # moves away from the saved state
+    model.load_state_dict(saved_model)
+    optimizer.load_state_dict(saved_opt)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):  # the data _train saw in its first two steps, then the last two
+        torch.randn(32, 4, generator=g), torch.randn(32, 3, generator=g)
+    for scale in scales[2:]:
+        x, y = torch.randn(32, 4, generator=g), torch.randn(32, 3, generator=g)
+        step.zero_grad()
+        (scale * ((model(x) - y) ** 2).mean()).backward()
+        step(0.5)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+class StepCountingActor(rlnb.PPOActor):
+    """The built-in actor, saying how many of its steps took the direct path."""
+
+    def direct_steps(self) -> int:
+        return self.clip_and_step.direct_steps
+
+
+def test_the_ppo_actor_takes_the_direct_step_on_its_worker(cluster, tmp_path):
+    env = Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4)
+    rollout = rlnb.PolicyRollout.launch(cluster, "0")
+    actor = rlnb.launch(StepCountingActor, cluster, "0", name="actor", update_epochs=3, num_minibatches=2)
+    runner = {"tensorboard": False, "steps": 2}
+    with Loop(
+        env=env, rollout=rollout, actor=actor, steps_per_rollout=16, runner=runner, run_dir=tmp_path
+    ) as loop:
+        records = loop.run(progress=False)
+        direct = loop.groups["actor"].direct_steps().result()[0]
+    assert len(records) == 2 and all(r["train/loss"] == r["train/loss"] for r in records)
+    assert direct == 2 * 3 * 2 - 1  # every minibatch step but the first, which creates Adam's state
+
+
+@pytest.mark.parametrize("shape", [(256, 64), (2048, 64), (7, 3000)])
+def test_tanh_matches_torch_tanh_in_value_and_gradient(shape):
+    x = torch.randn(*shape, dtype=torch.float32) * 4
+    x.requires_grad_(True)
+    y = Tanh()(x)
+    ref = torch.tanh(x.detach())
+    assert (y.detach() - ref).abs().max() <= 2.5e-7
+    with torch.no_grad():
+        assert torch.equal(Tanh()(x), y.detach())  # the same values with and without autograd
+    grad = torch.randn(*shape)
+    y.backward(grad)
+    x_ref = x.detach().clone().requires_grad_(True)
+    torch.tanh(x_ref).backward(grad)
+    # tanh's own backward from the output: off by 2 * y * (its 2e-7) * grad at most
+    assert (x.grad - x_ref.grad).abs().max() <= 1e-6 * grad.abs().max()
+
+
+def test_tanh_of_few_elements_or_not_on_the_cpu_is_torch_tanh():
+    small = torch.randn(8, 64)  # a rollout's few envs
+    assert torch.equal(Tanh()(small), torch.tanh(small))
+    assert torch.equal(Tanh()(small.double()), torch.tanh(small.double()))
+    mid = torch.randn(128, 64, requires_grad=True)  # under autograd the identity pays from 16384 elements
+    assert torch.equal(Tanh()(mid), torch.tanh(mid))
+    if torch.cuda.is_available():
+        big = torch.randn(256, 64, device="cuda")
+        assert torch.equal(Tanh()(big), torch.tanh(big))
