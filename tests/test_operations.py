@@ -395,3 +395,44 @@ def test_full_disk_leaves_no_partial_checkpoint(own_cluster, tmp_path):
         state = torch.load(first / "actor_rank0.pt", weights_only=False)
         assert state["step"] == 1
     assert json.loads((first / "loop.json").read_text())["step"] == 1
+
+
+ENTRY_CHILD = """
+import atexit, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+class AtTeardown:
+    def __del__(self):
+        (out / "teardown").write_text("ran")
+keep = AtTeardown()
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+if __name__ == "__main__":
+    from rlnb.cli import entry
+    sys.argv = ["rlnb", "run", "ppo_cartpole", "runner.steps=1", "runner.tensorboard=false", "--no-progress",
+                "--run-dir", str(out / "run")]
+    entry()
+"""
+
+
+def test_the_command_ends_without_the_interpreters_teardown_once_the_run_is_closed(tmp_path):
+    """``rlnb``'s entry point skips freeing torch's and Dask's modules one by one (0.5-1.5 s) after the run
+    is closed, but still runs the exit handlers, flushes its output and leaves no process behind."""
+    script = tmp_path / "child.py"
+    script.write_text(ENTRY_CHILD)
+    with open(tmp_path / "err", "w+") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path)], stdout=subprocess.DEVNULL, stderr=stderr,
+            start_new_session=True,
+        )  # fmt: skip
+        proc.wait(timeout=300)
+        stderr.seek(0)
+        err = stderr.read()
+    left = [p for p in _processes_in_group(proc.pid) if p != proc.pid]
+    if left:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert "checkpoint" in err.splitlines()[-1], err[-3000:]  # the last line, flushed
+    records = read_metrics(tmp_path / "run")  # the step and the final evaluation, written out
+    assert [r["step"] for r in records] == [1, 1] and "eval/return_mean" in records[1], records
+    assert (tmp_path / "atexit").exists()  # exit handlers ran...
+    assert not (tmp_path / "teardown").exists()  # ...the interpreter's teardown did not
+    assert not left, f"processes left behind: {left}"
