@@ -60,21 +60,27 @@ def test_cli_usage_config_errors_and_print_config():
     assert r.returncode == 0 and "ppo_cartpole" in r.stdout and "ppo_mujoco" in r.stdout
 
 
-def test_cli_starts_workers_while_it_checks_the_recipe_and_stops_them_when_the_checks_fail(tmp_path):
-    """``rlnb run`` starts the embedded workers' fork server before the recipe's checks import torch; a
-    recipe failing those checks must not leave that server importing behind the exited driver."""
+def _run_in_own_group(cmd: list[str], tmp_path: Path, timeout_s: float = 120) -> tuple[int, str, list[int]]:
+    """Run ``cmd`` in a session of its own: its exit status, its stderr, and the processes of its group
+    still running after it exited (killed, once listed)."""
     with open(tmp_path / "err", "w+") as stderr:  # a file: a pipe would wait for every process holding it
-        proc = subprocess.Popen(
-            [*RLNB, "run", "ppo_cartpole", "algorithm.advantage=gea", *QUIET],
-            stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
-        )  # fmt: skip
-        proc.wait(timeout=120)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+        proc.wait(timeout=timeout_s)
         stderr.seek(0)
         err = stderr.read()
     left = [p for p in _processes_in_group(proc.pid) if p != proc.pid]
     if left:
         os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 2 and "Did you mean 'gae'?" in err, err
+    return proc.returncode, err, left
+
+
+def test_cli_starts_workers_while_it_checks_the_recipe_and_stops_them_when_the_checks_fail(tmp_path):
+    """``rlnb run`` starts the embedded workers' fork server before the recipe's checks import torch; a
+    recipe failing those checks must not leave that server importing behind the exited driver."""
+    returncode, err, left = _run_in_own_group(
+        [*RLNB, "run", "ppo_cartpole", "algorithm.advantage=gea", *QUIET], tmp_path
+    )
+    assert returncode == 2 and "Did you mean 'gae'?" in err, err
     assert not left, f"processes left behind by a failed recipe check: {left}"
 
 
@@ -418,18 +424,8 @@ def test_the_command_ends_without_the_interpreters_teardown_once_the_run_is_clos
     is closed, but still runs the exit handlers, flushes its output and leaves no process behind."""
     script = tmp_path / "child.py"
     script.write_text(ENTRY_CHILD)
-    with open(tmp_path / "err", "w+") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path)], stdout=subprocess.DEVNULL, stderr=stderr,
-            start_new_session=True,
-        )  # fmt: skip
-        proc.wait(timeout=300)
-        stderr.seek(0)
-        err = stderr.read()
-    left = [p for p in _processes_in_group(proc.pid) if p != proc.pid]
-    if left:
-        os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, err[-3000:]
+    returncode, err, left = _run_in_own_group([sys.executable, str(script), str(tmp_path)], tmp_path, 300)
+    assert returncode == 0, err[-3000:]
     assert "checkpoint" in err.splitlines()[-1], err[-3000:]  # the last line, flushed
     records = read_metrics(tmp_path / "run")  # the step and the final evaluation, written out
     assert [r["step"] for r in records] == [1, 1] and "eval/return_mean" in records[1], records
