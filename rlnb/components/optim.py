@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import torch
+from torch.optim import optimizer as optimizer_module
 
 _DIRECT = (torch.optim.Adam, torch.optim.AdamW)
 
@@ -95,8 +96,6 @@ class ClipAndStep:
             return False
         if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
             return False
-        from torch.optim import optimizer as optimizer_module
-
         if optimizer_module._global_optimizer_pre_hooks or optimizer_module._global_optimizer_post_hooks:
             return False
         state = opt.state

@@ -20,12 +20,16 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -
     return layer
 
 
+def _tanh_by_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(x * 2).mul_(2).sub_(1)
+
+
 class _SigmoidTanh(torch.autograd.Function):
     """``tanh(x) = 2 * sigmoid(2x) - 1``, with tanh's own backward (``grad * (1 - y^2)``)."""
 
     @staticmethod
     def forward(ctx, x):
-        y = torch.sigmoid(x * 2).mul_(2).sub_(1)
+        y = _tanh_by_sigmoid(x)
         ctx.save_for_backward(y)
         return y
 
@@ -57,7 +61,7 @@ class Tanh(nn.Module):
             return torch.tanh(x)
         if torch.is_grad_enabled() and x.requires_grad:
             return _SigmoidTanh.apply(x) if n >= self.SIGMOID_WITH_GRAD_FROM else torch.tanh(x)
-        return torch.sigmoid(x * 2).mul_(2).sub_(1)
+        return _tanh_by_sigmoid(x)
 
 
 def mlp(sizes: list[int], activation: str, out_std: float | None = None) -> nn.Sequential:
