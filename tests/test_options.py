@@ -346,8 +346,11 @@ def test_resume_continues_the_same_wandb_run(cluster, tmp_path, monkeypatch):
     run_id = (tmp_path / "wandb_run_id").read_text()
     with Loop.resume(tmp_path, cluster=cluster) as loop:
         loop.run(progress=False)
-    runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.endswith(run_id) for r in runs), (run_id, runs)  # one run, resumed
+    # one offline folder per process, named by the second it started (wandb adds "-1" when two share one),
+    # each holding the same run's records: one run, resumed
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    records = [sorted(f.name for f in run.glob("run-*.wandb")) for run in runs]
+    assert len(runs) == 2 and records == [[f"run-{run_id}.wandb"]] * 2, (run_id, runs, records)
 
 
 def test_gpu_check_dry_run_checks_the_plan_and_imports_without_a_gpu(tmp_path):
