@@ -226,16 +226,32 @@ def entry() -> None:
     _exit_now(main())
 
 
-def _exit_now(code: int) -> None:
+EXIT_JOIN_S = 30.0  # how long the command waits, in all, for its other threads to end at exit
+
+
+def _exit_now(code: int, join_s: float | None = None) -> None:
+    """Join the other threads (within ``join_s``, default :data:`EXIT_JOIN_S`), stop the fork server, run
+    the exit handlers, flush, and end the process with status ``code``."""
     import atexit
     import contextlib
     import os
     import threading
+    import time
 
+    wait_s = EXIT_JOIN_S if join_s is None else join_s
     try:
-        for thread in threading.enumerate():  # what the interpreter's own exit waits for
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join()
+        # what the interpreter's own exit waits for, there without a deadline
+        deadline = time.monotonic() + wait_s
+        others = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+        for thread in others:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in others if t.is_alive()]
+        if stuck:
+            print(
+                f"rlnb: exiting with thread(s) {stuck} still running {wait_s:g} s after the run closed "
+                "(a callback or hook that did not return?)",
+                file=sys.stderr,
+            )
         if "multiprocessing.forkserver" in sys.modules:  # else it would exit just after this process
             from rlnb._dask import stop_fork_server
 

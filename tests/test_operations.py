@@ -432,3 +432,28 @@ def test_the_command_ends_without_the_interpreters_teardown_once_the_run_is_clos
     assert (tmp_path / "atexit").exists()  # exit handlers ran...
     assert not (tmp_path / "teardown").exists()  # ...the interpreter's teardown did not
     assert not left, f"processes left behind: {left}"
+
+
+STUCK_CHILD = """
+import sys, threading, time
+from rlnb.cli import _exit_now
+threading.Thread(target=time.sleep, args=(3600,), name="stuck-hook").start()  # not a daemon: exit waits for it
+t0 = time.monotonic()
+try:
+    _exit_now(3, join_s=1.0)
+finally:
+    print(f"not reached {time.monotonic() - t0}", file=sys.stderr)
+"""
+
+
+def test_the_command_exits_within_its_deadline_when_a_thread_does_not_end(tmp_path):
+    """A non-daemon thread left running (a user's hook that never returns) would hold Python's own exit
+    forever; the command's exit waits for it within a deadline, says which thread it left, and ends with
+    the run's status."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_CHILD)
+    t0 = time.monotonic()
+    returncode, err, left = _run_in_own_group([sys.executable, str(script)], tmp_path, 60)
+    assert returncode == 3 and time.monotonic() - t0 < 30, err
+    assert "exiting with thread(s) ['stuck-hook'] still running 1 s after the run closed" in err, err
+    assert "not reached" not in err and not left
