@@ -12,7 +12,14 @@ from rlnb.config import AlgorithmConfig, RecipeError, load_recipe
 from rlnb.data import ArithmeticTask, load_qa_file
 from rlnb.errors import ConfigError
 from rlnb.loop import GRPOLoop, complete_checkpoints
-from rlnb.models.lm import build_tiny_lm, load_lm, shared_prompt_logprobs, token_logprobs
+from rlnb.models.lm import (
+    build_tiny_lm,
+    length_buckets,
+    load_lm,
+    shared_prompt_logprobs,
+    token_ends,
+    token_logprobs,
+)
 from rlnb.runtime import rank as rank_mod
 from tests.conftest import assert_metrics_documented, requires_gpu, without_wall_clock
 
@@ -226,6 +233,116 @@ def test_logprobs_from_the_first_response_column_compute_only_the_logits_they_ne
     with torch.no_grad():
         plain = token_logprobs(NoLogitsToKeep(), ids, attn, from_column=first)
     assert torch.allclose(plain, part, atol=1e-6)
+
+
+def _ragged_batch(tiny_lm) -> dict:
+    """A GRPO batch whose responses end at different columns, as EOS leaves them: 3 prompts x 4, each
+    group with two 2-3-token responses and two of 16, the rest of a row padding."""
+    ro = HFRollout(tiny_lm, max_new_tokens=16, seed=5)
+    ro.generate(["1+2=", "13+4=", "2+2="], ["3", "17", "4"], n=4)
+    ro.set_rewards([float(i % 3 == 0) for i in range(12)])
+    b = ro.take_batch()
+    first = int(b["response_mask"].bool().any(0).nonzero()[0])
+    for row, keep in enumerate([2, 16, 3, 16] * 3):  # the row ends after `keep` response tokens
+        b["response_mask"][row, first + keep :] = 0
+        b["attention_mask"][row, first + keep :] = 0
+        b["input_ids"][row, first + keep :] = ro.tok.pad_token_id
+        b["logprobs"][row, first + keep :] = 0.0
+    return b
+
+
+def test_length_buckets_group_rows_by_where_they_end_when_it_saves_more_than_a_pass_costs():
+    ends = torch.tensor([40, 12, 40, 11] * 32)
+    (short, short_end), (long, long_end) = length_buckets(ends, start=4, max_buckets=4)
+    assert (short_end, long_end) == (12, 40) and short.tolist() == list(range(1, 128, 2))
+    assert long.tolist() == list(range(0, 128, 2))
+    assert length_buckets(ends, 4, max_buckets=1) is None  # one pass asked for
+    assert length_buckets(torch.full((64,), 30), 4, max_buckets=4) is None  # nothing to leave out
+    # leaving out 2 rows x 28 positions saves less than a pass costs (64 positions): one pass
+    assert length_buckets(torch.tensor([40] * 30 + [12] * 2), 4, max_buckets=4) is None
+    spread = torch.randint(10, 2000, (512,), generator=torch.Generator().manual_seed(0))
+    buckets = length_buckets(spread, 5, max_buckets=4)  # ~500 distinct ends: rounded onto 64 steps
+    assert len(buckets) == 4 and sorted(torch.cat([r for r, _ in buckets]).tolist()) == list(range(512))
+    assert all(int(spread[rows].max()) <= end for rows, end in buckets) and buckets[-1][1] == int(
+        spread.max()
+    )
+    computed = sum(len(rows) * (end - 5) for rows, end in buckets)
+    assert computed < 0.65 * 512 * (int(spread.max()) - 5)  # padding left out: 61% of one full-width pass
+    mask = torch.tensor([[0, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    assert token_ends(mask, least=2).tolist() == [3, 5, 2]
+
+
+def test_rows_in_length_buckets_give_the_same_logprobs_and_gradients(tiny_lm):
+    model, _ = load_lm(tiny_lm)
+    b = _ragged_batch(tiny_lm)
+    ids, attn, response = b["input_ids"], b["attention_mask"], b["response_mask"]
+    mask = response.float()
+    shapes = []
+    model.register_forward_pre_hook(
+        lambda module, args, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+
+    def loss_and_grads(fn):
+        model.zero_grad()
+        shapes.clear()
+        logp = fn()
+        ((logp * mask).sum() / mask.sum()).backward()
+        return logp.detach(), [p.grad.clone() for p in model.parameters()], list(shapes)
+
+    first = int(response.bool().any(0).nonzero()[0])
+    plain, plain_grads, _ = loss_and_grads(lambda: token_logprobs(model, ids, attn, from_column=first))
+    for fn in (
+        lambda: token_logprobs(model, ids, attn, from_column=first, max_buckets=4),
+        lambda: shared_prompt_logprobs(model, ids, attn, response, max_buckets=4),
+    ):
+        logp, grads, passes = loss_and_grads(fn)
+        assert torch.allclose(logp * mask, plain * mask, atol=1e-5)  # every response position
+        assert not logp[0::2, first + 3 :].any()  # past the short rows' pass: 0, no padding position computed
+        for a, b_ in zip(plain_grads, grads):
+            assert torch.allclose(a, b_, atol=1e-6, rtol=1e-4)
+        # two passes of 6 rows, the short rows' cut 13 columns before the long ones'
+        halves = sorted(width for rows, width in passes if rows == 6)
+        assert len(halves) == 2 and halves[1] - halves[0] == 13, passes
+
+
+class WidthRecordingActor(LMActor):
+    """Records the shape of every batch its model's forward takes (on the worker). Its ``__init__(*args,
+    **kwargs)`` passes ``length_buckets`` on: launch finds it among ``LMActor``'s arguments, not settings."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shapes = []
+        self.policy.register_forward_pre_hook(
+            lambda module, args, kw: self.shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+        )
+
+    def forward_shapes(self) -> list:
+        return self.shapes
+
+
+def test_the_actor_trains_rows_in_length_buckets_on_a_worker_as_in_one_pass(cluster, tiny_lm):
+    batch = _ragged_batch(tiny_lm)
+    weights, metrics, shapes = {}, {}, {}
+    for buckets in (1, None):  # None: automatic, up to 4 on CPU
+        # two epochs and a KL to the reference: the update, and the old and reference log-probs' recompute
+        actor = WidthRecordingActor.launch(
+            cluster, "1", model_path=tiny_lm, group_size=4, update_epochs=2, num_minibatches=1, kl_coef=0.1, micro_batch_size=12,
+            lr=1e-2, length_buckets=buckets, name=f"actor_buckets_{buckets}",
+        )  # fmt: skip
+        actor.set_batch([dict(batch)]).result(60)
+        metrics[buckets] = actor.train().result(120)[0]
+        weights[buckets] = actor.policy_state().result(60)[0]
+        shapes[buckets] = actor.forward_shapes().result(60)[0]
+        actor.shutdown()
+    assert {rows for rows, _ in shapes[1]} == {3, 12}  # the 3 shared prompts, then all 12 rows at once
+    halves = [width for rows, width in shapes[None] if rows == 6]
+    assert len(halves) >= 6 and max(halves) - min(halves) == 13, shapes[None]  # old, reference, update
+    for name, w in weights[1].items():
+        if not name.endswith("k_proj.bias"):  # rounding-sized gradients under Adam: see the test below
+            assert torch.allclose(w, weights[None][name], atol=1e-5), name
+    assert metrics[1] == pytest.approx(metrics[None], rel=1e-4, abs=1e-6)
+    with pytest.raises(ConfigError, match=r"length_buckets: expected a whole number >= 1 .* got 0"):
+        LMActor(tiny_lm, group_size=4, length_buckets=0)
 
 
 def test_the_actor_computes_each_prompt_once_on_a_worker_and_trains_as_if_it_did_not(cluster, tiny_lm):

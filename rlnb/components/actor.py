@@ -33,6 +33,21 @@ from rlnb.runtime.rank import RankInfo, current_rank, local_peer, process_group
 from rlnb.seeding import rank_seed
 
 
+def constructor_parameters(cls) -> set[str]:
+    """The named arguments ``cls(...)`` takes, through subclasses' ``__init__(self, *args, **kwargs)`` that
+    pass them on to a base class's ``__init__``."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        params = inspect.signature(init).parameters.values()
+        names |= {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self"}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):  # passes no further names on
+            break
+    return names
+
+
 def with_settings(actor: ActorConfig, algorithm: AlgorithmConfig, settings: dict, owner: str):
     """``actor`` and ``algorithm`` with ``settings`` (field names of either) applied; unknown names refused."""
     actor_fields = {f.name for f in dataclasses.fields(ActorConfig)}
@@ -59,6 +74,9 @@ class ActorBase:
 
     CONTRACT = EMBODIED  # what this actor offers the algorithm registries
     DEFAULT_ALGORITHM: dict = {}  # AlgorithmConfig fields that differ for this actor when none is given
+    # DDP sends rank 0's buffers (e.g. normalisation statistics) to every rank at each forward: one
+    # collective per call, so every rank must call the model as many times a step
+    DDP_BROADCAST_BUFFERS = True
 
     @classmethod
     def algorithm_config(cls, algorithm) -> AlgorithmConfig:
@@ -74,7 +92,7 @@ class ActorBase:
         combination this actor cannot serve before anything starts."""
         kwargs = dict(kwargs)
         algorithm = cls.algorithm_config(kwargs.get("algorithm"))
-        params = inspect.signature(cls).parameters
+        params = constructor_parameters(cls)
         settings = {k: v for k, v in kwargs.items() if k not in params}
         with_settings(ActorConfig(), algorithm, settings, "actor")  # unknown names refused here
         advantage = kwargs.pop("advantage_fn", None) or kwargs.get("advantage") or algorithm.advantage
@@ -89,8 +107,11 @@ class ActorBase:
         from rlnb.runtime.rank import process_group
 
         ids = [self.device.index] if self.device.type == "cuda" else None
+        # torch 2.13 renamed broadcast_buffers (buffers from rank 0 at each forward) forward_sync_buffers
+        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        buffers = {"forward_sync_buffers" if renamed else "broadcast_buffers": self.DDP_BROADCAST_BUFFERS}
         self.model = DistributedDataParallel(
-            self.policy, device_ids=ids, process_group=process_group("default")
+            self.policy, device_ids=ids, process_group=process_group("default"), **buffers
         )
         return "ddp"
 

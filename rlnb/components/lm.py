@@ -46,6 +46,9 @@ log = logging.getLogger("rlnb")
 # 1.87-2.64x from 25 M parameters up (0.56x for a 4 M one). On CPU it paid at every size tried (1.24x for
 # 6-token prompts, 4.3x for 89-token ones).
 GPU_MIN_SHARED_FRACTION = 0.5
+# On CPU a micro-batch's rows go through in up to this many passes grouped by where they end, each cut at
+# its longest row (rlnb.models.lm.length_buckets): a padded position costs as much as a real one there.
+CPU_LENGTH_BUCKETS = 4
 
 
 def _adamw(model: torch.nn.Module, lr: float, device: torch.device) -> torch.optim.AdamW:
@@ -577,6 +580,10 @@ class LMActor(ActorBase):
             same log-probs and gradients), where it pays: always on CPU, on a GPU when the shared prompts
             hold at least half the micro-batch's tokens (``GPU_MIN_SHARED_FRACTION``). Off while the step
             is compiled; a model whose cache cannot be shared this way trains per sequence, said once.
+        length_buckets: the most passes a micro-batch's rows take, grouped by where they end, each cut at
+            its longest row, so that padding is not computed (:func:`rlnb.models.lm.length_buckets`: the
+            same log-probs and gradients). ``None``: 4 on CPU, 1 (one pass) on a GPU. Off while the step
+            is compiled.
         **settings: any field of ``AlgorithmConfig`` by name (``group_size=8``, ``kl_coef=0.01``...).
 
     Advantages and losses get every input of :data:`rlnb.algorithms.contract.LM` they accept. The
@@ -592,12 +599,15 @@ class LMActor(ActorBase):
     launch = launcher("actor")
     CONTRACT = LM
     DEFAULT_ALGORITHM = {"advantage": "grpo", "policy_loss": "ppo"}
+    # ranks call the model a different number of times a micro-batch (length buckets follow each rank's
+    # own rows), so no per-call buffer broadcast; a causal LM's buffers (rotary frequencies) are constants
+    DDP_BROADCAST_BUFFERS = False
 
     def __init__(
         self, model_path: str, algorithm=None, lr: float = 1e-3, micro_batch_size: int = 64, temperature: float = 1.0,
         max_grad_norm: float = 1.0, seed: int = 0, device: str = "auto", torch_threads: int = 1,
         advantage_fn=None, loss_fn=None, rank_info: RankInfo | None = None, *, advantage=None, policy_loss=None,
-        anneal_lr: bool = False, share_prompt_forward: bool = True, **settings,
+        anneal_lr: bool = False, share_prompt_forward: bool = True, length_buckets: int | None = None, **settings,
     ):  # fmt: skip
         rank_info = rank_info or current_rank()  # subclasses need not pass it on
         torch.set_num_threads(torch_threads)
@@ -610,6 +620,16 @@ class LMActor(ActorBase):
         self.rank = rank_info.rank if rank_info else 0
         self.world_size = rank_info.world_size if rank_info else 1
         self.device = resolve_device(device, rank_info)
+        if length_buckets is not None and (isinstance(length_buckets, bool) or not isinstance(length_buckets, int)
+                                           or length_buckets < 1):  # fmt: skip
+            raise ConfigError(
+                f"length_buckets: expected a whole number >= 1 (1: one pass over the batch's width) or None "
+                f"(automatic); got {length_buckets!r}",
+                "length_buckets",
+            )
+        # passes a micro-batch's rows take, grouped by length (padding left out); one on a GPU, which
+        # computes a padded position nearly for free next to a pass's fixed cost
+        self.length_buckets = length_buckets or (1 if self.device.type == "cuda" else CPU_LENGTH_BUCKETS)
         torch.manual_seed(seed)
         self.policy, self.tok = load_lm(model_path, self.device)
         self.model = self.policy
@@ -722,7 +742,9 @@ class LMActor(ActorBase):
         if self.share_prompt_forward and self.prompt_forward_fallback is None:
             try:
                 least = GPU_MIN_SHARED_FRACTION if self.device.type == "cuda" else 0.0
-                logp = shared_prompt_logprobs(model, ids, attn, response_mask, self.temperature, least)
+                logp = shared_prompt_logprobs(
+                    model, ids, attn, response_mask, self.temperature, least, self.length_buckets
+                )
             except Exception as e:  # an architecture whose cache is not a plain per-layer key/value cache
                 self.prompt_forward_fallback = f"{type(e).__name__}: {e}"[:300]
                 log.warning(
@@ -734,7 +756,8 @@ class LMActor(ActorBase):
                     self.shared_forwards += 1
                     return logp
         # logits only from the first response column
-        return token_logprobs(model, ids, attn, self.temperature, first_response_column(response_mask))
+        first = first_response_column(response_mask)
+        return token_logprobs(model, ids, attn, self.temperature, first, self.length_buckets)
 
     def forward_stats(self) -> dict:
         """How this rank computed log-probs: micro-batches whose prompts went through the model once per
