@@ -116,12 +116,100 @@ def test_completions_share_their_prompts_prefill_on_a_worker_with_the_same_token
         rollout.generate(prompts, answers, n=4).result(120)
         batches[share] = rollout.take_batch().result(60)[0]
         stats = rollout.generation_stats().result(60)[0]
-        assert stats == {"shared_prefills": int(share), "prefill_fallback": None}
+        assert stats == {"shared_prefills": int(share), "prefill_fallback": None, "decode_fallback": None}
         rollout.shutdown()
     shared, alone = batches[True], batches[False]
     assert torch.equal(shared["input_ids"], alone["input_ids"])  # the same samples, token for token
     assert torch.equal(shared["response_mask"], alone["response_mask"])
     assert torch.allclose(shared["logprobs"], alone["logprobs"], atol=1e-5)
+
+
+class RowCountingRollout(HFRollout):
+    """Records how many rows each forward of its model takes (on the worker)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rows = []
+        self.model.register_forward_pre_hook(
+            lambda module, args, kw: self.rows.append(kw["input_ids"].shape[0]), with_kwargs=True
+        )
+
+    def forward_rows(self) -> list:
+        return self.rows
+
+
+def test_ended_sequences_leave_the_decoding_batch_on_a_worker_and_sampling_is_generates(cluster, tiny_lm):
+    prompts, answers = ["1+2=", "13+4=", "7="], ["3", "17", "7"]
+    batches, rows = {}, {}
+    for drop in (True, False):
+        # an untrained model: EOS is one token of ~90, so some of 48 rows end before 24 tokens, most do not
+        rollout = RowCountingRollout.launch(
+            cluster, "0", model_path=tiny_lm, max_new_tokens=24, temperature=0.7, top_p=0.9, seed=11,
+            drop_finished=drop, name=f"rollout_drop_{drop}",
+        )  # fmt: skip
+        rollout.generate(prompts * 4, answers * 4, n=4).result(120)
+        batches[drop] = rollout.take_batch().result(60)[0]
+        rows[drop] = rollout.forward_rows().result(60)[0]
+        stats = rollout.generation_stats().result(60)[0]
+        assert stats["decode_fallback"] is None
+        rollout.shutdown()
+    decoding = rows[True][1:]  # after the shared prefill (12 distinct prompts)
+    assert decoding[0] == 48 and decoding == sorted(decoding, reverse=True) and decoding[-1] < 48, decoding
+    assert set(rows[False][1:]) == {48}  # generate: every row to the end
+    dropped, kept = batches[True], batches[False]
+    # the same sampling (temperature, then top-p, with the same seed) until the first sequence ends
+    response = dropped["response_mask"].bool()
+    first = int(response.any(0).nonzero()[0])
+    ends = response.sum(1)
+    same = first + int(ends.min())  # columns both drew with every row still running
+    assert torch.equal(dropped["input_ids"][:, :same], kept["input_ids"][:, :same])
+    assert torch.allclose(dropped["logprobs"][:, :same], kept["logprobs"][:, :same], atol=1e-5)
+    # generate's layout: padding after the EOS that ends a row, log-probs and mask 0 there
+    model, tok = load_lm(tiny_lm)
+    for row in range(48):
+        end = first + int(ends[row])
+        ids = dropped["input_ids"][row]
+        assert (ids[end:] == tok.pad_token_id).all() and not dropped["logprobs"][row, end:].any()
+        if end < len(ids):  # ended before its budget: on EOS
+            assert int(ids[end - 1]) == tok.eos_token_id
+    # the sampler's log-probs are of the distribution it drew from: the model's at temperature 0.7, top-p
+    # renormalised, so each is the actor's full-distribution log-prob plus -log(the nucleus' mass) >= 0
+    with torch.no_grad():
+        again = token_logprobs(model, dropped["input_ids"], dropped["attention_mask"], temperature=0.7)
+    nucleus = dropped["logprobs"][response] - again[response]
+    assert (nucleus > -1e-4).all() and (nucleus > 1e-3).any()
+
+
+class _TakesGenerateInputsOnly(HFRollout):
+    """A model whose forward takes only the inputs ``generate`` passes (no ``position_ids``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        forward = self.model.forward
+
+        def strict_forward(*a, **kw):
+            if "position_ids" in kw:
+                raise TypeError("forward() got an unexpected keyword argument 'position_ids'")
+            return forward(*a, **kw)
+
+        self.model.forward = strict_forward
+
+
+def test_a_model_the_decoding_loop_cannot_drive_samples_with_generate_and_says_why(tiny_lm, caplog):
+    prompts, answers = ["1+2=", "13+4="], ["3", "17"]
+    plain = HFRollout(tiny_lm, max_new_tokens=5, seed=4, drop_finished=False, share_prompt_prefill=False)
+    plain.generate(prompts, answers, n=4)
+    fallback = _TakesGenerateInputsOnly(tiny_lm, max_new_tokens=5, seed=4, share_prompt_prefill=False)
+    with caplog.at_level("WARNING", logger="rlnb"):
+        fallback.generate(prompts, answers, n=4)
+        first = fallback.take_batch()
+        fallback.generate(prompts, answers, n=4)  # not tried again
+    assert fallback.generation_stats()["decode_fallback"] == (
+        "TypeError: forward() got an unexpected keyword argument 'position_ids'"
+    )
+    warned = [r.getMessage() for r in caplog.records if "rlnb's decoding loop failed" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith("rollout[0]: decoding with transformers' generate")
+    assert torch.equal(first["input_ids"], plain.take_batch()["input_ids"])  # generate, with the same seed
 
 
 class _UnsharableCache(HFRollout):
@@ -152,6 +240,7 @@ def test_a_model_whose_cache_cannot_be_shared_prefills_per_completion_and_says_w
     assert fallback.generation_stats() == {
         "shared_prefills": 0,
         "prefill_fallback": "NotImplementedError: this cache cannot be repeated",
+        "decode_fallback": None,
     }
     warned = [r.getMessage() for r in caplog.records if "prefilled once per completion" in r.getMessage()]
     assert warned == [
@@ -526,7 +615,9 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient_and_kl(tiny_lm):
             0.0, abs=1e-6
         )  # the reference equals the policy before the update
         updated.append(torch.cat([p.detach().flatten() for p in actor.policy.parameters()]))
-    assert torch.allclose(updated[0], updated[1], atol=1e-6)  # 4 micro-batches of 2 == one batch of 8
+    # 4 micro-batches of 2 == one batch of 8, to rounding: Adam turns rounding-sized gradient differences
+    # into steps of ~1e-6 here, where a wrong accumulation would be off by ~lr = 1e-3
+    assert torch.allclose(updated[0], updated[1], atol=1e-5)
 
 
 def test_one_group_and_one_prompt_can_be_looked_at(cluster, tmp_path):

@@ -110,7 +110,7 @@ class RewardWorker:
 
 
 class HFRollout(RolloutBase):
-    """Batched sampling with ``transformers`` ``generate``; ``HFRollout.launch(cluster, "0", model_path=...)``.
+    """Batched sampling from a ``transformers`` causal LM; ``HFRollout.launch(cluster, "0", model_path=...)``.
 
     Args:
         model_path: a ``save_pretrained`` directory.
@@ -120,20 +120,29 @@ class HFRollout(RolloutBase):
         share_prompt_prefill: compute each prompt's KV cache once for its ``n`` completions and repeat
             it, where ``generate`` would compute it ``n`` times (same tokens and log-probs). If a model's
             cache cannot be shared this way, the rollout says why once and prefills per completion.
+        drop_finished: decode with rlnb's own sampling loop, from which a sequence leaves once it has
+            ended (EOS): ``generate`` goes on computing every ended sequence until the longest ends,
+            which in a batch of long-tailed lengths is most of its work. It samples each token from
+            the model's distribution at ``temperature`` (and ``top_p``), as ``generate`` does with the
+            same seed while no sequence has ended. If a model cannot be decoded this way, the rollout
+            says why once and uses ``generate``; ``False`` always uses ``generate``.
     """
 
     launch = launcher("rollout")
     # what generation_stats() reports for a subclass with its own engine (vLLM caches prefixes itself)
     share_prompt_prefill, shared_prefills, prefill_fallback = False, 0, None
+    drop_finished, decode_fallback = False, None
 
     def __init__(
         self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
         device: str = "auto", torch_threads: int = 1, rank_info: RankInfo | None = None,
-        share_prompt_prefill: bool = True,
+        share_prompt_prefill: bool = True, drop_finished: bool = True,
     ):  # fmt: skip
         rank_info = rank_info or current_rank()  # subclasses need not pass it on
         torch.set_num_threads(torch_threads)
         self.share_prompt_prefill = share_prompt_prefill
+        self.drop_finished = drop_finished
+        self.decode_fallback: str | None = None  # why rlnb's decoding loop gave way to generate, if it did
         self.prefill_fallback: str | None = None  # why prompts could not share their prefill, if so
         self.shared_prefills = 0  # generate calls whose prompts were prefilled once for all completions
         self.rank = rank_info.rank if rank_info else 0
@@ -181,34 +190,32 @@ class HFRollout(RolloutBase):
     def _generate(self, prompts: list[str], n: int, greedy: bool):
         self.onload()
         enc = self.tok(prompts, return_tensors="pt", padding=True).to(self.device)
+        seed = self.seed * 1_000_003 + self.calls
         if not greedy:  # greedy decoding draws nothing: evaluating does not shift training's sampling seeds
-            torch.manual_seed(self.seed * 1_000_003 + self.calls)
             self.calls += 1
-        sampling = dict(
-            do_sample=not greedy, temperature=self.temperature if not greedy else None,
-            top_p=self.top_p if not greedy else None, top_k=None, max_new_tokens=self.max_new_tokens,
-            pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
-            return_dict_in_generate=True, output_scores=True,
-        )  # fmt: skip
-        cache = self._shared_prompt_cache(enc, n)
-        if cache is not None:  # every completion starts from its prompt's cache: only its last token is left
-            out = self.model.generate(
-                input_ids=enc["input_ids"].repeat_interleave(n, 0),
-                attention_mask=enc["attention_mask"].repeat_interleave(n, 0),
-                past_key_values=cache,
-                **sampling,
-            )
-        else:
-            out = self.model.generate(**enc, num_return_sequences=n, **sampling)
+        sampled = None
+        if self.drop_finished and self.decode_fallback is None:
+            try:
+                if not greedy:
+                    torch.manual_seed(seed)
+                sampled = self._decode(enc, n, greedy)
+            except Exception as e:  # a model this loop cannot drive (its forward needs generate's inputs)
+                self.decode_fallback = f"{type(e).__name__}: {e}"[:300]
+                log.warning(
+                    "rollout[%d]: decoding with transformers' generate, ended sequences included; rlnb's "
+                    "decoding loop failed (%s)", self.rank, self.decode_fallback,
+                )  # fmt: skip
+        if sampled is None:
+            if not greedy:
+                torch.manual_seed(seed)
+            sampled = self._hf_generate(enc, n, greedy)
+        seqs, logp = sampled  # (B*n, P+R), (B*n, R)
         prompt_len = enc["input_ids"].shape[1]
-        seqs = out.sequences  # (B*n, P+R)
         response = seqs[:, prompt_len:]  # (B*n, R)
         # response mask: tokens up to and including the first EOS
         is_eos = response == self.tok.eos_token_id
         after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0
         resp_mask = (~after_eos).long()
-        # behaviour log-probs of the sampled tokens under the sampling distribution
-        logp = self.model.compute_transition_scores(seqs, out.scores, normalize_logits=True)  # (B*n, R)
         logp = torch.where(resp_mask.bool(), logp, torch.zeros_like(logp)).float()
         attn = torch.cat([enc["attention_mask"].repeat_interleave(n, 0), resp_mask], dim=1)
         zeros = torch.zeros(seqs.shape[0], prompt_len, dtype=torch.long, device=seqs.device)
@@ -221,6 +228,88 @@ class HFRollout(RolloutBase):
             "response_mask": torch.cat([zeros, resp_mask], dim=1).cpu(),
             "logprobs": torch.cat([zeros.float(), logp], dim=1).cpu(),
         }, texts
+
+    def _sampling(self, greedy: bool) -> dict:
+        return dict(
+            do_sample=not greedy, temperature=self.temperature if not greedy else None,
+            top_p=self.top_p if not greedy else None, top_k=None, max_new_tokens=self.max_new_tokens,
+            pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
+        )  # fmt: skip
+
+    def _hf_generate(self, enc, n: int, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``transformers``' ``generate``: sequences ``[B*n, P+R]`` and the sampled tokens' log-probs ``[B*n, R]``."""
+        sampling = dict(self._sampling(greedy), return_dict_in_generate=True, output_scores=True)
+        cache = self._shared_prompt_cache(enc, n)
+        if cache is not None:  # every completion starts from its prompt's cache: only its last token is left
+            out = self.model.generate(
+                input_ids=enc["input_ids"].repeat_interleave(n, 0),
+                attention_mask=enc["attention_mask"].repeat_interleave(n, 0),
+                past_key_values=cache,
+                **sampling,
+            )
+        else:
+            out = self.model.generate(**enc, num_return_sequences=n, **sampling)
+        # behaviour log-probs of the sampled tokens under the sampling distribution
+        return out.sequences, self.model.compute_transition_scores(
+            out.sequences, out.scores, normalize_logits=True
+        )
+
+    def _decode(self, enc, n: int, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """rlnb's decoding loop: as :meth:`_hf_generate`, but a sequence that has ended leaves the batch.
+
+        Each step feeds the running sequences' last tokens, samples the next from the logits at
+        ``temperature`` (float32, then top-p; greedy: the argmax), as ``generate`` does, and keeps its
+        log-prob under that distribution. Sequences that sampled EOS are dropped from the KV cache.
+        """
+        ids = enc["input_ids"].repeat_interleave(n, 0)  # (N, P), N = B * n
+        attn = enc["attention_mask"].repeat_interleave(n, 0)
+        rows, steps = ids.shape[0], self.max_new_tokens
+        cache = self._shared_prompt_cache(enc, n)
+        if cache is None:  # each row's prompt but its last token, prefilled row by row
+            cache = new_cache(self.model)
+            if ids.shape[1] > 1:
+                self.model(
+                    input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=positions_from_mask(attn[:, :-1]),
+                    past_key_values=cache, use_cache=True, **logits_kept(self.model, 1),
+                )  # fmt: skip
+        tokens = torch.full((rows, steps), self.tok.pad_token_id, dtype=torch.long, device=ids.device)
+        logps = torch.zeros(rows, steps, device=ids.device)
+        live = torch.arange(rows, device=ids.device)  # the rows still decoding
+        last, position = ids[:, -1], positions_from_mask(attn)[:, -1]
+        made = 0
+        for step in range(steps):
+            logits = self.model(
+                input_ids=last[:, None], attention_mask=attn, position_ids=position[:, None],
+                past_key_values=cache, use_cache=True,
+            ).logits[:, -1].float()  # fmt: skip
+            token, logp = self._sample(logits, greedy)
+            tokens[live, step], logps[live, step] = token, logp
+            made = step + 1
+            running = token != self.tok.eos_token_id
+            if step == steps - 1 or not running.any():
+                break
+            if not running.all():
+                keep = running.nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                live, token, attn, position = live[keep], token[keep], attn[keep], position[keep]
+            attn = torch.cat([attn, attn.new_ones(len(live), 1)], dim=1)
+            last, position = token, position + 1
+        return torch.cat([ids, tokens[:, :made]], dim=1), logps[:, :made]
+
+    def _sample(self, logits: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next token of each row from ``logits [N, V]`` and its log-prob under the distribution it
+        was drawn from (``generate``'s warpers: temperature, then top-p keeping at least one token)."""
+        if greedy:
+            token = logits.argmax(-1)
+            return token, torch.log_softmax(logits, -1).gather(1, token[:, None]).squeeze(1)
+        scores = logits / self.temperature
+        if self.top_p is not None and self.top_p < 1.0:
+            ordered, order = torch.sort(scores, descending=False)
+            drop = ordered.softmax(-1).cumsum(-1) <= (1 - self.top_p)
+            drop[:, -1] = False
+            scores = scores.masked_fill(drop.scatter(1, order, drop), -float("inf"))
+        token = torch.multinomial(torch.softmax(scores, -1), num_samples=1).squeeze(1)
+        return token, torch.log_softmax(scores, -1).gather(1, token[:, None]).squeeze(1)
 
     def _shared_prompt_cache(self, enc, n: int):
         """The KV cache of each prompt but its last token, computed once and repeated for its ``n``
@@ -248,7 +337,11 @@ class HFRollout(RolloutBase):
 
     def generation_stats(self) -> dict:
         """How this rank generated: calls whose prompts shared one prefill, and why sharing stopped, if it did."""
-        return {"shared_prefills": self.shared_prefills, "prefill_fallback": self.prefill_fallback}
+        return {
+            "shared_prefills": self.shared_prefills,
+            "prefill_fallback": self.prefill_fallback,
+            "decode_fallback": self.decode_fallback,
+        }
 
     def generate(self, prompts: list[str], answers: list[str], n: int, reward: str | None = None) -> dict:
         """Sample ``n`` completions per prompt and keep the batch; score in-process if ``reward`` is collocated.
