@@ -176,7 +176,7 @@ class RolloutConfig:
     """The inference component that runs the policy."""
 
     backend: Literal["policy", "hf", "vllm"] = "policy"
-    """``policy`` (MLP/CNN policies), ``hf`` (transformers generate) or ``vllm`` (GPU)."""
+    """``policy`` (MLP/CNN policies), ``hf`` (a transformers causal LM, sampled by rlnb's decoding loop) or ``vllm`` (GPU)."""
     steps_per_rollout: int = 128
     """Env steps per env per training step (T)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
