@@ -356,8 +356,9 @@ def check_grpo_tiny_lm_cuda(work: Path) -> dict:
 
 def check_shared_prompt_prefill_cuda(work: Path) -> dict:
     """``HFRollout`` on the GPU: completions sampled from one prefill per prompt are the tokens, and
-    the log-probs, of prefilling each completion; the actor's update computing each prompt once has the
-    log-probs and gradients of one over every sequence; and how long each way takes there."""
+    the log-probs, of prefilling each completion, both through rlnb's decoding loop (no fallback to
+    ``generate``); the actor's update computing each prompt once has the log-probs and gradients of one
+    over every sequence; and how long each way takes there, ``generate`` included."""
     import torch
 
     from rlnb.components.lm import HFRollout
@@ -376,12 +377,20 @@ def check_shared_prompt_prefill_cuda(work: Path) -> dict:
         torch.cuda.synchronize()
         seconds[share] = round(time.perf_counter() - t0, 3)
         batches[share] = rollout.take_batch()
-        if rollout.generation_stats()["shared_prefills"] != int(share):
-            raise RuntimeError(f"share_prompt_prefill={share}: {rollout.generation_stats()}")
+        stats = rollout.generation_stats()
+        if stats["shared_prefills"] != int(share) or stats["decode_fallback"] is not None:
+            raise RuntimeError(f"share_prompt_prefill={share}: {stats}")
+    for _ in range(2):  # transformers' generate (ended rows computed to the end), the second timed
+        plain = HFRollout(path, max_new_tokens=32, seed=0, device="cuda", drop_finished=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        plain.generate(prompts, answers, n=8)
+        torch.cuda.synchronize()
+        seconds["generate"] = round(time.perf_counter() - t0, 3)
     same_tokens = torch.equal(batches[True]["input_ids"], batches[False]["input_ids"])
     drift = float((batches[True]["logprobs"] - batches[False]["logprobs"]).abs().max())
-    out = {"same_tokens": same_tokens, "logprob_max_diff": drift,
-           "generate_s_shared": seconds[True], "generate_s_per_completion": seconds[False]}  # fmt: skip
+    out = {"same_tokens": same_tokens, "logprob_max_diff": drift, "generate_s_shared": seconds[True],
+           "generate_s_per_completion": seconds[False], "generate_s_transformers": seconds["generate"]}  # fmt: skip
     if not same_tokens or drift > 1e-3:
         raise RuntimeError(f"a shared prefill changed what was sampled: {out}")
     out.update(_shared_prompt_update_cuda(path, batches[True]))
