@@ -196,12 +196,16 @@ class HFRollout(RolloutBase):
         seed = self.seed * 1_000_003 + self.calls
         if not greedy:  # greedy decoding draws nothing: evaluating does not shift training's sampling seeds
             self.calls += 1
+
+        def seeded(sampler):  # both samplers draw from the same per-call seed
+            if not greedy:
+                torch.manual_seed(seed)
+            return sampler(enc, n, greedy)
+
         sampled = None
         if self.drop_finished and self.decode_fallback is None:
             try:
-                if not greedy:
-                    torch.manual_seed(seed)
-                sampled = self._decode(enc, n, greedy)
+                sampled = seeded(self._decode)
             except Exception as e:  # a model this loop cannot drive (its forward needs generate's inputs)
                 self.decode_fallback = f"{type(e).__name__}: {e}"[:300]
                 log.warning(
@@ -209,9 +213,7 @@ class HFRollout(RolloutBase):
                     "decoding loop failed (%s)", self.rank, self.decode_fallback,
                 )  # fmt: skip
         if sampled is None:
-            if not greedy:
-                torch.manual_seed(seed)
-            sampled = self._hf_generate(enc, n, greedy)
+            sampled = seeded(self._hf_generate)
         seqs, logp = sampled  # (B*n, P+R), (B*n, R)
         prompt_len = enc["input_ids"].shape[1]
         response = seqs[:, prompt_len:]  # (B*n, R)
@@ -232,16 +234,14 @@ class HFRollout(RolloutBase):
             "logprobs": torch.cat([zeros.float(), logp], dim=1).cpu(),
         }, texts
 
-    def _sampling(self, greedy: bool) -> dict:
-        return dict(
+    def _hf_generate(self, enc, n: int, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``transformers``' ``generate``: sequences ``[B*n, P+R]`` and the sampled tokens' log-probs ``[B*n, R]``."""
+        sampling = dict(
             do_sample=not greedy, temperature=self.temperature if not greedy else None,
             top_p=self.top_p if not greedy else None, top_k=None, max_new_tokens=self.max_new_tokens,
             pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
+            return_dict_in_generate=True, output_scores=True,
         )  # fmt: skip
-
-    def _hf_generate(self, enc, n: int, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``transformers``' ``generate``: sequences ``[B*n, P+R]`` and the sampled tokens' log-probs ``[B*n, R]``."""
-        sampling = dict(self._sampling(greedy), return_dict_in_generate=True, output_scores=True)
         cache = self._shared_prompt_cache(enc, n)
         if cache is not None:  # every completion starts from its prompt's cache: only its last token is left
             out = self.model.generate(
@@ -271,12 +271,7 @@ class HFRollout(RolloutBase):
         rows, steps = ids.shape[0], self.max_new_tokens
         cache = self._shared_prompt_cache(enc, n)
         if cache is None:  # each row's prompt but its last token, prefilled row by row
-            cache = new_cache(self.model)
-            if ids.shape[1] > 1:
-                self.model(
-                    input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=positions_from_mask(attn[:, :-1]),
-                    past_key_values=cache, use_cache=True, **logits_kept(self.model, 1),
-                )  # fmt: skip
+            cache = self._prefill(ids, attn)
         tokens = torch.full((rows, steps), self.tok.pad_token_id, dtype=torch.long, device=ids.device)
         logps = torch.zeros(rows, steps, device=ids.device)
         live = torch.arange(rows, device=ids.device)  # the rows in the decoding batch
@@ -326,6 +321,17 @@ class HFRollout(RolloutBase):
         token = torch.multinomial(torch.softmax(scores, -1), num_samples=1).squeeze(1)
         return token, torch.log_softmax(scores, -1).gather(1, token[:, None]).squeeze(1)
 
+    def _prefill(self, ids: torch.Tensor, attn: torch.Tensor):
+        """A KV cache of ``ids [B, P]`` but their last column (empty for one-token rows), with logits for
+        one position only: the last column is what decoding feeds first."""
+        cache = new_cache(self.model)
+        if ids.shape[1] > 1:
+            self.model(
+                input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=positions_from_mask(attn[:, :-1]),
+                past_key_values=cache, use_cache=True, **logits_kept(self.model, 1),
+            )  # fmt: skip
+        return cache
+
     def _shared_prompt_cache(self, enc, n: int):
         """The KV cache of each prompt but its last token, computed once and repeated for its ``n``
         completions; ``None`` for one completion, a one-token prompt, or a model whose cache cannot be
@@ -334,11 +340,7 @@ class HFRollout(RolloutBase):
         if n < 2 or ids.shape[1] < 2 or not self.share_prompt_prefill or self.prefill_fallback:
             return None
         try:
-            cache = new_cache(self.model)
-            self.model(
-                input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=positions_from_mask(attn[:, :-1]),
-                past_key_values=cache, use_cache=True, **logits_kept(self.model, 1),
-            )  # fmt: skip
+            cache = self._prefill(ids, attn)
             cache.batch_repeat_interleave(n)  # [B, ...] -> [B * n, ...], each prompt's rows side by side
             self.shared_prefills += 1
             return cache

@@ -234,8 +234,8 @@ def length_buckets(
     ``ends [B]`` (:func:`token_ends`) -> ``[(rows, end)]``: at most ``max_buckets`` groups minimising the
     token positions computed, ``sum(len(rows) * (end - start))``, plus ``cost_positions`` for each pass
     (its fixed cost: dispatch, weights read again; on this project's CPU a forward and backward pass of a
-    4 M-parameter model cost ~10 ms plus ~0.29 ms a position, i.e. ~35 positions). ``None`` when one pass over the whole width is best
-    or ``max_buckets < 2``. veRL removes padding by packing rows (``use_remove_padding``); cutting passes
+    4 M-parameter model cost ~10 ms plus ~0.29 ms a position, i.e. ~35 positions). ``None`` when one pass
+    over the whole width is best or ``max_buckets < 2``. veRL removes padding by packing rows (``use_remove_padding``); cutting passes
     at their longest row gets most of that without a variable-length attention kernel.
 
     Example:
@@ -244,10 +244,11 @@ def length_buckets(
     """
     if max_buckets < 2 or len(ends) < 2:
         return None
-    if len(ends.unique()) > 64:  # the search below is quadratic in distinct ends: round them up onto 64 steps
+    values, counts = torch.unique(ends, return_counts=True)  # ascending
+    if len(values) > 64:  # the search below is quadratic in distinct ends: round them up onto 64 steps
         step = -(-int(ends.max() - ends.min()) // 64)
         ends = torch.minimum(ends.min() + (ends - ends.min() + step - 1) // step * step, ends.max())
-    values, counts = torch.unique(ends, return_counts=True)  # ascending
+        values, counts = torch.unique(ends, return_counts=True)
     if len(values) < 2:
         return None
     v = (values - start).tolist()
