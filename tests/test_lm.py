@@ -116,7 +116,9 @@ def test_completions_share_their_prompts_prefill_on_a_worker_with_the_same_token
         rollout.generate(prompts, answers, n=4).result(120)
         batches[share] = rollout.take_batch().result(60)[0]
         stats = rollout.generation_stats().result(60)[0]
-        assert stats == {"shared_prefills": int(share), "prefill_fallback": None, "decode_fallback": None}
+        assert stats == {
+            "drop_finished": True, "shared_prefills": int(share), "prefill_fallback": None, "decode_fallback": None,
+        }  # fmt: skip
         rollout.shutdown()
     shared, alone = batches[True], batches[False]
     assert torch.equal(shared["input_ids"], alone["input_ids"])  # the same samples, token for token
@@ -238,6 +240,7 @@ def test_a_model_whose_cache_cannot_be_shared_prefills_per_completion_and_says_w
         first = fallback.take_batch()
         fallback.generate(prompts, answers, n=4)  # not tried again
     assert fallback.generation_stats() == {
+        "drop_finished": True,
         "shared_prefills": 0,
         "prefill_fallback": "NotImplementedError: this cache cannot be repeated",
         "decode_fallback": None,
@@ -406,7 +409,9 @@ class WidthRecordingActor(LMActor):
         )
 
     def forward_shapes(self) -> list:
-        return self.shapes
+        """The shapes recorded since the last call."""
+        shapes, self.shapes = self.shapes, []
+        return shapes
 
 
 def test_the_actor_trains_rows_in_length_buckets_on_a_worker_as_in_one_pass(cluster, tiny_lm):
@@ -434,6 +439,68 @@ def test_the_actor_trains_rows_in_length_buckets_on_a_worker_as_in_one_pass(clus
         LMActor(tiny_lm, group_size=4, length_buckets=0)
 
 
+def _rewarded(batch: dict, rewards: list[float]) -> dict:
+    return {**batch, "rewards": torch.tensor(rewards, dtype=torch.float32)}
+
+
+def test_rows_without_advantage_stay_out_of_the_update_on_ddp_workers_and_training_is_unchanged(
+    cluster, tiny_lm
+):
+    """A group whose completions all scored alike adds exactly 0 to PPO's loss and gradient: the update
+    leaves its rows out (``skip_zero_advantage``), also where a DDP rank has nothing left to compute."""
+    batch = _ragged_batch(tiny_lm)
+    mixed = _rewarded(batch, [1, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 1])  # group 1 (rows 4-7) scored alike
+    flat = _rewarded(batch, [0] * 4 + [1] * 4 + [0] * 4)  # every group alike: nothing to learn
+    steps = [(mixed, mixed), (mixed, flat), (flat, flat)]  # (rank 0's batch, rank 1's) at each step
+    weights, metrics, rows, zero = {}, {}, {}, {}
+    for skip in (False, True):
+        actor = WidthRecordingActor.launch(
+            cluster, "0-1", model_path=tiny_lm, group_size=4, update_epochs=1, num_minibatches=1, micro_batch_size=12,
+            lr=1e-2, length_buckets=1, skip_zero_advantage=skip, name=f"actor_skip_{skip}",
+        )  # fmt: skip
+        actor.init_process_group(timeout_s=60)
+        actor.setup_data_parallel().result(60)
+        metrics[skip], rows[skip], zero[skip] = [], [], []
+        for version, (b0, b1) in enumerate(steps):  # sampled by the current weights: one on-policy pass
+            actor.call_each(
+                "set_batch", [([dict(b0, version=version)],), ([dict(b1, version=version)],)]
+            ).result(60)
+            zero[skip].append([a["zero_advantage_frac"] for a in actor.compute_advantages().result(60)])
+            metrics[skip].append(actor.train().result(120))
+            rows[skip].append([max(r for r, _ in shapes) for shapes in actor.forward_shapes().result(60)])
+        weights[skip] = actor.on(0).policy_state().result(60)[0]
+        actor.shutdown()
+    assert rows[False] == [[12, 12]] * 3
+    # the update's widest pass per rank: 8 rows (2 groups), or 1 row with weight 0 (nothing to compute:
+    # DDP's all-reduce still needs this rank's backward, and Adam steps on zero gradients as it would)
+    assert rows[True] == [[8, 8], [8, 1], [1, 1]]
+    computed = [[m["rows_computed_frac"] for m in step] for step in metrics[True]]
+    assert computed == [[2 / 3, 2 / 3], [2 / 3, 0.0], [0.0, 0.0]]
+    for name, w in weights[False].items():
+        if not name.endswith("k_proj.bias"):  # rounding-sized gradients under Adam (see the test below)
+            assert torch.allclose(w, weights[True][name], atol=1e-5), name
+    for plain, skipped in zip(metrics[False], metrics[True]):
+        for a, b in zip(plain, skipped):
+            assert a.pop("rows_computed_frac") == 1.0 and b.pop("rows_computed_frac") < 1.0
+            assert a == pytest.approx(b, rel=1e-4, abs=1e-6)
+    expected = [1 / 3, 1 / 3, 1 / 3, 1.0, 1.0, 1.0]  # rows with no signal, per step and rank
+    for run in (True, False):
+        assert [frac for step in zero[run] for frac in step] == pytest.approx(expected)
+    # every row is computed where leaving some out would change the update or its metrics
+    one_pass = {"group_size": 4, "update_epochs": 1, "num_minibatches": 1, "micro_batch_size": 12}
+    for settings in ({"kl_coef": 0.1}, {"update_epochs": 2}, {"skip_zero_advantage": False}):
+        actor = LMActor(tiny_lm, **{**one_pass, **settings})
+        actor.set_batch([dict(mixed)])
+        assert actor.train()["rows_computed_frac"] == 1.0, settings
+
+    def my_ppo(logprobs, old_logprobs, advantages, mask):  # not known to add 0 without advantage
+        return -(advantages * (logprobs - old_logprobs.detach()).exp() * mask).sum() / mask.sum(), {}
+
+    actor = LMActor(tiny_lm, **one_pass, policy_loss=my_ppo)
+    actor.set_batch([dict(mixed)])
+    assert actor.train()["rows_computed_frac"] == 1.0
+
+
 def test_the_actor_computes_each_prompt_once_on_a_worker_and_trains_as_if_it_did_not(cluster, tiny_lm):
     batches = _two_rollout_batches(tiny_lm)
     weights, stats, metrics = {}, {}, {}
@@ -450,7 +517,9 @@ def test_the_actor_computes_each_prompt_once_on_a_worker_and_trains_as_if_it_did
         actor.shutdown()
     # 20 rows in micro-batches of 8: each micro-batch's groups sit together (the update sorts its rows)
     assert stats[True]["shared_forwards"] >= 6 and stats[True]["prompt_forward_fallback"] is None
-    assert stats[False] == {"shared_forwards": 0, "prompt_forward_fallback": None}
+    assert stats[False] == {
+        "length_buckets": 4, "skip_zero_advantage": True, "shared_forwards": 0, "prompt_forward_fallback": None,
+    }  # fmt: skip
     for name, w in weights[True].items():
         # a key bias's gradient is zero but for rounding (softmax ignores a shift common to all keys),
         # and Adam turns rounding-sized gradients into full-sized steps: those weights differ by noise
@@ -474,6 +543,8 @@ def test_an_actor_whose_model_cannot_share_prompts_trains_per_sequence_and_says_
         metrics = actor.train()
     assert math.isfinite(metrics["loss"])
     assert actor.forward_stats() == {
+        "length_buckets": 4,
+        "skip_zero_advantage": True,
         "shared_forwards": 0,
         "prompt_forward_fallback": "NotImplementedError: this cache cannot be repeated",
     }
@@ -523,6 +594,9 @@ def test_grpo_raises_reward(cluster, tmp_path):
         # both DDP ranks computed each prompt once (calling the DDP wrapper twice a micro-batch)
         for stats in loop.groups["actor"].forward_stats().result(60):
             assert stats["prompt_forward_fallback"] is None and stats["shared_forwards"] >= 60, stats
+        # groups whose completions all scored alike stayed out of the update, on both DDP ranks
+        computed = [r["train/rows_computed_frac"] for r in loop.history if "train/rows_computed_frac" in r]
+        assert len(computed) == 60 and min(computed) < 1.0, computed
         rank0, rank1 = loop.groups["actor"].policy_state().result(60)  # DDP kept the replicas equal
         assert all(torch.equal(w, rank1[name]) for name, w in rank0.items())
         for k in (
@@ -557,8 +631,10 @@ def test_grpo_resume_is_exact_and_reward_can_sit_elsewhere(cluster, tmp_path):
 def test_lm_recipe_errors():
     with pytest.raises(RecipeError) as e:
         load_recipe("grpo_arith", ["actor.model_path=/nonexistent/model", "actor.build_if_missing=false",
-                                   "algorithm.group_size=1", "rollout.temperature=0", "data.task=file"])  # fmt: skip
+                                   "algorithm.group_size=1", "rollout.temperature=0", "data.task=file",
+                                   "actor.length_buckets=0"])  # fmt: skip
     msg = str(e.value)
+    assert "actor.length_buckets: expected an integer >= 1, got 0" in msg
     assert "actor.model_path: '/nonexistent/model' has no config.json" in msg
     assert "algorithm.group_size: grpo needs at least 2 samples per prompt, got 1" in msg
     assert "rollout.temperature: expected a number > 0, got 0.0" in msg
@@ -567,6 +643,22 @@ def test_lm_recipe_errors():
         RecipeError, match=r"data.path: 'qa.jsonl' is set, but data.task is 'arithmetic'.*data.task=file"
     ):
         load_recipe("grpo_arith", ["data.path=qa.jsonl"])  # silently trained on arithmetic before
+
+
+def test_the_lm_speed_options_of_a_recipe_reach_the_components_on_workers(cluster, tmp_path):
+    """``actor.length_buckets``, ``actor.skip_zero_advantage`` and ``rollout.drop_finished`` (defaults: 4 on
+    CPU, on, on) set in a recipe are what the actor and rollout ranks use."""
+    overrides = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "runner.steps=2", "actor.sft_steps=0",
+                 "actor.length_buckets=2", "actor.skip_zero_advantage=false", "rollout.drop_finished=false"]  # fmt: skip
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        records = loop.run(progress=False)
+        for stats in loop.groups["actor"].forward_stats().result(60):
+            assert (stats["length_buckets"], stats["skip_zero_advantage"]) == (2, False), stats
+        for stats in loop.groups["rollout"].generation_stats().result(60):
+            assert stats["drop_finished"] is False, stats
+    # an untrained model: most groups scored alike (no signal), and every row was computed all the same
+    assert all(r["advantages/zero_advantage_frac"] > 0.5 for r in records), records
+    assert [r["train/rows_computed_frac"] for r in records] == [1.0, 1.0]
 
 
 @requires_gpu

@@ -78,7 +78,7 @@ def _clipped_objective(ratio, advantages, lo, hi, dual_clip):
     return loss, clipped
 
 
-@register_policy_loss("ppo")
+@register_policy_loss("ppo", zero_at_zero_advantage=True)
 def ppo(
     logprobs,
     old_logprobs,
@@ -122,7 +122,7 @@ def ppo(
     return loss, metrics
 
 
-@register_policy_loss("decoupled_ppo")
+@register_policy_loss("decoupled_ppo", zero_at_zero_advantage=True)
 def decoupled_ppo(
     logprobs,
     old_logprobs,

@@ -28,6 +28,8 @@ class Entry:
         needs: inputs it cannot run without (default: its parameters without a default value).
         accepts: every input it takes (``None``: it takes ``**kwargs``, so everything offered).
         layouts: batch layouts it reads (``()``: any).
+        zero_at_zero_advantage: (a policy loss) a row whose advantages are all 0 adds exactly 0 to the
+            loss and to its gradient, so an actor may leave such rows out of its forward and backward.
     """
 
     name: str
@@ -35,6 +37,7 @@ class Entry:
     needs: frozenset[str]
     accepts: frozenset[str] | None
     layouts: tuple[str, ...] = ()
+    zero_at_zero_advantage: bool = False
 
     def missing(self, available: Iterable[str]) -> list[str]:
         """The inputs this entry needs that ``available`` lacks, sorted."""
@@ -87,6 +90,7 @@ class Registry:
         layouts: Iterable[str] = (),
         aliases: Iterable[str] = (),
         overwrite: bool = False,
+        zero_at_zero_advantage: bool = False,
     ):
         """Decorator registering a function under ``name`` (case-insensitive).
 
@@ -96,6 +100,9 @@ class Registry:
             layouts: batch layouts it reads (``trajectory``, ``sequence``); default: any.
             aliases: other names for the same entry (old names kept after a rename).
             overwrite: replace an entry of the same name.
+            zero_at_zero_advantage: (a policy loss) a row whose advantages are all 0 adds exactly 0 to the
+                loss and its gradient (true of PPO's clipped surrogate, whatever the ratio): the LM actor
+                then leaves such rows out of the update (GRPO groups whose completions all scored alike).
         """
         key = name.lower()
         layouts = tuple(layouts)
@@ -110,7 +117,10 @@ class Registry:
                     f"{self.kind} {name!r} is already registered; pass overwrite=True to replace it"
                 )
             sig_needs, accepts = _signature_contract(fn)
-            entry = Entry(key, fn, frozenset(needs) if needs is not None else sig_needs, accepts, layouts)
+            entry = Entry(
+                key, fn, frozenset(needs) if needs is not None else sig_needs, accepts, layouts,
+                zero_at_zero_advantage,
+            )  # fmt: skip
             self._items[key] = entry
             self._aliases.pop(key, None)
             for alias in aliases:

@@ -353,8 +353,10 @@ class HFRollout(RolloutBase):
             return None
 
     def generation_stats(self) -> dict:
-        """How this rank generated: calls whose prompts shared one prefill, and why sharing stopped, if it did."""
+        """How this rank generated: whether ended rows leave the batch (``drop_finished``), calls whose prompts
+        shared one prefill, and why sharing or the decoding loop stopped, if they did."""
         return {
+            "drop_finished": self.drop_finished,
             "shared_prefills": self.shared_prefills,
             "prefill_fallback": self.prefill_fallback,
             "decode_fallback": self.decode_fallback,
@@ -694,6 +696,11 @@ class LMActor(ActorBase):
             its longest row, so that padding is not computed (:func:`rlnb.models.lm.length_buckets`: the
             same log-probs and gradients). ``None``: 4 on CPU, 1 (one pass) on a GPU. Off while the step
             is compiled.
+        skip_zero_advantage: leave rows whose advantages are all 0 (a GRPO group whose completions all
+            scored alike) out of the update's forward and backward, where that changes nothing: the loss
+            adds exactly 0 for them (``zero_at_zero_advantage``, e.g. ``ppo``), there is no KL term in
+            the loss, and the batch is trained in one on-policy pass. The optimizer still steps as before.
+            Off while the step is compiled. ``train()`` reports ``rows_computed_frac``.
         **settings: any field of ``AlgorithmConfig`` by name (``group_size=8``, ``kl_coef=0.01``...).
 
     Advantages and losses get every input of :data:`rlnb.algorithms.contract.LM` they accept. The
@@ -717,11 +724,13 @@ class LMActor(ActorBase):
         self, model_path: str, algorithm=None, lr: float = 1e-3, micro_batch_size: int = 64, temperature: float = 1.0,
         max_grad_norm: float = 1.0, seed: int = 0, device: str = "auto", torch_threads: int = 1,
         advantage_fn=None, loss_fn=None, rank_info: RankInfo | None = None, *, advantage=None, policy_loss=None,
-        anneal_lr: bool = False, share_prompt_forward: bool = True, length_buckets: int | None = None, **settings,
+        anneal_lr: bool = False, share_prompt_forward: bool = True, length_buckets: int | None = None,
+        skip_zero_advantage: bool = True, **settings,
     ):  # fmt: skip
         rank_info = rank_info or current_rank()  # subclasses need not pass it on
         torch.set_num_threads(torch_threads)
         self.share_prompt_forward = share_prompt_forward
+        self.skip_zero_advantage = skip_zero_advantage
         self.shared_forwards = 0  # micro-batches whose prompts went through the model once per prompt
         self.prompt_forward_fallback: str | None = None  # why prompts stopped being shared, if they did
         algorithm = self.algorithm_config(algorithm)
@@ -870,9 +879,12 @@ class LMActor(ActorBase):
         return token_logprobs(model, ids, attn, self.temperature, first, self.length_buckets)
 
     def forward_stats(self) -> dict:
-        """How this rank computed log-probs: micro-batches whose prompts went through the model once per
-        distinct prompt, and why sharing stopped, if it did."""
+        """How this rank computes its update: the most length buckets a micro-batch takes, whether rows with
+        no advantage are left out, micro-batches whose prompts went through the model once per distinct
+        prompt, and why sharing stopped, if it did."""
         return {
+            "length_buckets": self.length_buckets,
+            "skip_zero_advantage": self.skip_zero_advantage,
             "shared_forwards": self.shared_forwards,
             "prompt_forward_fallback": self.prompt_forward_fallback,
         }
@@ -936,7 +948,11 @@ class LMActor(ActorBase):
                 "algorithm.advantage",
             )
         batch["advantages"] = adv
-        out = {"advantage_abs_mean": float(masked_mean(adv.abs(), mask))}
+        out = {
+            "advantage_abs_mean": float(masked_mean(adv.abs(), mask)),
+            # sequences with no learning signal (a group whose completions all scored alike)
+            "zero_advantage_frac": float(adv.eq(0).all(dim=1).float().mean()),
+        }
         if "kl" in offered:  # the KL to the reference went into the advantage's returns (REINFORCE++)
             out["kl_mean"] = float(masked_mean(offered["kl"], mask))
         if batch["old_logprobs"] is not None:  # how far the sampler's log-probs are from the actor's
@@ -979,14 +995,16 @@ class LMActor(ActorBase):
         idx = idx.sort().values  # a group's rows side by side: micro-batches share their prompts' forward
         mask_all = batch["response_mask"][idx].float()
         total_tokens, total_seqs = mask_all.sum().clamp(min=1), len(idx)
+        rows, weight = self._rows_to_compute(idx)
         self.optimizer.zero_grad(set_to_none=True)
-        metrics: dict[str, float] = {}
-        micro = list(_micro_batches(len(idx), self.micro_batch_size))
+        sums: dict[str, float] = {}
+        micro = list(_micro_batches(len(rows), self.micro_batch_size))
         # the ratio is to the behaviour policy when the batch is stale or the loss is decoupled
         behaviour = "prox_logprobs" in self.loss.needs or batch["stale"]
         kl_in_loss = self.ref is not None and not self.kl_in_advantage
+        computed_share = 0.0
         for i, sl in enumerate(micro):
-            j = idx[sl]
+            j = rows[sl]
 
             def take(key, rows=j):
                 return None if batch.get(key) is None else batch[key][rows].to(self.device)
@@ -1006,17 +1024,46 @@ class LMActor(ActorBase):
             with self.model.no_sync() if sync else contextlib.nullcontext():
                 loss, m = objective(micro_batch)
                 # each micro-batch's share of the minibatch mean (tokens for token-mean, sequences otherwise)
-                share = mask.sum() / total_tokens if algo.agg == "token-mean" else len(j) / total_seqs
+                share = float(mask.sum() / total_tokens if algo.agg == "token-mean" else len(j) / total_seqs)
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"non-finite loss {float(loss)} at training step {self.step}")
-                (loss * share).backward()
+                (loss * (share * weight)).backward()
+            computed_share += share
             for k, v in m.items():
-                metrics[k] = metrics.get(k, 0.0) + float(v) * float(share)
-            metrics["loss"] = metrics.get("loss", 0.0) + float(loss.detach()) * float(share)
+                sums[k] = sums.get(k, 0.0) + float(v) * share
+            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * share * weight
+        # the loss is the whole minibatch's (rows left out add 0); the loss's other metrics are means over
+        # the rows computed (in one on-policy pass, ratio-based ones are the same for every row)
+        metrics = {k: v if k == "loss" else v / max(computed_share, 1e-12) for k, v in sums.items()}
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
         self.optimizer.step()
         metrics["grad_norm"] = float(grad_norm) if math.isfinite(float(grad_norm)) else float("nan")
+        metrics["rows_computed_frac"] = len(rows) * weight / max(1, len(idx))
         return metrics
+
+    def _rows_to_compute(self, idx: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The rows of ``idx`` the update computes, and the weight of their loss (1, or 0 for a stand-in).
+
+        Rows whose advantages are all 0 add exactly 0 to the loss and its gradient when the loss says so
+        (``zero_at_zero_advantage``, PPO's clipped surrogate) and nothing else enters it (no KL term), so
+        they are left out: a GRPO group whose completions all scored alike costs no forward or backward.
+        Only in one on-policy pass, where the loss's metrics (ratio 1) are the same for every row. With
+        no row left, one row goes through with weight 0: DDP's all-reduce needs every rank's backward, and
+        the optimizer steps on zero gradients as it would have (weight decay, momentum).
+        """
+        batch = self.batch
+        if not (
+            self.skip_zero_advantage
+            and self.loss.zero_at_zero_advantage
+            and batch["old_logprobs"] is None  # one on-policy pass (no behaviour or proximal policy)
+            and "prox_logprobs" not in self.loss.needs
+            and not batch["stale"]
+            and (self.ref is None or self.kl_in_advantage)  # no KL term in the loss
+            and self.step_compiler is None  # a compiled step would recompile for every row count
+        ):
+            return idx, 1.0
+        rows = idx[batch["advantages"][idx].ne(0).any(dim=1)]
+        return (rows, 1.0) if len(rows) else (idx[:1], 0.0)
 
     def _objective(self, micro_batch: dict) -> tuple[torch.Tensor, dict]:
         """Forward and loss of one micro-batch (tensors ``[m, L]``): what ``actor.compile`` compiles, its

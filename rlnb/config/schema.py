@@ -169,6 +169,14 @@ class ActorConfig:
     """LM RL: learning rate of the warm start."""
     sft_batch_size: int = 64
     """LM RL: sequences per warm-start step (over all actor ranks)."""
+    skip_zero_advantage: bool = True
+    """LM RL: leave sequences whose advantages are all 0 (a group whose completions all scored alike) out of
+    the update's forward and backward where that changes nothing: a policy loss that adds 0 for them
+    (``ppo``, ``decoupled_ppo``), no KL term in the loss, one on-policy pass (``update_epochs: 1``,
+    ``num_minibatches: 1``, synchronous). Logged as ``train/rows_computed_frac``."""
+    length_buckets: int | None = None
+    """LM RL: the most passes a micro-batch's sequences take, grouped by where they end, so that padding is
+    not computed (the same log-probs and gradients); ``null``: 4 on CPU, 1 on a GPU."""
 
 
 @dataclass
@@ -187,6 +195,9 @@ class RolloutConfig:
     """LM RL: sampling temperature (the actor's log-probs use the same)."""
     top_p: float = 1.0
     """LM RL: nucleus sampling threshold."""
+    drop_finished: bool = True
+    """LM RL, ``hf`` backend: completions that ended leave the decoding batch (rlnb's decoding loop, the
+    same tokens as ``generate``); ``false``: sample with ``transformers``' ``generate``."""
     chunk_tokens: int = 8
     """LM RL, asynchronous mode (``algorithm.max_staleness >= 1``): tokens generated between two checks
     for new weights; a generation spanning a weight update goes on with the new ones (partial rollouts)."""

@@ -225,7 +225,7 @@ class GRPOLoop(LoopBase):
         rollout_cls, extra = (
             (VLLMRollout, {"gpu_memory_utilization": ro.gpu_memory_utilization})
             if ro.backend == "vllm"
-            else (HFRollout, {})
+            else (HFRollout, {"drop_finished": ro.drop_finished})
         )
         self.groups["rollout"] = rollout_cls.launch(
             cl, p["rollout"], call_timeout_s=timeout, model_path=self.model_path, max_new_tokens=ro.max_new_tokens,
@@ -239,7 +239,8 @@ class GRPOLoop(LoopBase):
             lr=r.actor.lr, micro_batch_size=r.actor.micro_batch_size, temperature=ro.temperature,
             max_grad_norm=r.algorithm.max_grad_norm, seed=r.seed, device=r.actor.device,
             torch_threads=r.actor.torch_threads, advantage=advantage, policy_loss=loss, anneal_lr=r.actor.anneal_lr,
-            compile=r.actor.compile,
+            compile=r.actor.compile, skip_zero_advantage=r.actor.skip_zero_advantage,
+            length_buckets=r.actor.length_buckets,
         )  # fmt: skip
         self.groups["reward"] = RewardWorker.launch(
             cl, p["reward"], call_timeout_s=timeout, fn=check_reward(r.reward.name)
