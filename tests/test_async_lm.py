@@ -5,6 +5,7 @@ bound, learns, and a killed run resumes without training a problem twice or skip
 import time
 
 import pytest
+import torch
 
 from rlnb.errors import ComponentError, ConfigError
 from rlnb.loop import GRPOLoop
@@ -93,6 +94,66 @@ def test_a_generation_interrupted_by_a_weight_update_goes_on_with_the_new_weight
     finally:
         for thing in (rollout, reward, weights, batches):
             thing.close() if hasattr(thing, "put") else thing.shutdown()
+
+
+def _decoding_steps_by_chunk(shapes: list) -> list[list[int]]:
+    """Forward shapes ``(rows, columns)`` -> per chunk (each starts with a forward of several columns, the
+    prompts and tokens so far), the rows of its one-token forwards (its decoding steps)."""
+    chunks = []
+    for rows, columns in shapes:
+        if columns > 1:
+            chunks.append([])
+        else:
+            chunks[-1].append(rows)
+    return chunks
+
+
+def test_a_streams_chunks_decode_with_ended_sequences_leaving_the_batch_and_sample_as_generate(
+    cluster, tmp_path
+):
+    """Asynchronous generation's chunks go through rlnb's decoding loop, on the worker: in a chunk, a
+    sequence that sampled EOS leaves the batch (``generate`` computes it to the chunk's end), and with the
+    same seed the tokens and log-probs are ``generate``'s until the first sequence ends."""
+    from rlnb import Channel
+    from rlnb.components.lm import RewardWorker
+    from rlnb.models import build_tiny_lm
+    from tests.test_lm import RowCountingRollout
+
+    model = str(build_tiny_lm(tmp_path / "tiny", hidden_size=32, num_layers=1, num_heads=2))
+    reward = RewardWorker.launch(cluster, "0", fn=lambda completion: 0.0)
+    weights = Channel.create(cluster, "w", slot=0)
+    batches = Channel.create(cluster, "b", slot=1)
+    problems = [(i, f"{i}+{i}=", str(2 * i)) for i in range(12)]  # 12 groups x 4: 48 sequences
+    got = {}
+    try:
+        for drop in (True, False):
+            rollout = RowCountingRollout.launch(
+                cluster, "0", model_path=model, max_new_tokens=24, temperature=0.7, top_p=0.9, seed=11,
+                drop_finished=drop, name=f"stream_drop_{drop}",
+            )  # fmt: skip
+            rollout.on(0).stream(
+                problems, 4, 1, 12, 1, weights, "w0", batches, f"b{drop}", reward.name, chunk_tokens=12
+            ).result(120)
+            batch = batches.get(key=f"b{drop}", timeout=30)
+            shapes = rollout.forward_shapes().result(60)[0]
+            assert rollout.generation_stats().result(60)[0]["decode_fallback"] is None
+            rollout.shutdown()
+            got[drop] = batch, _decoding_steps_by_chunk(shapes)
+    finally:
+        reward.shutdown()
+        weights.close()
+        batches.close()
+    (dropped, steps_dropped), (kept, steps_kept) = got[True], got[False]
+    first_chunk = steps_dropped[0]  # rows of each one-token forward until the next chunk's prefill
+    assert len(first_chunk) == 12 and first_chunk == sorted(first_chunk, reverse=True), first_chunk
+    assert first_chunk[0] == 48 and first_chunk[-1] < 48, first_chunk  # some sequences ended and left
+    assert set(steps_kept[0]) == {48}  # generate: every row to the chunk's end
+    response = dropped["response_mask"].bool()
+    start = int(response.any(0).nonzero()[0])
+    same = start + int(response.sum(1).min())  # columns both drew with every sequence still running
+    assert same > start
+    assert torch.equal(dropped["input_ids"][:, :same], kept["input_ids"][:, :same])
+    assert torch.allclose(dropped["logprobs"][:, :same], kept["logprobs"][:, :same], atol=1e-5)
 
 
 def test_a_stream_waits_for_the_weights_its_problems_were_admitted_at(cluster, tmp_path):

@@ -127,17 +127,20 @@ def test_completions_share_their_prompts_prefill_on_a_worker_with_the_same_token
 
 
 class RowCountingRollout(HFRollout):
-    """Records how many rows each forward of its model takes (on the worker)."""
+    """Records how many rows each forward of its model takes, and how many columns (on the worker)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.rows = []
+        self.shapes = []
         self.model.register_forward_pre_hook(
-            lambda module, args, kw: self.rows.append(kw["input_ids"].shape[0]), with_kwargs=True
+            lambda module, args, kw: self.shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
         )
 
     def forward_rows(self) -> list:
-        return self.rows
+        return [rows for rows, _ in self.shapes]
+
+    def forward_shapes(self) -> list:
+        return self.shapes
 
 
 def test_ended_sequences_leave_the_decoding_batch_on_a_worker_and_sampling_is_generates(cluster, tiny_lm):

@@ -207,11 +207,7 @@ class HFRollout(RolloutBase):
             try:
                 sampled = seeded(self._decode)
             except Exception as e:  # a model this loop cannot drive (its forward needs generate's inputs)
-                self.decode_fallback = f"{type(e).__name__}: {e}"[:300]
-                log.warning(
-                    "rollout[%d]: decoding with transformers' generate, ended sequences included; rlnb's "
-                    "decoding loop failed (%s)", self.rank, self.decode_fallback,
-                )  # fmt: skip
+                self._decoding_failed(e)
         if sampled is None:
             sampled = seeded(self._hf_generate)
         seqs, logp = sampled  # (B*n, P+R), (B*n, R)
@@ -258,24 +254,33 @@ class HFRollout(RolloutBase):
         )
 
     def _decode(self, enc, n: int, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """rlnb's decoding loop: as :meth:`_hf_generate`, but a sequence that has ended leaves the batch.
-
-        Each step feeds the running sequences' last tokens, samples the next from the logits at
-        ``temperature`` (float32, then top-p; greedy: the argmax), as ``generate`` does, and keeps its
-        log-prob under that distribution. A sequence that sampled EOS pads from then on, as in
-        ``generate``, and the ended ones leave the batch (and the KV cache) once they are
-        ``1 / DROP_ENDED_SHARE`` of it.
-        """
+        """rlnb's decoding loop: as :meth:`_hf_generate`, but a sequence that has ended leaves the batch
+        (:meth:`_decode_from`), from each prompt's KV cache computed once for its ``n`` completions."""
         ids = enc["input_ids"].repeat_interleave(n, 0)  # (N, P), N = B * n
         attn = enc["attention_mask"].repeat_interleave(n, 0)
-        rows, steps = ids.shape[0], self.max_new_tokens
         cache = self._shared_prompt_cache(enc, n)
         if cache is None:  # each row's prompt but its last token, prefilled row by row
             cache = self._prefill(ids, attn)
+        tokens, logps = self._decode_from(ids, attn, cache, self.max_new_tokens, greedy)
+        return torch.cat([ids, tokens], dim=1), logps
+
+    def _decode_from(
+        self, ids: torch.Tensor, attn: torch.Tensor, cache, steps: int, greedy: bool, budget: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Up to ``steps`` new tokens ``[N, S]`` and their log-probs for each row of ``ids [N, P]`` (``attn`` its
+        mask, ``cache`` the KV cache of every column but the last).
+
+        Each step feeds the running sequences' last tokens, samples the next from the logits at
+        ``temperature`` (float32, then top-p; greedy: the argmax), as ``generate`` does, and keeps its
+        log-prob under that distribution. A sequence that sampled EOS, or made its ``budget [N]`` of tokens,
+        pads from then on, as in ``generate``, and the ended ones leave the batch (and the KV cache) once
+        they are ``1 / DROP_ENDED_SHARE`` of it.
+        """
+        rows = ids.shape[0]
         tokens = torch.full((rows, steps), self.tok.pad_token_id, dtype=torch.long, device=ids.device)
         logps = torch.zeros(rows, steps, device=ids.device)
         live = torch.arange(rows, device=ids.device)  # the rows in the decoding batch
-        ended = torch.zeros(rows, dtype=torch.bool, device=ids.device)  # of those, the ones that sampled EOS
+        ended = torch.zeros(rows, dtype=torch.bool, device=ids.device)  # of those, the ones that are done
         last, position = ids[:, -1], positions_from_mask(attn)[:, -1]
         made = 0
         for step in range(steps):
@@ -288,6 +293,8 @@ class HFRollout(RolloutBase):
             tokens[live, step], logps[live, step] = token, torch.where(ended, 0.0, logp)
             made = step + 1
             ended = ended | (token == self.tok.eos_token_id)
+            if budget is not None:
+                ended = ended | (budget <= made)
             n_ended = int(ended.sum())
             if step == steps - 1 or n_ended == len(live):
                 break
@@ -302,9 +309,19 @@ class HFRollout(RolloutBase):
                     position[keep],
                     ended[keep],
                 )
+                budget = None if budget is None else budget[keep]
             attn = torch.cat([attn, attn.new_ones(len(live), 1)], dim=1)
             last, position = token, position + 1
-        return torch.cat([ids, tokens[:, :made]], dim=1), logps[:, :made]
+        return tokens[:, :made], logps[:, :made]
+
+    def _decoding_failed(self, error: Exception) -> None:
+        """Sample with ``generate`` from now on, and say why once: a model this loop cannot drive (its
+        forward needs ``generate``'s inputs)."""
+        self.decode_fallback = f"{type(error).__name__}: {error}"[:300]
+        log.warning(
+            "rollout[%d]: decoding with transformers' generate, ended sequences included; rlnb's "
+            "decoding loop failed (%s)", self.rank, self.decode_fallback,
+        )  # fmt: skip
 
     def _sample(self, logits: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The next token of each row from ``logits [N, V]`` and its log-prob under the distribution it
@@ -506,22 +523,35 @@ class HFRollout(RolloutBase):
     @torch.no_grad()
     def _chunk(self, chunk_tokens: int) -> int:
         """Up to ``chunk_tokens`` more tokens for every unfinished sequence of the pool, with the weights
-        loaded now (the KV cache is rebuilt each chunk: after a weight swap it would be stale anyway)."""
+        loaded now (the KV cache is rebuilt each chunk: after a weight swap it would be stale anyway).
+        Sampled by rlnb's decoding loop (:meth:`_decode_from`: a sequence that ends, or makes the tokens
+        it has left, leaves the batch), or by ``generate`` with ``drop_finished=False``."""
         self.onload()
         rows = [(g, s) for g in self.pool for s in g["seqs"] if not s["done"]]
         budget = [self.max_new_tokens - len(s["ids"]) for _, s in rows]
         contexts = [g["prompt_ids"] + s["ids"] for g, s in rows]
         ids = _pad_left(contexts, self.tok.pad_token_id).to(self.device)
         attn = _pad_left([[1] * len(c) for c in contexts], 0).to(self.device)
-        torch.manual_seed(self.seed * 1_000_003 + self.calls)
+        seed, steps = self.seed * 1_000_003 + self.calls, min(chunk_tokens, max(budget))
         self.calls += 1
-        out = self.model.generate(
-            input_ids=ids, attention_mask=attn, do_sample=True, temperature=self.temperature, top_p=self.top_p,
-            top_k=None, max_new_tokens=min(chunk_tokens, max(budget)), pad_token_id=self.tok.pad_token_id,
-            eos_token_id=self.tok.eos_token_id, return_dict_in_generate=True, output_scores=True,
-        )  # fmt: skip
-        new = out.sequences[:, ids.shape[1] :].tolist()
-        logp = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True).tolist()
+        sampled = None
+        if self.drop_finished and self.decode_fallback is None:
+            torch.manual_seed(seed)
+            try:
+                left = torch.tensor(budget, device=self.device)
+                sampled = self._decode_from(ids, attn, self._prefill(ids, attn), steps, False, left)
+            except Exception as e:
+                self._decoding_failed(e)
+        if sampled is None:
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=ids, attention_mask=attn, do_sample=True, temperature=self.temperature, top_p=self.top_p,
+                top_k=None, max_new_tokens=steps, pad_token_id=self.tok.pad_token_id,
+                eos_token_id=self.tok.eos_token_id, return_dict_in_generate=True, output_scores=True,
+            )  # fmt: skip
+            scores = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+            sampled = out.sequences[:, ids.shape[1] :], scores
+        new, logp = sampled[0].tolist(), sampled[1].tolist()
         made = 0
         for (g, s), toks, lps, left in zip(rows, new, logp, budget):
             if g["start"] is None:
