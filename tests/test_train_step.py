@@ -145,6 +145,45 @@ def test_the_ppo_actor_takes_the_direct_step_on_its_worker(cluster, tmp_path):
     assert direct == 2 * 3 * 2 - 1  # every minibatch step but the first, which creates Adam's state
 
 
+class WeightShowingRollout(rlnb.PolicyRollout):
+    def weights(self) -> dict:
+        return {k: v.clone() for k, v in self.policy.state_dict().items()}
+
+
+class CopyingActor(rlnb.PPOActor):
+    """The built-in actor, saying whether it copied its weights straight into a collocated rollout's."""
+
+    def copied(self) -> bool:
+        return getattr(self, "_copy_pairs", (None, None, None))[2] is not None
+
+
+class HalvingActor(CopyingActor):
+    """Hands the rollout half its weights, through its own ``policy_state``."""
+
+    def policy_state(self) -> dict:
+        return {k: v / 2 for k, v in super().policy_state().items()}
+
+
+@pytest.mark.parametrize("actor_cls", [CopyingActor, HalvingActor])
+def test_a_collocated_sync_copies_what_the_actors_policy_state_gives(cluster, tmp_path, actor_cls):
+    """The built-in pair copies tensor for tensor (one ``_foreach_copy_``); an actor with its own
+    ``policy_state`` goes through it."""
+    env = Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4)
+    rollout = rlnb.launch(WeightShowingRollout, cluster, "0", name="showing")
+    actor = rlnb.launch(actor_cls, cluster, "0", name="actor", update_epochs=2)
+    runner = {"tensorboard": False, "steps": 2}
+    with Loop(
+        env=env, rollout=rollout, actor=actor, steps_per_rollout=16, runner=runner, run_dir=tmp_path
+    ) as loop:
+        loop.step_once()
+        loop.sync_weights()
+        given = loop.groups["actor"].policy_state().result()[0]
+        held = loop.groups["rollout"].weights().result()[0]
+        copied = loop.groups["actor"].copied().result()[0]
+    assert given.keys() == held.keys() and all(torch.equal(given[k], held[k]) for k in given)
+    assert copied == (actor_cls is CopyingActor)
+
+
 @pytest.mark.parametrize("shape", [(256, 64), (2048, 64), (7, 3000)])
 def test_tanh_matches_torch_tanh_in_value_and_gradient(shape):
     x = torch.randn(*shape, dtype=torch.float32) * 4

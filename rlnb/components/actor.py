@@ -291,6 +291,27 @@ class PPOActor(ActorBase):
         by CUDA IPC on one node, with no host round trip)."""
         return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
 
+    def copy_policy_into(self, module: torch.nn.Module) -> bool:
+        """Copy the policy's weights into ``module`` in this process (a collocated rollout's copy of the same
+        architecture) with one ``torch._foreach_copy_``; False, copying nothing, where that would not be
+        what :meth:`policy_state` gives (a subclass's own ``policy_state``, other names, shapes or devices)."""
+        if type(self).policy_state is not PPOActor.policy_state:
+            return False
+        cached = getattr(self, "_copy_pairs", None)
+        if cached is None or cached[0] is not module or cached[1] is not self.policy:
+            ours, theirs = self.policy.state_dict(), module.state_dict()
+            same = list(ours) == list(theirs) and all(
+                a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                for a, b in zip(ours.values(), theirs.values())
+            )
+            pairs = (list(theirs.values()), list(ours.values())) if same else None
+            cached = self._copy_pairs = (module, self.policy, pairs)
+        if cached[2] is None:
+            return False
+        with torch.no_grad():
+            torch._foreach_copy_(*cached[2])
+        return True
+
     def set_batch(self, batches: list[dict]) -> dict:
         """Take one or more rollout batches (concatenated along the env axis) onto this rank's device."""
         keys = ("obs", "actions", "logprobs", "values", "rewards", "dones")

@@ -95,6 +95,8 @@ def _fsync_dir(path: Path) -> None:
 
 def mean_dicts(dicts: list[dict]) -> dict:
     """Per-key mean of the numeric entries that every rank reported."""
+    if len(dicts) == 1:  # one rank: its numbers as they are (the per-step path of a one-slot loop)
+        return {k: float(v) for k, v in dicts[0].items() if isinstance(v, (int, float))}
     keys = dicts[0].keys()
     return {
         k: float(np.mean([d[k] for d in dicts]))
