@@ -217,6 +217,30 @@ def test_a_model_the_decoding_loop_cannot_drive_samples_with_generate_and_says_w
     assert torch.equal(first["input_ids"], plain.take_batch()["input_ids"])  # generate, with the same seed
 
 
+class _FailsOnItsFirstDecodingStep(HFRollout):
+    """A model whose first one-token forward fails (after a shared prefill went through)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        forward, failed = self.model.forward, []
+
+        def flaky_forward(*a, **kw):
+            if kw["input_ids"].shape[1] == 1 and not failed:
+                failed.append(True)
+                raise RuntimeError("no one-token step here")
+            return forward(*a, **kw)
+
+        self.model.forward = flaky_forward
+
+
+def test_a_call_that_falls_back_to_generate_counts_its_shared_prefill_once(tiny_lm):
+    rollout = _FailsOnItsFirstDecodingStep(tiny_lm, max_new_tokens=5, seed=4)
+    rollout.generate(["1+2=", "13+4="], ["3", "17"], n=4)
+    stats = rollout.generation_stats()
+    assert stats["decode_fallback"] == "RuntimeError: no one-token step here"
+    assert stats["shared_prefills"] == 1  # one call, prefilled once by the loop and again by generate
+
+
 class _UnsharableCache(HFRollout):
     """A model that fails on the shared prefill (as an architecture whose cache cannot be repeated
     would): the rollout must fall back to prefilling per completion."""

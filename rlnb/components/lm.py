@@ -204,9 +204,11 @@ class HFRollout(RolloutBase):
 
         sampled = None
         if self.drop_finished and self.decode_fallback is None:
+            prefills = self.shared_prefills
             try:
                 sampled = seeded(self._decode)
             except Exception as e:  # a model this loop cannot drive (its forward needs generate's inputs)
+                self.shared_prefills = prefills  # generate prefills again: count the call once
                 self._decoding_failed(e)
         if sampled is None:
             sampled = seeded(self._hf_generate)
