@@ -43,6 +43,8 @@ SWEEP = {
     "actor.device": (PPO, []),
     "actor.build_if_missing": (GRPO, []),
     "actor.tiny_lm.arch": (GRPO, []),
+    "actor.skip_zero_advantage": (GRPO, []),
+    "rollout.drop_finished": (GRPO, []),
     "rollout.backend": (None, []),  # policy -> PPO, hf and vllm -> GRPO
     "rollout.device": (PPO, []),
     "rollout.weight_sync": (PPO, ["cluster.component_placement={'env,rollout': 0, actor: 1}"]),
