@@ -97,8 +97,8 @@ def test_a_generation_interrupted_by_a_weight_update_goes_on_with_the_new_weight
 
 
 def _decoding_steps_by_chunk(shapes: list) -> list[list[int]]:
-    """Forward shapes ``(rows, columns)`` -> per chunk (each starts with a forward of several columns, the
-    prompts and tokens so far), the rows of its one-token forwards (its decoding steps)."""
+    """Forward shapes ``(rows, columns)`` -> per prefill (a forward of several columns, the prompts and
+    tokens so far), the rows of the one-token forwards (decoding steps) after it."""
     chunks = []
     for rows, columns in shapes:
         if columns > 1:
@@ -144,8 +144,9 @@ def test_a_streams_chunks_decode_with_ended_sequences_leaving_the_batch_and_samp
         weights.close()
         batches.close()
     (dropped, steps_dropped), (kept, steps_kept) = got[True], got[False]
-    first_chunk = steps_dropped[0]  # rows of each one-token forward until the next chunk's prefill
-    assert len(first_chunk) == 12 and first_chunk == sorted(first_chunk, reverse=True), first_chunk
+    # rows of the first chunk's one-token forwards (the next chunk goes on from its KV cache, no prefill)
+    first_chunk = steps_dropped[0][:12]
+    assert len(steps_dropped[0]) > 12 and first_chunk == sorted(first_chunk, reverse=True), first_chunk
     assert first_chunk[0] == 48 and first_chunk[-1] < 48, first_chunk  # some sequences ended and left
     assert set(steps_kept[0]) == {48}  # generate: every row to the chunk's end
     response = dropped["response_mask"].bool()
@@ -154,6 +155,72 @@ def test_a_streams_chunks_decode_with_ended_sequences_leaving_the_batch_and_samp
     assert same > start
     assert torch.equal(dropped["input_ids"][:, :same], kept["input_ids"][:, :same])
     assert torch.allclose(dropped["logprobs"][:, :same], kept["logprobs"][:, :same], atol=1e-5)
+
+
+def test_a_chunk_goes_on_from_the_last_ones_kv_cache_until_the_weights_or_sequences_change(cluster, tmp_path):
+    """While the weights and the running sequences stay the same, a chunk decodes on from the last chunk's KV
+    cache instead of prefilling every prompt and token so far again, with the same tokens and log-probs (on a
+    worker); new weights, or newly admitted sequences, prefill afresh (in process)."""
+    from rlnb import Channel
+    from rlnb.components.lm import RewardWorker
+    from rlnb.models import build_tiny_lm, load_lm
+    from tests.test_lm import RowCountingRollout
+
+    class Rebuilding(RowCountingRollout):
+        KEEP_CACHE_ACROSS_CHUNKS = False
+
+    model = str(build_tiny_lm(tmp_path / "tiny", hidden_size=32, num_layers=1, num_heads=2))
+    reward = RewardWorker.launch(cluster, "0", fn=lambda completion: 0.0)
+    weights = Channel.create(cluster, "w", slot=0)
+    batches = Channel.create(cluster, "b", slot=1)
+    problems = [(i, f"{i}+{i}=", str(2 * i)) for i in range(12)]
+    got = {}
+    try:
+        for cls in (RowCountingRollout, Rebuilding):
+            rollout = cls.launch(
+                cluster, "0", model_path=model, max_new_tokens=16, temperature=0.7, seed=5, name=f"carry_{cls.__name__}"
+            )  # fmt: skip
+            summary = (
+                rollout.on(0)
+                .stream(
+                    problems, 4, 1, 12, 1, weights, "w0", batches, cls.__name__, reward.name, chunk_tokens=4
+                )
+                .result(120)[0]
+            )
+            shapes = rollout.forward_shapes().result(60)[0]
+            rollout.shutdown()
+            prefills = sum(columns > 1 for _, columns in shapes)
+            got[cls] = batches.get(key=cls.__name__, timeout=30), prefills, summary["chunks"]
+    finally:
+        reward.shutdown()
+        weights.close()
+        batches.close()
+    (carried, carried_prefills, chunks), (rebuilt, rebuilt_prefills, chunks_again) = got.values()
+    assert chunks == chunks_again == 4  # 16 tokens, 4 at a time
+    assert carried_prefills == 1 and rebuilt_prefills == 4, (carried_prefills, rebuilt_prefills)
+    assert torch.equal(carried["input_ids"], rebuilt["input_ids"])
+    assert torch.allclose(carried["logprobs"], rebuilt["logprobs"], atol=1e-5)
+    # in process: new weights, or a newly admitted group, prefill again
+    rollout = RowCountingRollout(model, max_new_tokens=16, seed=5)
+
+    def admit(prompt: str):
+        seqs = [{"ids": [], "logprobs": [], "versions": [], "done": False} for _ in range(4)]
+        ids = rollout.tok(prompt)["input_ids"]
+        rollout.pool.append(
+            {"serial": 0, "prompt": prompt, "answer": "", "prompt_ids": ids, "start": None, "seqs": seqs}
+        )
+
+    def prefills_after(chunk):
+        before = len(rollout.forward_shapes())
+        chunk()
+        return sum(columns > 1 for _, columns in rollout.forward_shapes()[before:])
+
+    admit("1+2=")
+    assert [prefills_after(lambda: rollout._chunk(2)) for _ in range(2)] == [1, 0]
+    rollout.load_weights(load_lm(model)[0].state_dict(), 1)
+    assert prefills_after(lambda: rollout._chunk(2)) == 1  # the cache was of the old weights
+    admit("3+4=")
+    assert prefills_after(lambda: rollout._chunk(2)) == 1  # new sequences to decode
 
 
 def test_a_stream_waits_for_the_weights_its_problems_were_admitted_at(cluster, tmp_path):

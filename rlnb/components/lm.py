@@ -10,6 +10,7 @@ Batch layout (B = prompts x group_size sequences, L = prompt + response tokens, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -112,6 +113,30 @@ class RewardWorker:
         self.name = state["name"]
 
 
+def _same(a: list, b: list) -> bool:
+    """Whether two lists hold the same objects in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+@dataclasses.dataclass
+class _Decoding:
+    """Where decoding stands for ``N`` running rows: the KV ``cache`` of every token but each row's ``last``
+    (``[N]``, fed next at ``position [N]``), the attention mask ``attn [N, C]`` over the cache and ``last``,
+    and ``rows [N]``, the rows' indices in the batch the decoding started with."""
+
+    cache: object
+    attn: torch.Tensor
+    last: torch.Tensor
+    position: torch.Tensor
+    rows: torch.Tensor
+
+    @classmethod
+    def start(cls, ids: torch.Tensor, attn: torch.Tensor, cache) -> _Decoding:
+        """From sequences ``ids [N, P]`` (mask ``attn``) whose columns but the last are in ``cache``."""
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        return cls(cache, attn, ids[:, -1], positions_from_mask(attn)[:, -1], rows)
+
+
 class HFRollout(RolloutBase):
     """Batched sampling from a ``transformers`` causal LM; ``HFRollout.launch(cluster, "0", model_path=...)``.
 
@@ -135,6 +160,8 @@ class HFRollout(RolloutBase):
     # what generation_stats() reports for a subclass with its own engine (vLLM caches prefixes itself)
     share_prompt_prefill, shared_prefills, prefill_fallback = False, 0, None
     drop_finished, decode_fallback = False, None
+    KEEP_CACHE_ACROSS_CHUNKS = True  # asynchronous mode: a chunk goes on from the last one's KV cache
+    _carried: tuple | None = None
 
     def __init__(
         self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
@@ -159,16 +186,20 @@ class HFRollout(RolloutBase):
         self.batch = None
         self.offloaded = False
         self.pool: list[dict] = []  # asynchronous mode: groups admitted and not yet handed over
+        # asynchronous mode: (version, the sequences still running, their decoding state) after a chunk
+        self._carried: tuple | None = None
 
     def load_weights(self, state_dict: dict, version: int) -> int:
         self.model.load_state_dict(state_dict)
         self.version = version
+        self._carried = None  # a KV cache of the old weights
         return version
 
     # GPU memory for collocated training: park the rollout model on the CPU while the actor trains
     def offload(self) -> bool:
         if self.device.type == "cuda" and not self.offloaded:
             self.model.to("cpu")
+            self._carried = None  # its KV cache would hold GPU memory the actor needs
             torch.cuda.empty_cache()
             self.offloaded = True
         return self.offloaded
@@ -263,14 +294,14 @@ class HFRollout(RolloutBase):
         cache = self._shared_prompt_cache(enc, n)
         if cache is None:  # each row's prompt but its last token, prefilled row by row
             cache = self._prefill(ids, attn)
-        tokens, logps = self._decode_from(ids, attn, cache, self.max_new_tokens, greedy)
+        tokens, logps, _ = self._decode_from(_Decoding.start(ids, attn, cache), self.max_new_tokens, greedy)
         return torch.cat([ids, tokens], dim=1), logps
 
     def _decode_from(
-        self, ids: torch.Tensor, attn: torch.Tensor, cache, steps: int, greedy: bool, budget: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Up to ``steps`` new tokens ``[N, S]`` and their log-probs for each row of ``ids [N, P]`` (``attn`` its
-        mask, ``cache`` the KV cache of every column but the last).
+        self, state: _Decoding, steps: int, greedy: bool, budget: torch.Tensor | None = None, going_on: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, _Decoding | None]:  # fmt: skip
+        """Up to ``steps`` new tokens ``[N, S]`` and their log-probs for each of ``state``'s ``N`` rows and, with
+        ``going_on``, the state of the rows still running after them (else, or when every row ended, ``None``).
 
         Each step feeds the running sequences' last tokens, samples the next from the logits at
         ``temperature`` (float32, then top-p; greedy: the argmax), as ``generate`` does, and keeps its
@@ -278,12 +309,12 @@ class HFRollout(RolloutBase):
         pads from then on, as in ``generate``, and the ended ones leave the batch (and the KV cache) once
         they are ``1 / DROP_ENDED_SHARE`` of it.
         """
-        rows = ids.shape[0]
-        tokens = torch.full((rows, steps), self.tok.pad_token_id, dtype=torch.long, device=ids.device)
-        logps = torch.zeros(rows, steps, device=ids.device)
-        live = torch.arange(rows, device=ids.device)  # the rows in the decoding batch
-        ended = torch.zeros(rows, dtype=torch.bool, device=ids.device)  # of those, the ones that are done
-        last, position = ids[:, -1], positions_from_mask(attn)[:, -1]
+        cache, attn, last, position = state.cache, state.attn, state.last, state.position
+        rows = last.shape[0]
+        tokens = torch.full((rows, steps), self.tok.pad_token_id, dtype=torch.long, device=last.device)
+        logps = torch.zeros(rows, steps, device=last.device)
+        live = torch.arange(rows, device=last.device)  # the rows in the decoding batch
+        ended = torch.zeros(rows, dtype=torch.bool, device=last.device)  # of those, the ones that are done
         made = 0
         for step in range(steps):
             logits = self.model(
@@ -298,10 +329,11 @@ class HFRollout(RolloutBase):
             if budget is not None:
                 ended = ended | (budget <= made)
             n_ended = int(ended.sum())
-            if step == steps - 1 or n_ended == len(live):
-                break
-            # ended rows leave once they are 1/DROP_ENDED_SHARE of the batch: each leaving copies the KV cache
-            if n_ended * DROP_ENDED_SHARE >= len(live):
+            if n_ended == len(live) or (step == steps - 1 and not going_on):
+                return tokens[:, :made], logps[:, :made], None
+            # ended rows leave once they are 1/DROP_ENDED_SHARE of the batch (each leaving copies the KV cache),
+            # and after the last step, so that what goes on holds only the rows still running
+            if n_ended * DROP_ENDED_SHARE >= len(live) or (step == steps - 1 and n_ended):
                 keep = (~ended).nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
                 live, token, attn, position, ended = (
@@ -314,7 +346,7 @@ class HFRollout(RolloutBase):
                 budget = None if budget is None else budget[keep]
             attn = torch.cat([attn, attn.new_ones(len(live), 1)], dim=1)
             last, position = token, position + 1
-        return tokens[:, :made], logps[:, :made]
+        return tokens[:, :made], logps[:, :made], _Decoding(cache, attn, last, position, live)
 
     def _decoding_failed(self, error: Exception) -> None:
         """Sample with ``generate`` from now on, and say why once: a model this loop cannot drive (its
@@ -525,35 +557,44 @@ class HFRollout(RolloutBase):
     @torch.no_grad()
     def _chunk(self, chunk_tokens: int) -> int:
         """Up to ``chunk_tokens`` more tokens for every unfinished sequence of the pool, with the weights
-        loaded now (the KV cache is rebuilt each chunk: after a weight swap it would be stale anyway).
-        Sampled by rlnb's decoding loop (:meth:`_decode_from`: a sequence that ends, or makes the tokens
-        it has left, leaves the batch), or by ``generate`` with ``drop_finished=False``."""
+        loaded now. Sampled by rlnb's decoding loop (:meth:`_decode_from`: a sequence that ends, or makes the
+        tokens it has left, leaves the batch), which goes on from the last chunk's KV cache while the
+        weights and the sequences are the same (:attr:`KEEP_CACHE_ACROSS_CHUNKS`), and otherwise prefills
+        them again; or by ``generate`` with ``drop_finished=False``, prefilling every chunk."""
         self.onload()
         rows = [(g, s) for g in self.pool for s in g["seqs"] if not s["done"]]
         budget = [self.max_new_tokens - len(s["ids"]) for _, s in rows]
-        contexts = [g["prompt_ids"] + s["ids"] for g, s in rows]
-        ids = _pad_left(contexts, self.tok.pad_token_id).to(self.device)
-        attn = _pad_left([[1] * len(c) for c in contexts], 0).to(self.device)
         seed, steps = self.seed * 1_000_003 + self.calls, min(chunk_tokens, max(budget))
         self.calls += 1
+        carried, self._carried = self._carried, None
         sampled = None
         if self.drop_finished and self.decode_fallback is None:
             torch.manual_seed(seed)
             try:
+                if (
+                    carried is not None
+                    and carried[0] == self.version
+                    and _same(carried[1], [s for _, s in rows])
+                ):
+                    state = carried[2]  # the same sequences with the same weights: their KV cache holds
+                else:
+                    ids, attn = self._contexts(rows)
+                    state = _Decoding.start(ids, attn, self._prefill(ids, attn))
                 left = torch.tensor(budget, device=self.device)
-                sampled = self._decode_from(ids, attn, self._prefill(ids, attn), steps, False, left)
+                sampled = self._decode_from(state, steps, False, left, going_on=self.KEEP_CACHE_ACROSS_CHUNKS)
             except Exception as e:
                 self._decoding_failed(e)
         if sampled is None:
             torch.manual_seed(seed)
+            ids, attn = self._contexts(rows)
             out = self.model.generate(
                 input_ids=ids, attention_mask=attn, do_sample=True, temperature=self.temperature, top_p=self.top_p,
                 top_k=None, max_new_tokens=steps, pad_token_id=self.tok.pad_token_id,
                 eos_token_id=self.tok.eos_token_id, return_dict_in_generate=True, output_scores=True,
             )  # fmt: skip
             scores = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
-            sampled = out.sequences[:, ids.shape[1] :], scores
-        new, logp = sampled[0].tolist(), sampled[1].tolist()
+            sampled = out.sequences[:, ids.shape[1] :], scores, None
+        new, logp, going = sampled[0].tolist(), sampled[1].tolist(), sampled[2]
         made = 0
         for (g, s), toks, lps, left in zip(rows, new, logp, budget):
             if g["start"] is None:
@@ -567,7 +608,17 @@ class HFRollout(RolloutBase):
             s["versions"] += [self.version] * len(toks)
             s["done"] = s["done"] or len(s["ids"]) >= self.max_new_tokens
             made += len(toks)
+        if going is not None:  # the rows still running (not done) go on from this chunk's KV cache
+            running = [rows[i][1] for i in going.rows.tolist()]
+            if all(not seq["done"] for seq in running):
+                self._carried = (self.version, running, going)
         return made
+
+    def _contexts(self, rows: list[tuple[dict, dict]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool ``rows``' prompts and tokens so far, left-padded ``[N, C]``, and their mask."""
+        contexts = [g["prompt_ids"] + s["ids"] for g, s in rows]
+        ids = _pad_left(contexts, self.tok.pad_token_id).to(self.device)
+        return ids, _pad_left([[1] * len(c) for c in contexts], 0).to(self.device)
 
     def _pool_batch(self, taken: list[dict]) -> dict:
         """Finished groups as a batch in the layout of :meth:`generate`, plus per-token ``versions``."""
@@ -604,6 +655,7 @@ class HFRollout(RolloutBase):
     def load_state_dict(self, state: dict) -> None:
         self.calls, self.version = state["calls"], state["version"]
         self.pool = state.get("pool", [])
+        self._carried = None
 
 
 class VLLMWorkerExtension:  # pragma: no cover - runs inside vLLM's GPU worker processes
