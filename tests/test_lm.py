@@ -513,9 +513,9 @@ def test_rows_without_advantage_stay_out_of_the_update_on_ddp_workers_and_traini
     expected = [1 / 3, 1 / 3, 1 / 3, 1.0, 1.0, 1.0]  # rows with no signal, per step and rank
     for run in (True, False):
         assert [frac for step in zero[run] for frac in step] == pytest.approx(expected)
-    # every row is computed where leaving some out would change the update or its metrics
+    # every row is computed where leaving some out would change the update: a KL term in the loss
     one_pass = {"group_size": 4, "update_epochs": 1, "num_minibatches": 1, "micro_batch_size": 12}
-    for settings in ({"kl_coef": 0.1}, {"update_epochs": 2}, {"skip_zero_advantage": False}):
+    for settings in ({"kl_coef": 0.1}, {"skip_zero_advantage": False}):
         actor = LMActor(tiny_lm, **{**one_pass, **settings})
         actor.set_batch([dict(mixed)])
         assert actor.train()["rows_computed_frac"] == 1.0, settings
@@ -526,6 +526,32 @@ def test_rows_without_advantage_stay_out_of_the_update_on_ddp_workers_and_traini
     actor = LMActor(tiny_lm, **one_pass, policy_loss=my_ppo)
     actor.set_batch([dict(mixed)])
     assert actor.train()["rows_computed_frac"] == 1.0
+
+
+@pytest.mark.parametrize("settings", [{"update_epochs": 2, "num_minibatches": 2}, {"version": -1}])
+def test_rows_without_advantage_stay_out_of_several_epochs_and_of_a_stale_batch_too(tiny_lm, settings):
+    """Over several epochs (the old log-probs recomputed) or on a batch sampled by older weights (the ratio to
+    the behaviour policy), a row with no advantage still adds exactly 0: it is left out of the update and of
+    the recompute, and training is the same; the loss's metrics are over the rows computed."""
+    settings = dict(settings)
+    version = settings.pop("version", 0)
+    mixed = dict(_rewarded(_ragged_batch(tiny_lm), [1, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 1]), version=version)
+    out, weights = {}, {}
+    for skip in (False, True):
+        actor = LMActor(
+            tiny_lm, group_size=4, micro_batch_size=12, lr=1e-2, skip_zero_advantage=skip, **settings
+        )
+        actor.set_batch([dict(mixed)])
+        out[skip] = {**actor.compute_advantages(), **actor.train()}
+        weights[skip] = actor.policy_state()
+        if skip:
+            recomputed = actor.batch["old_logprobs"]
+            assert not recomputed[4:8].any() and recomputed[[0, 1, 2, 3, 8, 9, 10, 11]].any()  # group 1 not
+    assert out[False]["rows_computed_frac"] == 1.0 and out[True]["rows_computed_frac"] == pytest.approx(2 / 3)
+    assert out[True]["loss"] == pytest.approx(out[False]["loss"], rel=1e-4, abs=1e-6)
+    for name, w in weights[False].items():
+        if not name.endswith("k_proj.bias"):  # rounding-sized gradients under Adam (see the test below)
+            assert torch.allclose(w, weights[True][name], atol=1e-5), name
 
 
 def test_the_actor_computes_each_prompt_once_on_a_worker_and_trains_as_if_it_did_not(cluster, tiny_lm):

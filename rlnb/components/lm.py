@@ -781,10 +781,11 @@ class LMActor(ActorBase):
             same log-probs and gradients). ``None``: 4 on CPU, 1 (one pass) on a GPU. Off while the step
             is compiled.
         skip_zero_advantage: leave rows whose advantages are all 0 (a GRPO group whose completions all
-            scored alike) out of the update's forward and backward, where that changes nothing: the loss
-            adds exactly 0 for them (``zero_at_zero_advantage``, e.g. ``ppo``), there is no KL term in
-            the loss, and the batch is trained in one on-policy pass. The optimizer still steps as before.
-            Off while the step is compiled. ``train()`` reports ``rows_computed_frac``.
+            scored alike) out of the update's forward and backward, and out of the old log-probs' recompute,
+            where the loss adds exactly 0 for them (``zero_at_zero_advantage``, e.g. ``ppo``) and there is
+            no KL term in the loss: the same gradients, and the optimizer steps as before. The loss's metrics
+            are then over the rows computed. Off while the step is compiled. ``train()`` reports
+            ``rows_computed_frac``.
         **settings: any field of ``AlgorithmConfig`` by name (``group_size=8``, ``kl_coef=0.01``...).
 
     Advantages and losses get every input of :data:`rlnb.algorithms.contract.LM` they accept. The
@@ -930,7 +931,15 @@ class LMActor(ActorBase):
         return {"sequences": int(batch["rewards"].numel()), "version": batch["version"]}
 
     @torch.no_grad()
-    def _logprobs(self, model, b: dict) -> torch.Tensor:
+    def _logprobs(self, model, b: dict, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, L]`` log-probs of the batch under ``model``; with ``rows``, of those rows only (0 elsewhere)."""
+        if rows is not None and len(rows) < b["input_ids"].shape[0]:
+            part = self._logprobs(
+                model, {k: b[k][rows] for k in ("input_ids", "attention_mask", "response_mask")}
+            )
+            out = torch.zeros(b["input_ids"].shape, dtype=part.dtype)
+            out[rows] = part
+            return out
         out = []
         for sl in _micro_batches(b["input_ids"].shape[0], self.micro_batch_size):
             ids, attn = b["input_ids"][sl].to(self.device), b["attention_mask"][sl].to(self.device)
@@ -997,16 +1006,14 @@ class LMActor(ActorBase):
         return rows
 
     def compute_advantages(self) -> dict:
-        """Recompute old log-probs with the actor, reference log-probs (if KL), and group advantages."""
+        """Group advantages, reference log-probs (if KL) and, unless the batch is trained in one on-policy
+        pass, the old log-probs recomputed by the actor (only for the rows the update computes)."""
         batch, algo = self.batch, self.algo
         # One on-policy pass over the batch: the old log-probs are the current ones, detached in the
         # loss (as TRL does), so the recompute is skipped. Otherwise recompute them with the actor.
         batch["stale"] = batch["version"] != self.step  # sampled by older weights (asynchronous mode)
         single_pass = algo.update_epochs == 1 and algo.num_minibatches == 1 and not batch["stale"]
-        if single_pass:
-            batch["old_logprobs"] = None
-        else:
-            batch["old_logprobs"] = self._logprobs(self.policy, batch)  # [B, L]
+        batch["old_logprobs"] = None
         if self.ref is not None:
             batch["ref_logprobs"] = self._logprobs(self.ref, batch)
         mask = batch["response_mask"].float()
@@ -1014,12 +1021,9 @@ class LMActor(ActorBase):
             "rewards": batch["rewards"], "response_mask": mask, "group_size": algo.group_size, "scale": algo.scale,
             "kl_coef": algo.kl_coef, "gamma": algo.gamma,
         }  # fmt: skip
-        if self.kl_in_advantage:
-            current = (
-                batch["old_logprobs"]
-                if batch["old_logprobs"] is not None
-                else self._logprobs(self.policy, batch)
-            )
+        if self.kl_in_advantage:  # the KL needs the current log-probs first: the old ones, if kept
+            current = self._logprobs(self.policy, batch)
+            batch["old_logprobs"] = None if single_pass else current
             offered["kl"] = kl_penalty(current, batch["ref_logprobs"], algo.kl_estimator) * mask  # [B, L]
         adv, _ = self.advantage(**offered)
         if isinstance(adv, torch.Tensor) and adv.shape == batch["rewards"].shape:
@@ -1039,8 +1043,13 @@ class LMActor(ActorBase):
         }
         if "kl" in offered:  # the KL to the reference went into the advantage's returns (REINFORCE++)
             out["kl_mean"] = float(masked_mean(offered["kl"], mask))
-        if batch["old_logprobs"] is not None:  # how far the sampler's log-probs are from the actor's
-            out["logprob_drift"] = float(masked_mean((batch["old_logprobs"] - batch["logprobs"]).abs(), mask))
+        if not single_pass:
+            rows = self._rows_to_compute(torch.arange(len(adv)))[0]  # the rows the update will compute
+            if batch["old_logprobs"] is None:
+                batch["old_logprobs"] = self._logprobs(self.policy, batch, rows)  # [B, L], 0 on rows left out
+            # how far the sampler's log-probs are from the actor's, over those rows
+            drift = (batch["old_logprobs"][rows] - batch["logprobs"][rows]).abs()
+            out["logprob_drift"] = float(masked_mean(drift, mask[rows]))
         return out
 
     def train(self) -> dict:
@@ -1129,19 +1138,17 @@ class LMActor(ActorBase):
         """The rows of ``idx`` the update computes, and the weight of their loss (1, or 0 for a stand-in).
 
         Rows whose advantages are all 0 add exactly 0 to the loss and its gradient when the loss says so
-        (``zero_at_zero_advantage``, PPO's clipped surrogate) and nothing else enters it (no KL term), so
-        they are left out: a GRPO group whose completions all scored alike costs no forward or backward.
-        Only in one on-policy pass, where the loss's metrics (ratio 1) are the same for every row. With
-        no row left, one row goes through with weight 0: DDP's all-reduce needs every rank's backward, and
+        (``zero_at_zero_advantage``: PPO's clipped surrogate, whatever the ratio) and nothing else enters it
+        (no KL term), so they are left out: a GRPO group whose completions all scored alike costs no forward
+        or backward, nor an old log-prob recompute. The loss's metrics (``clip_frac``, ``approx_kl``...) are
+        then over the rows computed (in one on-policy pass the ratio is 1 on every row, so they are the same).
+        With no row left, one goes through with weight 0: DDP's all-reduce needs every rank's backward, and
         the optimizer steps on zero gradients as it would have (weight decay, momentum).
         """
         batch = self.batch
         if not (
             self.skip_zero_advantage
             and self.loss.zero_at_zero_advantage
-            and batch["old_logprobs"] is None  # one on-policy pass (no behaviour or proximal policy)
-            and "prox_logprobs" not in self.loss.needs
-            and not batch["stale"]
             and (self.ref is None or self.kl_in_advantage)  # no KL term in the loss
             and self.step_compiler is None  # a compiled step would recompile for every row count
         ):

@@ -171,9 +171,9 @@ class ActorConfig:
     """LM RL: sequences per warm-start step (over all actor ranks)."""
     skip_zero_advantage: bool = True
     """LM RL: leave sequences whose advantages are all 0 (a group whose completions all scored alike) out of
-    the update's forward and backward where that changes nothing: a policy loss that adds 0 for them
-    (``ppo``, ``decoupled_ppo``), no KL term in the loss, one on-policy pass (``update_epochs: 1``,
-    ``num_minibatches: 1``, synchronous). Logged as ``train/rows_computed_frac``."""
+    the update's forward and backward, and out of the old log-probs' recompute, where they add exactly 0: a
+    policy loss registered so (``ppo``, ``decoupled_ppo``) and no KL term in the loss. The same gradients;
+    the loss's metrics are over the sequences computed. Logged as ``train/rows_computed_frac``."""
     length_buckets: int | None = None
     """LM RL: the most passes a micro-batch's sequences take, grouped by where they end, so that padding is
     not computed (the same log-probs and gradients); ``null``: 4 on CPU, 1 on a GPU."""
