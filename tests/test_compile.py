@@ -77,7 +77,10 @@ def test_the_lm_actor_compiles_its_step_on_the_worker_and_trains_as_eager_does(c
     base = ["data.max_operand=9", "actor.sft_steps=10", "actor.tiny_lm.hidden_size=32", "actor.tiny_lm.num_layers=1",
             "runner.eval_interval=0", "runner.tensorboard=false", "runner.steps=2", "data.prompts_per_step=4",
             "algorithm.group_size=4", "algorithm.update_epochs=2", "cluster.component_placement={'actor,rollout,reward': 0}",
-            f"actor.model_path={tmp_path / 'model'}"]  # fmt: skip
+            f"actor.model_path={tmp_path / 'model'}",
+            # every row computed both ways (a compiled step computes them all, and the loss's metrics
+            # are over the rows computed)
+            "actor.skip_zero_advantage=false"]  # fmt: skip
     runs = {}
     for setting in ("false", "true"):
         overrides = [*base, f"actor.compile={setting}"]

@@ -534,21 +534,31 @@ def test_rows_without_advantage_stay_out_of_several_epochs_and_of_a_stale_batch_
     the behaviour policy), a row with no advantage still adds exactly 0: it is left out of the update and of
     the recompute, and training is the same; the loss's metrics are over the rows computed."""
     settings = dict(settings)
-    version = settings.pop("version", 0)
-    mixed = dict(_rewarded(_ragged_batch(tiny_lm), [1, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 1]), version=version)
+    behind = settings.pop("version", 0)  # -1: each batch sampled one version before the actor's
+    batch = _ragged_batch(tiny_lm)
+    mixed = _rewarded(batch, [1, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 1])  # group 1 (rows 4-7) scored alike
+    flat = _rewarded(batch, [0] * 4 + [1] * 4 + [0] * 4)  # then a batch with nothing to learn
     out, weights = {}, {}
     for skip in (False, True):
         actor = LMActor(
             tiny_lm, group_size=4, micro_batch_size=12, lr=1e-2, skip_zero_advantage=skip, **settings
         )
-        actor.set_batch([dict(mixed)])
-        out[skip] = {**actor.compute_advantages(), **actor.train()}
+        out[skip] = []
+        for step, b in enumerate((mixed, flat)):
+            actor.set_batch([dict(b, version=step + behind)])
+            out[skip].append({**actor.compute_advantages(), **actor.train()})
+            if skip and step == 0:
+                recomputed = actor.batch["old_logprobs"]
+                assert (
+                    not recomputed[4:8].any() and recomputed[[0, 1, 2, 3, 8, 9, 10, 11]].any()
+                )  # not group 1
         weights[skip] = actor.policy_state()
-        if skip:
-            recomputed = actor.batch["old_logprobs"]
-            assert not recomputed[4:8].any() and recomputed[[0, 1, 2, 3, 8, 9, 10, 11]].any()  # group 1 not
-    assert out[False]["rows_computed_frac"] == 1.0 and out[True]["rows_computed_frac"] == pytest.approx(2 / 3)
-    assert out[True]["loss"] == pytest.approx(out[False]["loss"], rel=1e-4, abs=1e-6)
+    assert [o["rows_computed_frac"] for o in out[False]] == [1.0, 1.0]
+    assert [o["rows_computed_frac"] for o in out[True]] == pytest.approx([2 / 3, 0.0])
+    for plain, skipped in zip(out[False], out[True]):
+        assert skipped["loss"] == pytest.approx(plain["loss"], rel=1e-4, abs=1e-6)
+    # nothing computed but a stand-in row at weight 0, at ratio 1: its metrics say the policy did not move
+    assert out[True][1]["approx_kl"] == 0.0 and out[True][1]["clip_frac"] == 0.0
     for name, w in weights[False].items():
         if not name.endswith("k_proj.bias"):  # rounding-sized gradients under Adam (see the test below)
             assert torch.allclose(w, weights[True][name], atol=1e-5), name

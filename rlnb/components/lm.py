@@ -1105,8 +1105,10 @@ class LMActor(ActorBase):
             micro_batch = {
                 "input_ids": take("input_ids"), "attention_mask": take("attention_mask"),
                 "mask": take("response_mask").float(), "advantages": take("advantages"),
-                "old_logprobs": take("old_logprobs"),  # None: one on-policy pass, the current ones
-                "behaviour_logprobs": take("logprobs") if behaviour else None,
+                # None: one on-policy pass, the current ones; also for a stand-in row at weight 0, whose
+                # metrics then say (ratio 1) that the policy did not move
+                "old_logprobs": take("old_logprobs") if weight else None,
+                "behaviour_logprobs": take("logprobs") if behaviour and weight else None,
                 "ref_logprobs": take("ref_logprobs") if kl_in_loss else None,
             }  # fmt: skip
             if self.step_compiler is not None and not self.step_compiler.ready:
