@@ -397,6 +397,52 @@ def check_shared_prompt_prefill_cuda(work: Path) -> dict:
     return out
 
 
+def check_async_chunks_cuda(work: Path, device: str = "cuda") -> dict:
+    """Asynchronous generation's chunks on the GPU (``HFRollout._chunk``): decoding on from the last chunk's
+    KV cache gives the tokens, and the log-probs, of prefilling every chunk again, with one prefill in all;
+    and how long each way, and ``generate`` per chunk, takes there."""
+    import torch
+
+    from rlnb.components.lm import HFRollout
+    from rlnb.models.lm import build_tiny_lm
+
+    path = str(build_tiny_lm(work / "tiny-chunks", hidden_size=256, num_layers=4, num_heads=4, seed=0))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    class Rebuilding(HFRollout):
+        KEEP_CACHE_ACROSS_CHUNKS = False
+
+    def run(cls, **kwargs) -> tuple[float, list, int]:
+        rollout = cls(path, max_new_tokens=64, seed=0, device=device, **kwargs)
+        prefills = []
+        rollout.model.register_forward_pre_hook(
+            lambda module, args, kw: prefills.append(kw["input_ids"].shape[1] > 1), with_kwargs=True
+        )
+        rollout._admit([(i, f"{i}+{i * 7 % 50}=", "") for i in range(16)], 8)
+        sync()
+        t0 = time.perf_counter()
+        while any(not s["done"] for g in rollout.pool for s in g["seqs"]):
+            rollout._chunk(8)
+        sync()
+        seqs = [(s["ids"], s["logprobs"]) for g in rollout.pool for s in g["seqs"]]
+        return round(time.perf_counter() - t0, 3), seqs, sum(prefills)
+
+    seconds, seqs, prefills = {}, {}, {}
+    for name, cls, kwargs in [("kept", HFRollout, {}), ("rebuilt", Rebuilding, {}),
+                              ("generate", HFRollout, {"drop_finished": False})] * 2:  # fmt: skip
+        seconds[name], seqs[name], prefills[name] = run(cls, **kwargs)  # the second of each is kept
+    same_tokens = [ids for ids, _ in seqs["kept"]] == [ids for ids, _ in seqs["rebuilt"]]
+    drift = max(abs(a - b) for (_, x), (_, y) in zip(seqs["kept"], seqs["rebuilt"]) for a, b in zip(x, y))
+    out = {"same_tokens": same_tokens, "logprob_max_diff": drift, "prefills_kept": prefills["kept"],
+           "prefills_rebuilt": prefills["rebuilt"], "chunks_s_kept": seconds["kept"],
+           "chunks_s_rebuilt": seconds["rebuilt"], "chunks_s_generate": seconds["generate"]}  # fmt: skip
+    if not same_tokens or drift > 1e-3 or prefills["kept"] != 1 or prefills["rebuilt"] < 2:
+        raise RuntimeError(
+            f"keeping the KV cache across chunks changed what was sampled, or was not kept: {out}"
+        )
+    return out
+
+
 def _shared_prompt_update_cuda(path: str, batch: dict, device: str = "cuda") -> dict:
     """The actor's side on the GPU: each prompt computed once gives the log-probs and gradients of a
     forward over every sequence, and the time of each (forward + backward, the second of two)."""
@@ -603,6 +649,7 @@ CHECKS = [
     ("ppo_gpu_env_obs_stay_on_gpu", check_ppo_gpu_env_obs_stay_on_gpu),
     ("grpo_tiny_lm_cuda", check_grpo_tiny_lm_cuda),
     ("shared_prompt_prefill_cuda", check_shared_prompt_prefill_cuda),
+    ("async_chunks_cuda", check_async_chunks_cuda),
     ("cuda_ipc_channel", check_cuda_ipc_channel),
     ("weight_sync_cuda_disaggregated", check_weight_sync_cuda_disaggregated),
     ("nccl_broadcast_two_groups", check_nccl_broadcast_two_groups),

@@ -203,23 +203,16 @@ def test_a_chunk_goes_on_from_the_last_ones_kv_cache_until_the_weights_or_sequen
     # in process: new weights, or a newly admitted group, prefill again
     rollout = RowCountingRollout(model, max_new_tokens=16, seed=5)
 
-    def admit(prompt: str):
-        seqs = [{"ids": [], "logprobs": [], "versions": [], "done": False} for _ in range(4)]
-        ids = rollout.tok(prompt)["input_ids"]
-        rollout.pool.append(
-            {"serial": 0, "prompt": prompt, "answer": "", "prompt_ids": ids, "start": None, "seqs": seqs}
-        )
-
     def prefills_after(chunk):
         before = len(rollout.forward_shapes())
         chunk()
         return sum(columns > 1 for _, columns in rollout.forward_shapes()[before:])
 
-    admit("1+2=")
+    rollout._admit([(0, "1+2=", "3")], 4)
     assert [prefills_after(lambda: rollout._chunk(2)) for _ in range(2)] == [1, 0]
     rollout.load_weights(load_lm(model)[0].state_dict(), 1)
     assert prefills_after(lambda: rollout._chunk(2)) == 1  # the cache was of the old weights
-    admit("3+4=")
+    rollout._admit([(1, "3+4=", "7")], 4)
     assert prefills_after(lambda: rollout._chunk(2)) == 1  # new sequences to decode
 
 

@@ -497,12 +497,7 @@ class HFRollout(RolloutBase):
         call, and in this rank's checkpoint.
         """
         t0 = time.perf_counter()
-        for serial, prompt, answer in problems:
-            seqs = [{"ids": [], "logprobs": [], "versions": [], "done": False} for _ in range(n)]
-            ids = self.tok(prompt)["input_ids"]
-            self.pool.append(
-                {"serial": serial, "prompt": prompt, "answer": answer, "prompt_ids": ids, "start": None, "seqs": seqs}
-            )  # fmt: skip
+        self._admit(problems, n)
         swaps, tokens, chunks = 0, 0, 0
         # the loop admitted these problems once it had published version train_version - 1, but a put does
         # not wait for delivery: generating them with older weights would put them N + 1 versions behind
@@ -553,6 +548,15 @@ class HFRollout(RolloutBase):
         self.put_batch(batches, batch_key, shards)
         summary["generate_s"] = time.perf_counter() - t0
         return summary
+
+    def _admit(self, problems: list[tuple[int, str, str]], n: int) -> None:
+        """Add ``problems`` (``(serial, prompt, answer)``) to the pool, ``n`` empty sequences each."""
+        for serial, prompt, answer in problems:
+            seqs = [{"ids": [], "logprobs": [], "versions": [], "done": False} for _ in range(n)]
+            ids = self.tok(prompt)["input_ids"]
+            self.pool.append(
+                {"serial": serial, "prompt": prompt, "answer": answer, "prompt_ids": ids, "start": None, "seqs": seqs}
+            )  # fmt: skip
 
     @torch.no_grad()
     def _chunk(self, chunk_tokens: int) -> int:
