@@ -85,14 +85,24 @@ def grpo_run(cluster, overrides: list[str], seed: int, work: Path, target: float
         first = loop.evaluate()["eval/accuracy"]
         wall = tokens = 0.0
         acc = first
+        trained: list[dict] = []
         while loop.step < steps and (target is None or acc < target):
             t0 = time.perf_counter()
             records = loop.run(10 if target is not None else steps, progress=False)
             wall += time.perf_counter() - t0
             tokens += sum(r["rollout/response_len_mean"] * per_step for r in records)
+            trained += [r for r in records if "time/train_s" in r]
             acc = loop.evaluate()["eval/accuracy"]  # not timed: the same for every setting
+
+        def median(key: str) -> float:  # over the steps after the first
+            return statistics.median(r.get(key, 0.0) or 0.0 for r in trained[1:] or trained)
+
         return {"wall_s": wall, "steps": loop.step, "s_per_step": wall / max(1, loop.step), "tokens_per_s": tokens / wall, "first": first, "accuracy": acc,
-                "reached": target is None or acc >= target}  # fmt: skip
+                "reached": target is None or acc >= target,
+                # where the actor's time goes: the update, the old log-probs' recompute (stale batches), and
+                # the share of sequences the update computed (actor.skip_zero_advantage)
+                "train_ms": 1e3 * median("time/train_s"), "advantages_ms": 1e3 * median("time/advantages_s"),
+                "computed": median("train/rows_computed_frac")}  # fmt: skip
 
 
 def long_tail_file(path: Path, n: int = 600, seed: int = 0) -> Path:
@@ -142,7 +152,7 @@ def main():
             )
             report(results, "sync, apart", "sync, data-parallel", [
                 ("steps", "steps", 6), ("s/step", "s_per_step", 7), ("tokens/s", "tokens_per_s", 9), ("acc SFT", "first", 8),
-                ("acc end", "accuracy", 8), ("reached", "reached", 8)])  # fmt: skip
+                ("acc end", "accuracy", 8), ("reached", "reached", 8), ("train ms", "train_ms", 8), ("computed", "computed", 8)])  # fmt: skip
         if "longtail" in args.part:
             data = long_tail_file(work / "long_tail.jsonl")
             task = ["data.task=file", f"data.path={data}", "rollout.max_new_tokens=48", "data.eval_size=50",
@@ -153,7 +163,8 @@ def main():
                     results[name].append(grpo_run(cluster, [*task, *overrides], seed, work / "lt", None, 30))
             print("\nlong-tail completions (2-41 tokens), 30 GRPO steps (wall excludes SFT)")
             report(results, "sync, apart", "sync, data-parallel", [
-                ("steps", "steps", 6), ("s/step", "s_per_step", 7), ("tokens/s", "tokens_per_s", 9), ("acc end", "accuracy", 8)])  # fmt: skip
+                ("steps", "steps", 6), ("s/step", "s_per_step", 7), ("tokens/s", "tokens_per_s", 9), ("acc end", "accuracy", 8),
+                ("train ms", "train_ms", 8), ("adv ms", "advantages_ms", 7), ("computed", "computed", 8)])  # fmt: skip
 
 
 def ppo(cluster, seeds: list[int]) -> None:
