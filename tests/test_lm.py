@@ -126,15 +126,21 @@ def test_completions_share_their_prompts_prefill_on_a_worker_with_the_same_token
     assert torch.allclose(shared["logprobs"], alone["logprobs"], atol=1e-5)
 
 
+def _input_shapes(model) -> list:
+    """A list to which each forward of ``model`` appends the shape of its ``input_ids`` (rows, columns)."""
+    shapes = []
+    model.register_forward_pre_hook(
+        lambda module, args, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    return shapes
+
+
 class RowCountingRollout(HFRollout):
     """Records how many rows each forward of its model takes, and how many columns (on the worker)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.shapes = []
-        self.model.register_forward_pre_hook(
-            lambda module, args, kw: self.shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
-        )
+        self.shapes = _input_shapes(self.model)
 
     def forward_rows(self) -> list:
         return [rows for rows, _ in self.shapes]
@@ -396,10 +402,7 @@ def test_rows_in_length_buckets_give_the_same_logprobs_and_gradients(tiny_lm):
     b = _ragged_batch(tiny_lm)
     ids, attn, response = b["input_ids"], b["attention_mask"], b["response_mask"]
     mask = response.float()
-    shapes = []
-    model.register_forward_pre_hook(
-        lambda module, args, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
-    )
+    shapes = _input_shapes(model)
 
     def loss_and_grads(fn):
         model.zero_grad()
@@ -430,14 +433,12 @@ class WidthRecordingActor(LMActor):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.shapes = []
-        self.policy.register_forward_pre_hook(
-            lambda module, args, kw: self.shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
-        )
+        self.shapes = _input_shapes(self.policy)
 
     def forward_shapes(self) -> list:
         """The shapes recorded since the last call."""
-        shapes, self.shapes = self.shapes, []
+        shapes = list(self.shapes)
+        self.shapes.clear()
         return shapes
 
 

@@ -121,20 +121,20 @@ def _same(a: list, b: list) -> bool:
 @dataclasses.dataclass
 class _Decoding:
     """Where decoding stands for ``N`` running rows: the KV ``cache`` of every token but each row's ``last``
-    (``[N]``, fed next at ``position [N]``), the attention mask ``attn [N, C]`` over the cache and ``last``,
-    and ``rows [N]``, the rows' indices in the batch the decoding started with."""
+    (``[N]``, fed next at ``position [N]``), and the attention mask ``attn [N, C]`` over the cache and
+    ``last``. A state :meth:`HFRollout._decode_from` hands back also says which ``rows [N]`` of the batch it
+    was given are still running."""
 
     cache: object
     attn: torch.Tensor
     last: torch.Tensor
     position: torch.Tensor
-    rows: torch.Tensor
+    rows: torch.Tensor | None = None
 
     @classmethod
     def start(cls, ids: torch.Tensor, attn: torch.Tensor, cache) -> _Decoding:
         """From sequences ``ids [N, P]`` (mask ``attn``) whose columns but the last are in ``cache``."""
-        rows = torch.arange(ids.shape[0], device=ids.device)
-        return cls(cache, attn, ids[:, -1], positions_from_mask(attn)[:, -1], rows)
+        return cls(cache, attn, ids[:, -1], positions_from_mask(attn)[:, -1])
 
 
 class HFRollout(RolloutBase):

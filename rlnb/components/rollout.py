@@ -202,14 +202,11 @@ class PolicyRollout(RolloutBase):
         """Collocated weight sync. From the built-in actor into this class's own ``load_weights``: one
         ``torch._foreach_copy_`` over the two modules' tensors (~4 µs against ~120 µs through a cloned
         ``state_dict`` for a 64 x 64 MLP), the same weights; otherwise :meth:`RolloutBase.load_from_local_actor`."""
-        source = local_peer(actor, rank)
-        copy_into = getattr(source, "copy_policy_into", None)
-        if type(self).load_weights is not PolicyRollout.load_weights or copy_into is None:
-            return super().load_from_local_actor(actor, rank, version)
-        if not copy_into(self.policy):
-            return super().load_from_local_actor(actor, rank, version)
-        self.version = version
-        return version
+        copy_into = getattr(local_peer(actor, rank), "copy_policy_into", None)
+        if type(self).load_weights is PolicyRollout.load_weights and copy_into and copy_into(self.policy):
+            self.version = version
+            return version
+        return super().load_from_local_actor(actor, rank, version)
 
     def act(self, obs, deterministic: bool = False):
         """``(actions [n, ...] numpy, logprobs [n], values [n])`` for a batch of observations."""
