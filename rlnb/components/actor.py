@@ -22,6 +22,7 @@ import torch
 from rlnb.algorithms.contract import EMBODIED, check_algorithm
 from rlnb.algorithms.losses import entropy_bonus, value_loss
 from rlnb.components.compile import StepCompiler
+from rlnb.components.fused import FusedPPOStep, unfit
 from rlnb.components.launch import launcher
 from rlnb.components.optim import ClipAndStep
 from rlnb.components.rollout import resolve_device
@@ -271,6 +272,9 @@ class PPOActor(ActorBase):
         self.batch: dict | None = None
         self.policy = None
         self.step_compiler: StepCompiler | None = None
+        self.fused_steps = 0  # minibatches trained through the hand-derived step (actor.fused_step)
+        self.fused_unfit: str | None = None  # why the last update could not use it
+        self._fused_now: FusedPPOStep | None = None
         if obs_space is not None and act_space is not None:
             self.bind_spaces(obs_space, act_space)
 
@@ -372,6 +376,7 @@ class PPOActor(ActorBase):
             k: b[k].reshape(-1, *b[k].shape[2:])
             for k in ("obs", "actions", "logprobs", "values", "advantages", "returns")
         }
+        self._fused_now = self._fused_step()
         if "prox_logprobs" in self.loss.needs:  # the policy at the start of this update (decoupled PPO)
             with torch.no_grad():
                 flat["prox_logprobs"] = self.policy(flat["obs"], flat["actions"])[0]
@@ -407,12 +412,37 @@ class PPOActor(ActorBase):
             )
         return out
 
+    def _fused_step(self) -> FusedPPOStep | None:
+        """The hand-derived step (``actor.fused_step``) if it can stand in for autograd in this update; else
+        ``None``, with the reason in ``fused_unfit``."""
+        self.fused_unfit = (
+            "actor.fused_step is off"
+            if not self.cfg.fused_step
+            else "a subclass replaced the objective"
+            if type(self)._objective is not PPOActor._objective
+            else unfit(self.policy, self.model, self.loss.fn, self.step_compiler is not None)
+        )
+        return FusedPPOStep(self.policy) if self.fused_unfit is None else None
+
+    def fused_stats(self) -> dict:
+        """How this rank's updates ran: minibatches through the hand-derived step (``actor.fused_step``) and,
+        if the last update could not use it, why."""
+        return {"fused_steps": self.fused_steps, "unfit": self.fused_unfit}
+
     def _train_minibatch(self, mb: dict) -> dict:
         # every tensor is one minibatch, [M]
-        if self.step_compiler is not None and not self.step_compiler.ready:
-            self.step_compiler.warm_up(self._objective, mb, self.policy)
-        objective = self.step_compiler.fn if self.step_compiler is not None else self._objective
-        loss, metrics = objective(mb)
+        fused, algo = self._fused_now, self.algo
+        if fused is not None:  # loss and gradients at once (.grad set), no autograd graph
+            loss, metrics = fused(
+                mb, clip_coef=algo.clip_coef, vf_coef=algo.vf_coef, ent_coef=algo.ent_coef,
+                clip_vloss=algo.clip_vloss, norm_adv=algo.norm_adv,
+            )  # fmt: skip
+            self.fused_steps += 1
+        else:
+            if self.step_compiler is not None and not self.step_compiler.ready:
+                self.step_compiler.warm_up(self._objective, mb, self.policy)
+            objective = self.step_compiler.fn if self.step_compiler is not None else self._objective
+            loss, metrics = objective(mb)
         if self.clip_and_step.optimizer is not self.optimizer:  # a subclass replaced the optimizer
             self.clip_and_step = ClipAndStep(self.optimizer)
         loss_value = loss.item()
@@ -420,9 +450,10 @@ class PPOActor(ActorBase):
             raise FloatingPointError(
                 f"non-finite loss {loss_value} at training step {self.step}; metrics {metrics}"
             )
-        self.clip_and_step.zero_grad()
-        loss.backward()
-        self.clip_and_step(self.algo.max_grad_norm)
+        if fused is None:
+            self.clip_and_step.zero_grad()
+            loss.backward()
+        self.clip_and_step(algo.max_grad_norm)
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["loss"] = loss_value
         return metrics

@@ -1,0 +1,144 @@
+"""The hand-derived PPO step (``rlnb.components.fused``): autograd's loss, metrics and gradients, for both
+action kinds, both value losses and both activations; used where it fits, on the worker too, and nowhere else."""
+
+import gymnasium as gym
+import pytest
+import torch
+from torch import nn
+
+import rlnb
+from rlnb.algorithms.losses import ppo, ppo_clip_value_entropy
+from rlnb.components.fused import FusedPPOStep, unfit
+from rlnb.loop import Loop
+from rlnb.models.policies import ActorCritic
+
+DISCRETE = gym.spaces.Discrete(3)
+CONTINUOUS = gym.spaces.Box(-1.0, 1.0, (2,))
+OBS = gym.spaces.Box(-1.0, 1.0, (5,))
+
+
+def _policy(act_space, hidden=(64, 64), activation="tanh"):
+    torch.manual_seed(0)
+    policy = ActorCritic(OBS, act_space, hidden_sizes=hidden, activation=activation)
+    if not policy.discrete:
+        with torch.no_grad():
+            policy.log_std.copy_(torch.tensor([-0.3, 0.2]))
+    return policy
+
+
+def _minibatch(policy, m: int, shift: float, seed: int = 1) -> dict:
+    """``m`` samples whose old log-probs are the policy's own moved by up to ``shift`` (ratios away from 1, so
+    some clip), and old values near the current ones (some value errors clip too)."""
+    g = torch.Generator().manual_seed(seed)
+    obs = torch.randn(m, 5, generator=g)
+    with torch.no_grad():
+        if policy.discrete:
+            actions = torch.randint(0, 3, (m,), generator=g).float()
+        else:
+            actions = torch.randn(m, 2, generator=g)
+        logprobs, _, values = policy(obs, actions)
+    return {
+        "obs": obs,
+        "actions": actions,
+        "logprobs": logprobs + shift * (2 * torch.rand(m, generator=g) - 1),
+        "values": values + 0.3 * torch.randn(m, generator=g),
+        "advantages": torch.randn(m, generator=g),
+        "returns": values + torch.randn(m, generator=g),
+    }
+
+
+def _autograd(policy, mb, **coefs):
+    logprob, entropy, value = policy(mb["obs"], mb["actions"])
+    loss, metrics = ppo_clip_value_entropy(
+        logprob, mb["logprobs"], mb["advantages"], value, mb["values"], mb["returns"], entropy, **coefs
+    )
+    for p in policy.parameters():
+        p.grad = None
+    loss.backward()
+    return loss.detach(), metrics, [p.grad.clone() for p in policy.parameters()]
+
+
+@pytest.mark.parametrize("act_space", [DISCRETE, CONTINUOUS], ids=["discrete", "continuous"])
+@pytest.mark.parametrize("clip_vloss", [False, True])
+@pytest.mark.parametrize(
+    "hidden,activation,m", [((64, 64), "tanh", 256), ((32,), "relu", 8), ((16, 24, 8), "tanh", 33)]
+)
+def test_loss_metrics_and_gradients_are_autograds(act_space, clip_vloss, hidden, activation, m):
+    policy = _policy(act_space, hidden, activation)
+    for shift, ent_coef, norm_adv in ((0.0, 0.0, True), (0.6, 0.01, True), (0.6, 0.05, False)):
+        mb = _minibatch(policy, m, shift)
+        coefs = dict(clip_coef=0.2, vf_coef=0.5, ent_coef=ent_coef, clip_vloss=clip_vloss, norm_adv=norm_adv)
+        loss, metrics, grads = _autograd(policy, mb, **coefs)
+        if shift:  # the clipped branches are exercised
+            assert 0 < metrics["clip_frac"] < 1
+        fused_loss, fused_metrics = FusedPPOStep(policy)(mb, **coefs)
+        torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-7)
+        assert fused_metrics.keys() == metrics.keys()
+        for key, value in metrics.items():
+            torch.testing.assert_close(fused_metrics[key], value, rtol=1e-5, atol=1e-7, msg=key)
+        for (name, p), expected in zip(policy.named_parameters(), grads):
+            torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-7, msg=name)
+
+
+class MyActorCritic(ActorCritic):
+    """A subclass: its forward may differ from the built-in's."""
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        (lambda p: {"compiled": True}, "actor.compile is on"),
+        (lambda p: {"model": nn.Sequential(p)}, "data-parallel"),
+        (lambda p: {"loss_fn": ppo}, "the policy loss is 'ppo'"),
+        (lambda p: {"policy": ActorCritic(OBS, DISCRETE, shared_trunk=True)}, "shared or convolutional"),
+        (lambda p: {"policy": MyActorCritic(OBS, DISCRETE)}, "the policy is MyActorCritic"),
+        (lambda p: {"policy": ActorCritic(OBS, DISCRETE, activation="relu").requires_grad_(False)}, "frozen"),
+        (lambda p: p.actor_head.register_forward_hook(lambda *a: None) and {}, "hooks"),
+        (lambda p: p.critic_trunk[0].weight.register_hook(lambda g: g) and {}, "hooks"),
+    ],
+)
+def test_anything_it_does_not_compute_as_autograd_would_is_left_to_autograd(change, reason):
+    policy = _policy(DISCRETE)
+    assert unfit(policy, policy, ppo_clip_value_entropy, False) is None
+    args = {"policy": policy, "model": policy, "loss_fn": ppo_clip_value_entropy, "compiled": False}
+    args.update(change(policy))
+    if args["model"] is policy:
+        args["model"] = args["policy"]
+    assert reason in unfit(**args)
+
+
+def test_the_actor_trains_through_it_on_its_worker_as_it_would_through_autograd(cluster, tmp_path):
+    """The recipe's actor takes every minibatch through the fused step on its worker; with
+    ``actor.fused_step=false`` none, and the two runs' losses agree."""
+    base = ["runner.tensorboard=false", "runner.steps=3", "runner.eval_interval=0", "env.num_envs=4"]
+    runs = {}
+    for fused in (True, False):
+        with Loop.from_recipe(
+            "ppo_cartpole", [*base, f"actor.fused_step={str(fused).lower()}"], cluster=cluster,
+            run_dir=tmp_path / str(fused),
+        ) as loop:  # fmt: skip
+            records = loop.run(progress=False)
+            stats = loop.groups["actor"].fused_stats().result()[0]
+        runs[fused] = ([r["train/loss"] for r in records], [r["train/approx_kl"] for r in records], stats)
+    assert runs[True][2] == {"fused_steps": 3 * 20, "unfit": None}
+    assert runs[False][2] == {"fused_steps": 0, "unfit": "actor.fused_step is off"}
+    for a, b in zip(runs[True][0] + runs[True][1], runs[False][0] + runs[False][1]):
+        assert a == pytest.approx(b, rel=1e-3, abs=1e-6)
+
+
+def test_a_subclass_with_its_own_objective_trains_through_autograd(cluster, tmp_path):
+    class HalfLoss(rlnb.PPOActor):
+        def _objective(self, mb):
+            loss, metrics = super()._objective(mb)
+            return 0.5 * loss, metrics
+
+    env = rlnb.Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4)
+    rollout = rlnb.PolicyRollout.launch(cluster, "0")
+    actor = rlnb.launch(HalfLoss, cluster, "0", name="actor", update_epochs=2)
+    with Loop(
+        env=env, rollout=rollout, actor=actor, steps_per_rollout=16, run_dir=tmp_path,
+        runner={"tensorboard": False, "steps": 1},
+    ) as loop:  # fmt: skip
+        loop.run(progress=False)
+        stats = loop.groups["actor"].fused_stats().result()[0]
+    assert stats == {"fused_steps": 0, "unfit": "a subclass replaced the objective"}
