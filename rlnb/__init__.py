@@ -48,8 +48,8 @@ _LAZY = {
 def warm_up() -> bool:
     """Start, in the background, what a first embedded :class:`Cluster` waits for; returns at once.
 
-    A first cluster in a process waits for torch and ``torch._dynamo`` to be imported, ~5 s of one
-    core here: once in the fork server its workers start from, once in this process. Call this in a
+    A first cluster in a process waits for torch to be imported, ~1-2 s of one core here: once in the
+    fork server its workers start from, once in this process. Call this in a
     notebook's import cell: while you read and run the next cells, both imports happen, and the
     first ``rlnb.Cluster()`` is up, its loop built, in under a second. ``rlnb run`` does it itself.
     Calling it again does nothing more. The fork server lives as long as this process.

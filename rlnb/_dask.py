@@ -117,9 +117,10 @@ def actor_worker(actor):
     return getattr(actor, "_worker", None)
 
 
-# What every worker of an embedded cluster (CPU or GPU) imports before it does anything: torch._dynamo alone is
-# ~3 s here, and the first torch.optim optimizer imports it.
-WORKER_PRELOAD = ("distributed", "numpy", "torch", "torch._dynamo", "gymnasium", "rlnb.components")
+# What every worker of an embedded cluster (CPU or GPU) imports before it does anything. Not torch._dynamo (~1 s
+# here): an embodied run never needs it (rlnb.components.optim builds and steps Adam without it), and what
+# compiles imports it then.
+WORKER_PRELOAD = ("distributed", "numpy", "torch", "gymnasium", "rlnb.components")
 
 
 def _fork_server_wanted() -> bool:

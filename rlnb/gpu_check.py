@@ -240,7 +240,7 @@ def _worker_start_probe() -> dict:
     """On a fresh worker: whether it forked from the preloaded server, and the GPU it then sees."""
     import sys
 
-    preloaded = "torch._dynamo" in sys.modules  # nothing else has run on this worker yet
+    preloaded = "rlnb.components" in sys.modules  # nothing else has run on this worker yet
     import torch
 
     x = torch.ones(1, device="cuda") * 2  # CUDA works after the fork (the server never initialised it)

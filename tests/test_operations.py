@@ -116,7 +116,7 @@ if __name__ == "__main__":
     with rlnb.Cluster(slots=1, gpus=False) as cluster:
         def preloaded(dask_worker=None):
             import sys
-            return "torch._dynamo" in sys.modules and "rlnb.components" in sys.modules
+            return "torch" in sys.modules and "rlnb.components" in sys.modules
         ok = all(cluster.client.run(preloaded).values())
         same = forkserver._forkserver._forkserver_pid == server
     print("RESULT", returned_s, ok, same, server)

@@ -60,8 +60,8 @@ def test_the_direct_step_is_bit_for_bit_torchs_clip_and_step(name):
     optimizer = make(model.parameters())
     step = ClipAndStep(optimizer)
     norms = _train(model, optimizer, step, scales)
-    # the first step creates the optimizer's state through optimizer.step(); every later one is direct
-    assert step.direct_steps == len(scales) - 1
+    # every step is direct, the first too: it creates the optimizer's state as torch's first step() would
+    assert step.direct_steps == len(scales)
     assert [float(n) for n in norms] == [float(n) for n in ref_norms]
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p, q)
@@ -142,7 +142,34 @@ def test_the_ppo_actor_takes_the_direct_step_on_its_worker(cluster, tmp_path):
         records = loop.run(progress=False)
         direct = loop.groups["actor"].direct_steps().result()[0]
     assert len(records) == 2 and all(r["train/loss"] == r["train/loss"] for r in records)
-    assert direct == 2 * 3 * 2 - 1  # every minibatch step but the first, which creates Adam's state
+    assert direct == 2 * 3 * 2  # every minibatch step, the first too (it creates Adam's state as torch would)
+
+
+class DynamoWatchingActor(StepCountingActor):
+    def dynamo_imported(self) -> bool:
+        import sys
+
+        return "torch._dynamo" in sys.modules
+
+
+def test_a_worker_trains_and_checkpoints_without_importing_dynamo(tmp_path):
+    """``torch._dynamo`` (~1 s to import here) is not on an embodied run's path: the workers' fork server does
+    not preload it, and building Adam, its first step, and a checkpoint saved and loaded do not import it."""
+    with rlnb.Cluster(slots=1, gpus=False) as cluster:  # fresh workers
+        env = Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4)
+        rollout = rlnb.PolicyRollout.launch(cluster, "0")
+        actor = rlnb.launch(
+            DynamoWatchingActor, cluster, "0", name="actor", update_epochs=2, num_minibatches=2
+        )
+        runner = {"tensorboard": False, "steps": 2}
+        with Loop(
+            env=env, rollout=rollout, actor=actor, steps_per_rollout=16, runner=runner, run_dir=tmp_path
+        ) as loop:
+            loop.run(progress=False)  # saves a checkpoint at the end
+            loop.load_checkpoint()
+            loop.run(1, progress=False)
+            assert loop.groups["actor"].dynamo_imported().result() == [False]
+            assert loop.groups["actor"].direct_steps().result() == [3 * 2 * 2]  # every one of them
 
 
 class WeightShowingRollout(rlnb.PolicyRollout):

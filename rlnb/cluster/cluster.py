@@ -384,7 +384,7 @@ class Cluster:
         n_gpus = _count_gpus()[0] if gpus in ("auto", True) else 0
         if gpus is True and n_gpus == 0:
             raise ClusterError("Cluster(gpus=True): this machine has no GPU visible to NVML")
-        # workers fork from a server that imported torch, torch._dynamo and rlnb once: a second cluster in
+        # workers fork from a server that imported torch, gymnasium and rlnb once: a second cluster in
         # the same driver starts in a fraction of a second, and the first one's components bind at once.
         # GPU workers too: the server never touches CUDA, and each worker's CUDA_VISIBLE_DEVICES is set
         # before its first CUDA call (on an H100 machine, 14.6 s -> 11.7 s to a first step).

@@ -24,7 +24,7 @@ from rlnb.algorithms.losses import entropy_bonus, value_loss
 from rlnb.components.compile import StepCompiler
 from rlnb.components.fused import FusedPPOStep, unfit
 from rlnb.components.launch import launcher
-from rlnb.components.optim import ClipAndStep
+from rlnb.components.optim import ClipAndStep, build_optimizer, without_dynamo_import
 from rlnb.components.rollout import resolve_device
 from rlnb.config.schema import ActorConfig, AlgorithmConfig
 from rlnb.errors import ConfigError, did_you_mean
@@ -182,9 +182,11 @@ class ActorBase:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """Weights, optimizer, both RNGs and the step: what an exact resume needs."""
+        with without_dynamo_import():  # a first checkpoint need not import it (~1 s)
+            optimizer = self.optimizer.state_dict()
         return {
             "policy": self.policy.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "generator": self.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
             "step": self.step,
@@ -192,7 +194,8 @@ class ActorBase:
 
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_state_dict(state["policy"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        with without_dynamo_import():
+            self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]
@@ -284,7 +287,9 @@ class PPOActor(ActorBase):
             torch.manual_seed(self.seed)  # identical initial weights on every rank
             self.policy = make_policy(self.policy_spec, obs_space, act_space, self.name).to(self.device)
             # fused Adam: one kernel for all parameters (the default on CPU loops over tensors in Python)
-            self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=self.cfg.lr, eps=1e-5, fused=True)
+            self.optimizer = build_optimizer(
+                torch.optim.Adam, self.policy.parameters(), lr=self.cfg.lr, eps=1e-5, fused=True
+            )
             self.clip_and_step = ClipAndStep(self.optimizer)  # clip_grad_norm_ + step(), minus their Python
             self.model = self.policy  # what the train step calls (DDP wraps it)
             self.step_compiler = StepCompiler.for_device(self.cfg.compile, self.device, "actor")

@@ -6,7 +6,10 @@ of it in Python: walking the modules for their parameters, grouping tensors by d
 profiling wrappers, around kernels that take ~15 µs. :class:`ClipAndStep` calls the same kernels
 (``torch._foreach_norm``, ``torch._foreach_mul_``, ``torch._fused_adam_``) on lists it keeps, so the
 result is bit for bit what torch's own functions give, and falls back to them wherever its conditions do
-not hold (another optimizer, hooks, several devices, state not created yet...).
+not hold (another optimizer, hooks, several devices...). It creates Adam's state itself on the first step, as
+``Adam._init_group`` does for a fused group: torch's first ``step()`` would import ``torch._dynamo`` (~1 s
+on this machine), which nothing else in an embodied run needs. :func:`build_optimizer` builds the optimizer without that
+import either.
 
 Example:
     >>> import torch
@@ -20,10 +23,54 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import torch
 from torch.optim import optimizer as optimizer_module
 
 _DIRECT = (torch.optim.Adam, torch.optim.AdamW)
+
+
+_DYNAMO_DISABLED = ("add_param_group", "state_dict", "load_state_dict", "zero_grad")
+
+
+@contextlib.contextmanager
+def without_dynamo_import():
+    """Within, ``torch.optim.Optimizer``'s ``add_param_group``, ``state_dict``, ``load_state_dict`` and
+    ``zero_grad`` run without importing ``torch._dynamo``.
+
+    torch wraps them in ``torch._disable_dynamo``, which imports ``torch._dynamo`` on the first call (~1 s
+    here, on a worker's start-up path or its first checkpoint) to disable compilation of them, and caches the
+    disabled function on the wrapped one as ``__dynamo_disable``. While ``torch._dynamo`` is not imported
+    nothing can be compiling, so the plain function is cached for the duration and the cache is emptied
+    after: once something imports ``torch._dynamo``, the wrappers disable it as torch intends.
+
+    Example:
+        >>> import torch
+        >>> with without_dynamo_import():
+        ...     optimizer = torch.optim.Adam(torch.nn.Linear(2, 1).parameters())
+        ...     state = optimizer.state_dict()
+    """
+    seeded = []
+    if "torch._dynamo" not in sys.modules:
+        for name in _DYNAMO_DISABLED:
+            wrapped = getattr(getattr(optimizer_module.Optimizer, name, None), "__wrapped__", None)
+            if wrapped is not None and not hasattr(wrapped, "__dynamo_disable"):
+                wrapped.__dynamo_disable = wrapped
+                seeded.append(wrapped)
+    try:
+        yield
+    finally:
+        for wrapped in seeded:
+            del wrapped.__dynamo_disable
+
+
+def build_optimizer(cls: type[torch.optim.Optimizer], params, **kwargs) -> torch.optim.Optimizer:
+    """``cls(params, **kwargs)`` (``torch.optim.Adam``, ``AdamW``...), built without importing
+    ``torch._dynamo`` where it is not imported yet (see :func:`without_dynamo_import`)."""
+    with without_dynamo_import():
+        return cls(params, **kwargs)
 
 
 class ClipAndStep:
@@ -99,4 +146,13 @@ class ClipAndStep:
         if optimizer_module._global_optimizer_pre_hooks or optimizer_module._global_optimizer_post_hooks:
             return False
         state = opt.state
-        return all(p in state and "exp_avg" in state[p] for p in with_grad)  # else step() creates it
+        for p in with_grad:
+            if p not in state or not state[p]:  # its first step: the state Adam._init_group creates (fused)
+                state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+            elif "exp_avg" not in state[p]:
+                return False
+        return True
