@@ -133,7 +133,11 @@ def _fork_server_wanted() -> bool:
     )
 
 
-def fork_workers_from_preloaded_server(preload=WORKER_PRELOAD) -> bool:
+# what the fork server itself imports: WORKER_PRELOAD, with the garbage collector paused
+FORK_SERVER_PRELOAD = ("rlnb._preload",)
+
+
+def fork_workers_from_preloaded_server(preload=FORK_SERVER_PRELOAD) -> bool:
     """Make local Dask worker processes start from a fork server that has imported ``preload`` once,
     instead of each spawned process importing them again (Dask's ``multiprocessing-method:
     forkserver``). Dask sets the fork server's preload itself, once, guarded by the private
@@ -154,7 +158,7 @@ def fork_workers_from_preloaded_server(preload=WORKER_PRELOAD) -> bool:
     return True
 
 
-def prestart_fork_server(preload=WORKER_PRELOAD) -> bool:
+def prestart_fork_server(preload=FORK_SERVER_PRELOAD) -> bool:
     """Start the workers' fork server now, so it imports ``preload`` (~5 s of one core here) while the
     driver goes on with its own imports on the other cores; the embedded cluster's workers then fork
     from it. Needs neither torch nor Dask imported. ``rlnb run`` calls it once the recipe asks for an

@@ -62,9 +62,17 @@ def test_the_wrappers_work_against_a_real_worker(cluster):
 
 
 def _preloaded(dask_worker=None) -> bool:
+    """Whether this worker forked from rlnb's server: torch and rlnb imported there, and frozen out of the
+    garbage collector's scans (``rlnb._preload``), with the collector running."""
+    import gc
     import sys
 
-    return "torch" in sys.modules and "rlnb.components" in sys.modules
+    return (
+        "torch" in sys.modules
+        and "rlnb.components" in sys.modules
+        and gc.get_freeze_count() > 0
+        and gc.isenabled()
+    )
 
 
 def test_embedded_workers_start_with_torch_preloaded_unless_told_to_spawn(monkeypatch):

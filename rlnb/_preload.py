@@ -1,0 +1,22 @@
+"""Imported by the workers' fork server (``rlnb._dask.prestart_fork_server``): what every worker of an embedded
+cluster needs, imported once with the garbage collector paused, then frozen.
+
+With the collector paused, importing torch, Dask and gymnasium takes ~0.95 s instead of ~1.15 s on this machine
+(it would otherwise scan the growing heap over and over). ``gc.freeze()`` then moves everything imported to
+the permanent generation: forked workers never scan those objects, nor touch their pages by doing so.
+"""
+
+import gc
+import importlib
+
+from rlnb._dask import WORKER_PRELOAD
+
+_was_enabled = gc.isenabled()
+gc.disable()
+try:
+    for _name in WORKER_PRELOAD:
+        importlib.import_module(_name)
+finally:
+    gc.freeze()
+    if _was_enabled:
+        gc.enable()
