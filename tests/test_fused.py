@@ -8,7 +8,7 @@ from torch import nn
 
 import rlnb
 from rlnb.algorithms.losses import ppo, ppo_clip_value_entropy
-from rlnb.components.fused import FusedPPOStep, unfit
+from rlnb.components.fused import FusedAct, FusedPPOStep, fused_act, unfit
 from rlnb.loop import Loop
 from rlnb.models.policies import ActorCritic
 
@@ -142,3 +142,53 @@ def test_a_subclass_with_its_own_objective_trains_through_autograd(cluster, tmp_
         loop.run(progress=False)
         stats = loop.groups["actor"].fused_stats().result()[0]
     assert stats == {"fused_steps": 0, "unfit": "a subclass replaced the objective"}
+
+
+@pytest.mark.parametrize("activation", ["tanh", "relu"])
+@pytest.mark.parametrize("batch", [8, 256])  # 256 x 64: the tanh computed through sigmoid
+def test_fused_act_is_the_policys_act_bit_for_bit(activation, batch):
+    policy = _policy(DISCRETE, activation=activation).requires_grad_(False)
+    act = fused_act(policy)
+    assert isinstance(act, FusedAct)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    obs = torch.randn(5, batch, 5, generator=torch.Generator().manual_seed(4))
+    for deterministic in (False, True, False):
+        for o in obs:
+            for a, b in zip(policy.act(o, g1, deterministic), act(o, g2, deterministic)):
+                assert torch.equal(a, b)
+    assert torch.equal(g1.get_state(), g2.get_state())  # the same draws
+
+
+def test_fused_act_is_used_only_where_it_computes_what_act_would():
+    for policy in (
+        _policy(CONTINUOUS),
+        MyActorCritic(OBS, DISCRETE),
+        ActorCritic(OBS, DISCRETE, shared_trunk=True),
+    ):
+        assert fused_act(policy) == policy.act
+    hooked = _policy(DISCRETE)
+    hooked.critic_head.register_forward_hook(lambda *a: None)
+    assert fused_act(hooked) == hooked.act
+
+
+class ActWatchingRollout(rlnb.PolicyRollout):
+    """Says which function its collection called the policy through."""
+
+    def act(self, obs, deterministic: bool = False):
+        self.through = type(self._policy_act).__name__
+        return super().act(obs, deterministic)
+
+    def acted_through(self) -> str:
+        return self.through
+
+
+def test_a_collection_on_a_worker_calls_the_policy_through_fused_act(cluster, tmp_path):
+    env = rlnb.Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4)
+    rollout = rlnb.launch(ActWatchingRollout, cluster, "0", name="rollout")
+    actor = rlnb.PPOActor.launch(cluster, "0", update_epochs=1)
+    with Loop(
+        env=env, rollout=rollout, actor=actor, steps_per_rollout=8, run_dir=tmp_path,
+        runner={"tensorboard": False, "steps": 1},
+    ) as loop:  # fmt: skip
+        loop.run(progress=False)
+        assert loop.groups["rollout"].acted_through().result() == ["FusedAct"]

@@ -237,3 +237,54 @@ class FusedPPOStep:
             "ratio_mean": ratio.mean(),
         }
         return loss, metrics
+
+
+class FusedAct:
+    """``ActorCritic.act`` of the built-in MLP policy with discrete actions, without module calls: the same
+    kernels on the same values, so the same actions, log-probs and values bit for bit, and the same draws from
+    the generator (~40 µs instead of ~65 µs for 8 CartPole observations on a CPU core).
+
+    Built by :func:`fused_act` for one collection, where nothing can register a hook meanwhile.
+    """
+
+    def __init__(self, policy: ActorCritic):
+        (self.actor_layers, actor_act), (self.critic_layers, critic_act) = (
+            _layers(policy.actor_trunk, policy.actor_head),
+            _layers(policy.critic_trunk, policy.critic_head),
+        )
+        self.actor_act, self.critic_act = _ACTIVATIONS[actor_act], _ACTIVATIONS[critic_act]
+
+    @staticmethod
+    def _mlp(layers, activation, x):
+        for weight, bias in layers[:-1]:
+            x = activation[0](torch.addmm(bias, x, weight.t()))
+        weight, bias = layers[-1]
+        return torch.addmm(bias, x, weight.t())
+
+    @torch.no_grad()
+    def __call__(
+        self, obs: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = False
+    ):
+        """``(actions [B], logprob [B], value [B])``, as ``ActorCritic.act`` returns them."""
+        x = obs.flatten(1)
+        logp_all = torch.log_softmax(self._mlp(self.actor_layers, self.actor_act, x), dim=-1)  # (B, n)
+        if deterministic:
+            actions = logp_all.argmax(-1)
+        else:
+            actions = torch.multinomial(logp_all.exp(), 1, generator=generator).squeeze(-1)
+        logprob = logp_all.gather(-1, actions[:, None]).squeeze(-1)
+        return actions, logprob, self._mlp(self.critic_layers, self.critic_act, x).squeeze(-1)
+
+
+def fused_act(policy: nn.Module):
+    """A :class:`FusedAct` for ``policy`` where it computes exactly what ``policy.act`` would (the built-in
+    MLP ``ActorCritic`` with discrete actions, no hooks), else ``policy.act`` itself."""
+    fits = (
+        type(policy) is ActorCritic
+        and policy.discrete
+        and isinstance(policy.trunk, nn.Flatten)
+        and _layers(policy.actor_trunk, policy.actor_head) is not None
+        and _layers(policy.critic_trunk, policy.critic_head) is not None
+        and not _hooked(policy)
+    )
+    return FusedAct(policy) if fits else policy.act

@@ -10,6 +10,7 @@ Batch layout (all tensors, T = steps, N = envs of the rank)::
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import gymnasium as gym
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from rlnb.components.env import Env
+from rlnb.components.fused import fused_act
 from rlnb.components.launch import launcher
 from rlnb.models.policies import make_policy
 from rlnb.runtime.collective import broadcast_state_dict
@@ -150,6 +152,7 @@ class PolicyRollout(RolloutBase):
     """
 
     launch = launcher("rollout")
+    _policy_act = None  # within a collection: the policy's act, fused where it can be (see _collecting)
 
     def __init__(
         self,
@@ -211,8 +214,18 @@ class PolicyRollout(RolloutBase):
     def act(self, obs, deterministic: bool = False):
         """``(actions [n, ...] numpy, logprobs [n], values [n])`` for a batch of observations."""
         obs_t = torch.as_tensor(obs, device=self.device)
-        actions, logprob, value = self.policy.act(obs_t, self.generator, deterministic)
+        actions, logprob, value = (self._policy_act or self.policy.act)(obs_t, self.generator, deterministic)
         return actions.cpu(), logprob.cpu(), value.cpu()
+
+    @contextlib.contextmanager
+    def _collecting(self):
+        """For one collection, ``act`` calls the policy through :func:`rlnb.components.fused.fused_act`:
+        the built-in MLP policy's own kernels without its module calls, the same values bit for bit."""
+        self._policy_act = fused_act(self.policy)
+        try:
+            yield
+        finally:
+            self._policy_act = None
 
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         a = actions.numpy()
@@ -253,15 +266,16 @@ class PolicyRollout(RolloutBase):
         traj = _Trajectory(env_obj.stages)
         env_obj.pop_sim_s()
         inference_s = 0.0
-        for _ in range(steps):
-            for s in range(env_obj.stages):
-                t0 = time.perf_counter()
-                actions, logprob, value = self.act(obs[s])
-                inference_s += time.perf_counter() - t0
-                traj.add(s, obs=torch.as_tensor(obs[s]), actions=actions, logprobs=logprob, values=value)
-                out = env_obj.step(s, self.env_actions(actions))
-                self._record_step(traj, s, out)
-                obs[s] = out["obs"]
+        with self._collecting():
+            for _ in range(steps):
+                for s in range(env_obj.stages):
+                    t0 = time.perf_counter()
+                    actions, logprob, value = self.act(obs[s])
+                    inference_s += time.perf_counter() - t0
+                    traj.add(s, obs=torch.as_tensor(obs[s]), actions=actions, logprobs=logprob, values=value)
+                    out = env_obj.step(s, self.env_actions(actions))
+                    self._record_step(traj, s, out)
+                    obs[s] = out["obs"]
         summary = self._finish(traj, obs)
         summary.update(env_s=env_obj.pop_sim_s(), inference_s=inference_s)  # the work; the rest is overhead
         if actor is not None:
@@ -275,6 +289,10 @@ class PolicyRollout(RolloutBase):
         For each step, stage by stage: act on the latest obs and put the actions, then take the
         step's result. While an env steps stage ``s``, this rank already infers stage ``s + 1``.
         """
+        with self._collecting():
+            return self._serve(steps, obs_channel, act_channel, env_keys, stages)
+
+    def _serve(self, steps: int, obs_channel, act_channel, env_keys: list[str], stages: int) -> dict:
         keys = [f"{k}/{s}" for k in env_keys for s in range(stages)]
         for k in keys:
             if k not in self.stage_obs:
