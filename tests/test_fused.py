@@ -88,7 +88,10 @@ class MyActorCritic(ActorCritic):
     "change,reason",
     [
         (lambda p: {"compiled": True}, "actor.compile is on"),
-        (lambda p: {"model": nn.Sequential(p)}, "data-parallel"),
+        (
+            lambda p: {"model": nn.Sequential(p)},
+            "calls Sequential, not the policy or DistributedDataParallel",
+        ),
         (lambda p: {"loss_fn": ppo}, "the policy loss is 'ppo'"),
         (lambda p: {"policy": ActorCritic(OBS, DISCRETE, shared_trunk=True)}, "shared or convolutional"),
         (lambda p: {"policy": MyActorCritic(OBS, DISCRETE)}, "the policy is MyActorCritic"),
@@ -124,6 +127,30 @@ def test_the_actor_trains_through_it_on_its_worker_as_it_would_through_autograd(
     assert runs[False][2] == {"fused_steps": 0, "unfit": "actor.fused_step is off"}
     for a, b in zip(runs[True][0] + runs[True][1], runs[False][0] + runs[False][1]):
         assert a == pytest.approx(b, rel=1e-3, abs=1e-6)
+
+
+def test_data_parallel_ranks_train_through_it_as_ddp_would(cluster, tmp_path):
+    """Two DDP ranks: the fused step averages the gradients in one all-reduce itself; the ranks stay identical
+    and the losses are those of autograd through DDP."""
+    base = [
+        "runner.tensorboard=false", "runner.steps=2", "runner.eval_interval=0", "env.num_envs=4",
+        "algorithm.update_epochs=4", "cluster.component_placement={'actor,rollout,env': 0-1}",
+    ]  # fmt: skip
+    runs = {}
+    for fused in (True, False):
+        overrides = [*base, f"actor.fused_step={str(fused).lower()}"]
+        with Loop.from_recipe(
+            "ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path / str(fused)
+        ) as loop:
+            records = loop.run(progress=False)
+            stats = loop.groups["actor"].fused_stats().result()
+            weights = loop.groups["actor"].policy_state().result()
+        for name in weights[0]:
+            assert torch.equal(weights[0][name], weights[1][name]), name
+        runs[fused] = ([r["train/loss"] for r in records], stats)
+    assert runs[True][1] == [{"fused_steps": 2 * 4, "unfit": None}] * 2
+    assert runs[False][1] == [{"fused_steps": 0, "unfit": "actor.fused_step is off"}] * 2
+    assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-3, abs=1e-6)
 
 
 def test_a_subclass_with_its_own_objective_trains_through_autograd(cluster, tmp_path):

@@ -22,7 +22,7 @@ import torch
 from rlnb.algorithms.contract import EMBODIED, check_algorithm
 from rlnb.algorithms.losses import entropy_bonus, value_loss
 from rlnb.components.compile import StepCompiler
-from rlnb.components.fused import FusedPPOStep, unfit
+from rlnb.components.fused import FusedPPOStep, data_parallel_group, unfit
 from rlnb.components.launch import launcher
 from rlnb.components.optim import ClipAndStep, build_optimizer, without_dynamo_import
 from rlnb.components.rollout import resolve_device
@@ -427,7 +427,9 @@ class PPOActor(ActorBase):
             if type(self)._objective is not PPOActor._objective
             else unfit(self.policy, self.model, self.loss.fn, self.step_compiler is not None)
         )
-        return FusedPPOStep(self.policy) if self.fused_unfit is None else None
+        if self.fused_unfit is not None:
+            return None
+        return FusedPPOStep(self.policy, data_parallel_group(self.model, self.policy))
 
     def fused_stats(self) -> dict:
         """How this rank's updates ran: minibatches through the hand-derived step (``actor.fused_step``) and,

@@ -9,8 +9,9 @@ rules: where ``torch.max`` or ``clamp`` would split or stop the gradient, so doe
 
 It runs only where everything it assumes holds (:func:`unfit` names what does not, else ``None``): the built-in
 :class:`rlnb.models.policies.ActorCritic` with separate MLP trunks (``tanh`` or ``relu``), discrete or
-continuous actions; the built-in ``ppo_clip_value_entropy`` loss; one rank (``DistributedDataParallel``
-all-reduces through autograd's hooks); no ``torch.compile``; no hooks on the modules or parameters. Anywhere
+continuous actions; the built-in ``ppo_clip_value_entropy`` loss; one rank, or data-parallel ranks under
+``DistributedDataParallel`` as the actor sets it up (the fused step then averages the gradients in one
+all-reduce itself); no ``torch.compile``; no hooks on the modules or parameters. Anywhere
 else the actor trains through autograd, and ``actor.fused_step: false`` makes it always do so. The gradients
 are autograd's up to float rounding (``tests/test_fused.py`` compares them, both action kinds, both value
 losses).
@@ -84,6 +85,18 @@ def _hooked(module: nn.Module) -> bool:
     )
 
 
+def data_parallel_group(model: nn.Module, policy: nn.Module):
+    """The process group of ``DistributedDataParallel`` wrapping ``policy`` as the actor sets it up (no
+    communication hook, gradients averaged), whose all-reduce the fused step does itself; else ``None``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if type(model) is not DistributedDataParallel or model.module is not policy:
+        return None
+    if getattr(model, "_comm_hooks", None):  # a registered communication hook (compression, ...)
+        return None
+    return model.process_group
+
+
 def unfit(policy: nn.Module, model: nn.Module, loss_fn, compiled: bool) -> str | None:
     """Why the fused step cannot stand in for autograd here, or ``None`` if it can.
 
@@ -94,8 +107,11 @@ def unfit(policy: nn.Module, model: nn.Module, loss_fn, compiled: bool) -> str |
     """
     if compiled:
         return "actor.compile is on"
-    if model is not policy:
-        return f"the train step calls {type(model).__name__} (data-parallel), not the policy"
+    if model is not policy and data_parallel_group(model, policy) is None:
+        return (
+            f"the train step calls {type(model).__name__}, not the policy or DistributedDataParallel "
+            "around it with its defaults"
+        )
     if type(policy) is not ActorCritic:
         return f"the policy is {type(policy).__name__}, not the built-in ActorCritic"
     if not isinstance(policy.trunk, nn.Flatten):
@@ -119,9 +135,11 @@ class FusedPPOStep:
 
     Args:
         policy: an :class:`ActorCritic` that :func:`unfit` accepts.
+        process_group: data-parallel ranks (:func:`data_parallel_group`): the gradients are then averaged over
+            them in one all-reduce, as ``DistributedDataParallel`` averages them.
     """
 
-    def __init__(self, policy: ActorCritic):
+    def __init__(self, policy: ActorCritic, process_group=None):
         (self.actor_layers, actor_act), (self.critic_layers, critic_act) = (
             _layers(policy.actor_trunk, policy.actor_head),
             _layers(policy.critic_trunk, policy.critic_head),
@@ -129,7 +147,8 @@ class FusedPPOStep:
         self.actor_act, self.critic_act = _ACTIVATIONS[actor_act], _ACTIVATIONS[critic_act]
         self.discrete = policy.discrete
         self.log_std = None if self.discrete else policy.log_std
-        self.steps = 0  # minibatches it computed (what the tests look at)
+        self.process_group = process_group
+        self.params = list(policy.parameters())  # the same order on every rank
 
     @staticmethod
     def _forward(layers, activation, x):
@@ -227,7 +246,12 @@ class FusedPPOStep:
 
         self._backward(self.actor_layers, self.actor_act, actor_inputs, grad_head)
         self._backward(self.critic_layers, self.critic_act, critic_inputs, grad_values)
-        self.steps += 1
+        if self.process_group is not None:  # DDP's average over ranks, in one all-reduce
+            from rlnb.runtime.collective import all_reduce_
+
+            flat = all_reduce_(torch.cat([p.grad.reshape(-1) for p in self.params]), self.process_group, True)
+            for p, grad in zip(self.params, flat.split([p.numel() for p in self.params])):
+                p.grad = grad.view_as(p)
         metrics = {
             "policy_loss": pg_loss,
             "value_loss": v_loss,

@@ -154,9 +154,9 @@ class ActorConfig:
     fused_step: bool = True
     """Embodied PPO: train the built-in MLP ``ActorCritic`` with the ``ppo_clip_value_entropy`` loss through a
     hand-derived forward and backward (``rlnb.components.fused``) instead of autograd: the same loss, metrics
-    and gradients up to float rounding, in about half the time for small policies. It applies on one rank
-    with ``compile`` off; anything else (another policy or loss, data-parallel ranks, hooks) trains through
-    autograd, as ``false`` always does."""
+    and gradients up to float rounding, in about half the time for small policies. It applies with
+    ``compile`` off, on one rank or data-parallel ranks; anything else (another policy or loss, hooks) trains
+    through autograd, as ``false`` always does."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: the slot's device."""
     torch_threads: int = 1
