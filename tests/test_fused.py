@@ -188,12 +188,13 @@ def test_fused_act_is_the_policys_act_bit_for_bit(activation, batch):
 
 def test_fused_act_is_used_only_where_it_computes_what_act_would():
     for policy in (
-        _policy(CONTINUOUS),
-        MyActorCritic(OBS, DISCRETE),
-        ActorCritic(OBS, DISCRETE, shared_trunk=True),
+        _policy(CONTINUOUS).requires_grad_(False),
+        MyActorCritic(OBS, DISCRETE).requires_grad_(False),
+        ActorCritic(OBS, DISCRETE, shared_trunk=True).requires_grad_(False),
+        _policy(DISCRETE),  # not frozen: its act records for autograd
     ):
         assert fused_act(policy) == policy.act
-    hooked = _policy(DISCRETE)
+    hooked = _policy(DISCRETE).requires_grad_(False)
     hooked.critic_head.register_forward_hook(lambda *a: None)
     assert fused_act(hooked) == hooked.act
 

@@ -231,12 +231,12 @@ class PolicyRollout(RolloutBase):
         a = actions.numpy()
         return np.clip(a, self.low, self.high) if self.low is not None and not self.discrete else a
 
-    @torch.no_grad()
     def _record_step(self, traj: _Trajectory, stage: int, out: dict):
         """Rewards/dones of a step; truncated episodes get ``gamma * V(final_obs)`` added to their reward."""
         reward = np.array(out["reward"], dtype=np.float32)  # [n], a copy
         if out["final_obs"] is not None and len(out["final_idx"]):
-            v = self.policy.value(torch.as_tensor(out["final_obs"], device=self.device)).cpu().numpy()
+            with torch.no_grad():
+                v = self.policy.value(torch.as_tensor(out["final_obs"], device=self.device)).cpu().numpy()
             reward[out["final_idx"]] += self.gamma * v
         done = np.logical_or(out["terminated"], out["truncated"]).astype(np.float32)  # [n]
         traj.add(stage, rewards=reward, dones=done)
