@@ -125,3 +125,35 @@ def test_a_loop_built_from_objects_runs_ahead_when_its_actor_says_so(cluster, tm
     finally:
         for group in (env, rollout, together):
             group.shutdown()
+
+
+ASYNC_DRIVER = """
+import sys
+from rlnb.loop import Loop
+
+if __name__ == "__main__":
+    overrides = ["runner.tensorboard=false", "runner.steps=50", "runner.stop_return=15",
+                 "algorithm.max_staleness=1", sys.argv[2]]
+    with Loop.from_recipe("ppo_cartpole", overrides, run_dir=sys.argv[1]) as loop:
+        loop.run(progress=False)  # stops early, solved, with the next collection in flight
+    # the loop object lives on in this module's globals, to be torn down with the interpreter
+"""
+
+
+def test_an_asynchronous_driver_exits_without_errors_from_its_calls(tmp_path):
+    """A driver script whose loop stopped early with a collection in flight exits cleanly: that call's socket
+    is closed at interpreter exit without a traceback (``Exception ignored in PendingCall.__del__``, once the
+    module globals it used were gone)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(ASYNC_DRIVER)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run"), APART],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -887,10 +887,13 @@ class PendingCall:
 
     def discard(self) -> None:
         """Drop a call whose reply will not be read: its socket is closed, never reused."""
-        if self.sock is not None:
-            with contextlib.suppress(OSError):
-                self.sock.close()
-            self.sock = None
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            # no module globals here (contextlib is one): at interpreter exit __del__ may run after they are cleared
+            try:  # noqa: SIM105
+                sock.close()
+            except OSError:
+                pass
 
     def __del__(self):
         self.discard()
