@@ -239,3 +239,51 @@ def test_the_sample_after_advantages_shows_them_beside_rewards_and_dones(cluster
         assert after["advantages"].shape == after["rewards"].shape == after["dones"].shape == (5, 8)
         assert torch.allclose(after["returns"], after["advantages"] + after["values"], atol=1e-5)
         assert torch.equal(after["rewards"], before["rewards"])
+
+
+def test_a_step_on_one_slot_is_one_chain_that_trains_as_the_phases_do(cluster, tmp_path):
+    """On one collocated slot ``run()`` sends each step's four calls as one chain: the records are those of
+    calling the phases one by one, and the phase times still add up to the step's."""
+    overrides = ["runner.tensorboard=false", "runner.eval_interval=0"]
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path / "a") as loop:
+        assert loop._one_round_trip()
+        chained = loop.run(3, progress=False)
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path / "b") as loop:
+        for _ in range(3):
+            loop.sync_weights(), loop.rollout(), loop.advantages(), loop.train()
+        by_phase = loop.history
+    for a, b in zip(chained, by_phase, strict=True):
+        for key in ("train/loss", "train/approx_kl", "advantages/return_mean", "global_step"):
+            assert a[key] == b[key], key
+        phases = sum(a[f"time/{p}_s"] for p in ("sync", "rollout", "advantages", "train"))
+        assert a["time/step_s"] == pytest.approx(phases) and 0 < a["time/overhead_frac"] < 1
+
+
+class FailingSecondCollect(rlnb.PolicyRollout):
+    def collect(self, *args, **kwargs):
+        self.collected = getattr(self, "collected", 0) + 1
+        if self.collected == 2:
+            raise RuntimeError("the simulator crashed")
+        return super().collect(*args, **kwargs)
+
+
+class StepShowingActor(rlnb.PPOActor):
+    def steps_taken(self) -> int:
+        return self.step
+
+
+def test_a_failure_inside_the_chain_stops_it_before_the_update(cluster, tmp_path):
+    """A collection that fails ends the chain there: the actor does not train on the batch before it, and the
+    error names the component and method as a separate call's would."""
+    env = rlnb.Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4)
+    rollout = rlnb.launch(FailingSecondCollect, cluster, "0", name="rollout")
+    actor = rlnb.launch(StepShowingActor, cluster, "0", name="actor", update_epochs=1)
+    runner = {"tensorboard": False, "steps": 3}
+    with Loop(
+        env=env, rollout=rollout, actor=actor, steps_per_rollout=8, runner=runner, run_dir=tmp_path
+    ) as loop:
+        assert loop._one_round_trip()
+        with pytest.raises(rlnb.RemoteError, match="the simulator crashed") as e:
+            loop.run(progress=False)
+        assert (e.value.component, e.value.method) == ("rollout", "collect")
+        assert loop.step == 1 and loop.groups["actor"].steps_taken().result() == [1]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rlnb
+from rlnb.runtime.rank import current_rank
 from rlnb.testing import Collective, Echo, FailsToStart
 
 
@@ -314,3 +315,53 @@ def test_collective_over_one_worker_is_refused(cluster):
         rlnb.init_collective([a, b])
     a.shutdown()
     b.shutdown()
+
+
+class Tally(Echo):
+    """Counts its calls, and fails when told to."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.calls = []
+
+    def record(self, x):
+        self.calls.append((x, current_rank().component))  # run in its own rank's context
+        return len(self.calls)
+
+    def fail(self, message: str):
+        raise ValueError(message)
+
+    def seen(self) -> list:
+        return self.calls
+
+
+def test_a_chain_runs_its_calls_in_order_in_one_request_and_stops_at_the_first_failure(cluster):
+    from rlnb.runtime.group import chain
+
+    first = rlnb.Group.launch(Tally, cluster, "0", name="first")
+    second = rlnb.Group.launch(Tally, cluster, "0", name="second")
+    elsewhere = rlnb.Group.launch(Tally, cluster, "1", name="elsewhere")
+    try:
+        done = chain([(first, "record", ("a",)), (second, "record", ("b",)), (first, "record", ("c",))])
+        assert [c.result() for c in done] == [1, 1, 2]
+        assert all(c.duration_s >= 0 for c in done)
+        assert first.seen().result() == [[("a", "first"), ("c", "first")]]
+        assert second.seen().result() == [[("b", "second")]]
+
+        done = chain([(second, "record", ("d",)), (first, "fail", ("no",)), (second, "record", ("e",))])
+        assert len(done) == 2 and done[0].result() == 2  # the call after the failure did not run
+        with pytest.raises(rlnb.RemoteError, match="ValueError: no") as e:
+            done[1].result()
+        assert (e.value.component, e.value.rank, e.value.method) == ("first", 0, "fail")
+        assert second.seen().result() == [[("b", "second"), ("d", "second")]]
+
+        with pytest.raises(ValueError, match="not in the worker of first"):
+            chain([(first, "record", ("x",)), (elsewhere, "record", ("y",))])
+        both = rlnb.Group.launch(Tally, cluster, "0-1", name="both")
+        with pytest.raises(ValueError, match="narrow it to one"):
+            chain([(both, "record", ("x",))])
+        assert [c.result() for c in chain([(both.on(1), "record", ("z",))])] == [1]
+        both.shutdown()
+    finally:
+        for g in (first, second, elsewhere):
+            g.shutdown()

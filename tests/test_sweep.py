@@ -40,6 +40,7 @@ SWEEP = {
     "actor.model.shared_trunk": (PPO, []),
     "actor.anneal_lr": (PPO, []),
     "actor.compile": (PPO, []),
+    "actor.fused_step": (PPO, []),
     "actor.device": (PPO, []),
     "actor.build_if_missing": (GRPO, []),
     "actor.tiny_lm.arch": (GRPO, []),

@@ -16,6 +16,9 @@ else the actor trains through autograd, and ``actor.fused_step: false`` makes it
 are autograd's up to float rounding (``tests/test_fused.py`` compares them, both action kinds, both value
 losses).
 
+:class:`FusedAct` does the same for a rollout's forward: the built-in discrete MLP policy's own kernels without
+its module calls, the same values and random draws bit for bit.
+
 Example:
     >>> import gymnasium as gym, torch
     >>> from rlnb.models.policies import ActorCritic

@@ -514,8 +514,13 @@ class LoopBase:
     def train(self) -> dict:
         """The update (data-parallel over actor ranks); completes and logs the step."""
         t0 = time.perf_counter()
+        return self._finish_train(self.groups["actor"].train().result, t0)
+
+    def _finish_train(self, per_rank_result, t0: float, dt: float | None = None) -> dict:
+        """The train phase from its call's ``result`` (one value per actor rank): a diverged update becomes a
+        :class:`TrainingDivergedError`; the metrics are averaged over ranks and the step is logged."""
         try:
-            per_rank = self.groups["actor"].train().result()
+            per_rank = per_rank_result()
         except RemoteError as e:
             if e.cause_type != "FloatingPointError":
                 raise
@@ -529,7 +534,7 @@ class LoopBase:
             ) from e
         summary = mean_dicts(per_rank)
         compile_s, compile_failed = summary.pop("compile_s", None), summary.pop("compile_failed", None)
-        out = self._phase("train", t0, summary)
+        out = self._phase("train", t0, summary, dt)
         if compile_s is not None:  # the first step compiled the train step: its own time, not training's
             self._pending["time/compile_s"] = compile_s
             self._pending["time/train_s"] = max(0.0, self._pending["time/train_s"] - compile_s)
@@ -754,8 +759,9 @@ class LoopBase:
         return self._stop
 
     # ------------------------------------------------------------------ metrics
-    def _phase(self, name: str, t0: float, out: dict) -> dict:
-        dt = time.perf_counter() - t0
+    def _phase(self, name: str, t0: float, out: dict, dt: float | None = None) -> dict:
+        """Record a phase's metrics and its time (``dt``, default: since ``t0``) for the step's record."""
+        dt = time.perf_counter() - t0 if dt is None else dt
         self._pending[f"time/{name}_s"] = dt
         for k, v in out.items():
             if v is not None and k != "version" and isinstance(v, (int, float)):

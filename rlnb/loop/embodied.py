@@ -24,9 +24,11 @@ from rlnb.loop.base import (
     LoopBase,
     TrainingDivergedError,
     complete_checkpoints,
+    mean_dicts,
     objects_recipe,
 )
 from rlnb.runtime.channel import Channel
+from rlnb.runtime.group import chain
 
 EPISODE_WINDOW = 20  # episode statistics over the last 20 finished training episodes, as SB3 reports them
 
@@ -286,10 +288,10 @@ class Loop(LoopBase):
         self._hand_batches()
         return summaries
 
-    def _rollout_phase(self, t0: float, summaries: list[dict], extra: dict) -> dict:
+    def _rollout_phase(self, t0: float, summaries: list[dict], extra: dict, dt: float | None = None) -> dict:
         steps = sum(s["steps"] for s in summaries)
         self.global_step += steps
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0 if dt is None else dt
         out = {
             "steps": steps,
             "steps_per_s": steps / dt,
@@ -301,7 +303,56 @@ class Loop(LoopBase):
             if all(key in s for s in summaries):
                 out[key] = max(s[key] for s in summaries)
         out.update(self.episode_stats())
-        return self._phase("rollout", t0, out)
+        return self._phase("rollout", t0, out, dt)
+
+    # ------------------------------------------------------------------ one round trip a step
+    def step_once(self) -> dict:
+        """All phases of one step; returns the step's record.
+
+        Where all of a step's calls go to one worker (env, rollout and actor collocated on one slot,
+        synchronous, this class's own phases), they go as one chain (:func:`rlnb.runtime.group.chain`):
+        the same calls, run one after another as separate calls would run them, stopping at the first
+        failure, in one round trip instead of four. Each phase is then finished here as its own call would
+        finish it; its time is the call's time on the worker, and the sync phase's also carries the round
+        trip, so that the phases still add up to the step's wall time."""
+        if not self._one_round_trip():
+            return super().step_once()
+        self._apply_steering()
+        env, rollout, actor = self.groups["env"], self.groups["rollout"], self.groups["actor"]
+        t0 = time.perf_counter()
+        done = chain(
+            [
+                (rollout, "load_from_local_actor", (actor.name, 0, self.step)),
+                (rollout, "collect", (self.recipe.rollout.steps_per_rollout, env.name, actor.name)),
+                (actor, "compute_advantages", ()),
+                (actor, "train", ()),
+            ]
+        )
+        wall = time.perf_counter() - t0
+        sync, collect, *rest = done
+        sync.result()
+        self._phase("sync", t0, {"version": self.step}, wall - sum(c.duration_s for c in done[1:]))
+        summaries = [collect.result()]
+        for s in summaries:
+            self.episodes.extend(s.pop("episodes"))
+        self._rollout_phase(t0, summaries, {}, collect.duration_s)
+        self._phase("advantages", t0, mean_dicts([rest[0].result()]), rest[0].duration_s)
+        self._finish_train(lambda: [rest[1].result()], t0, rest[1].duration_s)
+        return self.logger.history[-1]
+
+    def _one_round_trip(self) -> bool:
+        """Whether :meth:`step_once` can send the step as one chain (see there)."""
+        if self.max_staleness or not (self.env_local and self.batch_local):
+            return False
+        if any(g.world_size != 1 or g.transport != "direct" for g in self.groups.values()):
+            return False
+        if len({g.infos[0].address for g in self.groups.values()}) != 1:
+            return False
+        cls = type(self)
+        return all(
+            getattr(cls, name) is getattr(Loop, name)
+            for name in ("sync_weights", "rollout", "advantages", "train")
+        )
 
     # ------------------------------------------------------------------ asynchronous RL
     def sync_weights(self) -> dict:

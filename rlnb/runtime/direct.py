@@ -75,7 +75,7 @@ BIG_REQUEST_BYTES = 128 * 1024  # a request above this goes on a connection of i
 STALL_S = 60.0  # on a worker's actor thread, the longest wait for the rest of a request
 OUT_OF_BAND_MIN_BYTES = 64 * 1024  # tensors this big travel outside the pickle
 RANK_OPS = frozenset(
-    {"call", "ready", "save_state", "load_state", "open_store", "join_group", "destroy_groups"}
+    {"call", "chain", "ready", "save_state", "load_state", "open_store", "join_group", "destroy_groups"}
 )
 
 

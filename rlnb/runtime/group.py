@@ -438,6 +438,70 @@ class Group:
         )
 
 
+class ChainedCall:
+    """One call's outcome in a :func:`chain`: ``result()`` returns its value or raises its typed error, as
+    ``GroupResult.result()`` would for the call made alone. ``duration_s``: its time on the worker."""
+
+    def __init__(self, group: Group, method: str, reply: tuple):
+        self.group, self.method = group, method
+        self.status, self.value, self.duration_s = reply
+
+    def result(self):
+        rank = self.group._ranks[0]
+        if self.status != "ok":
+            raise self.group._error(rank, self.method, self.status, self.value)
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"<ChainedCall {self.group.name}.{self.method} {self.status}>"
+
+
+def chain(calls: Sequence[tuple[Group, str, tuple]], timeout_s: float | None = None) -> list[ChainedCall]:
+    """Call ``group.method(*args)`` for each of ``calls``, one after another, in one round trip: the groups
+    are one rank each (``group.on(rank)``), all in one worker process, launched by one driver. The worker
+    runs them as it runs separate calls, each in its rank's context, and stops at the first that fails.
+
+    A training step's phases on one collocated slot cost one wake-up of the worker and of the driver
+    instead of one per phase.
+
+    Args:
+        calls: ``(group, method, args)`` tuples.
+        timeout_s: for the whole chain (default: the sum of the groups' call timeouts).
+
+    Returns:
+        A :class:`ChainedCall` per call that ran, in order: all of them, or up to and including the first
+        that failed (``ChainedCall.result()`` raises its error).
+
+    Raises:
+        ValueError: a group with more than one rank, groups on different workers or of another driver.
+        WorkerLostError, RemoteTimeoutError: as a call on the first group would.
+
+    Example:
+        >>> steps = chain([(rollout.on(0), "collect", (32, "env")), (actor.on(0), "train", ())])  # doctest: +SKIP
+        >>> [c.result() for c in steps]  # doctest: +SKIP
+    """
+    if not calls:
+        return []
+    first = calls[0][0]
+    for group, _method, _args in calls:
+        if len(group._ranks) != 1:
+            raise ValueError(
+                f"chain: {group.name} has ranks {group._ranks}; narrow it to one (group.on(rank))"
+            )
+        where = (group.infos[group._ranks[0]].address, group.cluster.session)
+        if where != (first.infos[first._ranks[0]].address, first.cluster.session):
+            raise ValueError(
+                f"chain: {group.name}[{group._ranks[0]}] is not in the worker of {first.name}[{first._ranks[0]}] "
+                "or not of this driver"
+            )
+    payload = [(g.name, g._ranks[0], method, tuple(args), {}) for g, method, args in calls]
+    label = f"chain({', '.join(f'{g.name}.{m}' for g, m, _ in calls)})"
+    timeout_s = timeout_s if timeout_s is not None else sum(g.call_timeout_s for g, _, _ in calls)
+    pending = first._start("chain", [(first._ranks[0], (payload,))])
+    replies = GroupResult(first, label, first._ranks, pending, timeout_s).result()[0]
+    return [ChainedCall(g, m, reply) for (g, m, _), reply in zip(calls, replies)]
+
+
 @functools.lru_cache(maxsize=1024)
 def _method_help(cls: type, method: str) -> tuple[str, inspect.Signature | None]:
     """The docstring tail and the signature (without ``self``) that ``group.<method>`` shows, worked

@@ -52,6 +52,8 @@ _local = threading.local()
 # Component objects living in this worker process, by (driver session, component, rank): collocated
 # components of one driver find each other here and exchange data in-process (no channel hop, no copy).
 _PEERS: dict[tuple[str, str, int], object] = {}
+# Their hosts, by the same keys: a call chain (RankHost.chain) runs calls on several of them in one request.
+_HOSTS: weakref.WeakValueDictionary[tuple[str, str, int], RankHost] = weakref.WeakValueDictionary()
 
 
 def local_peer(component: str, rank: int):
@@ -157,6 +159,7 @@ class RankHost:
             with _as_current(self):
                 self.obj = cls(*args, **kwargs)
             _PEERS[(info.session, info.component, info.rank)] = self.obj
+            _HOSTS[(info.session, info.component, info.rank)] = self
         except Exception as e:  # reported by ready(), with its traceback
             self.init_error = pack_exception(e)
         self.direct = direct.serve(self) if self.init_error is None else None
@@ -177,6 +180,25 @@ class RankHost:
             return ("err", pack_exception(e), time.perf_counter() - t0)
         finally:
             _local.host = prev
+
+    def chain(self, calls: list[tuple[str, int, str, tuple, dict]]):
+        """Run ``calls``, each ``(component, rank, method, args, kwargs)`` of this driver session in this
+        worker process, one after another in one request, as separate calls would run them; stop at the
+        first that fails. Returns ``("ok", replies, duration)``: each call's ``(status, value, duration_s)``,
+        the failed one last (the calls after it did not run)."""
+        t0 = time.perf_counter()
+        replies = []
+        for component, rank, method, args, kwargs in calls:
+            host = _HOSTS.get((self.info.session, component, rank))
+            if host is None:
+                here = sorted(f"{c}[{r}]" for s, c, r in _HOSTS if s == self.info.session)
+                error = RuntimeError(f"{component}[{rank}] is not in this worker process (here: {here})")
+                replies.append(("err", pack_exception(error), 0.0))
+            else:
+                replies.append(host.call(method, args, kwargs))
+            if replies[-1][0] != "ok":
+                break
+        return ("ok", replies, time.perf_counter() - t0)
 
     # ---- checkpoints: each rank writes/reads its own component state (big state stays on workers)
     def save_state(self, path: str):
@@ -234,6 +256,8 @@ class RankHost:
         key = (self.info.session, self.info.component, self.info.rank)
         if _PEERS.get(key) is self.obj:
             del _PEERS[key]
+        if _HOSTS.get(key) is self:
+            del _HOSTS[key]
         self._stores.clear()
         return ("ok", None, 0.0)
 
