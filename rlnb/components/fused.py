@@ -276,18 +276,21 @@ class FusedAct:
     """
 
     def __init__(self, policy: ActorCritic):
-        (self.actor_layers, actor_act), (self.critic_layers, critic_act) = (
+        (actor_layers, actor_act), (critic_layers, critic_act) = (
             _layers(policy.actor_trunk, policy.actor_head),
             _layers(policy.critic_trunk, policy.critic_head),
         )
+        # transposed views, made once: weight syncs copy into the parameters in place, so they stay current
+        self.actor_layers = [(w.t(), b) for w, b in actor_layers]
+        self.critic_layers = [(w.t(), b) for w, b in critic_layers]
         self.actor_act, self.critic_act = _ACTIVATIONS[actor_act], _ACTIVATIONS[critic_act]
 
     @staticmethod
     def _mlp(layers, activation, x):
-        for weight, bias in layers[:-1]:
-            x = activation[0](torch.addmm(bias, x, weight.t()))
-        weight, bias = layers[-1]
-        return torch.addmm(bias, x, weight.t())
+        for weight_t, bias in layers[:-1]:
+            x = activation[0](torch.addmm(bias, x, weight_t))
+        weight_t, bias = layers[-1]
+        return torch.addmm(bias, x, weight_t)
 
     def __call__(
         self, obs: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = False
