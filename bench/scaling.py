@@ -118,7 +118,8 @@ SIZES = [  # (label, overrides): one axis grows at a time from the recipe's own 
 
 
 def work_row(cluster, overrides: list[str], steps: int) -> dict:
-    """Medians over ``steps`` PPO steps after one warm-up: the step, its timed work, the overhead share."""
+    """Medians over ``steps`` PPO steps after three warm-up steps (a fresh loop's first steps fault in its
+    memory): the step, its timed work, the overhead share."""
     import tempfile
 
     from rlnb.loop import Loop
@@ -128,7 +129,7 @@ def work_row(cluster, overrides: list[str], steps: int) -> dict:
         tempfile.TemporaryDirectory() as run_dir,
         Loop.from_recipe("ppo_cartpole", [*base, *overrides], cluster=cluster, run_dir=run_dir) as loop,
     ):
-        loop.run(1, progress=False)
+        loop.run(3, progress=False)
         records = loop.run(steps, progress=False)
     row = {"step_s": float(np.median([r["time/step_s"] for r in records]))}
     for part in WORK_PARTS:
