@@ -44,7 +44,7 @@ GLOSSARY: dict[str, str] = {
     "advantages/zero_advantage_frac": "LM: share of sequences whose advantages are all 0 (a group whose completions all scored alike): no learning signal (TRL's frac_reward_zero_std).",
     "advantages/kl_mean": "REINFORCE++ with a KL penalty: mean per-token KL to the reference policy in the returns.",
     "advantages/return_mean": "Mean return target (value targets for PPO; per-token returns for REINFORCE++).",
-    "advantages/logprob_drift": "Mean |log-prob now - behaviour log-prob| over response tokens: how far the actor moved from the policy that sampled.",
+    "advantages/logprob_drift": "Mean |log-prob now - behaviour log-prob| over response tokens: how far the actor moved from the policy that sampled. Over the sequences the update computes; absent when it computes none (every group scored alike).",
     # train
     "train/loss": "Total loss of the last update (policy + value + entropy terms, KL when on).",
     "train/policy_loss": "Clipped surrogate loss (pg_loss), averaged over minibatches.",

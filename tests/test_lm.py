@@ -553,6 +553,8 @@ def test_rows_without_advantage_stay_out_of_several_epochs_and_of_a_stale_batch_
                 assert (
                     not recomputed[4:8].any() and recomputed[[0, 1, 2, 3, 8, 9, 10, 11]].any()
                 )  # not group 1
+            if skip and step == 1:  # no row to compute: no recompute, and no drift over a stand-in row
+                assert actor.batch["old_logprobs"] is None and "logprob_drift" not in out[skip][-1]
         weights[skip] = actor.policy_state()
     assert [o["rows_computed_frac"] for o in out[False]] == [1.0, 1.0]
     assert [o["rows_computed_frac"] for o in out[True]] == pytest.approx([2 / 3, 0.0])

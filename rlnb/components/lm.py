@@ -1052,7 +1052,9 @@ class LMActor(ActorBase):
         if "kl" in offered:  # the KL to the reference went into the advantage's returns (REINFORCE++)
             out["kl_mean"] = float(masked_mean(offered["kl"], mask))
         if not single_pass:
-            rows = self._rows_to_compute(torch.arange(len(adv)))[0]  # the rows the update will compute
+            rows, weight = self._rows_to_compute(torch.arange(len(adv)))  # the rows the update will compute
+            if not weight:  # none: a stand-in row at weight 0 trains at ratio 1, without old log-probs
+                return out
             if batch["old_logprobs"] is None:
                 batch["old_logprobs"] = self._logprobs(self.policy, batch, rows)  # [B, L], 0 on rows left out
             # how far the sampler's log-probs are from the actor's, over those rows
