@@ -134,6 +134,28 @@ def pytest_sessionfinish(session, exitstatus):
             continue
 
 
+def collocated_loop(
+    cluster, run_dir, rollout_cls=None, actor_cls=None, steps=2, steps_per_rollout=16, **actor
+):
+    """A PPO loop built from objects on slot 0: CartPole (4 envs), a rollout and an actor of the given classes
+    (the built-ins by default; ``actor`` are the actor's settings), ``steps`` steps, no TensorBoard."""
+    import rlnb
+    from rlnb.loop import Loop
+
+    env = rlnb.Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4)
+    rollout = rlnb.launch(rollout_cls or rlnb.PolicyRollout, cluster, "0", name="rollout")
+    actor = rlnb.launch(actor_cls or rlnb.PPOActor, cluster, "0", name="actor", **actor)
+    runner = {"tensorboard": False, "steps": steps}
+    return Loop(
+        env=env,
+        rollout=rollout,
+        actor=actor,
+        steps_per_rollout=steps_per_rollout,
+        runner=runner,
+        run_dir=run_dir,
+    )
+
+
 def assert_metrics_documented(run_dir) -> None:
     """Every key a run logged is explained in the metrics glossary (rlnb.metrics.GLOSSARY)."""
     import json

@@ -11,6 +11,7 @@ from rlnb.algorithms.losses import ppo, ppo_clip_value_entropy
 from rlnb.components.fused import FusedAct, FusedPPOStep, fused_act, unfit
 from rlnb.loop import Loop
 from rlnb.models.policies import ActorCritic
+from tests.conftest import collocated_loop
 
 DISCRETE = gym.spaces.Discrete(3)
 CONTINUOUS = gym.spaces.Box(-1.0, 1.0, (2,))
@@ -159,13 +160,7 @@ def test_a_subclass_with_its_own_objective_trains_through_autograd(cluster, tmp_
             loss, metrics = super()._objective(mb)
             return 0.5 * loss, metrics
 
-    env = rlnb.Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4)
-    rollout = rlnb.PolicyRollout.launch(cluster, "0")
-    actor = rlnb.launch(HalfLoss, cluster, "0", name="actor", update_epochs=2)
-    with Loop(
-        env=env, rollout=rollout, actor=actor, steps_per_rollout=16, run_dir=tmp_path,
-        runner={"tensorboard": False, "steps": 1},
-    ) as loop:  # fmt: skip
+    with collocated_loop(cluster, tmp_path, actor_cls=HalfLoss, steps=1, update_epochs=2) as loop:
         loop.run(progress=False)
         stats = loop.groups["actor"].fused_stats().result()[0]
     assert stats == {"fused_steps": 0, "unfit": "a subclass replaced the objective"}
@@ -211,12 +206,8 @@ class ActWatchingRollout(rlnb.PolicyRollout):
 
 
 def test_a_collection_on_a_worker_calls_the_policy_through_fused_act(cluster, tmp_path):
-    env = rlnb.Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4)
-    rollout = rlnb.launch(ActWatchingRollout, cluster, "0", name="rollout")
-    actor = rlnb.PPOActor.launch(cluster, "0", update_epochs=1)
-    with Loop(
-        env=env, rollout=rollout, actor=actor, steps_per_rollout=8, run_dir=tmp_path,
-        runner={"tensorboard": False, "steps": 1},
-    ) as loop:  # fmt: skip
+    with collocated_loop(
+        cluster, tmp_path, ActWatchingRollout, steps=1, steps_per_rollout=8, update_epochs=1
+    ) as loop:
         loop.run(progress=False)
         assert loop.groups["rollout"].acted_through().result() == ["FusedAct"]

@@ -12,7 +12,7 @@ from rlnb.config import load_recipe
 from rlnb.errors import PlacementError
 from rlnb.loop import Loop, complete_checkpoints
 from rlnb.metrics import read_metrics
-from tests.conftest import assert_metrics_documented, without_wall_clock
+from tests.conftest import assert_metrics_documented, collocated_loop, without_wall_clock
 
 FAST = [
     "runner.stop_return=195",
@@ -275,12 +275,14 @@ class StepShowingActor(rlnb.PPOActor):
 def test_a_failure_inside_the_chain_stops_it_before_the_update(cluster, tmp_path):
     """A collection that fails ends the chain there: the actor does not train on the batch before it, and the
     error names the component and method as a separate call's would."""
-    env = rlnb.Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4)
-    rollout = rlnb.launch(FailingSecondCollect, cluster, "0", name="rollout")
-    actor = rlnb.launch(StepShowingActor, cluster, "0", name="actor", update_epochs=1)
-    runner = {"tensorboard": False, "steps": 3}
-    with Loop(
-        env=env, rollout=rollout, actor=actor, steps_per_rollout=8, runner=runner, run_dir=tmp_path
+    with collocated_loop(
+        cluster,
+        tmp_path,
+        FailingSecondCollect,
+        StepShowingActor,
+        steps=3,
+        steps_per_rollout=8,
+        update_epochs=1,
     ) as loop:
         assert loop._one_round_trip()
         with pytest.raises(rlnb.RemoteError, match="the simulator crashed") as e:

@@ -12,6 +12,7 @@ from rlnb.components.env import Env
 from rlnb.components.optim import ClipAndStep
 from rlnb.loop import Loop
 from rlnb.models.policies import Tanh
+from tests.conftest import collocated_loop
 
 
 def _model():
@@ -155,21 +156,17 @@ class DynamoWatchingActor(StepCountingActor):
 def test_a_worker_trains_and_checkpoints_without_importing_dynamo(tmp_path):
     """``torch._dynamo`` (~1 s to import here) is not on an embodied run's path: the workers' fork server does
     not preload it, and building Adam, its first step, and a checkpoint saved and loaded do not import it."""
-    with rlnb.Cluster(slots=1, gpus=False) as cluster:  # fresh workers
-        env = Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4)
-        rollout = rlnb.PolicyRollout.launch(cluster, "0")
-        actor = rlnb.launch(
-            DynamoWatchingActor, cluster, "0", name="actor", update_epochs=2, num_minibatches=2
-        )
-        runner = {"tensorboard": False, "steps": 2}
-        with Loop(
-            env=env, rollout=rollout, actor=actor, steps_per_rollout=16, runner=runner, run_dir=tmp_path
-        ) as loop:
-            loop.run(progress=False)  # saves a checkpoint at the end
-            loop.load_checkpoint()
-            loop.run(1, progress=False)
-            assert loop.groups["actor"].dynamo_imported().result() == [False]
-            assert loop.groups["actor"].direct_steps().result() == [3 * 2 * 2]  # every one of them
+    with (
+        rlnb.Cluster(slots=1, gpus=False) as cluster,  # fresh workers
+        collocated_loop(
+            cluster, tmp_path, actor_cls=DynamoWatchingActor, update_epochs=2, num_minibatches=2
+        ) as loop,
+    ):
+        loop.run(progress=False)  # saves a checkpoint at the end
+        loop.load_checkpoint()
+        loop.run(1, progress=False)
+        assert loop.groups["actor"].dynamo_imported().result() == [False]
+        assert loop.groups["actor"].direct_steps().result() == [3 * 2 * 2]  # every one of them
 
 
 class WeightShowingRollout(rlnb.PolicyRollout):
