@@ -52,10 +52,11 @@ def _demo(args) -> int:
     return 0
 
 
-def _prestart_embedded_workers() -> bool:
-    from rlnb._dask import prestart_fork_server
+def _prestart_embedded_workers(lm: bool) -> bool:
+    from rlnb._dask import FORK_SERVER_PRELOAD, prestart_fork_server
 
-    return prestart_fork_server()  # CPU and GPU (dask-cuda) workers alike fork from it
+    # CPU and GPU (dask-cuda) workers alike fork from it; an LM recipe's workers also find transformers there
+    return prestart_fork_server((*FORK_SERVER_PRELOAD, "rlnb._preload_lm") if lm else FORK_SERVER_PRELOAD)
 
 
 def _run(args) -> int:
@@ -75,7 +76,9 @@ def _run(args) -> int:
         except ConfigError:  # reported below with every other error of the recipe
             structure = None
         prestarted = (
-            structure is not None and structure.cluster.address is None and _prestart_embedded_workers()
+            structure is not None
+            and structure.cluster.address is None
+            and _prestart_embedded_workers(structure.rollout.backend in ("hf", "vllm"))
         )
     try:
         recipe = load_recipe(args.recipe, overrides)  # every config error reported here, before any work

@@ -61,3 +61,34 @@ def test_dask_processes_stop_and_clean_up_and_say_why_a_scheduler_did_not_start(
         assert broken.processes == [] and not broken.log_dir.exists()
     finally:
         broken.close()  # nothing left running even if start() unexpectedly worked
+
+
+LM_WORKERS = """
+import sys
+from rlnb.cli import _prestart_embedded_workers
+
+def loaded(dask_worker=None):
+    import sys
+    return sorted(m for m in ("rlnb._preload_lm", "transformers", "torch._dynamo") if m in sys.modules)
+
+if __name__ == "__main__":
+    import rlnb
+    assert _prestart_embedded_workers(lm=sys.argv[1] == "lm")
+    with rlnb.Cluster(slots=1, gpus=False) as cluster:
+        print(list(cluster.client.run(loaded).values())[0])
+"""
+
+
+@pytest.mark.parametrize("kind", ["lm", "embodied"])
+def test_rlnb_run_preloads_transformers_for_an_lm_recipes_workers_only(tmp_path, kind):
+    """``rlnb run`` of an LM recipe starts the workers' fork server with transformers and ``torch._dynamo``
+    imported (each worker would import them, ~1.5 s); an embodied recipe's workers need neither."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(LM_WORKERS)
+    done = subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = ["rlnb._preload_lm", "torch._dynamo", "transformers"] if kind == "lm" else []
+    assert done.stdout.strip().splitlines()[-1] == str(expected)
