@@ -45,14 +45,19 @@ _LAZY = {
 }
 
 
-def warm_up() -> bool:
+def warm_up(lm: bool = False) -> bool:
     """Start, in the background, what a first embedded :class:`Cluster` waits for; returns at once.
 
     A first cluster in a process waits for torch to be imported, ~1-2 s of one core here: once in the
-    fork server its workers start from, once in this process. Call this in a
-    notebook's import cell: while you read and run the next cells, both imports happen, and the
-    first ``rlnb.Cluster()`` is up, its loop built, in under a second. ``rlnb run`` does it itself.
-    Calling it again does nothing more. The fork server lives as long as this process.
+    fork server its workers start from, once in this process. Call this in a notebook's import cell: while
+    you read and run the next cells, both imports happen, and the first ``rlnb.Cluster()`` is up, its loop
+    built, in under a second. ``rlnb run`` does it itself. Calling it again does nothing more. The fork
+    server lives as long as this process.
+
+    Args:
+        lm: the workers will build ``transformers`` models (``HFRollout``, ``LMActor``): the fork server
+            imports transformers and ``torch._dynamo`` too (~1.5 s a worker would otherwise spend). Only the
+            first call's choice counts.
 
     Returns:
         Whether the workers' fork server is starting or running (``False`` with
@@ -60,13 +65,13 @@ def warm_up() -> bool:
 
     Example:
         >>> import rlnb
-        >>> rlnb.warm_up()  # doctest: +SKIP
+        >>> rlnb.warm_up(lm=True)  # doctest: +SKIP
         True
     """
-    from rlnb._dask import prestart_fork_server
+    from rlnb._dask import fork_server_preload, prestart_fork_server
     from rlnb.cluster.cluster import _import_in_background
 
-    started = prestart_fork_server()
+    started = prestart_fork_server(fork_server_preload(lm))
     _import_in_background("rlnb.loop")
     return started
 

@@ -137,6 +137,12 @@ def _fork_server_wanted() -> bool:
 FORK_SERVER_PRELOAD = ("rlnb._preload",)
 
 
+def fork_server_preload(lm: bool = False) -> tuple[str, ...]:
+    """The fork server's preload: :data:`FORK_SERVER_PRELOAD`, and for workers that will build
+    ``transformers`` models (``lm``) ``rlnb._preload_lm`` too (transformers and ``torch._dynamo``)."""
+    return (*FORK_SERVER_PRELOAD, "rlnb._preload_lm") if lm else FORK_SERVER_PRELOAD
+
+
 def fork_workers_from_preloaded_server(preload=FORK_SERVER_PRELOAD) -> bool:
     """Make local Dask worker processes start from a fork server that has imported ``preload`` once,
     instead of each spawned process importing them again (Dask's ``multiprocessing-method:

@@ -53,10 +53,10 @@ def _demo(args) -> int:
 
 
 def _prestart_embedded_workers(lm: bool) -> bool:
-    from rlnb._dask import FORK_SERVER_PRELOAD, prestart_fork_server
+    from rlnb._dask import fork_server_preload, prestart_fork_server
 
     # CPU and GPU (dask-cuda) workers alike fork from it; an LM recipe's workers also find transformers there
-    return prestart_fork_server((*FORK_SERVER_PRELOAD, "rlnb._preload_lm") if lm else FORK_SERVER_PRELOAD)
+    return prestart_fork_server(fork_server_preload(lm))
 
 
 def _run(args) -> int:
