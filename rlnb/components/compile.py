@@ -29,7 +29,9 @@ AUTO = {"cpu": False, "cuda": False}
 ``docs/benchmarks.md``): compile time exceeds what the faster steps save over the bundled recipes' runs.
 CUDA (``make gpu-check`` on an H100, ``docs/gpu.md``): steps 1.20x faster, but PPO CartPole solved in
 15.2 s eager against 28.2 s compiled, 16.0 s of it compiling. Set ``actor.compile: true`` for models big
-enough that a step costs more than kernel launches."""
+enough that a step costs more than kernel launches. For the built-in MLP policy the eager step is the fused one
+(``rlnb.components.fused``, ``actor.fused_step``): 0.49 ms a ``ppo_cartpole`` minibatch on this CPU, against
+0.75 ms compiled; compiling turns it off."""
 
 
 def cache_dir() -> str:
