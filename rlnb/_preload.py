@@ -11,12 +11,18 @@ import importlib
 
 from rlnb._dask import WORKER_PRELOAD
 
-_was_enabled = gc.isenabled()
-gc.disable()
-try:
-    for _name in WORKER_PRELOAD:
-        importlib.import_module(_name)
-finally:
-    gc.freeze()
-    if _was_enabled:
-        gc.enable()
+
+def import_frozen(names) -> None:
+    """Import ``names`` with the garbage collector paused, then freeze what is alive."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for name in names:
+            importlib.import_module(name)
+    finally:
+        gc.freeze()
+        if was_enabled:
+            gc.enable()
+
+
+import_frozen(WORKER_PRELOAD)

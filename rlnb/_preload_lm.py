@@ -1,18 +1,10 @@
-"""Imported by the workers' fork server after :mod:`rlnb._preload` when ``rlnb run`` starts it for an LM recipe
-(``rollout.backend`` ``hf`` or ``vllm``): what building a ``transformers`` model imports, ``torch._dynamo``
-among it (~1 s here), imported once there rather than in every worker, again with the collector paused."""
+"""Imported by the workers' fork server after :mod:`rlnb._preload` when it is started for LM work (``rlnb run``
+of a recipe whose ``rollout.backend`` is ``hf`` or ``vllm``, or ``rlnb.warm_up(lm=True)``): what building a
+``transformers`` model imports, ``torch._dynamo`` among it (~1 s here), imported once there rather than in
+every worker."""
 
-import gc
-import importlib
+from rlnb._preload import import_frozen
 
 LM_PRELOAD = ("torch._dynamo", "transformers", "transformers.models.auto.modeling_auto", "rlnb.components.lm")
 
-_was_enabled = gc.isenabled()
-gc.disable()
-try:
-    for _name in LM_PRELOAD:
-        importlib.import_module(_name)
-finally:
-    gc.freeze()
-    if _was_enabled:
-        gc.enable()
+import_frozen(LM_PRELOAD)
