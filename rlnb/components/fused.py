@@ -40,34 +40,36 @@ import torch
 from torch import nn
 
 from rlnb.algorithms.losses import ppo_clip_value_entropy
-from rlnb.models.policies import ActorCritic, Tanh
+from rlnb.models.policies import ActorCritic, Tanh, tanh_without_grad
 
 _LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
 
 
-def _tanh(x: torch.Tensor) -> torch.Tensor:
-    """In place, as the MLPs' :class:`rlnb.models.policies.Tanh` computes it without autograd."""
-    if x.numel() >= Tanh.SIGMOID_FROM and x.device.type == "cpu":
-        return x.mul_(2).sigmoid_().mul_(2).sub_(1)
-    return x.tanh_()
-
-
-_ACTIVATIONS = {  # module type -> (forward in place, backward from the output)
-    Tanh: (_tanh, torch.ops.aten.tanh_backward),
+_ACTIVATIONS = {  # module type -> (forward, backward from the output), as the module computes them
+    Tanh: (tanh_without_grad, torch.ops.aten.tanh_backward),
     nn.ReLU: (torch.relu_, lambda grad, y: torch.ops.aten.threshold_backward(grad, y, 0)),
 }
 
 
 def _layers(trunk: nn.Module, head: nn.Linear):
-    """``([(weight, bias), ...], activation type)`` of ``Sequential(Linear, act, ..., Linear, act)`` + head,
-    or ``None`` if the trunk is anything else."""
+    """``([(weight, bias), ...], (activation, its backward))`` of ``Sequential(Linear, act, ..., Linear, act)``
+    followed by ``head``, or ``None`` if the trunk is anything else."""
     if not isinstance(trunk, nn.Sequential) or len(trunk) % 2:
         return None
     linears, acts = list(trunk)[0::2], list(trunk)[1::2]
     kinds = {type(a) for a in acts}
     if not all(type(m) is nn.Linear for m in linears) or len(kinds) != 1 or kinds.pop() not in _ACTIVATIONS:
         return None
-    return [(m.weight, m.bias) for m in [*linears, head]], type(acts[0])
+    return [(m.weight, m.bias) for m in [*linears, head]], _ACTIVATIONS[type(acts[0])]
+
+
+def _trunks(policy: ActorCritic):
+    """The :func:`_layers` of an ``ActorCritic``'s actor and critic MLPs, or ``None`` unless both fit."""
+    actor, critic = (
+        _layers(policy.actor_trunk, policy.actor_head),
+        _layers(policy.critic_trunk, policy.critic_head),
+    )
+    return None if actor is None or critic is None else (actor, critic)
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -121,10 +123,7 @@ def unfit(policy: nn.Module, model: nn.Module, loss_fn, compiled: bool) -> str |
         return "the policy's trunk is shared or convolutional"
     if loss_fn is not ppo_clip_value_entropy:
         return f"the policy loss is {getattr(loss_fn, '__name__', loss_fn)!r}, not ppo_clip_value_entropy"
-    if (
-        _layers(policy.actor_trunk, policy.actor_head) is None
-        or _layers(policy.critic_trunk, policy.critic_head) is None
-    ):
+    if _trunks(policy) is None:
         return "the trunks are not Linear layers with tanh or relu between them"
     if not all(p.requires_grad for p in policy.parameters()):
         return "some parameters are frozen"
@@ -143,11 +142,7 @@ class FusedPPOStep:
     """
 
     def __init__(self, policy: ActorCritic, process_group=None):
-        (self.actor_layers, actor_act), (self.critic_layers, critic_act) = (
-            _layers(policy.actor_trunk, policy.actor_head),
-            _layers(policy.critic_trunk, policy.critic_head),
-        )
-        self.actor_act, self.critic_act = _ACTIVATIONS[actor_act], _ACTIVATIONS[critic_act]
+        (self.actor_layers, self.actor_act), (self.critic_layers, self.critic_act) = _trunks(policy)
         self.discrete = policy.discrete
         self.log_std = None if self.discrete else policy.log_std
         self.process_group = process_group
@@ -276,14 +271,10 @@ class FusedAct:
     """
 
     def __init__(self, policy: ActorCritic):
-        (actor_layers, actor_act), (critic_layers, critic_act) = (
-            _layers(policy.actor_trunk, policy.actor_head),
-            _layers(policy.critic_trunk, policy.critic_head),
-        )
+        (actor_layers, self.actor_act), (critic_layers, self.critic_act) = _trunks(policy)
         # transposed views, made once: weight syncs copy into the parameters in place, so they stay current
         self.actor_layers = [(w.t(), b) for w, b in actor_layers]
         self.critic_layers = [(w.t(), b) for w, b in critic_layers]
-        self.actor_act, self.critic_act = _ACTIVATIONS[actor_act], _ACTIVATIONS[critic_act]
 
     @staticmethod
     def _mlp(layers, activation, x):
@@ -315,8 +306,7 @@ def fused_act(policy: nn.Module):
         and not any(p.requires_grad for p in policy.parameters())
         and policy.discrete
         and isinstance(policy.trunk, nn.Flatten)
-        and _layers(policy.actor_trunk, policy.actor_head) is not None
-        and _layers(policy.critic_trunk, policy.critic_head) is not None
+        and _trunks(policy) is not None
         and not _hooked(policy)
     )
     return FusedAct(policy) if fits else policy.act

@@ -56,12 +56,19 @@ class Tanh(nn.Module):
     SIGMOID_WITH_GRAD_FROM = 16384
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.numel()
-        if n < self.SIGMOID_FROM or x.device.type != "cpu" or not x.is_floating_point():
-            return torch.tanh(x)
-        if torch.is_grad_enabled() and x.requires_grad:
-            return _SigmoidTanh.apply(x) if n >= self.SIGMOID_WITH_GRAD_FROM else torch.tanh(x)
-        return _tanh_by_sigmoid(x)
+        if torch.is_grad_enabled() and x.requires_grad and _sigmoid_pays(x):
+            return _SigmoidTanh.apply(x) if x.numel() >= self.SIGMOID_WITH_GRAD_FROM else torch.tanh(x)
+        return tanh_without_grad(x)
+
+
+def _sigmoid_pays(x: torch.Tensor) -> bool:
+    return x.numel() >= Tanh.SIGMOID_FROM and x.device.type == "cpu" and x.is_floating_point()
+
+
+def tanh_without_grad(x: torch.Tensor) -> torch.Tensor:
+    """:class:`Tanh` where nothing records for autograd (a rollout's forward, the hand-derived train step of
+    ``rlnb.components.fused``): ``2 * sigmoid(2x) - 1`` for big CPU tensors, else ``torch.tanh``."""
+    return _tanh_by_sigmoid(x) if _sigmoid_pays(x) else torch.tanh(x)
 
 
 def mlp(sizes: list[int], activation: str, out_std: float | None = None) -> nn.Sequential:
