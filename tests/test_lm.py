@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -82,7 +83,8 @@ def test_qa_file_loaders(tmp_path):
 
 def test_hf_rollout_contract_and_logprob_agreement(tiny_lm):
     ro = HFRollout(tiny_lm, max_new_tokens=5, seed=0)
-    rank_mod._PEERS[("", "reward-test", 0)] = RewardWorker("arithmetic")
+    # a reward worker as a collocated peer, as its rank host would register it
+    rank_mod._HOSTS[("", "reward-test", 0)] = types.SimpleNamespace(obj=RewardWorker("arithmetic"))
     s = ro.generate(["1+2=", "13+4="], ["3", "17"], n=4, reward="reward-test")
     b = ro.take_batch()
     B, L = b["input_ids"].shape
@@ -100,7 +102,7 @@ def test_hf_rollout_contract_and_logprob_agreement(tiny_lm):
     ro2 = HFRollout(tiny_lm, max_new_tokens=5, seed=0)
     ro2.generate(["1+2=", "13+4="], ["3", "17"], n=4, reward="reward-test")
     assert torch.equal(ro2.take_batch()["input_ids"], b["input_ids"])
-    del rank_mod._PEERS[("", "reward-test", 0)]
+    del rank_mod._HOSTS[("", "reward-test", 0)]
 
 
 def test_completions_share_their_prompts_prefill_on_a_worker_with_the_same_tokens_and_logprobs(

@@ -49,26 +49,28 @@ class RankInfo:
 
 
 _local = threading.local()
-# Component objects living in this worker process, by (driver session, component, rank): collocated
-# components of one driver find each other here and exchange data in-process (no channel hop, no copy).
-_PEERS: dict[tuple[str, str, int], object] = {}
-# Their hosts, by the same keys: a call chain (RankHost.chain) runs calls on several of them in one request.
-_HOSTS: weakref.WeakValueDictionary[tuple[str, str, int], RankHost] = weakref.WeakValueDictionary()
+# The rank hosts living in this worker process, by (driver session, component, rank): collocated components
+# of one driver find each other's objects here and exchange data in-process (no channel hop, no copy), and a
+# call chain (RankHost.chain) runs calls on several of them in one request.
+_HOSTS: dict[tuple[str, str, int], RankHost] = {}
+
+
+def _local_host(session: str, component: str, rank: int) -> RankHost:
+    try:
+        return _HOSTS[(session, component, rank)]
+    except KeyError:
+        here = sorted(f"{c}[{r}]" for s, c, r in _HOSTS if s == session)
+        raise RuntimeError(
+            f"{component}[{rank}] is not in this worker process (here: {here}); "
+            "only collocated components can be reached in-process"
+        ) from None
 
 
 def local_peer(component: str, rank: int):
     """The object of ``component`` rank ``rank`` if it lives in this process (collocated) and belongs to
     the calling rank's driver session, else raise."""
     info = current_rank()
-    session = info.session if info is not None else ""
-    try:
-        return _PEERS[(session, component, rank)]
-    except KeyError:
-        here = sorted(f"{c}[{r}]" for s, c, r in _PEERS if s == session)
-        raise RuntimeError(
-            f"{component}[{rank}] is not in this worker process (here: {here}); "
-            "only collocated components can be reached in-process"
-        ) from None
+    return _local_host(info.session if info is not None else "", component, rank).obj
 
 
 def current_rank() -> RankInfo | None:
@@ -158,7 +160,6 @@ class RankHost:
         try:
             with _as_current(self):
                 self.obj = cls(*args, **kwargs)
-            _PEERS[(info.session, info.component, info.rank)] = self.obj
             _HOSTS[(info.session, info.component, info.rank)] = self
         except Exception as e:  # reported by ready(), with its traceback
             self.init_error = pack_exception(e)
@@ -189,11 +190,10 @@ class RankHost:
         t0 = time.perf_counter()
         replies = []
         for component, rank, method, args, kwargs in calls:
-            host = _HOSTS.get((self.info.session, component, rank))
-            if host is None:
-                here = sorted(f"{c}[{r}]" for s, c, r in _HOSTS if s == self.info.session)
-                error = RuntimeError(f"{component}[{rank}] is not in this worker process (here: {here})")
-                replies.append(("err", pack_exception(error), 0.0))
+            try:
+                host = _local_host(self.info.session, component, rank)
+            except RuntimeError as e:
+                replies.append(("err", pack_exception(e), 0.0))
             else:
                 replies.append(host.call(method, args, kwargs))
             if replies[-1][0] != "ok":
@@ -254,8 +254,6 @@ class RankHost:
             _DEFAULT_OWNER[0] = lambda: None
         self.collectives.clear()
         key = (self.info.session, self.info.component, self.info.rank)
-        if _PEERS.get(key) is self.obj:
-            del _PEERS[key]
         if _HOSTS.get(key) is self:
             del _HOSTS[key]
         self._stores.clear()
