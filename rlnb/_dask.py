@@ -137,6 +137,25 @@ def _fork_server_wanted() -> bool:
 FORK_SERVER_PRELOAD = ("rlnb._preload",)
 
 
+def import_with_collector_paused(names, freeze: bool = False) -> None:
+    """Import ``names`` with the garbage collector paused (~20 % faster for torch and Dask here: it would
+    scan the growing heap over and over); ``freeze``: then move everything alive to the permanent generation
+    (a fork server's, so forked workers never scan those objects)."""
+    import gc
+    import importlib
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for name in names:
+            importlib.import_module(name)
+    finally:
+        if freeze:
+            gc.freeze()
+        if was_enabled:
+            gc.enable()
+
+
 def fork_server_preload(lm: bool = False) -> tuple[str, ...]:
     """The fork server's preload: :data:`FORK_SERVER_PRELOAD`, and for workers that will build
     ``transformers`` models (``lm``) ``rlnb._preload_lm`` too (transformers and ``torch._dynamo``)."""

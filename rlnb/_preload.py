@@ -6,23 +6,6 @@ With the collector paused, importing torch, Dask and gymnasium takes ~0.95 s ins
 the permanent generation: forked workers never scan those objects, nor touch their pages by doing so.
 """
 
-import gc
-import importlib
+from rlnb._dask import WORKER_PRELOAD, import_with_collector_paused
 
-from rlnb._dask import WORKER_PRELOAD
-
-
-def import_frozen(names) -> None:
-    """Import ``names`` with the garbage collector paused, then freeze what is alive."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for name in names:
-            importlib.import_module(name)
-    finally:
-        gc.freeze()
-        if was_enabled:
-            gc.enable()
-
-
-import_frozen(WORKER_PRELOAD)
+import_with_collector_paused(WORKER_PRELOAD, freeze=True)

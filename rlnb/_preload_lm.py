@@ -3,8 +3,8 @@ of a recipe whose ``rollout.backend`` is ``hf`` or ``vllm``, or ``rlnb.warm_up(l
 ``transformers`` model imports, ``torch._dynamo`` among it (~1 s here), imported once there rather than in
 every worker."""
 
-from rlnb._preload import import_frozen
+from rlnb._dask import import_with_collector_paused
 
 LM_PRELOAD = ("torch._dynamo", "transformers", "transformers.models.auto.modeling_auto", "rlnb.components.lm")
 
-import_frozen(LM_PRELOAD)
+import_with_collector_paused(LM_PRELOAD, freeze=True)

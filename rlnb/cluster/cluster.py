@@ -97,17 +97,10 @@ def _import_in_background(module: str):
         return None
 
     def run():
-        import gc
-        import importlib
+        from rlnb._dask import import_with_collector_paused
 
-        paused = gc.isenabled()
-        gc.disable()  # ~20 % faster: the collector would scan the growing heap over and over
-        try:
-            with contextlib.suppress(Exception):  # an import error surfaces where the module is used
-                importlib.import_module(module)
-        finally:
-            if paused:
-                gc.enable()
+        with contextlib.suppress(Exception):  # an import error surfaces where the module is used
+            import_with_collector_paused([module])
 
     thread = threading.Thread(target=run, name="rlnb-driver-imports", daemon=True)
     thread.start()

@@ -332,10 +332,9 @@ class Loop(LoopBase):
         sync, collect, *rest = done
         sync.result()
         self._phase("sync", t0, {"version": self.step}, wall - sum(c.duration_s for c in done[1:]))
-        summaries = [collect.result()]
-        for s in summaries:
-            self.episodes.extend(s.pop("episodes"))
-        self._rollout_phase(t0, summaries, {}, collect.duration_s)
+        summary = collect.result()
+        self.episodes.extend(summary.pop("episodes"))
+        self._rollout_phase(t0, [summary], {}, collect.duration_s)
         self._phase("advantages", t0, mean_dicts([rest[0].result()]), rest[0].duration_s)
         self._finish_train(lambda: [rest[1].result()], t0, rest[1].duration_s)
         return self.logger.history[-1]
