@@ -3,7 +3,6 @@
 import importlib.util
 import json
 import math
-import types
 
 import pytest
 import torch
@@ -81,10 +80,18 @@ def test_qa_file_loaders(tmp_path):
         load_qa_file(tmp_path / "missing.jsonl")
 
 
+class PeerHost:
+    """What the worker's registry of rank hosts holds, for a component built in this process."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
 def test_hf_rollout_contract_and_logprob_agreement(tiny_lm):
     ro = HFRollout(tiny_lm, max_new_tokens=5, seed=0)
-    # a reward worker as a collocated peer, as its rank host would register it
-    rank_mod._HOSTS[("", "reward-test", 0)] = types.SimpleNamespace(obj=RewardWorker("arithmetic"))
+    # a reward worker as a collocated peer, as its rank host would register it (weakly: the test holds it)
+    host = PeerHost(RewardWorker("arithmetic"))
+    rank_mod._HOSTS[("", "reward-test", 0)] = host
     s = ro.generate(["1+2=", "13+4="], ["3", "17"], n=4, reward="reward-test")
     b = ro.take_batch()
     B, L = b["input_ids"].shape

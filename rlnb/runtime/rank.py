@@ -51,8 +51,9 @@ class RankInfo:
 _local = threading.local()
 # The rank hosts living in this worker process, by (driver session, component, rank): collocated components
 # of one driver find each other's objects here and exchange data in-process (no channel hop, no copy), and a
-# call chain (RankHost.chain) runs calls on several of them in one request.
-_HOSTS: dict[tuple[str, str, int], RankHost] = {}
+# call chain (RankHost.chain) runs calls on several of them in one request. Weak: a host Dask lets go of (a
+# group dropped without shutdown) is freed, its component with it.
+_HOSTS: weakref.WeakValueDictionary[tuple[str, str, int], RankHost] = weakref.WeakValueDictionary()
 
 
 def _local_host(session: str, component: str, rank: int) -> RankHost:
