@@ -8,7 +8,7 @@ from torch import nn
 
 import rlnb
 from rlnb.algorithms.losses import ppo, ppo_clip_value_entropy
-from rlnb.components.fused import FusedAct, FusedPPOStep, fused_act, unfit
+from rlnb.components.fused import FusedAct, FusedPPOStep, _walk, fused_act, fused_ppo_step, unfit
 from rlnb.loop import Loop
 from rlnb.models.policies import ActorCritic
 from tests.conftest import collocated_loop
@@ -109,6 +109,35 @@ def test_anything_it_does_not_compute_as_autograd_would_is_left_to_autograd(chan
     if args["model"] is policy:
         args["model"] = args["policy"]
     assert reason in unfit(**args)
+
+
+def test_a_step_made_for_the_same_modules_is_used_again_until_anything_it_assumed_changes():
+    """The actor keeps its fused step from one update to the next; a swapped module, a new parameter, a hook or
+    a frozen parameter since is seen at the next update, as a fresh check would see it."""
+    policy = _policy(DISCRETE)
+    modules, params = _walk(policy)
+    assert modules == list(policy.modules()) and params == list(policy.parameters())
+    check = {"model": policy, "loss_fn": ppo_clip_value_entropy, "compiled": False}
+    step, why = fused_ppo_step(policy, **check)
+    assert why is None and fused_ppo_step(policy, **check, previous=step) == (step, None)
+    assert fused_ppo_step(policy, **{**check, "compiled": True}, previous=step) == (
+        None,
+        "actor.compile is on",
+    )
+    handle = policy.critic_head.register_forward_pre_hook(lambda *a: None)
+    assert fused_ppo_step(policy, **check, previous=step) == (None, "hooks are registered on the policy")
+    handle.remove()
+    policy.actor_head.bias.requires_grad_(False)
+    assert fused_ppo_step(policy, **check, previous=step) == (None, "some parameters are frozen")
+    policy.actor_head.bias.requires_grad_(True)
+    policy.actor_trunk[1] = torch.nn.ReLU()  # one trunk with two kinds of activation
+    assert "the trunks are not" in fused_ppo_step(policy, **check, previous=step)[1]
+    policy.actor_trunk[3] = torch.nn.ReLU()  # a relu trunk: a new step, computing with relu
+    relu_step, why = fused_ppo_step(policy, **check, previous=step)
+    assert why is None and relu_step is not step and relu_step.actor_act[0] is torch.relu_
+    policy.critic_head.weight = torch.nn.Parameter(policy.critic_head.weight.detach().clone())
+    fresh, _ = fused_ppo_step(policy, **check, previous=relu_step)
+    assert fresh is not relu_step and any(p is policy.critic_head.weight for p in fresh.params)
 
 
 def test_the_actor_trains_through_it_on_its_worker_as_it_would_through_autograd(cluster, tmp_path):

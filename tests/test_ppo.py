@@ -3,6 +3,7 @@
 import copy
 import json
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -289,3 +290,43 @@ def test_a_failure_inside_the_chain_stops_it_before_the_update(cluster, tmp_path
             loop.run(progress=False)
         assert (e.value.component, e.value.method) == ("rollout", "collect")
         assert loop.step == 1 and loop.groups["actor"].steps_taken().result() == [1]
+
+
+class ReusedBufferVectorEnv(gym.vector.VectorEnv):
+    """A batched simulator that writes each step's observations into one array it returns every time (as
+    simulators that avoid allocations do): ``obs[i] = (steps taken, i)``; an episode ends every 5 steps."""
+
+    def __init__(self, num_envs: int = 4):
+        self.num_envs = num_envs
+        self.single_observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
+        self.single_action_space = gym.spaces.Discrete(2)
+        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
+        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
+        self.obs = np.zeros((num_envs, 2), np.float32)
+        self.obs[:, 1] = np.arange(num_envs)
+
+    def reset(self, *, seed=None, options=None):
+        self.obs[:, 0] = 0
+        return self.obs, {}
+
+    def step(self, actions):
+        self.obs[:, 0] += 1
+        terminated = np.full(self.num_envs, self.obs[0, 0] % 5 == 0)
+        return self.obs, np.ones(self.num_envs), terminated, np.zeros(self.num_envs, bool), {}
+
+
+def test_a_collection_records_each_step_of_a_simulator_that_reuses_its_arrays(cluster, tmp_path):
+    """On the rollout's worker, each step's observations are copied as they are recorded: the batch shows the
+    simulator's state at every step, not its last state at every step."""
+    env = rlnb.Env.launch(cluster, "0", make_env=ReusedBufferVectorEnv, num_envs=4)
+    rollout = rlnb.PolicyRollout.launch(cluster, "0")
+    actor = rlnb.PPOActor.launch(cluster, "0")
+    runner = {"tensorboard": False}
+    with Loop(
+        env=env, rollout=rollout, actor=actor, steps_per_rollout=6, runner=runner, run_dir=tmp_path
+    ) as loop:
+        loop.sync_weights()
+        loop.rollout()
+        obs = loop.sample(6)["obs"]  # [T, N, 2]
+    assert obs[:, :, 0].tolist() == [[t] * 4 for t in range(6)]
+    assert obs[:, :, 1].tolist() == [[0, 1, 2, 3]] * 6

@@ -22,7 +22,7 @@ import torch
 from rlnb.algorithms.contract import EMBODIED, check_algorithm
 from rlnb.algorithms.losses import entropy_bonus, value_loss
 from rlnb.components.compile import StepCompiler
-from rlnb.components.fused import FusedPPOStep, data_parallel_group, unfit
+from rlnb.components.fused import FusedPPOStep, fused_ppo_step
 from rlnb.components.launch import launcher
 from rlnb.components.optim import ClipAndStep, build_optimizer, without_dynamo_import
 from rlnb.components.rollout import resolve_device
@@ -419,17 +419,18 @@ class PPOActor(ActorBase):
 
     def _fused_step(self) -> FusedPPOStep | None:
         """The hand-derived step (``actor.fused_step``) if it can stand in for autograd in this update; else
-        ``None``, with the reason in ``fused_unfit``."""
-        self.fused_unfit = (
-            "actor.fused_step is off"
+        ``None``, with the reason in ``fused_unfit``. The last update's step is used again where it was made
+        for the same modules and parameters."""
+        step, self.fused_unfit = (
+            (None, "actor.fused_step is off")
             if not self.cfg.fused_step
-            else "a subclass replaced the objective"
+            else (None, "a subclass replaced the objective")
             if type(self)._objective is not PPOActor._objective
-            else unfit(self.policy, self.model, self.loss.fn, self.step_compiler is not None)
+            else fused_ppo_step(
+                self.policy, self.model, self.loss.fn, self.step_compiler is not None, self._fused_now
+            )
         )
-        if self.fused_unfit is not None:
-            return None
-        return FusedPPOStep(self.policy, data_parallel_group(self.model, self.policy))
+        return step
 
     def fused_stats(self) -> dict:
         """How this rank's updates ran: minibatches through the hand-derived step (``actor.fused_step``) and,

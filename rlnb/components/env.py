@@ -28,6 +28,10 @@ from rlnb.seeding import rank_seed
 log = logging.getLogger("rlnb")
 
 
+_NONE_ENDED = np.zeros(0, dtype=np.int64)  # final_idx of a step that ended no episode (read-only)
+_NONE_ENDED.flags.writeable = False
+
+
 def _host(x, dtype=None) -> np.ndarray:
     """A host (numpy) copy of a small per-env array the env returned as a tensor (on any device) or array."""
     if isinstance(x, torch.Tensor):
@@ -165,23 +169,33 @@ class Env:
         t0 = time.perf_counter()
         obs, reward, terminated, truncated, info = self.envs[stage].step(actions)
         self.sim_s += time.perf_counter() - t0  # the simulator's own work, for the loop's overhead share
-        lo = stage * self.per_stage
-        idx = slice(lo, lo + self.per_stage)
         # rewards and done flags ([n] each) come to the host for the episode statistics; observations
         # of a simulator on a GPU stay there (torch tensors), as do its final observations
-        reward, terminated, truncated = _host(reward, np.float64), _host(terminated), _host(truncated)
-        self.ep_return[idx] += reward
-        self.ep_len[idx] += 1
+        if type(reward) is not np.ndarray or reward.dtype != np.float64:
+            reward = _host(reward, np.float64)
+        if type(terminated) is not np.ndarray or type(truncated) is not np.ndarray:
+            terminated, truncated = _host(terminated), _host(truncated)
+        if self.stages == 1:  # (one stage: the whole rank's arrays, no slicing)
+            idx, lo = slice(None), 0
+            self.ep_return += reward
+            self.ep_len += 1
+        else:
+            lo = stage * self.per_stage
+            idx = slice(lo, lo + self.per_stage)
+            self.ep_return[idx] += reward
+            self.ep_len[idx] += 1
         done = np.logical_or(terminated, truncated)
-        for i in np.flatnonzero(done):
-            self.finished.append((float(self.ep_return[lo + i]), int(self.ep_len[lo + i])))
-            self.ep_return[lo + i], self.ep_len[lo + i] = 0.0, 0
-        final_idx = np.flatnonzero(np.logical_and(truncated, ~terminated))
-        final_obs = None
-        if len(final_idx) and isinstance(info["final_obs"], torch.Tensor):
-            final_obs = info["final_obs"][torch.as_tensor(final_idx, device=info["final_obs"].device)]
-        elif len(final_idx):
-            final_obs = np.stack([info["final_obs"][i] for i in final_idx])
+        ended = done.nonzero()[0]
+        final_idx, final_obs = _NONE_ENDED, None
+        if len(ended):  # (most steps end no episode: nothing of this runs)
+            for i in ended.tolist():
+                self.finished.append((float(self.ep_return[lo + i]), int(self.ep_len[lo + i])))
+                self.ep_return[lo + i], self.ep_len[lo + i] = 0.0, 0
+            final_idx = np.logical_and(truncated, np.logical_not(terminated)).nonzero()[0]
+            if len(final_idx) and isinstance(info["final_obs"], torch.Tensor):
+                final_obs = info["final_obs"][torch.as_tensor(final_idx, device=info["final_obs"].device)]
+            elif len(final_idx):
+                final_obs = np.stack([info["final_obs"][i] for i in final_idx])
         obs = self._norm_obs(obs, update=True)
         if final_obs is not None:
             final_obs = self._norm_obs(final_obs)
@@ -190,8 +204,8 @@ class Env:
         return {
             "obs": obs,
             "reward": reward.astype(np.float32),
-            "terminated": np.asarray(terminated),
-            "truncated": np.asarray(truncated),
+            "terminated": terminated,
+            "truncated": truncated,
             "final_obs": final_obs,
             "final_idx": final_idx,
         }

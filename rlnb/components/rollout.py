@@ -34,31 +34,53 @@ def resolve_device(device: str, rank_info: RankInfo | None) -> torch.device:
 
 
 class _Trajectory:
-    """Per-stage step records, stacked into a batch at the end."""
+    """A collection's step records: ``[T, n, ...]`` columns per stage, side by side along N in the batch.
 
-    def __init__(self, stages: int):
-        self.cols = {
-            k: [[] for _ in range(stages)]
-            for k in ("obs", "actions", "logprobs", "values", "rewards", "dones")
-        }
+    A numpy record (observations, rewards, done flags of an env on the host) is copied at once into its
+    column's buffer, allocated at its first record (of its dtype, or of ``dtypes[column]``): no conversion to a
+    tensor per step and no stacking at the end, and an env that reuses its arrays cannot change what was
+    recorded. A tensor record (the policy's outputs, a GPU simulator's observations) is kept as it is and
+    stacked at the end, one op per column.
+    """
 
-    def add(self, stage: int, **cols):
+    def __init__(self, steps: int, stages: int, dtypes: dict | None = None):
+        self.steps = steps
+        self.dtypes = dtypes or {}
+        self.buffers: list[dict[str, np.ndarray]] = [{} for _ in range(stages)]
+        self.lists: list[dict[str, list]] = [{} for _ in range(stages)]
+
+    def put(self, stage: int, t: int, **cols) -> None:
+        """Record ``cols`` (``[n, ...]`` numpy arrays or tensors) of stage ``stage`` at step ``t``; a stage's
+        tensor records come in step order."""
         for k, v in cols.items():
-            self.cols[k][stage].append(v)
+            if type(v) is np.ndarray:
+                buffer = self.buffers[stage].get(k)
+                if buffer is None:
+                    dtype = self.dtypes.get(k, v.dtype)
+                    buffer = self.buffers[stage][k] = np.empty((self.steps, *v.shape), dtype=dtype)
+                buffer[t] = v
+            else:
+                self.lists[stage].setdefault(k, []).append(v)
 
-    def stack(self) -> dict[str, torch.Tensor]:
-        # per stage: list over t of [n, ...] -> [T, n, ...]; stages side by side along N (rewards and dones
-        # are kept as numpy arrays while stepping: one conversion here instead of a few per step)
-        return {
-            k: torch.cat(
-                [
-                    torch.from_numpy(np.stack(s)) if isinstance(s[0], np.ndarray) else torch.stack(s)
-                    for s in per_stage
-                ],
-                dim=1,
-            )
-            for k, per_stage in self.cols.items()
-        }
+    def add_at(self, stage: int, t: int, column: str, index, values: np.ndarray) -> None:
+        """``column[t, index] += values`` for stage ``stage`` (a numpy column)."""
+        self.buffers[stage][column][t, index] += values
+
+    def batch(self) -> dict[str, torch.Tensor]:
+        """Every column, ``[T, N, ...]`` (the stages side by side along N)."""
+        per_stage = [
+            {
+                **{k: torch.from_numpy(v) for k, v in buffers.items()},
+                **{k: torch.stack(v) for k, v in lists.items()},
+            }
+            for buffers, lists in zip(self.buffers, self.lists)
+        ]
+        if len(per_stage) == 1:
+            return per_stage[0]
+        return {k: torch.cat([stage[k] for stage in per_stage], dim=1) for k in per_stage[0]}
+
+
+_STEP_DTYPES = {"rewards": np.float32, "dones": np.float32}
 
 
 class RolloutBase:
@@ -231,29 +253,35 @@ class PolicyRollout(RolloutBase):
         a = actions.numpy()
         return np.clip(a, self.low, self.high) if self.low is not None and not self.discrete else a
 
-    def _record_step(self, traj: _Trajectory, stage: int, out: dict):
-        """Rewards/dones of a step; truncated episodes get ``gamma * V(final_obs)`` added to their reward."""
-        reward = np.array(out["reward"], dtype=np.float32)  # [n], a copy
-        if out["final_obs"] is not None and len(out["final_idx"]):
-            with torch.no_grad():
-                v = self.policy.value(torch.as_tensor(out["final_obs"], device=self.device)).cpu().numpy()
-            reward[out["final_idx"]] += self.gamma * v
-        done = np.logical_or(out["terminated"], out["truncated"]).astype(np.float32)  # [n]
-        traj.add(stage, rewards=reward, dones=done)
-
-    def _finish(self, traj: _Trajectory, last_obs: list) -> dict:
-        batch = traj.stack()
+    def _record_step(self, traj: _Trajectory, stage: int, t: int, out: dict) -> float:
+        """Rewards/dones of step ``t``; truncated episodes get ``gamma * V(final_obs)`` added to their reward.
+        Returns the seconds of that value forward (inference)."""
+        traj.put(stage, t, rewards=out["reward"], dones=np.logical_or(out["terminated"], out["truncated"]))
+        if out["final_obs"] is None or not len(out["final_idx"]):
+            return 0.0
+        t0 = time.perf_counter()
         with torch.no_grad():
-            batch["last_values"] = torch.cat(
-                [self.policy.value(torch.as_tensor(o, device=self.device)).cpu() for o in last_obs]
-            )
+            v = self.policy.value(torch.as_tensor(out["final_obs"], device=self.device)).cpu().numpy()
+        seconds = time.perf_counter() - t0
+        traj.add_at(stage, t, "rewards", out["final_idx"], self.gamma * v)
+        return seconds
+
+    def _finish(self, traj: _Trajectory, last_obs: list) -> tuple[dict, float]:
+        """The batch (``self.batch``) and its summary, and the seconds of the last values' forward."""
+        batch = traj.batch()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            values = [self.policy.value(torch.as_tensor(o, device=self.device)).cpu() for o in last_obs]
+        batch["last_values"] = values[0] if len(values) == 1 else torch.cat(values)
+        seconds = time.perf_counter() - t0
         batch["version"] = self.version
         self.batch = batch
-        return {
+        summary = {
             "steps": int(batch["rewards"].numel()),
             "version": self.version,
             "reward_sum": float(batch["rewards"].sum()),
         }
+        return summary, seconds
 
     def collect(self, steps: int, env: str, actor: str | None = None) -> dict:
         """Collocated rollout: step the env rank living in this process for ``steps`` steps.
@@ -263,21 +291,24 @@ class PolicyRollout(RolloutBase):
         """
         env_obj: Env = local_peer(env, self.rank)
         obs = env_obj.current_obs()
-        traj = _Trajectory(env_obj.stages)
+        traj = _Trajectory(steps, env_obj.stages, _STEP_DTYPES)
         env_obj.pop_sim_s()
-        inference_s = 0.0
+        inference_s = 0.0  # every forward of the policy: actions, bootstrap values, last values
+        perf_counter = time.perf_counter
         with self._collecting():
-            for _ in range(steps):
+            for t in range(steps):
                 for s in range(env_obj.stages):
-                    t0 = time.perf_counter()
+                    t0 = perf_counter()
                     actions, logprob, value = self.act(obs[s])
-                    inference_s += time.perf_counter() - t0
-                    traj.add(s, obs=torch.as_tensor(obs[s]), actions=actions, logprobs=logprob, values=value)
+                    inference_s += perf_counter() - t0
+                    traj.put(s, t, obs=obs[s], actions=actions, logprobs=logprob, values=value)
                     out = env_obj.step(s, self.env_actions(actions))
-                    self._record_step(traj, s, out)
+                    inference_s += self._record_step(traj, s, t, out)
                     obs[s] = out["obs"]
-        summary = self._finish(traj, obs)
-        summary.update(env_s=env_obj.pop_sim_s(), inference_s=inference_s)  # the work; the rest is overhead
+        summary, last_values_s = self._finish(traj, obs)
+        summary.update(
+            env_s=env_obj.pop_sim_s(), inference_s=inference_s + last_values_s
+        )  # the work; the rest is overhead
         if actor is not None:
             local_peer(actor, self.rank).set_batch([self.batch])
             summary["episodes"] = env_obj.pop_episodes()
@@ -297,22 +328,22 @@ class PolicyRollout(RolloutBase):
         for k in keys:
             if k not in self.stage_obs:
                 self.stage_obs[k] = obs_channel.get(key=k)["obs"]
-        traj = _Trajectory(len(keys))
+        traj = _Trajectory(steps, len(keys), _STEP_DTYPES)
         for t in range(steps):
             for i, k in enumerate(keys):
                 if t > 0:
                     out = obs_channel.get(key=k)
-                    self._record_step(traj, i, out)
+                    self._record_step(traj, i, t - 1, out)
                     self.stage_obs[k] = out["obs"]
                 obs = self.stage_obs[k]
                 actions, logprob, value = self.act(obs)
-                traj.add(i, obs=torch.as_tensor(obs), actions=actions, logprobs=logprob, values=value)
+                traj.put(i, t, obs=obs, actions=actions, logprobs=logprob, values=value)
                 act_channel.put(self.env_actions(actions), key=k)
         for i, k in enumerate(keys):
             out = obs_channel.get(key=k)
-            self._record_step(traj, i, out)
+            self._record_step(traj, i, steps - 1, out)
             self.stage_obs[k] = out["obs"]
-        return self._finish(traj, [self.stage_obs[k] for k in keys])
+        return self._finish(traj, [self.stage_obs[k] for k in keys])[0]
 
     # ------------------------------------------------------------------ batch hand-off
     @staticmethod
