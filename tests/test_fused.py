@@ -234,6 +234,23 @@ class ActWatchingRollout(rlnb.PolicyRollout):
         return self.through
 
 
+def test_the_next_collection_uses_the_same_fused_act_while_the_policy_still_fits_it():
+    policy = _policy(DISCRETE).requires_grad_(False)
+    act = fused_act(policy)
+    assert isinstance(act, FusedAct) and fused_act(policy, act) is act
+    handle = policy.actor_head.register_forward_hook(lambda *a: None)
+    assert fused_act(policy, act) == policy.act
+    handle.remove()
+    policy.critic_head.bias.requires_grad_(True)
+    assert fused_act(policy, act) == policy.act
+    policy.critic_head.bias.requires_grad_(False)
+    policy.actor_trunk[1] = torch.nn.ReLU()  # a trunk with two kinds of activation
+    assert fused_act(policy, act) == policy.act
+    policy.actor_trunk[3] = torch.nn.ReLU()
+    relu = fused_act(policy, act)
+    assert isinstance(relu, FusedAct) and relu is not act and relu.actor_act[0] is torch.relu_
+
+
 def test_a_collection_on_a_worker_calls_the_policy_through_fused_act(cluster, tmp_path):
     with collocated_loop(
         cluster, tmp_path, ActWatchingRollout, steps=1, steps_per_rollout=8, update_epochs=1

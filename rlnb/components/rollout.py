@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from rlnb.components.env import Env
-from rlnb.components.fused import fused_act
+from rlnb.components.fused import FusedAct, fused_act
 from rlnb.components.launch import launcher
 from rlnb.models.policies import make_policy
 from rlnb.runtime.collective import broadcast_state_dict
@@ -34,53 +34,61 @@ def resolve_device(device: str, rank_info: RankInfo | None) -> torch.device:
 
 
 class _Trajectory:
-    """A collection's step records: ``[T, n, ...]`` columns per stage, side by side along N in the batch.
+    """A collection's records, ``[T, n, ...]`` per stage, side by side along N in the batch.
 
-    A numpy record (observations, rewards, done flags of an env on the host) is copied at once into its
-    column's buffer, allocated at its first record (of its dtype, or of ``dtypes[column]``): no conversion to a
-    tensor per step and no stacking at the end, and an env that reuses its arrays cannot change what was
-    recorded. A tensor record (the policy's outputs, a GPU simulator's observations) is kept as it is and
-    stacked at the end, one op per column.
+    Numpy records (the observations, rewards and done flags of an env on the host) are copied at once into
+    their buffers: an env that reuses its arrays cannot change what was recorded, and nothing is stacked at the
+    end. Tensor records (the policy's outputs, a GPU simulator's observations) are kept and stacked at the end,
+    one op per column.
     """
 
-    def __init__(self, steps: int, stages: int, dtypes: dict | None = None):
+    def __init__(self, steps: int, stages: int):
         self.steps = steps
-        self.dtypes = dtypes or {}
-        self.buffers: list[dict[str, np.ndarray]] = [{} for _ in range(stages)]
-        self.lists: list[dict[str, list]] = [{} for _ in range(stages)]
+        self.obs: list = [None] * stages  # per stage: a numpy buffer [T, n, ...] or a list of tensors
+        self.actions: list[list] = [[] for _ in range(stages)]
+        self.logprobs: list[list] = [[] for _ in range(stages)]
+        self.values: list[list] = [[] for _ in range(stages)]
+        self.rewards: list = [None] * stages  # per stage: float32 [T, n]
+        self.dones: list = [None] * stages  # per stage: bool [T, n] (float32 in the batch)
 
-    def put(self, stage: int, t: int, **cols) -> None:
-        """Record ``cols`` (``[n, ...]`` numpy arrays or tensors) of stage ``stage`` at step ``t``; a stage's
-        tensor records come in step order."""
-        for k, v in cols.items():
-            if type(v) is np.ndarray:
-                buffer = self.buffers[stage].get(k)
-                if buffer is None:
-                    dtype = self.dtypes.get(k, v.dtype)
-                    buffer = self.buffers[stage][k] = np.empty((self.steps, *v.shape), dtype=dtype)
-                buffer[t] = v
-            else:
-                self.lists[stage].setdefault(k, []).append(v)
+    def act(self, stage: int, t: int, obs, actions, logprobs, values) -> None:
+        """Record what the policy saw and did at step ``t`` (a stage's steps in order)."""
+        buffer = self.obs[stage]
+        if buffer is None:
+            buffer = self.obs[stage] = (
+                np.empty((self.steps, *obs.shape), obs.dtype) if type(obs) is np.ndarray else []
+            )
+        if type(buffer) is np.ndarray:
+            buffer[t] = obs
+        else:
+            buffer.append(torch.as_tensor(obs))
+        self.actions[stage].append(actions)
+        self.logprobs[stage].append(logprobs)
+        self.values[stage].append(values)
 
-    def add_at(self, stage: int, t: int, column: str, index, values: np.ndarray) -> None:
-        """``column[t, index] += values`` for stage ``stage`` (a numpy column)."""
-        self.buffers[stage][column][t, index] += values
+    def outcome(self, stage: int, t: int, reward: np.ndarray, terminated, truncated) -> np.ndarray:
+        """Record step ``t``'s rewards and done flags (terminated or truncated); returns the rewards' row
+        (bootstrapping adds to it in place)."""
+        if self.rewards[stage] is None:
+            self.rewards[stage] = np.empty((self.steps, len(reward)), np.float32)
+            self.dones[stage] = np.empty((self.steps, len(reward)), np.bool_)
+        row = self.rewards[stage][t]
+        row[:] = reward
+        np.logical_or(terminated, truncated, out=self.dones[stage][t])
+        return row
 
     def batch(self) -> dict[str, torch.Tensor]:
         """Every column, ``[T, N, ...]`` (the stages side by side along N)."""
-        per_stage = [
-            {
-                **{k: torch.from_numpy(v) for k, v in buffers.items()},
-                **{k: torch.stack(v) for k, v in lists.items()},
-            }
-            for buffers, lists in zip(self.buffers, self.lists)
-        ]
-        if len(per_stage) == 1:
-            return per_stage[0]
-        return {k: torch.cat([stage[k] for stage in per_stage], dim=1) for k in per_stage[0]}
-
-
-_STEP_DTYPES = {"rewards": np.float32, "dones": np.float32}
+        stages = range(len(self.obs))
+        columns = {
+            "obs": [torch.from_numpy(o) if type(o) is np.ndarray else torch.stack(o) for o in self.obs],
+            "actions": [torch.stack(self.actions[s]) for s in stages],
+            "logprobs": [torch.stack(self.logprobs[s]) for s in stages],
+            "values": [torch.stack(self.values[s]) for s in stages],
+            "rewards": [torch.from_numpy(self.rewards[s]) for s in stages],
+            "dones": [torch.from_numpy(self.dones[s]).float() for s in stages],
+        }
+        return {k: v[0] if len(v) == 1 else torch.cat(v, dim=1) for k, v in columns.items()}
 
 
 class RolloutBase:
@@ -175,6 +183,7 @@ class PolicyRollout(RolloutBase):
 
     launch = launcher("rollout")
     _policy_act = None  # within a collection: the policy's act, fused where it can be (see _collecting)
+    _fused_act = None  # the last collection's FusedAct, used again while the policy fits it
 
     def __init__(
         self,
@@ -243,7 +252,8 @@ class PolicyRollout(RolloutBase):
     def _collecting(self):
         """For one collection, ``act`` calls the policy through :func:`rlnb.components.fused.fused_act`:
         the built-in MLP policy's own kernels without its module calls, the same values bit for bit."""
-        self._policy_act = fused_act(self.policy)
+        self._policy_act = fused_act(self.policy, self._fused_act)
+        self._fused_act = self._policy_act if isinstance(self._policy_act, FusedAct) else None
         try:
             yield
         finally:
@@ -256,14 +266,14 @@ class PolicyRollout(RolloutBase):
     def _record_step(self, traj: _Trajectory, stage: int, t: int, out: dict) -> float:
         """Rewards/dones of step ``t``; truncated episodes get ``gamma * V(final_obs)`` added to their reward.
         Returns the seconds of that value forward (inference)."""
-        traj.put(stage, t, rewards=out["reward"], dones=np.logical_or(out["terminated"], out["truncated"]))
+        rewards = traj.outcome(stage, t, out["reward"], out["terminated"], out["truncated"])
         if out["final_obs"] is None or not len(out["final_idx"]):
             return 0.0
         t0 = time.perf_counter()
         with torch.no_grad():
             v = self.policy.value(torch.as_tensor(out["final_obs"], device=self.device)).cpu().numpy()
         seconds = time.perf_counter() - t0
-        traj.add_at(stage, t, "rewards", out["final_idx"], self.gamma * v)
+        rewards[out["final_idx"]] += self.gamma * v
         return seconds
 
     def _finish(self, traj: _Trajectory, last_obs: list) -> tuple[dict, float]:
@@ -291,7 +301,7 @@ class PolicyRollout(RolloutBase):
         """
         env_obj: Env = local_peer(env, self.rank)
         obs = env_obj.current_obs()
-        traj = _Trajectory(steps, env_obj.stages, _STEP_DTYPES)
+        traj = _Trajectory(steps, env_obj.stages)
         env_obj.pop_sim_s()
         inference_s = 0.0  # every forward of the policy: actions, bootstrap values, last values
         perf_counter = time.perf_counter
@@ -301,7 +311,7 @@ class PolicyRollout(RolloutBase):
                     t0 = perf_counter()
                     actions, logprob, value = self.act(obs[s])
                     inference_s += perf_counter() - t0
-                    traj.put(s, t, obs=obs[s], actions=actions, logprobs=logprob, values=value)
+                    traj.act(s, t, obs[s], actions, logprob, value)
                     out = env_obj.step(s, self.env_actions(actions))
                     inference_s += self._record_step(traj, s, t, out)
                     obs[s] = out["obs"]
@@ -328,7 +338,7 @@ class PolicyRollout(RolloutBase):
         for k in keys:
             if k not in self.stage_obs:
                 self.stage_obs[k] = obs_channel.get(key=k)["obs"]
-        traj = _Trajectory(steps, len(keys), _STEP_DTYPES)
+        traj = _Trajectory(steps, len(keys))
         for t in range(steps):
             for i, k in enumerate(keys):
                 if t > 0:
@@ -337,7 +347,7 @@ class PolicyRollout(RolloutBase):
                     self.stage_obs[k] = out["obs"]
                 obs = self.stage_obs[k]
                 actions, logprob, value = self.act(obs)
-                traj.put(i, t, obs=obs, actions=actions, logprobs=logprob, values=value)
+                traj.act(i, t, obs, actions, logprob, value)
                 act_channel.put(self.env_actions(actions), key=k)
         for i, k in enumerate(keys):
             out = obs_channel.get(key=k)
