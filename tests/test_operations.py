@@ -16,7 +16,7 @@ import torch
 
 import rlnb
 from rlnb.loop import CheckpointError, Loop, TrainingDivergedError, complete_checkpoints
-from rlnb.metrics import read_metrics
+from rlnb.metrics import MetricLogger, read_metrics
 from tests.conftest import without_wall_clock
 
 
@@ -261,6 +261,21 @@ def test_ctrl_c_stops_at_a_step_boundary_after_a_checkpoint(tmp_path):
     steps = [r["step"] for r in read_metrics(tmp_path) if "train/policy_loss" in r]
     ckpts = complete_checkpoints(tmp_path)
     assert ckpts and ckpts[-1].name == f"step_{steps[-1]:06d}"  # the last completed step is saved
+
+
+def test_the_metrics_file_kept_open_holds_every_record_as_logged_and_follows_a_truncation(tmp_path):
+    """The logger keeps metrics.jsonl open between records: each is in the file once logged, a resume's
+    truncation replaces the file and the next record goes into the new one, and close() closes it."""
+    logger = MetricLogger(tmp_path, tensorboard=False)
+    for step in (1, 2, 3):
+        logger.log(step, {"train/loss": float(step)})
+        assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, step + 1))
+    logger.truncate_after(1)
+    logger.log(2, {"train/loss": 20.0})
+    assert [(r["step"], r["train/loss"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 20.0)]
+    file = logger._file
+    logger.close()
+    assert file.closed and logger._file is None
 
 
 def test_killed_driver_resumes_with_identical_metrics(tmp_path):

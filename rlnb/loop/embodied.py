@@ -8,10 +8,9 @@ Example (one phase per notebook cell):
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
-
-import numpy as np
 
 from rlnb.algorithms.contract import EMBODIED, check_algorithm
 from rlnb.components.actor import PPOActor
@@ -404,11 +403,14 @@ class Loop(LoopBase):
 
     # ------------------------------------------------------------------ metrics
     def episode_stats(self) -> dict:
+        """Mean return and length of the last (up to) 20 finished training episodes, ``None`` before any
+        (a few µs: the loop reads it several times a step)."""
         if not self.episodes:
             return {"episode_return_mean": None, "episode_len_mean": None}
+        n = len(self.episodes)
         return {
-            "episode_return_mean": float(np.mean([e[0] for e in self.episodes])),
-            "episode_len_mean": float(np.mean([e[1] for e in self.episodes])),
+            "episode_return_mean": math.fsum(e[0] for e in self.episodes) / n,
+            "episode_len_mean": math.fsum(e[1] for e in self.episodes) / n,
         }
 
     def _log_step(self, train_out: dict) -> None:
