@@ -8,6 +8,7 @@ from torch import nn
 
 import rlnb
 from rlnb.algorithms.losses import ppo, ppo_clip_value_entropy
+from rlnb.components import fused as fused_module
 from rlnb.components.fused import FusedAct, FusedPPOStep, _walk, fused_act, fused_ppo_step, unfit
 from rlnb.loop import Loop
 from rlnb.models.policies import ActorCritic
@@ -111,7 +112,7 @@ def test_anything_it_does_not_compute_as_autograd_would_is_left_to_autograd(chan
     assert reason in unfit(**args)
 
 
-def test_a_step_made_for_the_same_modules_is_used_again_until_anything_it_assumed_changes():
+def test_a_step_made_for_the_same_modules_is_used_again_until_anything_it_assumed_changes(monkeypatch):
     """The actor keeps its fused step from one update to the next; a swapped module, a new parameter, a hook or
     a frozen parameter since is seen at the next update, as a fresh check would see it."""
     policy = _policy(DISCRETE)
@@ -120,6 +121,14 @@ def test_a_step_made_for_the_same_modules_is_used_again_until_anything_it_assume
     check = {"model": policy, "loss_fn": ppo_clip_value_entropy, "compiled": False}
     step, why = fused_ppo_step(policy, **check)
     assert why is None and fused_ppo_step(policy, **check, previous=step) == (step, None)
+    scans = []
+    monkeypatch.setattr(fused_module, "_hooked", lambda *a: scans.append(a) or False)
+    fused_ppo_step(policy, **check, previous=step)
+    assert scans == []  # no hook registered anywhere since: the policy's modules are not scanned again
+    torch.nn.Linear(1, 1).register_forward_hook(lambda *a: None)  # (a hook anywhere: scanned again)
+    fused_ppo_step(policy, **check, previous=step)
+    assert len(scans) == 1
+    monkeypatch.undo()
     assert fused_ppo_step(policy, **{**check, "compiled": True}, previous=step) == (
         None,
         "actor.compile is on",
@@ -234,10 +243,14 @@ class ActWatchingRollout(rlnb.PolicyRollout):
         return self.through
 
 
-def test_the_next_collection_uses_the_same_fused_act_while_the_policy_still_fits_it():
+def test_the_next_collection_uses_the_same_fused_act_while_the_policy_still_fits_it(monkeypatch):
     policy = _policy(DISCRETE).requires_grad_(False)
     act = fused_act(policy)
     assert isinstance(act, FusedAct) and fused_act(policy, act) is act
+    scans = []
+    monkeypatch.setattr(fused_module, "_hooked", lambda *a: scans.append(a) or False)
+    assert fused_act(policy, act) is act and scans == []
+    monkeypatch.undo()
     handle = policy.actor_head.register_forward_hook(lambda *a: None)
     assert fused_act(policy, act) == policy.act
     handle.remove()

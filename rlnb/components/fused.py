@@ -38,6 +38,7 @@ import math
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from rlnb.algorithms.losses import ppo_clip_value_entropy
 from rlnb.models.policies import ActorCritic, Tanh, tanh_without_grad
@@ -169,14 +170,22 @@ def _unfit_trunks(policy: ActorCritic) -> str | None:
     return None
 
 
-def _unfit_now(policy: ActorCritic, walked: tuple) -> str | None:
+def _unfit_now(policy: ActorCritic, walked: tuple, hooks_unchanged: bool = False) -> str | None:
     """:func:`unfit`'s checks of what may change on the same modules at any time: frozen parameters and hooks
-    (``walked``: the policy's :func:`_walk`)."""
+    (``walked``: the policy's :func:`_walk`; ``hooks_unchanged``: no hook was registered in this process since
+    the policy was last found without any, see :func:`_hooks_registered`)."""
     if not all(p.requires_grad for p in walked[1]):
         return "some parameters are frozen"
-    if _hooked(policy, walked):
+    if not hooks_unchanged and _hooked(policy, walked):
         return "hooks are registered on the policy"
     return None
+
+
+def _hooks_registered() -> int:
+    """How many hooks this process has registered: every public ``register_*hook`` of torch (modules,
+    tensors, the global module hooks) advances ``RemovableHandle.next_id``. While it stays as it was when a
+    policy was found without hooks, the policy has none still (only fewer), and the scan is skipped."""
+    return RemovableHandle.next_id
 
 
 def fused_ppo_step(
@@ -184,18 +193,22 @@ def fused_ppo_step(
 ) -> tuple[FusedPPOStep | None, str | None]:
     """``(step, None)`` where the fused step can stand in for autograd, else ``(None, why)`` (:func:`unfit`'s
     checks, in its order). ``previous``, a step made for these very modules and parameters, is used again: what
-    it holds still applies (~10 µs of checks at each update instead of ~60)."""
+    it holds still applies, and its hooks were checked already unless a hook was registered since (~5 µs of
+    checks at each update instead of ~60)."""
     why = _unfit_as_called(policy, model, loss_fn, compiled)
     if why is not None:
         return None, why
+    hooks = _hooks_registered()  # (read first: a hook registered during the checks is seen next time)
     walked = _walk(policy)
     if previous is None or not previous.made_for(policy, model, walked):
         why = _unfit_trunks(policy)
         previous = None
-    why = why or _unfit_now(policy, walked)
+    why = why or _unfit_now(policy, walked, previous is not None and previous.hooks_seen == hooks)
     if why is not None:
         return None, why
-    return previous or FusedPPOStep(policy, data_parallel_group(model, policy), walked), None
+    step = previous or FusedPPOStep(policy, data_parallel_group(model, policy), walked)
+    step.hooks_seen = hooks
+    return step, None
 
 
 class FusedPPOStep:
@@ -213,6 +226,7 @@ class FusedPPOStep:
         self.log_std = None if self.discrete else policy.log_std
         self.process_group = process_group
         self.modules, self.params = walked or _walk(policy)  # (parameters: the same order on every rank)
+        self.hooks_seen = -1  # _hooks_registered() when last found without hooks
 
     def made_for(self, policy: nn.Module, model: nn.Module, walked: tuple) -> bool:
         """Whether this step was made for ``policy`` as it is now (the very modules and parameters, the same
@@ -346,6 +360,7 @@ class FusedAct:
 
     def __init__(self, policy: ActorCritic, walked: tuple | None = None):
         self.walked = walked or _walk(policy)  # (held: none of their ids can come back)
+        self.hooks_seen = -1  # _hooks_registered() when last found without hooks
         (actor_layers, self.actor_act), (critic_layers, self.critic_act) = _trunks(policy)
         # transposed views, made once: weight syncs copy into the parameters in place, so they stay current
         self.actor_layers = [(w.t(), b) for w, b in actor_layers]
@@ -376,12 +391,19 @@ def fused_act(policy: nn.Module, previous: FusedAct | None = None):
     """A :class:`FusedAct` for ``policy`` where it computes exactly what ``policy.act`` would (the built-in
     MLP ``ActorCritic`` with discrete actions, no hooks, frozen as a rollout's copy is: nothing to record for
     autograd), else ``policy.act`` itself. ``previous``, made for the very same modules and parameters, is used
-    again (~10 µs of checks at each collection instead of ~40)."""
+    again, its hooks checked already unless a hook was registered since (see :func:`_hooks_registered`)."""
     if type(policy) is not ActorCritic or not policy.discrete or not isinstance(policy.trunk, nn.Flatten):
         return policy.act
+    hooks = _hooks_registered()
     walked = _walk(policy)
-    if any(p.requires_grad for p in walked[1]) or _hooked(policy, walked):
+    if previous is not None and not _same_walk(walked, previous.walked):
+        previous = None
+    if any(p.requires_grad for p in walked[1]):
         return policy.act
-    if previous is not None and _same_walk(walked, previous.walked):
-        return previous
-    return FusedAct(policy, walked) if _trunks(policy) is not None else policy.act
+    if (previous is None or previous.hooks_seen != hooks) and _hooked(policy, walked):
+        return policy.act
+    act = previous or (FusedAct(policy, walked) if _trunks(policy) is not None else None)
+    if act is None:
+        return policy.act
+    act.hooks_seen = hooks
+    return act
