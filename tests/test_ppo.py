@@ -330,3 +330,24 @@ def test_a_collection_records_each_step_of_a_simulator_that_reuses_its_arrays(cl
         obs = loop.sample(6)["obs"]  # [T, N, 2]
     assert obs[:, :, 0].tolist() == [[t] * 4 for t in range(6)]
     assert obs[:, :, 1].tolist() == [[0, 1, 2, 3]] * 6
+
+
+class NumpyOutputsRollout(rlnb.PolicyRollout):
+    """A subclass whose ``act`` returns its log-probs and values as numpy arrays."""
+
+    def act(self, obs, deterministic: bool = False):
+        actions, logprobs, values = super().act(obs, deterministic)
+        return actions, logprobs.numpy(), values.numpy()
+
+
+def test_a_rollout_whose_act_returns_numpy_log_probs_and_values_trains_on_its_worker(cluster, tmp_path):
+    with collocated_loop(
+        cluster, tmp_path, NumpyOutputsRollout, steps=2, steps_per_rollout=8, update_epochs=1
+    ) as loop:
+        records = loop.run(progress=False)
+        batch = loop.sample(8)
+    assert len(records) == 2 and all(np.isfinite(r["train/loss"]) for r in records)
+    assert batch["logprobs"].dtype == batch["values"].dtype == torch.float32 and batch["values"].shape == (
+        8,
+        4,
+    )

@@ -82,13 +82,19 @@ class _Trajectory:
         stages = range(len(self.obs))
         columns = {
             "obs": [torch.from_numpy(o) if type(o) is np.ndarray else torch.stack(o) for o in self.obs],
-            "actions": [torch.stack(self.actions[s]) for s in stages],
-            "logprobs": [torch.stack(self.logprobs[s]) for s in stages],
-            "values": [torch.stack(self.values[s]) for s in stages],
+            "actions": [_stack(self.actions[s]) for s in stages],
+            "logprobs": [_stack(self.logprobs[s]) for s in stages],
+            "values": [_stack(self.values[s]) for s in stages],
             "rewards": [torch.from_numpy(self.rewards[s]) for s in stages],
             "dones": [torch.from_numpy(self.dones[s]).float() for s in stages],
         }
         return {k: v[0] if len(v) == 1 else torch.cat(v, dim=1) for k, v in columns.items()}
+
+
+def _stack(records: list) -> torch.Tensor:
+    """``[T, n, ...]`` from a stage's records: tensors, or numpy arrays (a subclass's ``act`` may return those
+    for log-probs and values)."""
+    return torch.from_numpy(np.stack(records)) if isinstance(records[0], np.ndarray) else torch.stack(records)
 
 
 class RolloutBase:
@@ -243,7 +249,8 @@ class PolicyRollout(RolloutBase):
         return super().load_from_local_actor(actor, rank, version)
 
     def act(self, obs, deterministic: bool = False):
-        """``(actions [n, ...] numpy, logprobs [n], values [n])`` for a batch of observations."""
+        """``(actions [n, ...], logprobs [n], values [n])``, CPU tensors, for a batch of observations
+        (a subclass may return log-probs and values as numpy arrays)."""
         obs_t = torch.as_tensor(obs, device=self.device)
         actions, logprob, value = (self._policy_act or self.policy.act)(obs_t, self.generator, deterministic)
         return actions.cpu(), logprob.cpu(), value.cpu()
