@@ -1,7 +1,9 @@
 """The Env component in-process: autoreset, truncation bootstrap inputs, statistics, exact state."""
 
+import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 
 from rlnb.components import Env
 from rlnb.config import EnvConfig
@@ -90,3 +92,58 @@ def test_policies_cnn_gaussian_and_shared_trunk():
 
     with pytest.raises(ConfigError, match=r"'cnn' needs \(C, H, W\) observations"):
         build_policy(ModelConfig(kind="cnn"), gym.spaces.Box(-1, 1, (4,)), gym.spaces.Discrete(2))
+
+
+class TimeLimitedVectorEnv(gym.vector.VectorEnv):
+    """``obs[i] = (t, i)``; every episode is truncated after 3 steps (never terminated), reward 1 a step,
+    with same-step autoreset: the returned obs is the reset one, the last one is in ``info["final_obs"]``."""
+
+    def __init__(self, num_envs: int = 4):
+        self.num_envs = num_envs
+        self.single_observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
+        self.single_action_space = gym.spaces.Discrete(2)
+        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
+        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
+        self.t = 0
+
+    def _obs(self, t):
+        return np.stack(
+            [np.full(self.num_envs, t, np.float32), np.arange(self.num_envs, dtype=np.float32)], 1
+        )
+
+    def reset(self, *, seed=None, options=None):
+        self.t = 0
+        return self._obs(0), {}
+
+    def step(self, actions):
+        self.t += 1
+        ones, no = np.ones(self.num_envs), np.zeros(self.num_envs, bool)
+        if self.t < 3:
+            return self._obs(self.t), ones, no, no, {}
+        final = self._obs(self.t)
+        self.t = 0
+        info = {"final_obs": list(final), "_final_obs": ~no}
+        return self._obs(0), ones, no, ~no, info
+
+
+def test_a_collection_adds_the_discounted_value_of_the_last_observation_to_a_truncated_step(tmp_path):
+    """Truncated, not terminated: the step's reward is 1 + gamma * V(the episode's last observation), its
+    done flag is set, and the episodes count as finished with their length."""
+    from rlnb.components.rollout import PolicyRollout
+    from rlnb.runtime import rank as rank_mod
+
+    env = Env(make_env=TimeLimitedVectorEnv, num_envs=4)
+    rollout = PolicyRollout(None, env.observation_space, env.action_space, gamma=0.9, seed=0)
+    host = type("Host", (), {"obj": env})()  # as the worker's registry of rank hosts holds it
+    rank_mod._HOSTS[("", "env-truncating", 0)] = host
+    rollout.collect(6, "env-truncating")
+    batch = rollout.batch
+    final = torch.tensor([[3.0, i] for i in range(4)])
+    with torch.no_grad():
+        bootstrap = 1 + 0.9 * rollout.policy.value(final)
+    for t in range(6):
+        expected = bootstrap if t in (2, 5) else torch.ones(4)
+        assert torch.allclose(batch["rewards"][t], expected), t
+        assert batch["dones"][t].tolist() == [float(t in (2, 5))] * 4
+    assert batch["obs"][:, 0, 0].tolist() == [0, 1, 2, 0, 1, 2]
+    assert env.pop_episodes() == [(3.0, 3)] * 8
