@@ -22,6 +22,19 @@ def has_cuda() -> bool:
 requires_gpu = pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU; this machine has none")
 
 
+def set_spaces(vector_env, num_envs: int) -> None:
+    """Give a test's own ``gymnasium.vector.VectorEnv`` its spaces: ``num_envs`` observations of 2 floats,
+    actions ``Discrete(2)``."""
+    import gymnasium as gym
+    import numpy as np
+
+    vector_env.num_envs = num_envs
+    vector_env.single_observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
+    vector_env.single_action_space = gym.spaces.Discrete(2)
+    vector_env.observation_space = gym.vector.utils.batch_space(vector_env.single_observation_space, num_envs)
+    vector_env.action_space = gym.vector.utils.batch_space(vector_env.single_action_space, num_envs)
+
+
 WALL_CLOCK = ("wall_time", "rollout/steps_per_s", "rollout/tokens_per_s", "rollout/overlap_frac")
 
 

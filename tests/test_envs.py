@@ -7,6 +7,7 @@ import torch
 
 from rlnb.components import Env
 from rlnb.config import EnvConfig
+from tests.conftest import set_spaces
 
 
 def test_truncation_returns_final_obs_and_stats():
@@ -99,11 +100,7 @@ class TimeLimitedVectorEnv(gym.vector.VectorEnv):
     with same-step autoreset: the returned obs is the reset one, the last one is in ``info["final_obs"]``."""
 
     def __init__(self, num_envs: int = 4):
-        self.num_envs = num_envs
-        self.single_observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
-        self.single_action_space = gym.spaces.Discrete(2)
-        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
-        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
+        set_spaces(self, num_envs)
         self.t = 0
 
     def _obs(self, t):

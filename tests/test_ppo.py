@@ -13,7 +13,7 @@ from rlnb.config import load_recipe
 from rlnb.errors import PlacementError
 from rlnb.loop import Loop, complete_checkpoints
 from rlnb.metrics import read_metrics
-from tests.conftest import assert_metrics_documented, collocated_loop, without_wall_clock
+from tests.conftest import assert_metrics_documented, collocated_loop, set_spaces, without_wall_clock
 
 FAST = [
     "runner.stop_return=195",
@@ -297,11 +297,7 @@ class ReusedBufferVectorEnv(gym.vector.VectorEnv):
     simulators that avoid allocations do): ``obs[i] = (steps taken, i)``; an episode ends every 5 steps."""
 
     def __init__(self, num_envs: int = 4):
-        self.num_envs = num_envs
-        self.single_observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
-        self.single_action_space = gym.spaces.Discrete(2)
-        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, num_envs)
-        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
+        set_spaces(self, num_envs)
         self.obs = np.zeros((num_envs, 2), np.float32)
         self.obs[:, 1] = np.arange(num_envs)
 
