@@ -323,9 +323,8 @@ class PolicyRollout(RolloutBase):
                     inference_s += self._record_step(traj, s, t, out)
                     obs[s] = out["obs"]
         summary, last_values_s = self._finish(traj, obs)
-        summary.update(
-            env_s=env_obj.pop_sim_s(), inference_s=inference_s + last_values_s
-        )  # the work; the rest is overhead
+        # the work, timed where it ran; the rest of the call is the loop's overhead
+        summary.update(env_s=env_obj.pop_sim_s(), inference_s=inference_s + last_values_s)
         if actor is not None:
             local_peer(actor, self.rank).set_batch([self.batch])
             summary["episodes"] = env_obj.pop_episodes()
