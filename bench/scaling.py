@@ -14,7 +14,9 @@ which a call would exceed a given share of a training step (see docs/benchmarks.
 ``--part work``: how a PPO step's cost grows with the work, on the default embedded cluster: ``ppo_cartpole``
 (collocated, synchronous) with num_envs 8 -> 1024, policy width 64 -> 1024, and 1 -> 2 data-parallel
 ranks. Each row gives the step time and its parts timed where they run (env stepping, inference, the
-advantage and update compute) and the loop's own overhead, the rest, as a share of the step (target < 5%).
+advantage and update compute) and the loop's own overhead, the rest, as a share of the step (target < 5%),
+then where that overhead goes: each phase's time outside its timed work (on one slot the sync phase carries
+the step's one round trip).
 It saves a plot to ``docs/img/scaling_work.png``.
 """
 
@@ -105,6 +107,12 @@ def measure(ranks: int, items_per_rank: int) -> dict:
 
 
 WORK_PARTS = ("env", "inference", "advantages_compute", "train_compute")
+OVERHEAD_PARTS = {  # phase -> the work timed inside it
+    "sync": (),
+    "rollout": ("env", "inference"),
+    "advantages": ("advantages_compute",),
+    "train": ("train_compute",),
+}
 SIZES = [  # (label, overrides): one axis grows at a time from the recipe's own size
     ("num_envs 8 (recipe)", []),
     ("num_envs 64", ["env.num_envs=64"]),
@@ -135,13 +143,19 @@ def work_row(cluster, overrides: list[str], steps: int) -> dict:
     for part in WORK_PARTS:
         row[part] = float(np.median([r[f"time/{part}_s"] for r in records]))
     row["overhead_frac"] = float(np.median([r["time/overhead_frac"] for r in records]))
+    # where the overhead goes: each phase's time outside its timed work (the sync phase has none; on one
+    # slot it carries the step's one round trip)
+    for phase, work in OVERHEAD_PARTS.items():
+        row[f"{phase}_rest"] = float(
+            np.median([r[f"time/{phase}_s"] - sum(r[f"time/{w}_s"] for w in work) for r in records])
+        )
     return row
 
 
 def work_scaling(steps: int, plot: str | None) -> None:
     print(
         f"{'PPO step, ppo_cartpole':<22} {'step':>8} {'env':>8} {'inference':>9} {'GAE':>7} {'update':>8} "
-        f"{'overhead':>9}"
+        f"{'overhead':>9} | its parts: {'sync':>7} {'rollout':>7} {'GAE':>7} {'update':>7}"
     )
     rows = []
     with rlnb.Cluster(slots=2, gpus=False) as cluster:
@@ -151,7 +165,8 @@ def work_scaling(steps: int, plot: str | None) -> None:
             print(
                 f"{label:<22} {r['step_s'] * 1e3:>6.1f}ms {r['env'] * 1e3:>6.1f}ms {r['inference'] * 1e3:>7.1f}ms "
                 f"{r['advantages_compute'] * 1e3:>5.1f}ms {r['train_compute'] * 1e3:>6.1f}ms "
-                f"{100 * r['overhead_frac']:>8.1f}%",
+                f"{100 * r['overhead_frac']:>8.1f}% | {' ' * 11}"
+                + " ".join(f"{r[f'{p}_rest'] * 1e3:>5.2f}ms" for p in OVERHEAD_PARTS),
                 flush=True,
             )
     if plot:
