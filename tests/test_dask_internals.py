@@ -86,3 +86,25 @@ def test_embedded_workers_start_with_torch_preloaded_unless_told_to_spawn(monkey
     monkeypatch.delenv("RLNB_WORKER_START")
     with rlnb.Cluster(slots=1, gpus=False) as cluster:
         assert all(cluster.client.run(_preloaded).values())
+
+
+def _profile_interval_ms(dask_worker) -> float:
+    return dask_worker.periodic_callbacks["profile"].callback_time
+
+
+def test_embedded_workers_sample_their_profile_every_100_ms_unless_the_dask_config_says_otherwise(cluster):
+    """Dask's profiler walks the running call's stack twice a sample, holding the GIL: every 10 ms (Dask's
+    default) it took ~1 % of a worker's time. A value set in the dask config is kept."""
+    import dask
+
+    import rlnb
+
+    assert set(cluster.client.run(_profile_interval_ms).values()) == {100.0}
+    with (
+        dask.config.set({"distributed.worker.profile.interval": "20ms"}),
+        rlnb.Cluster(slots=1, gpus=False) as own,
+    ):
+        assert set(own.client.run(_profile_interval_ms).values()) == {20.0}
+    assert (
+        dask.config.get("distributed.worker.profile.interval") == "10ms"
+    )  # the driver's config is as it was
