@@ -152,6 +152,37 @@ def work_row(cluster, overrides: list[str], steps: int) -> dict:
     return row
 
 
+def _busy_child(conn) -> None:
+    """Answer each request after spinning for the seconds it names (b"" ends)."""
+    while msg := conn.recv_bytes():
+        end = time.perf_counter() + float(msg)
+        while time.perf_counter() < end:
+            pass
+        conn.send_bytes(b"r")
+
+
+def pipe_round_trip_around(call_s: float, n: int = 60) -> float:
+    """p50 of a raw ``multiprocessing.Pipe`` round trip (bytes) around a ``call_s`` call in the other process,
+    the caller asleep meanwhile: what one round trip a step costs on this machine, where waking a process that
+    slept through a step costs far more than a round trip back to back."""
+    import multiprocessing
+
+    ours, theirs = multiprocessing.Pipe()
+    child = multiprocessing.get_context("spawn").Process(target=_busy_child, args=(theirs,), daemon=True)
+    child.start()
+    try:
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            ours.send_bytes(repr(call_s).encode())
+            ours.recv_bytes()
+            times.append(time.perf_counter() - t0 - call_s)
+        return float(np.median(times))
+    finally:
+        ours.send_bytes(b"")
+        child.join(10)
+
+
 def work_scaling(steps: int, plot: str | None) -> None:
     print(
         f"{'PPO step, ppo_cartpole':<22} {'step':>8} {'env':>8} {'inference':>9} {'GAE':>7} {'update':>8} "
@@ -169,6 +200,13 @@ def work_scaling(steps: int, plot: str | None) -> None:
                 + " ".join(f"{r[f'{p}_rest'] * 1e3:>5.2f}ms" for p in OVERHEAD_PARTS),
                 flush=True,
             )
+    recipe_step_s = rows[0][1]["step_s"]
+    floor = pipe_round_trip_around(recipe_step_s)
+    print(
+        f"floor of the recipe's sync part: a raw multiprocessing.Pipe round trip around a {recipe_step_s * 1e3:.1f} ms "
+        f"call (the child busy, the parent asleep): p50 {floor * 1e3:.2f} ms, against 0.03-0.04 ms back to back; "
+        f"the recipe's sync part is {rows[0][1]['sync_rest'] / floor:.1f}x it"
+    )
     if plot:
         import matplotlib
 
