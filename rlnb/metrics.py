@@ -10,6 +10,7 @@ import json
 import math
 import os
 import secrets
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -120,6 +121,7 @@ class MetricLogger:
         self.path = self.run_dir / "metrics.jsonl"
         self.history: list[dict] = []
         self._file = None  # metrics.jsonl, open for appending from the first record until close()
+        self._file_lock = threading.Lock()
         self._listeners: list[Callable[[dict], None]] = []
         self._tb = None
         self._wandb = None
@@ -163,15 +165,19 @@ class MetricLogger:
         """Append ``line`` to ``metrics.jsonl``, kept open between records (opening it for each record cost
         ~40 µs a step); line-buffered, so each record is in the file once written (a killed run leaves at
         most a torn last line, which :func:`read_metrics` drops)."""
-        if self._file is None:
-            self._file = self.path.open("a", buffering=1)
-            weakref.finalize(self, self._file.close)  # (a logger never closed still closes it)
-        self._file.write(line)
+        with self._file_lock:  # (a background run logs from its own thread)
+            if self._file is None:
+                self._file = self.path.open("a", buffering=1)
+                self._closer = weakref.finalize(
+                    self, self._file.close
+                )  # (a logger never closed still closes it)
+            self._file.write(line)
 
     def _close_file(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._file_lock:
+            if self._file is not None:
+                self._closer()  # (closes the file; the finalizer is then done)
+                self._file = None
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop records of steps after ``step`` (they will be recomputed), in ``metrics.jsonl``

@@ -278,6 +278,31 @@ def test_the_metrics_file_kept_open_holds_every_record_as_logged_and_follows_a_t
     file = logger._file
     logger.close()
     assert file.closed and logger._file is None
+    logger.log(3, {"train/loss": 3.0})  # after close(): the file opens again, for appending
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    logger.close()
+
+
+def test_a_background_run_logging_while_the_metrics_file_is_closed_loses_no_record(tmp_path):
+    """A background run logs from its own thread; close() (or a resume's truncation) may close the file
+    between two of its records, never in the middle of one."""
+    logger = MetricLogger(tmp_path, tensorboard=False)
+    errors = []
+
+    def log_many():
+        try:
+            for step in range(1, 3001):
+                logger.log(step, {"train/loss": 0.0})
+        except Exception as e:  # a write on a file closed under it
+            errors.append(e)
+
+    writer = threading.Thread(target=log_many)
+    writer.start()
+    while writer.is_alive():
+        logger._close_file()
+    writer.join()
+    logger.close()
+    assert errors == [] and [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 3001))
 
 
 def test_killed_driver_resumes_with_identical_metrics(tmp_path):
