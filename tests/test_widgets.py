@@ -123,6 +123,7 @@ def test_loop_dashboard_background_run_and_stop(cluster, tmp_path):
         assert 3 <= stopped_at < 200 and loop.stopped
         assert dash.model.step == stopped_at and dash.bar.value == pytest.approx(stopped_at / 200)
         assert "overhead</abbr>" in dash.phases.value and "% of the step" in dash.phases.value
+        assert dash.phases.value.count("(work ") == 3  # rollout, advantages, train: the work inside each
         # the live curves hold a point for every step the background run finished
         assert len(dash.plots.points("return / reward", "env/episode_return_mean")) == stopped_at
         assert len(loop.history) == stopped_at  # no half-finished step

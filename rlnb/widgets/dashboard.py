@@ -10,6 +10,20 @@ import ipywidgets as w
 from rlnb.metrics import GLOSSARY
 from rlnb.widgets.model import DashboardModel, watch_messages
 
+WORK_IN_PHASE = {  # phase -> the work timed inside it, where it runs (the rest of the phase is the loop's own)
+    "rollout": ("time/env_s", "time/inference_s"),
+    "advantages": ("time/advantages_compute_s",),
+    "train": ("time/train_compute_s",),
+}
+
+
+def _work_in(latest: dict, phase: str) -> str:
+    """`` (work 0.004)``: the seconds of a phase's work in the latest step, where the loop logs them."""
+    keys = WORK_IN_PHASE.get(phase, ())
+    if not keys or any(k not in latest for k in keys):
+        return ""
+    return f"  (work {sum(latest[k] for k in keys):.3f})"
+
 
 def _table(rows: list[tuple[str, str]], titles: dict[str, str] | None = None) -> str:
     """An HTML table of ``(name, value)`` rows; a name in ``titles`` shows that text on hover."""
@@ -144,7 +158,7 @@ class Dashboard(w.VBox):
         self.label.value = model.progress_text()
         total = sum(model.phase_s.values()) or 1.0
         rows = [
-            (p, f"{s:.3f}  {'█' * int(20 * s / total)}")
+            (p, f"{s:.3f}  {'█' * int(20 * s / total)}{_work_in(model.latest, p)}")
             for p, s in sorted(model.phase_s.items(), key=lambda kv: -kv[1])
         ]
         if "time/overhead_frac" in model.latest:  # how much of a step is the loop's own, not the work
