@@ -737,8 +737,9 @@ class LoopBase:
                 if bar is not None:
                     key = self.SUMMARY_KEYS[0] if self.SUMMARY_KEYS else None
                     value = rec.get(key) if key else None
-                    bar.set_postfix_str(
-                        f"{key.split('/')[-1]} {value:.3g}" if isinstance(value, (int, float)) else ""
+                    bar.set_postfix_str(  # (drawn by update(), at most every 0.1 s: not twice a step)
+                        f"{key.split('/')[-1]} {value:.3g}" if isinstance(value, (int, float)) else "",
+                        refresh=False,
                     )
                     bar.update(1)
                 if self._solved() or self._stop:
