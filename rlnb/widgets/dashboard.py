@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import html
+import threading
+import time
 
 import ipywidgets as w
 
@@ -51,6 +53,10 @@ class Dashboard(w.VBox):
     Curves: ``"live"`` (default) streams every step into interactive bqplot figures (zoom, pan, hover;
     :class:`rlnb.widgets.curves.LiveCurves`); ``"png"`` redraws a static image every ``plot_every`` updates,
     for a front end that cannot load bqplot's JavaScript.
+
+    The view is drawn at most every ``render_interval_s`` (0.1 s): drawing sends every curve and table to the
+    page again (~0.6 ms), which at every step of a 15 ms step would slow training by 4 %. What arrives in
+    between is drawn once the interval has passed; a finished run is drawn at once; :meth:`flush` draws now.
     """
 
     def __init__(
@@ -60,6 +66,7 @@ class Dashboard(w.VBox):
         plot_every: int = 10,
         controls=None,
         curves: str = "live",
+        render_interval_s: float = 0.1,
     ):
         if curves not in ("live", "png"):
             raise ValueError(f"Dashboard(curves=...): expected 'live' or 'png', got {curves!r}")
@@ -93,8 +100,36 @@ class Dashboard(w.VBox):
             self.messages,
         ]
         super().__init__(rows)
-        model.observe(self._render)
-        self._render(model)
+        self.render_interval_s = render_interval_s
+        self._plotted_at = 0  # model.updates at the last PNG
+        self.renders = 0  # times the view was drawn
+        self._render_lock = threading.Lock()
+        self._drawn_at = -float("inf")
+        self._deferred: threading.Timer | None = None  # the draw of what arrived within the interval
+        model.observe(self._on_update)
+        self.flush()
+
+    def _on_update(self, model: DashboardModel) -> None:
+        """The model changed (a step was logged, a message came): draw now, or once the interval has passed."""
+        wait_s = self._drawn_at + self.render_interval_s - time.monotonic()
+        if wait_s <= 0 or model.done:
+            self.flush()
+            return
+        with self._render_lock:
+            if self._deferred is None:
+                self._deferred = threading.Timer(wait_s, self.flush)
+                self._deferred.daemon = True
+                self._deferred.start()
+
+    def flush(self) -> None:
+        """Draw the model's latest state now."""
+        with self._render_lock:
+            if self._deferred is not None:
+                self._deferred.cancel()  # (a no-op when the timer itself is drawing)
+                self._deferred = None
+            self._drawn_at = time.monotonic()
+            self.renders += 1
+            self._render(self.model)
 
     def _control_row(self, loop) -> w.HBox:
         """Stop, pause/resume, save now, and hyperparameters applied at the next step boundary."""
@@ -175,7 +210,10 @@ class Dashboard(w.VBox):
         )
         if not isinstance(self.plots, w.Image):
             self.plots.update(model)  # live: every step, the series that gained a point (thinned past 2000)
-        elif model.updates % self.plot_every == 0 or model.done:
+        elif model.updates - self._plotted_at >= self.plot_every or (
+            model.done and model.updates > self._plotted_at
+        ):
+            self._plotted_at = model.updates
             self._plot(model)
 
     def _plot(self, model: DashboardModel) -> None:
