@@ -188,9 +188,6 @@ class Dashboard(w.VBox):
         )
 
     def _render(self, model: DashboardModel) -> None:
-        self.bar.value = model.fraction
-        self.bar.bar_style = "success" if model.done else ""
-        self.label.value = model.progress_text()
         total = sum(model.phase_s.values()) or 1.0
         rows = [
             (p, f"{s:.3f}  {'█' * int(20 * s / total)}{_work_in(model.latest, p)}")
@@ -215,6 +212,10 @@ class Dashboard(w.VBox):
         ):
             self._plotted_at = model.updates
             self._plot(model)
+        # the progress last: a draw on the deferred timer's thread shows a step there once the rest shows it
+        self.bar.value = model.fraction
+        self.bar.bar_style = "success" if model.done else ""
+        self.label.value = model.progress_text()
 
     def _plot(self, model: DashboardModel) -> None:
         """Redraw the curves as a PNG (matplotlib, ~0.1 s): an ``Image`` widget needs no JavaScript beyond
