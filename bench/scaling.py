@@ -30,6 +30,7 @@ import torch
 
 import rlnb
 from rlnb.demo import Echo
+from rlnb.metrics import WORK_IN_PHASE
 
 CALLS = 40
 
@@ -106,13 +107,9 @@ def measure(ranks: int, items_per_rank: int) -> dict:
         cluster.close()
 
 
-WORK_PARTS = ("env", "inference", "advantages_compute", "train_compute")
-OVERHEAD_PARTS = {  # phase -> the work timed inside it
-    "sync": (),
-    "rollout": ("env", "inference"),
-    "advantages": ("advantages_compute",),
-    "train": ("train_compute",),
-}
+WORK_PARTS = tuple(  # env, inference, advantages_compute, train_compute
+    key.removeprefix("time/").removesuffix("_s") for keys in WORK_IN_PHASE.values() for key in keys
+)
 SIZES = [  # (label, overrides): one axis grows at a time from the recipe's own size
     ("num_envs 8 (recipe)", []),
     ("num_envs 64", ["env.num_envs=64"]),
@@ -145,9 +142,9 @@ def work_row(cluster, overrides: list[str], steps: int) -> dict:
     row["overhead_frac"] = float(np.median([r["time/overhead_frac"] for r in records]))
     # where the overhead goes: each phase's time outside its timed work (the sync phase has none; on one
     # slot it carries the step's one round trip)
-    for phase, work in OVERHEAD_PARTS.items():
+    for phase, work in WORK_IN_PHASE.items():
         row[f"{phase}_rest"] = float(
-            np.median([r[f"time/{phase}_s"] - sum(r[f"time/{w}_s"] for w in work) for r in records])
+            np.median([r[f"time/{phase}_s"] - sum(r[k] for k in work) for r in records])
         )
     return row
 
@@ -197,7 +194,7 @@ def work_scaling(steps: int, plot: str | None) -> None:
                 f"{label:<22} {r['step_s'] * 1e3:>6.1f}ms {r['env'] * 1e3:>6.1f}ms {r['inference'] * 1e3:>7.1f}ms "
                 f"{r['advantages_compute'] * 1e3:>5.1f}ms {r['train_compute'] * 1e3:>6.1f}ms "
                 f"{100 * r['overhead_frac']:>8.1f}% | {' ' * 11}"
-                + " ".join(f"{r[f'{p}_rest'] * 1e3:>5.2f}ms" for p in OVERHEAD_PARTS),
+                + " ".join(f"{r[f'{p}_rest'] * 1e3:>5.2f}ms" for p in WORK_IN_PHASE),
                 flush=True,
             )
     recipe_step_s = rows[0][1]["step_s"]

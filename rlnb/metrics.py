@@ -96,6 +96,16 @@ GLOSSARY: dict[str, str] = {
 dashboard shows it on hover)."""
 
 
+# the work, timed where it runs, inside each phase of an embodied step; the rest of a phase is the loop's own
+# (``time/overhead_frac`` is the step minus all of it)
+WORK_IN_PHASE: dict[str, tuple[str, ...]] = {
+    "sync": (),
+    "rollout": ("time/env_s", "time/inference_s"),
+    "advantages": ("time/advantages_compute_s",),
+    "train": ("time/train_compute_s",),
+}
+
+
 def undocumented(keys) -> list[str]:
     """The metric names in ``keys`` that :data:`GLOSSARY` does not explain."""
     return sorted(k for k in keys if k not in GLOSSARY)

@@ -9,14 +9,8 @@ import time
 
 import ipywidgets as w
 
-from rlnb.metrics import GLOSSARY
+from rlnb.metrics import GLOSSARY, WORK_IN_PHASE
 from rlnb.widgets.model import DashboardModel, watch_messages
-
-WORK_IN_PHASE = {  # phase -> the work timed inside it, where it runs (the rest of the phase is the loop's own)
-    "rollout": ("time/env_s", "time/inference_s"),
-    "advantages": ("time/advantages_compute_s",),
-    "train": ("time/train_compute_s",),
-}
 
 
 def _work_in(latest: dict, phase: str) -> str:
