@@ -334,7 +334,12 @@ class Cluster:
         self.address: str
         if address is None:
             warming = _import_in_background("rlnb.loop")  # the driver's own torch import, beside the workers'
-            self._local = self._start_local(slots, gpus, dashboard_address)
+            import dask
+
+            with dask.config.set(
+                _worker_profile_config()
+            ):  # (the nannies keep it for the workers they start)
+                self._local = self._start_local(slots, gpus, dashboard_address)
             self.address = self._local.scheduler_address
             self.client = Client(self._local, direct_to_workers=True)
             n = len(self._local.worker_spec)
@@ -424,26 +429,21 @@ class Cluster:
             kw = {"CUDA_VISIBLE_DEVICES": list(range(slots))} if slots else {}
             if slots and slots > n_gpus:
                 raise ClusterError(f"Cluster(slots={slots}): this machine has only {n_gpus} GPU(s)")
-            with dask.config.set(_worker_profile_config()):
-                return LocalCUDACluster(
-                    threads_per_worker=1,
-                    dashboard_address=dashboard_address,
-                    silence_logs=logging.ERROR,
-                    **kw,
-                )
+            return LocalCUDACluster(
+                threads_per_worker=1, dashboard_address=dashboard_address, silence_logs=logging.ERROR, **kw
+            )
         from distributed import LocalCluster
 
         # (Measured: distributed's SubprocessCluster with nanny-less workers was no faster end to end
         # here, since each `dask spec` worker loads every Dask CLI entry point.)
-        with dask.config.set(_worker_profile_config()):  # (the nannies keep it for the workers they start)
-            return LocalCluster(
-                n_workers=slots or default_cpu_slots(),
-                threads_per_worker=1,
-                processes=True,
-                dashboard_address=dashboard_address,
-                silence_logs=logging.ERROR,
-                scheduler_port=0,
-            )
+        return LocalCluster(
+            n_workers=slots or default_cpu_slots(),
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=dashboard_address,
+            silence_logs=logging.ERROR,
+            scheduler_port=0,
+        )
 
     def _discover_slots(self) -> list[Slot]:
         workers = self.client.scheduler_info(n_workers=-1)["workers"]
