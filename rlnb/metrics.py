@@ -178,9 +178,8 @@ class MetricLogger:
         with self._file_lock:  # (a background run logs from its own thread)
             if self._file is None:
                 self._file = self.path.open("a", buffering=1)
-                self._closer = weakref.finalize(
-                    self, self._file.close
-                )  # (a logger never closed still closes it)
+                # (a logger never closed still closes it)
+                self._closer = weakref.finalize(self, self._file.close)
             self._file.write(line)
 
     def _close_file(self) -> None:

@@ -91,15 +91,15 @@ def _walk(module: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]:
     return modules, params
 
 
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")  # fmt: skip
-
-
 def _same_walk(walked: tuple, before: tuple) -> bool:
     """Whether two :func:`_walk` results list the very same modules and parameters, in the same order."""
     return all(
         len(now) == len(then) and all(a is b for a, b in zip(now, then)) for now, then in zip(walked, before)
     )
+
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")  # fmt: skip
 
 
 def _hooked(module: nn.Module, walked: tuple | None = None) -> bool:
@@ -225,16 +225,15 @@ class FusedPPOStep:
         self.discrete = policy.discrete
         self.log_std = None if self.discrete else policy.log_std
         self.process_group = process_group
-        self.modules, self.params = walked or _walk(policy)  # (parameters: the same order on every rank)
+        self.walked = walked or _walk(policy)  # (held: none of their ids can come back)
+        self.params = self.walked[1]  # (the same order on every rank)
         self.hooks_seen = -1  # _hooks_registered() when last found without hooks
 
     def made_for(self, policy: nn.Module, model: nn.Module, walked: tuple) -> bool:
         """Whether this step was made for ``policy`` as it is now (the very modules and parameters, the same
         data-parallel group): then it can be used again, given :func:`unfit`'s checks of hooks and frozen
-        parameters. The step holds the modules it was made for, so none of their ids can come back."""
-        return _same_walk(walked, (self.modules, self.params)) and (
-            data_parallel_group(model, policy) is self.process_group
-        )
+        parameters."""
+        return _same_walk(walked, self.walked) and (data_parallel_group(model, policy) is self.process_group)
 
     @staticmethod
     def _forward(layers, activation, x):
