@@ -334,6 +334,10 @@ class Tally(Echo):
     def seen(self) -> list:
         return self.calls
 
+    def nap(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return time.perf_counter()
+
 
 def test_a_chain_runs_its_calls_in_order_in_one_request_and_stops_at_the_first_failure(cluster):
     from rlnb.runtime.group import chain
@@ -365,3 +369,56 @@ def test_a_chain_runs_its_calls_in_order_in_one_request_and_stops_at_the_first_f
     finally:
         for g in (first, second, elsewhere):
             g.shutdown()
+
+
+def _below(values: list, limit: int) -> bool:
+    """A chain's `then` rule (module level: it travels by reference): go on while the first call's value is
+    below ``limit``."""
+    return values[0] < limit
+
+
+def test_a_chain_run_ahead_starts_once_its_reply_is_sent_and_is_taken_later(cluster):
+    """``then``: the worker answers the chain, then runs the next one at once, without a request; take_ahead
+    returns its replies (and how long the worker waited before it). A rule on the worker, a failure, or
+    nothing to take each stop it, with a clear error where there is nothing."""
+    from rlnb.runtime.group import RunAhead, chain, take_ahead
+
+    first = rlnb.Group.launch(Tally, cluster, "0", name="first")
+    second = rlnb.Group.launch(Tally, cluster, "0", name="second")
+    try:
+        ahead = [(first, "record", ("ahead",)), (second, "nap", (1.0,))]
+        t0 = time.perf_counter()
+        done = chain([(first, "record", ("a",))], then=RunAhead(ahead))
+        assert time.perf_counter() - t0 < 0.5  # the reply did not wait for the chain run ahead (1 s)
+        assert done.ahead and done.idle_s is None and done[0].result() == 1
+        later = take_ahead(ahead, then=RunAhead(ahead, _below, (3,)))  # waits for it, runs it again
+        assert later[0].result() == 2 and later[1].result() > t0 + 1.0
+        assert later.ahead and 0 <= later.idle_s < 0.5
+        last = take_ahead(ahead, then=RunAhead(ahead, _below, (3,)))
+        assert last[0].result() == 3 and not last.ahead  # the rule said stop: 3 is not below 3
+        assert first.seen().result() == [[("a", "first"), ("ahead", "first"), ("ahead", "first")]]
+        with pytest.raises(rlnb.RemoteError, match="ran no chain ahead"):
+            take_ahead(ahead)
+
+        failing = chain([(first, "fail", ("no",))], then=RunAhead(ahead))
+        assert not failing.ahead  # nothing runs after a failure
+        with pytest.raises(rlnb.RemoteError, match="ValueError: no"):
+            failing[0].result()
+        assert len(first.seen().result()[0]) == 3
+    finally:
+        for g in (first, second):
+            g.shutdown()
+
+
+def test_a_chain_run_ahead_needs_direct_calls(cluster, monkeypatch):
+    from rlnb.runtime.group import RunAhead, chain
+
+    monkeypatch.setenv("RLNB_DIRECT_CALLS", "0")
+    tally = rlnb.Group.launch(Tally, cluster, "0", name="tally")
+    try:
+        assert tally.transport == "dask"
+        with pytest.raises(ValueError, match="`then` needs direct calls; tally is reached through dask"):
+            chain([(tally, "record", ("a",))], then=RunAhead([(tally, "record", ("b",))]))
+        assert tally.seen().result() == [[]]  # refused before anything was sent
+    finally:
+        tally.shutdown()

@@ -54,6 +54,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 
 import cloudpickle
 
@@ -75,7 +76,17 @@ BIG_REQUEST_BYTES = 128 * 1024  # a request above this goes on a connection of i
 STALL_S = 60.0  # on a worker's actor thread, the longest wait for the rest of a request
 OUT_OF_BAND_MIN_BYTES = 64 * 1024  # tensors this big travel outside the pickle
 RANK_OPS = frozenset(
-    {"call", "chain", "ready", "save_state", "load_state", "open_store", "join_group", "destroy_groups"}
+    {
+        "call",
+        "chain",
+        "take_ahead",
+        "ready",
+        "save_state",
+        "load_state",
+        "open_store",
+        "join_group",
+        "destroy_groups",
+    }
 )
 
 
@@ -533,10 +544,12 @@ class CallServer:
                 ):
                     return True
                 else:
-                    reply = _dask.run_on_actor_thread(
+                    reply, after = _dask.run_on_actor_thread(
                         self.worker, self._execute, (host, *request[1:]), "rlnb-direct-call"
-                    )
-                    send_parts(conn, reply.result())
+                    ).result()
+                    send_parts(conn, reply)
+                    if after is not None:  # (on the rank's thread, as everything of the rank runs)
+                        _dask.run_on_actor_thread(self.worker, after, (), "rlnb-run-ahead")
         except Exception as e:
             self._ended(conn, e)
         return False
@@ -544,37 +557,54 @@ class CallServer:
     def _serve_on_actor_thread(self, conn: socket.socket, request: tuple | None) -> str:
         """Answer one request on the actor thread (:class:`ActorThread` calls it when ``conn`` has
         data): read it, run it there, send the reply. A reply the driver is not reading yet, or a
-        request for a thread-safe host, goes on on a thread of its own."""
+        request for a thread-safe host, goes on on a thread of its own.
+
+        After a chain run ahead (:meth:`RankHost.chain`), the request taking its replies is usually waiting
+        on ``conn`` already: it is read at once, without going back to wait on every connection."""
+        while True:
+            outcome, ran_ahead = self._serve_one(conn, request)
+            if outcome != KEEP or not ran_ahead:
+                return outcome
+            request = None
+
+    def _serve_one(self, conn: socket.socket, request: tuple | None) -> tuple[str, bool]:
+        """:meth:`_serve_on_actor_thread`'s one request: what became of ``conn``, and whether a chain ran
+        ahead after the reply."""
         try:
             if request is None:
                 try:
                     got = conn.recv(READ_BYTES, socket.MSG_DONTWAIT)
                 except BlockingIOError:  # (woken for nothing)
-                    return KEEP
+                    return KEEP, False
                 if not got:  # the driver closed it
-                    return DROP
+                    return DROP, False
                 if not request_complete(got):  # still arriving (or big): read on a thread of its own
                     self._spawn(self._read_then_adopt, conn, got)
-                    return DETACHED
+                    return DETACHED, False
                 request = recv_request(conn, got=got)
             host = self.hosts.get(request[0])
             # a thread-safe host's operation runs on a thread of its own: a blocking get must not hold this one
             if host is not None and hasattr(host, "direct_call"):
                 self._spawn(self._serve_connection, conn, request)
-                return DETACHED
+                return DETACHED, False
             _dask.mark_active(self.worker, "rlnb-direct-call")
             try:
-                reply = self._execute(host, *request[1:])
+                reply, after = self._execute(host, *request[1:])
             finally:
                 _dask.mark_active(self.worker, None)
             rest = send_nowait(conn, reply)
         except Exception as e:
             self._ended(conn, e)
-            return DROP
+            return DROP, False
         if rest:
             self._spawn(self._finish_reply, conn, rest)
-            return DETACHED
-        return KEEP
+        if after is not None:  # a chain run ahead: the driver has its reply (or is being sent it) meanwhile
+            _dask.mark_active(self.worker, "rlnb-run-ahead")
+            try:
+                after()
+            finally:
+                _dask.mark_active(self.worker, None)
+        return (DETACHED if rest else KEEP), after is not None
 
     def _read_then_adopt(self, conn: socket.socket, got: bytes) -> None:
         """Read the rest of a request still arriving (each piece within ``STALL_S``), then give
@@ -607,9 +637,11 @@ class CallServer:
 
         threading.Thread(target=run, name="rlnb-direct-conn", daemon=True).start()
 
-    def _execute(self, host, op: str, payload, buffers) -> list:
-        """On the actor thread (where Dask runs actor methods): decode, run, encode the reply."""
+    def _execute(self, host, op: str, payload, buffers) -> tuple[list, Callable | None]:
+        """On the actor thread (where Dask runs actor methods): decode, run, encode the reply. Also returns
+        what to run on this thread once the reply is sent (a chain run ahead, :meth:`RankHost.chain`)."""
         t0 = time.perf_counter()
+        after = None
         try:
             if host is None:
                 reply = ("lost", "it was shut down (or freed) on this worker", 0.0)
@@ -617,9 +649,10 @@ class CallServer:
                 raise ValueError(f"unknown rank-host operation {op!r}")
             else:  # arguments are unpickled here too: Dask actor handles in them bind to this worker
                 reply = getattr(host, op)(*loads(payload, buffers))
+                after = host.pop_after_reply()
         except Exception as e:  # e.g. an argument that cannot be unpickled here
             reply = ("err", pack_exception(e), time.perf_counter() - t0)
-        return _encode_reply(reply)
+        return _encode_reply(reply), after
 
     def _execute_here(self, host, op: str, payload, buffers) -> list:
         """Run a thread-safe host's operation on this connection's thread."""

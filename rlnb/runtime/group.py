@@ -18,7 +18,8 @@ import threading
 import time
 import uuid
 from collections import Counter as _Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from rlnb.cluster.cluster import Cluster
 from rlnb.cluster.placement import parse_slots
@@ -456,33 +457,50 @@ class ChainedCall:
         return f"<ChainedCall {self.group.name}.{self.method} {self.status}>"
 
 
-def chain(calls: Sequence[tuple[Group, str, tuple]], timeout_s: float | None = None) -> list[ChainedCall]:
-    """Call ``group.method(*args)`` for each of ``calls``, one after another, in one round trip: the groups
-    are one rank each (``group.on(rank)``), all in one worker process, launched by one driver. The worker
-    runs them as it runs separate calls, each in its rank's context, and stops at the first that fails.
+class ChainResult(list):
+    """The :class:`ChainedCall` of each call of a chain that ran (a list), and what the worker did next.
 
-    A training step's phases on one collocated slot cost one wake-up of the worker and of the driver
-    instead of one per phase.
-
-    Args:
-        calls: ``(group, method, args)`` tuples.
-        timeout_s: for the whole chain (default: the sum of the groups' call timeouts).
-
-    Returns:
-        A :class:`ChainedCall` per call that ran, in order: all of them, or up to and including the first
-        that failed (``ChainedCall.result()`` raises its error).
-
-    Raises:
-        ValueError: a group with more than one rank, groups on different workers or of another driver.
-        WorkerLostError, RemoteTimeoutError: as a call on the first group would.
-
-    Example:
-        >>> steps = chain([(rollout.on(0), "collect", (32, "env")), (actor.on(0), "train", ())])  # doctest: +SKIP
-        >>> [c.result() for c in steps]  # doctest: +SKIP
+    Attributes:
+        ahead: whether the worker went on with the chain's ``then`` (:class:`RunAhead`) without waiting:
+            take its replies with :func:`take_ahead`.
+        idle_s: for a chain run ahead, how long the worker waited between the chain before it and this one
+            (sending the reply, a driver late with the next request); ``None`` for a chain sent as a request.
+        duration_s: the whole chain's time on the worker.
     """
+
+    def __init__(self, calls: Sequence[tuple[Group, str, tuple]], reply: tuple, duration_s: float = 0.0):
+        replies, self.ahead, self.idle_s = reply
+        self.duration_s = duration_s
+        super().__init__(ChainedCall(g, m, r) for (g, m, _), r in zip(calls, replies))
+
+
+@dataclass(frozen=True)
+class RunAhead:
+    """A chain for the worker to start as soon as it has answered the current one, without waiting for the
+    driver's next request: the driver's own work between two steps, and the round trip, then overlap the
+    worker's next step instead of delaying it.
+
+    Attributes:
+        calls: ``(group, method, args)`` tuples, as for :func:`chain`, on the same worker.
+        proceed: ``proceed(values, *args)``, run on the worker with each value the current chain returned:
+            the chain runs ahead only if it is true (``None``: always, once every call succeeded). A
+            module-level function: it travels by reference.
+        args: its further arguments.
+    """
+
+    calls: Sequence[tuple[Group, str, tuple]]
+    proceed: Callable | None = None
+    args: tuple = ()
+
+
+def _chain_payload(
+    calls: Sequence[tuple[Group, str, tuple]], first: Group | None = None
+) -> tuple[Group, list]:
+    """The first group of ``calls`` (or ``first``) and the calls as the worker takes them, after checking that
+    they are one rank each, on one worker, of one driver."""
     if not calls:
-        return []
-    first = calls[0][0]
+        raise ValueError("chain: no calls")
+    first = first or calls[0][0]
     for group, _method, _args in calls:
         if len(group._ranks) != 1:
             raise ValueError(
@@ -494,12 +512,74 @@ def chain(calls: Sequence[tuple[Group, str, tuple]], timeout_s: float | None = N
                 f"chain: {group.name}[{group._ranks[0]}] is not in the worker of {first.name}[{first._ranks[0]}] "
                 "or not of this driver"
             )
-    payload = [(g.name, g._ranks[0], method, tuple(args), {}) for g, method, args in calls]
-    label = f"chain({', '.join(f'{g.name}.{m}' for g, m, _ in calls)})"
+    return first, [(g.name, g._ranks[0], method, tuple(args), {}) for g, method, args in calls]
+
+
+def _chain_request(
+    op: str, args: tuple, calls, then: RunAhead | None, timeout_s: float | None
+) -> ChainResult:
+    first, _ = _chain_payload(calls)
+    label = f"{op}({', '.join(f'{g.name}.{m}' for g, m, _ in calls)})"
     timeout_s = timeout_s if timeout_s is not None else sum(g.call_timeout_s for g, _, _ in calls)
-    pending = first._start("chain", [(first._ranks[0], (payload,))])
-    replies = GroupResult(first, label, first._ranks, pending, timeout_s).result()[0]
-    return [ChainedCall(g, m, reply) for (g, m, _), reply in zip(calls, replies)]
+    if then is not None:
+        if first.transport != "direct":  # (Dask's actor rpc has no "after the reply": nothing would run)
+            raise ValueError(
+                f"{op}: `then` needs direct calls; {first.name} is reached through {first.transport}"
+            )
+        args = (*args, (_chain_payload(then.calls, first)[1], then.proceed, tuple(then.args)))
+    pending = first._start(op, [(first._ranks[0], args)])
+    result = GroupResult(first, label, first._ranks, pending, timeout_s)
+    return ChainResult(calls, result.result()[0], result.durations_s[0])
+
+
+def chain(
+    calls: Sequence[tuple[Group, str, tuple]], timeout_s: float | None = None, *, then: RunAhead | None = None
+) -> ChainResult:
+    """Call ``group.method(*args)`` for each of ``calls``, one after another, in one round trip: the groups
+    are one rank each (``group.on(rank)``), all in one worker process, launched by one driver. The worker
+    runs them as it runs separate calls, each in its rank's context, and stops at the first that fails.
+
+    A training step's phases on one collocated slot cost one wake-up of the worker and of the driver
+    instead of one per phase.
+
+    Args:
+        calls: ``(group, method, args)`` tuples.
+        timeout_s: for the whole chain (default: the sum of the groups' call timeouts).
+        then: a chain the worker runs next, at once, once it has sent this reply (:class:`RunAhead`); its
+            replies are taken with :func:`take_ahead`. Only over direct calls (``group.transport``).
+
+    Returns:
+        A :class:`ChainResult`: a :class:`ChainedCall` per call that ran, in order: all of them, or up to and
+        including the first that failed (``ChainedCall.result()`` raises its error); ``.ahead`` says whether
+        ``then`` runs.
+
+    Raises:
+        ValueError: a group with more than one rank, groups on different workers or of another driver.
+        WorkerLostError, RemoteTimeoutError: as a call on the first group would.
+
+    Example:
+        >>> steps = chain([(rollout.on(0), "collect", (32, "env")), (actor.on(0), "train", ())])  # doctest: +SKIP
+        >>> [c.result() for c in steps]  # doctest: +SKIP
+        >>> first = chain(calls, then=RunAhead(calls))  # doctest: +SKIP
+        >>> second = take_ahead(calls) if first.ahead else None  # doctest: +SKIP
+    """
+    if not calls:
+        return ChainResult([], ([], False, None))
+    return _chain_request("chain", (_chain_payload(calls)[1],), calls, then, timeout_s)
+
+
+def take_ahead(
+    calls: Sequence[tuple[Group, str, tuple]], timeout_s: float | None = None, *, then: RunAhead | None = None
+) -> ChainResult:
+    """The replies of the chain ``calls`` that the worker ran ahead (a :class:`RunAhead` whose chain or
+    ``take_ahead`` said ``.ahead``), waiting for it to end; ``then``: the chain to run ahead after it, as
+    for :func:`chain`. ``.idle_s`` says how long the worker waited before it.
+
+    Raises:
+        RemoteError: nothing ran ahead on that worker (or it was taken already).
+        WorkerLostError, RemoteTimeoutError: as a call on the first group would.
+    """
+    return _chain_request("take_ahead", (), calls, then, timeout_s)
 
 
 @functools.lru_cache(maxsize=1024)
