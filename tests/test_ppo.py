@@ -249,6 +249,7 @@ def test_a_step_on_one_slot_is_one_chain_that_trains_as_the_phases_do(cluster, t
     with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path / "a") as loop:
         assert loop._one_round_trip()
         chained = loop.run(3, progress=False)
+        assert loop.steps_ahead == 2  # steps 2 and 3 ran on the worker ahead of the driver's request
     with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path / "b") as loop:
         for _ in range(3):
             loop.sync_weights(), loop.rollout(), loop.advantages(), loop.train()
@@ -290,6 +291,39 @@ def test_a_failure_inside_the_chain_stops_it_before_the_update(cluster, tmp_path
             loop.run(progress=False)
         assert (e.value.component, e.value.method) == ("rollout", "collect")
         assert loop.step == 1 and loop.groups["actor"].steps_taken().result() == [1]
+
+
+def test_a_run_ahead_stops_where_the_driver_would_and_leaves_the_workers_in_step(cluster, tmp_path):
+    """run() lets the worker start the next step before the driver asks for it (runner.run_ahead), and stops
+    at the very step it stops at without: the worker checks runner.stop_return on the step's episodes before
+    going on. An error between two steps (here a listener of the metrics) still takes the step running ahead,
+    so that the loop's step count and the actor's agree."""
+    ends = {}
+    for run_ahead in (True, False):
+        with collocated_loop(
+            cluster, tmp_path / str(run_ahead), actor_cls=StepShowingActor, steps=40, steps_per_rollout=16,
+            update_epochs=1,
+        ) as loop:  # fmt: skip
+            loop.recipe.runner.stop_return = 1.0  # reached once 20 episodes have ended
+            loop.recipe.runner.run_ahead = run_ahead
+            loop.run(progress=False)
+            assert loop.groups["actor"].steps_taken().result() == [loop.step]
+            ends[run_ahead] = (loop.step, loop.steps_ahead)
+    assert ends[True][0] == ends[False][0] < 40 and ends[True][1] > 0 and ends[False][1] == 0
+
+    with collocated_loop(
+        cluster, tmp_path / "error", actor_cls=StepShowingActor, steps=10, update_epochs=1
+    ) as loop:
+
+        def fail_at_step_3(record):
+            if record["step"] == 3:
+                raise RuntimeError("a listener failed")
+
+        loop.logger.add_listener(fail_at_step_3)
+        with pytest.raises(RuntimeError, match="a listener failed"):
+            loop.run(progress=False)
+        assert loop.step == 4 and loop.groups["actor"].steps_taken().result() == [4]
+        assert [r["step"] for r in loop.history] == [1, 2, 3, 4]
 
 
 class ReusedBufferVectorEnv(gym.vector.VectorEnv):

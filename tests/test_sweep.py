@@ -30,6 +30,7 @@ COMMON = [
 # is covered on workers in tests/test_build.py
 SWEEP = {
     "runner.tensorboard": (PPO, []),
+    "runner.run_ahead": (PPO, []),  # (what it changes in run() is in tests/test_ppo.py)
     "algorithm.clip_vloss": (PPO, []),
     "algorithm.norm_adv": (PPO, []),
     "algorithm.scale": (GRPO, []),

@@ -45,6 +45,10 @@ class RunnerConfig:
     """Stop ``run`` once ``env/episode_return_mean`` (last 20 episodes) reaches this."""
     max_restarts: int = 0
     """After a lost worker, rebuild the components and resume from the last checkpoint up to this many times."""
+    run_ahead: bool = True
+    """Where a whole step runs on one worker (env, rollout and actor collocated on one slot, synchronous), let
+    the worker start the next step of ``run`` as soon as it has answered one, while the driver logs it; a stop,
+    pause or steering asked for meanwhile then lands a step later. ``false``: every step waits for the driver."""
     tensorboard: bool = True
     """Also write TensorBoard event files when ``tensorboard`` is installed."""
     wandb_project: str | None = None

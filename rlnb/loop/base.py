@@ -192,6 +192,7 @@ class LoopBase:
         self._pending: dict[str, float] = {}
         self._stop = False
         self._run_target: int | None = None  # the step the running run() stops at (None outside run())
+        self._ahead = False  # a step running ahead on the workers, to be taken by step_once (embodied loop)
         self.restarts = 0  # lost workers run() recovered from (runner.max_restarts per run)
         self.logger = MetricLogger(
             self.run_dir, recipe.runner.tensorboard, recipe.runner.wandb_project, asdict(self.recipe)
@@ -710,16 +711,17 @@ class LoopBase:
         target = self._run_target = self.step + steps
         try:
             while self.step < target:
-                self._wait_while_paused()
-                if self._stop:
-                    break
+                if not self._ahead:  # (a step the worker runs ahead is taken first: it is under way)
+                    self._wait_while_paused()
+                    if self._stop:
+                        break
                 try:
                     rec = self.step_once()
                     if runner.eval_interval and self.step % runner.eval_interval == 0:
-                        self.evaluate()
-                    if (
-                        runner.save_interval and self.step % runner.save_interval == 0
-                    ) or self._save_requested:
+                        self.evaluate()  # (never with a step ahead: step_once does not run past one)
+                    if (runner.save_interval and self.step % runner.save_interval == 0) or (
+                        self._save_requested and not self._ahead
+                    ):
                         self._save_requested = False
                         self.save()
                 except WorkerLostError as e:
@@ -742,13 +744,29 @@ class LoopBase:
                         refresh=False,
                     )
                     bar.update(1)
-                if self._solved() or self._stop:
+                if (self._solved() or self._stop) and not self._ahead:
                     break
+        except BaseException:
+            if self._ahead:  # (interrupted between steps) the step under way on the worker is still taken
+                self._take_ahead_after_error()
+            raise
         finally:
             self._run_target = None
             if bar is not None:
                 bar.close()
         return records
+
+    def _take_ahead_after_error(self) -> None:
+        """``run()`` is ending on an error or an interrupt while a step runs ahead on the worker: take and log
+        it, so that the loop's step count and the workers' agree (a failure here is logged, not raised: the
+        first error is the one to see)."""
+        self._run_target = None  # (nothing further runs ahead)
+        try:
+            self.step_once()
+        except Exception as e:
+            log.warning(
+                "the step running ahead on the worker could not be taken: %s: %s", type(e).__name__, e
+            )
 
     def stop(self) -> None:
         """Ask a running ``run()`` to stop at the next step boundary."""

@@ -27,9 +27,22 @@ from rlnb.loop.base import (
     objects_recipe,
 )
 from rlnb.runtime.channel import Channel
-from rlnb.runtime.group import chain
+from rlnb.runtime.group import RunAhead, chain, take_ahead
 
 EPISODE_WINDOW = 20  # episode statistics over the last 20 finished training episodes, as SB3 reports them
+
+
+def _not_solved(values: list, window: list, stop_return: float | None) -> bool:
+    """On the worker, after a step's chain (``values``: its calls' values, the collection's second): whether
+    :meth:`Loop._solved` will still be false once the driver adds the step's finished episodes to its
+    ``window``, i.e. whether ``run()`` will go on to the next step."""
+    if stop_return is None:
+        return True
+    recent = deque(window, maxlen=EPISODE_WINDOW)
+    recent.extend(values[1]["episodes"])
+    return not (
+        len(recent) >= EPISODE_WINDOW and math.fsum(e[0] for e in recent) / len(recent) >= stop_return
+    )
 
 
 class Loop(LoopBase):
@@ -204,6 +217,8 @@ class Loop(LoopBase):
         self.episodes: deque = deque(maxlen=EPISODE_WINDOW)
         self._in_flight: list | None = None  # the collection running ahead (asynchronous mode)
         self._rollout_version: int | None = None  # the policy version on the rollout ranks
+        self._ahead = False  # whether the worker runs the next step ahead of the driver (see step_once)
+        self.steps_ahead = 0  # steps the worker ran ahead of the driver (step_once)
 
     def _extra_state(self) -> dict:
         state = {"global_step": self.global_step, "episodes": list(self.episodes)}
@@ -313,30 +328,67 @@ class Loop(LoopBase):
         the same calls, run one after another as separate calls would run them, stopping at the first
         failure, in one round trip instead of four. Each phase is then finished here as its own call would
         finish it; its time is the call's time on the worker, and the sync phase's also carries the round
-        trip, so that the phases still add up to the step's wall time."""
+        trip, so that the phases still add up to the step's wall time.
+
+        Inside :meth:`run`, the worker also starts the next step as soon as it has answered this one
+        (:class:`rlnb.runtime.group.RunAhead`), where ``run()`` would take it anyway: not past the run's last
+        step, a checkpoint or an evaluation, nor once the last 20 episodes reach ``runner.stop_return``
+        (the worker checks that on the episodes just finished), nor with a stop, pause, save or steering
+        request waiting. The driver's own work between steps then overlaps the worker's next step; that
+        step's sync phase is the time the worker waited between the two."""
         if not self._one_round_trip():
             return super().step_once()
-        self._apply_steering()
         env, rollout, actor = self.groups["env"], self.groups["rollout"], self.groups["actor"]
-        t0 = time.perf_counter()
-        done = chain(
-            [
-                (rollout, "load_from_local_actor", (actor.name, 0, self.step)),
+
+        def calls(version: int) -> list:
+            return [
+                (rollout, "load_from_local_actor", (actor.name, 0, version)),
                 (rollout, "collect", (self.recipe.rollout.steps_per_rollout, env.name, actor.name)),
                 (actor, "compute_advantages", ()),
                 (actor, "train", ()),
             ]
-        )
+
+        then = None
+        if self._may_run_ahead():
+            then = RunAhead(
+                calls(self.step + 1), _not_solved, (list(self.episodes), self.recipe.runner.stop_return)
+            )
+        taking, self._ahead = self._ahead, False  # (True again only once this reply is in)
+        t0 = time.perf_counter()
+        if taking:  # this step already ran on the worker, ahead of this call
+            done = take_ahead(calls(self.step), then=then)
+        else:
+            self._apply_steering()
+            done = chain(calls(self.step), then=then)
         wall = time.perf_counter() - t0
+        self._ahead = done.ahead
+        self.steps_ahead += taking
         sync, collect, *rest = done
         sync.result()
-        self._phase("sync", t0, {"version": self.step}, wall - sum(c.duration_s for c in done[1:]))
+        # the sync phase carries what the step spent outside its calls: for a chain run ahead, the worker's
+        # wait before it; else the round trip
+        inside = sum(c.duration_s for c in done)
+        outside = wall - inside if done.idle_s is None else done.idle_s + done.duration_s - inside
+        self._phase("sync", t0, {"version": self.step}, sync.duration_s + outside)
         summary = collect.result()
         self.episodes.extend(summary.pop("episodes"))
         self._rollout_phase(t0, [summary], {}, collect.duration_s)
         self._phase("advantages", t0, mean_dicts([rest[0].result()]), rest[0].duration_s)
         self._finish_train(lambda: [rest[1].result()], t0, rest[1].duration_s)
         return self.logger.history[-1]
+
+    def _may_run_ahead(self) -> bool:
+        """Whether the worker may start the step after this one before the driver asks (see
+        :meth:`step_once`): only inside ``run()``, where ``run()`` would go on to it at once."""
+        return bool(
+            self._run_target is not None
+            and self.recipe.runner.run_ahead
+            and self.step + 2 <= self._run_target
+            and not self._must_drain()
+            and not (self._stop or self._save_requested or self.paused or self._steer_queue)
+            and type(self)._solved is Loop._solved
+            and not self._solved()  # (a run() called again once solved takes one step, as it does without)
+        )
 
     def _one_round_trip(self) -> bool:
         """Whether :meth:`step_once` can send the step as one chain (see there)."""
