@@ -106,6 +106,7 @@ class Env:
         n = self.cfg.num_envs
         self.obs: list[np.ndarray | None] = [None] * self.stages
         self.ep_return, self.ep_len = np.zeros(n), np.zeros(n, dtype=np.int64)
+        self._ones = np.ones(n, dtype=np.int64)  # (adding an array of ones takes half the time of adding 1)
         self.finished: list[tuple[float, int]] = []  # episodes finished since the last pop_episodes()
         self.obs_rms = RunningMeanStd(self.observation_space.shape) if self.cfg.normalize_obs else None
         self.ret_rms = RunningMeanStd(()) if self.cfg.normalize_reward else None
@@ -161,11 +162,12 @@ class Env:
     def step(self, stage: int, actions) -> dict:
         """Step one stage.
 
-        Returns a dict: ``obs [n, ...]`` (after autoreset), ``reward [n]``, ``terminated [n]``,
+        Returns a dict: ``obs [n, ...]`` (after autoreset), ``reward [n]`` (float64), ``terminated [n]``,
         ``truncated [n]``, and ``final_obs [k, ...]`` with ``final_idx [k]``: the last observation of
         the ``k`` episodes truncated on this step (the rollout bootstraps them with the value function).
         """
-        actions = np.asarray(actions)
+        if type(actions) is not np.ndarray:
+            actions = np.asarray(actions)
         t0 = time.perf_counter()
         obs, reward, terminated, truncated, info = self.envs[stage].step(actions)
         self.sim_s += time.perf_counter() - t0  # the simulator's own work, for the loop's overhead share
@@ -178,7 +180,7 @@ class Env:
         if self.stages == 1:  # (one stage: the whole rank's arrays, no slicing)
             idx, lo = slice(None), 0
             self.ep_return += reward
-            self.ep_len += 1
+            self.ep_len += self._ones
         else:
             lo = stage * self.per_stage
             idx = slice(lo, lo + self.per_stage)
@@ -196,14 +198,16 @@ class Env:
                 final_obs = info["final_obs"][torch.as_tensor(final_idx, device=info["final_obs"].device)]
             elif len(final_idx):
                 final_obs = np.stack([info["final_obs"][i] for i in final_idx])
-        obs = self._norm_obs(obs, update=True)
+        if self.obs_rms is not None or type(obs) is not np.ndarray or obs.dtype == np.float64:
+            obs = self._norm_obs(obs, update=True)  # (a float32 host array, unnormalised, is returned as is)
         if final_obs is not None:
             final_obs = self._norm_obs(final_obs)
-        reward = self._norm_reward(reward, done, idx)
+        if self.ret_rms is not None:
+            reward = self._norm_reward(reward, done, idx)
         self.obs[stage] = obs
         return {
             "obs": obs,
-            "reward": reward.astype(np.float32),
+            "reward": reward,
             "terminated": terminated,
             "truncated": truncated,
             "final_obs": final_obs,

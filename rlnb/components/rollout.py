@@ -45,46 +45,42 @@ class _Trajectory:
     def __init__(self, steps: int, stages: int):
         self.steps = steps
         self.obs: list = [None] * stages  # per stage: a numpy buffer [T, n, ...] or a list of tensors
-        self.actions: list[list] = [[] for _ in range(stages)]
-        self.logprobs: list[list] = [[] for _ in range(stages)]
-        self.values: list[list] = [[] for _ in range(stages)]
+        self.acted: list[list] = [
+            [] for _ in range(stages)
+        ]  # per stage: (actions, logprobs, values) per step
         self.rewards: list = [None] * stages  # per stage: float32 [T, n]
         self.dones: list = [None] * stages  # per stage: bool [T, n] (float32 in the batch)
 
     def act(self, stage: int, t: int, obs, actions, logprobs, values) -> None:
         """Record what the policy saw and did at step ``t`` (a stage's steps in order)."""
         buffer = self.obs[stage]
-        if buffer is None:
-            buffer = self.obs[stage] = (
-                np.empty((self.steps, *obs.shape), obs.dtype) if type(obs) is np.ndarray else []
-            )
         if type(buffer) is np.ndarray:
             buffer[t] = obs
+        elif buffer is None:
+            self.obs[stage] = np.empty((self.steps, *obs.shape), obs.dtype) if type(obs) is np.ndarray else []
+            return self.act(stage, t, obs, actions, logprobs, values)
         else:
             buffer.append(torch.as_tensor(obs))
-        self.actions[stage].append(actions)
-        self.logprobs[stage].append(logprobs)
-        self.values[stage].append(values)
+        self.acted[stage].append((actions, logprobs, values))
 
-    def outcome(self, stage: int, t: int, reward: np.ndarray, terminated, truncated) -> np.ndarray:
-        """Record step ``t``'s rewards and done flags (terminated or truncated); returns the rewards' row
-        (bootstrapping adds to it in place)."""
-        if self.rewards[stage] is None:
-            self.rewards[stage] = np.empty((self.steps, len(reward)), np.float32)
+    def outcome(self, stage: int, t: int, reward: np.ndarray, terminated, truncated) -> None:
+        """Record step ``t``'s rewards and done flags (terminated or truncated)."""
+        rewards = self.rewards[stage]
+        if rewards is None:
+            rewards = self.rewards[stage] = np.empty((self.steps, len(reward)), np.float32)
             self.dones[stage] = np.empty((self.steps, len(reward)), np.bool_)
-        row = self.rewards[stage][t]
-        row[:] = reward
-        np.logical_or(terminated, truncated, out=self.dones[stage][t])
-        return row
+        rewards[t] = reward
+        np.logical_or(terminated, truncated, self.dones[stage][t])
 
     def batch(self) -> dict[str, torch.Tensor]:
         """Every column, ``[T, N, ...]`` (the stages side by side along N)."""
         stages = range(len(self.obs))
+        acted = [[_stack(list(column)) for column in zip(*self.acted[s])] for s in stages]
         columns = {
             "obs": [torch.from_numpy(o) if type(o) is np.ndarray else torch.stack(o) for o in self.obs],
-            "actions": [_stack(self.actions[s]) for s in stages],
-            "logprobs": [_stack(self.logprobs[s]) for s in stages],
-            "values": [_stack(self.values[s]) for s in stages],
+            "actions": [a[0] for a in acted],
+            "logprobs": [a[1] for a in acted],
+            "values": [a[2] for a in acted],
             "rewards": [torch.from_numpy(self.rewards[s]) for s in stages],
             "dones": [torch.from_numpy(self.dones[s]).float() for s in stages],
         }
@@ -273,14 +269,14 @@ class PolicyRollout(RolloutBase):
     def _record_step(self, traj: _Trajectory, stage: int, t: int, out: dict) -> float:
         """Rewards/dones of step ``t``; truncated episodes get ``gamma * V(final_obs)`` added to their reward.
         Returns the seconds of that value forward (inference)."""
-        rewards = traj.outcome(stage, t, out["reward"], out["terminated"], out["truncated"])
+        traj.outcome(stage, t, out["reward"], out["terminated"], out["truncated"])
         if out["final_obs"] is None or not len(out["final_idx"]):
             return 0.0
         t0 = time.perf_counter()
         with torch.no_grad():
             v = self.policy.value(torch.as_tensor(out["final_obs"], device=self.device)).cpu().numpy()
         seconds = time.perf_counter() - t0
-        rewards[out["final_idx"]] += self.gamma * v
+        traj.rewards[stage][t, out["final_idx"]] += self.gamma * v
         return seconds
 
     def _finish(self, traj: _Trajectory, last_obs: list) -> tuple[dict, float]:
@@ -313,14 +309,16 @@ class PolicyRollout(RolloutBase):
         inference_s = 0.0  # every forward of the policy: actions, bootstrap values, last values
         perf_counter = time.perf_counter
         with self._collecting():
+            act, env_actions, env_step, record = self.act, self.env_actions, env_obj.step, self._record_step
+            stages = range(env_obj.stages)
             for t in range(steps):
-                for s in range(env_obj.stages):
+                for s in stages:
                     t0 = perf_counter()
-                    actions, logprob, value = self.act(obs[s])
+                    actions, logprob, value = act(obs[s])
                     inference_s += perf_counter() - t0
                     traj.act(s, t, obs[s], actions, logprob, value)
-                    out = env_obj.step(s, self.env_actions(actions))
-                    inference_s += self._record_step(traj, s, t, out)
+                    out = env_step(s, env_actions(actions))
+                    inference_s += record(traj, s, t, out)
                     obs[s] = out["obs"]
         summary, last_values_s = self._finish(traj, obs)
         # the work, timed where it ran; the rest of the call is the loop's overhead
