@@ -422,3 +422,40 @@ def test_a_chain_run_ahead_needs_direct_calls(cluster, monkeypatch):
         assert tally.seen().result() == [[]]  # refused before anything was sent
     finally:
         tally.shutdown()
+
+
+def test_calls_on_other_components_are_answered_between_chains_run_ahead(cluster):
+    """While a driver keeps a worker running chains ahead (each taken as the next runs), a call on another
+    component of that worker waits for the chain under way, not for the run to end."""
+    import threading
+
+    from rlnb.runtime.group import RunAhead, chain, take_ahead
+
+    busy = rlnb.Group.launch(Tally, cluster, "0", name="busy")
+    other = rlnb.Group.launch(Tally, cluster, "0", name="other")
+    try:
+        ahead = [(busy, "nap", (0.25,))]
+        done = chain(ahead, then=RunAhead(ahead))
+        taken = []
+
+        def keep_taking():  # 8 chains of 0.25 s, each started by the worker as soon as the one before ended
+            reply = done
+            while reply.ahead:
+                reply = take_ahead(ahead, then=RunAhead(ahead, _below_count, (len(taken) + 1, 8)))
+                taken.append(reply[0].result())
+
+        runner = threading.Thread(target=keep_taking)
+        runner.start()
+        time.sleep(0.4)
+        t0 = time.perf_counter()
+        assert other.record("between").result(30) == [1]
+        waited = time.perf_counter() - t0
+        runner.join(30)
+        assert len(taken) == 8 and waited < 0.6, (waited, len(taken))  # one chain at most, not the 1.6 s left
+    finally:
+        for g in (busy, other):
+            g.shutdown()
+
+
+def _below_count(values: list, taken: int, limit: int) -> bool:
+    return taken < limit

@@ -557,36 +557,26 @@ class CallServer:
     def _serve_on_actor_thread(self, conn: socket.socket, request: tuple | None) -> str:
         """Answer one request on the actor thread (:class:`ActorThread` calls it when ``conn`` has
         data): read it, run it there, send the reply. A reply the driver is not reading yet, or a
-        request for a thread-safe host, goes on on a thread of its own.
-
-        After a chain run ahead (:meth:`RankHost.chain`), the request taking its replies is usually waiting
-        on ``conn`` already: it is read at once, without going back to wait on every connection."""
-        while True:
-            outcome, ran_ahead = self._serve_one(conn, request)
-            if outcome != KEEP or not ran_ahead:
-                return outcome
-            request = None
-
-    def _serve_one(self, conn: socket.socket, request: tuple | None) -> tuple[str, bool]:
-        """:meth:`_serve_on_actor_thread`'s one request: what became of ``conn``, and whether a chain ran
-        ahead after the reply."""
+        request for a thread-safe host, goes on on a thread of its own. A chain run ahead
+        (:meth:`RankHost.chain`) runs here once its reply is sent; then the actor thread answers what waits on
+        every connection in turn, as after any request (the request taking its replies comes with them)."""
         try:
             if request is None:
                 try:
                     got = conn.recv(READ_BYTES, socket.MSG_DONTWAIT)
                 except BlockingIOError:  # (woken for nothing)
-                    return KEEP, False
+                    return KEEP
                 if not got:  # the driver closed it
-                    return DROP, False
+                    return DROP
                 if not request_complete(got):  # still arriving (or big): read on a thread of its own
                     self._spawn(self._read_then_adopt, conn, got)
-                    return DETACHED, False
+                    return DETACHED
                 request = recv_request(conn, got=got)
             host = self.hosts.get(request[0])
             # a thread-safe host's operation runs on a thread of its own: a blocking get must not hold this one
             if host is not None and hasattr(host, "direct_call"):
                 self._spawn(self._serve_connection, conn, request)
-                return DETACHED, False
+                return DETACHED
             _dask.mark_active(self.worker, "rlnb-direct-call")
             try:
                 reply, after = self._execute(host, *request[1:])
@@ -595,7 +585,7 @@ class CallServer:
             rest = send_nowait(conn, reply)
         except Exception as e:
             self._ended(conn, e)
-            return DROP, False
+            return DROP
         if rest:
             self._spawn(self._finish_reply, conn, rest)
         if after is not None:  # a chain run ahead: the driver has its reply (or is being sent it) meanwhile
@@ -604,7 +594,7 @@ class CallServer:
                 after()
             finally:
                 _dask.mark_active(self.worker, None)
-        return (DETACHED if rest else KEEP), after is not None
+        return DETACHED if rest else KEEP
 
     def _read_then_adopt(self, conn: socket.socket, got: bytes) -> None:
         """Read the rest of a request still arriving (each piece within ``STALL_S``), then give
