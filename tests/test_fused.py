@@ -118,6 +118,12 @@ def test_a_step_made_for_the_same_modules_is_used_again_until_anything_it_assume
     policy = _policy(DISCRETE)
     modules, params = _walk(policy)
     assert modules == list(policy.modules()) and params == list(policy.parameters())
+    shared = torch.nn.Linear(
+        2, 2
+    )  # a module met twice and a tied parameter: listed once, where torch lists them
+    tied = torch.nn.Sequential(shared, torch.nn.Sequential(torch.nn.Tanh(), shared), torch.nn.Linear(2, 2))
+    tied[2].weight = shared.weight
+    assert _walk(tied) == (list(tied.modules()), list(tied.parameters()))
     check = {"model": policy, "loss_fn": ppo_clip_value_entropy, "compiled": False}
     step, why = fused_ppo_step(policy, **check)
     assert why is None and fused_ppo_step(policy, **check, previous=step) == (step, None)

@@ -75,19 +75,23 @@ def _trunks(policy: ActorCritic):
 
 def _walk(module: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]:
     """``list(module.modules())`` and ``list(module.parameters())``, in their order, without their generators
-    (~3 µs instead of ~30 for the built-in policy: these checks run at every update)."""
-    modules, params, seen, seen_params, stack = [], [], set(), set(), [module]
-    while stack:
-        m = stack.pop()
-        if id(m) in seen:
-            continue
+    (~6 µs instead of ~30 for the built-in policy: these checks run at every update and collection)."""
+    modules, params, seen, seen_params = [], [], set(), set()
+
+    def visit(
+        m: nn.Module,
+    ) -> None:  # (pre-order, each module and parameter once, as torch's modules() walks)
         seen.add(id(m))
         modules.append(m)
         for p in m._parameters.values():
             if p is not None and id(p) not in seen_params:
                 seen_params.add(id(p))
                 params.append(p)
-        stack.extend(reversed([c for c in m._modules.values() if c is not None]))
+        for c in m._modules.values():
+            if c is not None and id(c) not in seen:
+                visit(c)
+
+    visit(module)
     return modules, params
 
 
