@@ -3,6 +3,7 @@
 import asyncio
 import gc
 import glob
+import os
 import queue
 import time
 
@@ -459,3 +460,40 @@ def test_calls_on_other_components_are_answered_between_chains_run_ahead(cluster
 
 def _below_count(values: list, taken: int, limit: int) -> bool:
     return taken < limit
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_the_driver_waits_for_a_chain_that_runs_ahead_as_a_batch_thread(cluster):
+    """Waiting for the reply of a chain whose worker then goes on computing, the driver's thread is a batch
+    thread (its wake-up does not preempt that worker), and a normal thread again once the reply is in; a plain
+    chain's wait is left alone."""
+    import threading
+
+    from rlnb.runtime.group import RunAhead, chain, take_ahead
+
+    napper = rlnb.Group.launch(Tally, cluster, "0", name="napper")
+    tid, phase, seen, done = threading.get_native_id(), [None], {}, threading.Event()
+
+    def watch():  # the policy of the test's thread, sampled while it waits in each phase
+        while not done.is_set():
+            if phase[0] is not None:
+                seen.setdefault(phase[0], set()).add(os.sched_getscheduler(tid))
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        nap = [(napper, "nap", (0.3,))]
+        phase[0] = "chain run ahead"
+        first = chain(nap, then=RunAhead(nap))
+        phase[0] = None
+        assert first.ahead and os.sched_getscheduler(0) == os.SCHED_OTHER
+        take_ahead(nap)
+        phase[0] = "plain chain"
+        chain(nap)
+        phase[0] = None
+        assert seen == {"chain run ahead": {os.SCHED_BATCH}, "plain chain": {os.SCHED_OTHER}}
+    finally:
+        done.set()
+        watcher.join(5)
+        napper.shutdown()

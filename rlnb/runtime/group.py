@@ -529,7 +529,35 @@ def _chain_request(
         args = (*args, (_chain_payload(then.calls, first)[1], then.proceed, tuple(then.args)))
     pending = first._start(op, [(first._ranks[0], args)])
     result = GroupResult(first, label, first._ranks, pending, timeout_s)
-    return ChainResult(calls, result.result()[0], result.durations_s[0])
+    with contextlib.nullcontext() if then is None else _waking_without_preempting():
+        reply = result.result()[0]
+    return ChainResult(calls, reply, result.durations_s[0])
+
+
+@contextlib.contextmanager
+def _waking_without_preempting():
+    """Wait as a ``SCHED_BATCH`` thread (Linux): a reply sent by a worker that goes on computing (a chain run
+    ahead) wakes this thread without preempting that worker.
+
+    A socket's reply is a "sync" wake-up: the kernel takes the sender for about to sleep and may run the
+    woken thread on the sender's CPU, ahead of it. Here the sender goes on with the next step, which then
+    waited for the driver's own work: ~0.2 ms a step, measured as the worker's `send` on a 2-CPU VM, and
+    ~0.02 ms with this. A batch thread never preempts on waking (it runs once a CPU is free for it)."""
+    policy = None
+    try:
+        policy = os.sched_getscheduler(0)
+        if policy != os.SCHED_OTHER:  # (a real-time or idle driver thread is left as its user set it)
+            policy = None
+        else:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or not allowed
+        policy = None
+    try:
+        yield
+    finally:
+        if policy is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(0, policy, os.sched_param(0))
 
 
 def chain(
