@@ -14,9 +14,11 @@ which a call would exceed a given share of a training step (see docs/benchmarks.
 ``--part work``: how a PPO step's cost grows with the work, on the default embedded cluster: ``ppo_cartpole``
 (collocated, synchronous) with num_envs 8 -> 1024, policy width 64 -> 1024, and 1 -> 2 data-parallel
 ranks. Each row gives the step time and its parts timed where they run (env stepping, inference, the
-advantage and update compute) and the loop's own overhead, the rest, as a share of the step (target < 5%),
-then where that overhead goes: each phase's time outside its timed work (on one slot the sync phase carries
-the step's one round trip).
+advantage and update compute) and the loop's own overhead, the rest, as a share of the step (target < 5%)
+and of ``run()``'s wall time per step (which also holds the driver's own work between steps), then where that
+overhead goes: each phase's time outside its timed work (on one slot the sync phase carries the step's one
+round trip, or, where the worker ran the step ahead, its wait between the two steps). The recipe is measured
+twice: as it runs, and with ``runner.run_ahead=false``.
 It saves a plot to ``docs/img/scaling_work.png``.
 """
 
@@ -112,6 +114,7 @@ WORK_PARTS = tuple(  # env, inference, advantages_compute, train_compute
 )
 SIZES = [  # (label, overrides): one axis grows at a time from the recipe's own size
     ("num_envs 8 (recipe)", []),
+    ("recipe, no run-ahead", ["runner.run_ahead=false"]),
     ("num_envs 64", ["env.num_envs=64"]),
     ("num_envs 256", ["env.num_envs=256"]),
     ("num_envs 1024", ["env.num_envs=1024"]),
@@ -135,8 +138,13 @@ def work_row(cluster, overrides: list[str], steps: int) -> dict:
         Loop.from_recipe("ppo_cartpole", [*base, *overrides], cluster=cluster, run_dir=run_dir) as loop,
     ):
         loop.run(3, progress=False)
+        t0 = time.perf_counter()
         records = loop.run(steps, progress=False)
+        wall_s = (time.perf_counter() - t0) / steps
     row = {"step_s": float(np.median([r["time/step_s"] for r in records]))}
+    # the loop's overhead against run()'s wall time, which also holds the driver's work between steps
+    work_s = np.mean([sum(r[f"time/{part}_s"] for part in WORK_PARTS) for r in records])
+    row["wall_s"], row["wall_overhead_frac"] = wall_s, 1 - work_s / wall_s
     for part in WORK_PARTS:
         row[part] = float(np.median([r[f"time/{part}_s"] for r in records]))
     row["overhead_frac"] = float(np.median([r["time/overhead_frac"] for r in records]))
@@ -183,7 +191,7 @@ def pipe_round_trip_around(call_s: float, n: int = 60) -> float:
 def work_scaling(steps: int, plot: str | None) -> None:
     print(
         f"{'PPO step, ppo_cartpole':<22} {'step':>8} {'env':>8} {'inference':>9} {'GAE':>7} {'update':>8} "
-        f"{'overhead':>9} | its parts: {'sync':>7} {'rollout':>7} {'GAE':>7} {'update':>7}"
+        f"{'overhead':>9} {'of wall':>8} | its parts: {'sync':>7} {'rollout':>7} {'GAE':>7} {'update':>7}"
     )
     rows = []
     with rlnb.Cluster(slots=2, gpus=False) as cluster:
@@ -193,16 +201,20 @@ def work_scaling(steps: int, plot: str | None) -> None:
             print(
                 f"{label:<22} {r['step_s'] * 1e3:>6.1f}ms {r['env'] * 1e3:>6.1f}ms {r['inference'] * 1e3:>7.1f}ms "
                 f"{r['advantages_compute'] * 1e3:>5.1f}ms {r['train_compute'] * 1e3:>6.1f}ms "
-                f"{100 * r['overhead_frac']:>8.1f}% | {' ' * 11}"
+                f"{100 * r['overhead_frac']:>8.1f}% {100 * r['wall_overhead_frac']:>7.1f}% | {' ' * 11}"
                 + " ".join(f"{r[f'{p}_rest'] * 1e3:>5.2f}ms" for p in WORK_IN_PHASE),
                 flush=True,
             )
     recipe_step_s = rows[0][1]["step_s"]
     floor = pipe_round_trip_around(recipe_step_s)
+    by_label = dict(rows)
     print(
-        f"floor of the recipe's sync part: a raw multiprocessing.Pipe round trip around a {recipe_step_s * 1e3:.1f} ms "
+        f"floor of the recipe's round trip: a raw multiprocessing.Pipe round trip around a {recipe_step_s * 1e3:.1f} ms "
         f"call (the child busy, the parent asleep): p50 {floor * 1e3:.2f} ms, against 0.03-0.04 ms back to back; "
-        f"the recipe's sync part is {rows[0][1]['sync_rest'] / floor:.1f}x it"
+        f"the sync part without run-ahead (its round trip) is {by_label['recipe, no run-ahead']['sync_rest'] / floor:.1f}x "
+        f"it; with run-ahead there is no round trip in the step: its sync part, "
+        f"{by_label['num_envs 8 (recipe)']['sync_rest'] * 1e3:.2f} ms, is the worker's wait between two steps "
+        "(sending a reply, reading the next request) and the weight copy"
     )
     if plot:
         import matplotlib
