@@ -326,6 +326,34 @@ def test_a_run_ahead_stops_where_the_driver_would_and_leaves_the_workers_in_step
         assert [r["step"] for r in loop.history] == [1, 2, 3, 4]
 
 
+class HeadResettingActor(StepShowingActor):
+    def reset_critic_head(self) -> None:  # a user's reset of the value head: a new layer, assigned
+        self.policy.critic_head = torch.nn.Linear(self.policy.critic_head.in_features, 1)
+        torch.nn.init.constant_(self.policy.critic_head.weight, 0.5)
+
+    def critic_weight(self) -> torch.Tensor:
+        return self.policy.critic_head.weight.detach().clone()
+
+
+class CriticShowingRollout(rlnb.PolicyRollout):
+    def critic_weight(self) -> torch.Tensor:
+        return self.policy.critic_head.weight.detach().clone()
+
+
+def test_a_weight_sync_carries_a_layer_the_actor_replaced(cluster, tmp_path):
+    """The collocated weight sync copies tensor to tensor with the pairs it found once; a layer of the actor's
+    policy replaced since (a user resetting the value head) is found again, not left behind."""
+    with collocated_loop(
+        cluster, tmp_path, CriticShowingRollout, HeadResettingActor, steps=2, update_epochs=1
+    ) as loop:  # fmt: skip
+        loop.run(1, progress=False)  # (the pairs are found)
+        actor, rollout = loop.groups["actor"], loop.groups["rollout"]
+        actor.reset_critic_head().result()
+        loop.sync_weights()
+        synced = rollout.critic_weight().result()[0]
+        assert torch.equal(synced, actor.critic_weight().result()[0]) and torch.all(synced == 0.5)
+
+
 class ReusedBufferVectorEnv(gym.vector.VectorEnv):
     """A batched simulator that writes each step's observations into one array it returns every time (as
     simulators that avoid allocations do): ``obs[i] = (steps taken, i)``; an episode ends every 5 steps."""

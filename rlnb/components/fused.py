@@ -192,6 +192,30 @@ def _hooks_registered() -> int:
     return RemovableHandle.next_id
 
 
+_STRUCTURE = {"changes": 0, "watching": False}
+
+
+def _structure_changed(*_args) -> None:
+    """A global registration hook of torch (keeps the value it is given)."""
+    _STRUCTURE["changes"] += 1
+
+
+def structure_version() -> int:
+    """How many modules, parameters and buffers this process has registered since it first asked: torch calls
+    its global registration hooks whenever one is assigned as an attribute of a module or registered (a
+    replaced layer or parameter, ``load_state_dict(assign=True)``, a new module anywhere). While it stays the
+    same, no module's children, parameters or buffers were replaced. Not seen, as with hooks: writes into a
+    module's private dicts, ``del``, and a parameter set to ``None``."""
+    if not _STRUCTURE["watching"]:
+        from torch.nn.modules import module as module_globals
+
+        module_globals.register_module_module_registration_hook(_structure_changed)
+        module_globals.register_module_parameter_registration_hook(_structure_changed)
+        module_globals.register_module_buffer_registration_hook(_structure_changed)
+        _STRUCTURE["watching"] = True
+    return _STRUCTURE["changes"]
+
+
 def fused_ppo_step(
     policy: nn.Module, model: nn.Module, loss_fn, compiled: bool, previous: FusedPPOStep | None = None
 ) -> tuple[FusedPPOStep | None, str | None]:
