@@ -98,10 +98,14 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
     from playwright.sync_api import sync_playwright
 
     port = _free_port()
+    # the server's and its kernel's output go to a file, read on failure (a pipe nobody reads fills up and
+    # stops whoever writes to it next: the kernel, mid-run)
+    log_path = tmp_path / "voila.log"
+    log = open(log_path, "wb")  # noqa: SIM115 (closed in finally, after the server stopped)
     voila = subprocess.Popen(
         [sys.executable, "-m", "voila", str(NOTEBOOK), "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1",
          "--Voila.tornado_settings={'headers': {'Content-Security-Policy': ''}}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
         with sync_playwright() as p:
@@ -143,8 +147,13 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
             )  # zoomed
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             browser.close()
+    except BaseException:
+        _stop(voila)
+        print("the server's output, last 6000 characters:\n" + log_path.read_text(errors="replace")[-6000:])
+        raise
     finally:
         _stop(voila)
+        log.close()
 
 
 @pytest.mark.skipif(
