@@ -515,10 +515,10 @@ def _chain_payload(
     return first, [(g.name, g._ranks[0], method, tuple(args), {}) for g, method, args in calls]
 
 
-def _chain_request(
-    op: str, args: tuple, calls, then: RunAhead | None, timeout_s: float | None
-) -> ChainResult:
-    first, _ = _chain_payload(calls)
+def _chain_request(op: str, calls, then: RunAhead | None, timeout_s: float | None) -> ChainResult:
+    """Send ``chain`` (with the calls) or ``take_ahead`` (without: they ran already) and read its reply."""
+    first, payload = _chain_payload(calls)
+    args = (payload,) if op == "chain" else ()
     label = f"{op}({', '.join(f'{g.name}.{m}' for g, m, _ in calls)})"
     timeout_s = timeout_s if timeout_s is not None else sum(g.call_timeout_s for g, _, _ in calls)
     if then is not None:
@@ -593,7 +593,7 @@ def chain(
     """
     if not calls:
         return ChainResult([], ([], False, None))
-    return _chain_request("chain", (_chain_payload(calls)[1],), calls, then, timeout_s)
+    return _chain_request("chain", calls, then, timeout_s)
 
 
 def take_ahead(
@@ -607,7 +607,7 @@ def take_ahead(
         RemoteError: nothing ran ahead on that worker (or it was taken already).
         WorkerLostError, RemoteTimeoutError: as a call on the first group would.
     """
-    return _chain_request("take_ahead", (), calls, then, timeout_s)
+    return _chain_request("take_ahead", calls, then, timeout_s)
 
 
 @functools.lru_cache(maxsize=1024)
