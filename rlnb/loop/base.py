@@ -604,7 +604,8 @@ class LoopBase:
         log.info("step %d trains with %s", self.step + 1, changes)
 
     def pause(self) -> None:
-        """Hold a running ``run()`` at the next step boundary until :meth:`unpause` (or :meth:`stop`)."""
+        """Hold a running ``run()`` at the next step boundary until :meth:`unpause` (or :meth:`stop`); a step
+        the worker already runs ahead (``runner.run_ahead``) is finished first."""
         self._running.clear()
 
     def unpause(self) -> None:
@@ -616,7 +617,8 @@ class LoopBase:
         return not self._running.is_set()
 
     def request_save(self) -> None:
-        """Have ``run()`` write a checkpoint at the end of the step in progress (the dashboard's "save now")."""
+        """Have ``run()`` write a checkpoint at the end of the step in progress (the dashboard's "save now"), or
+        of the step after it if the worker already runs that one ahead (``runner.run_ahead``)."""
         self._save_requested = True
 
     def _wait_while_paused(self) -> None:
@@ -769,7 +771,8 @@ class LoopBase:
             )
 
     def stop(self) -> None:
-        """Ask a running ``run()`` to stop at the next step boundary."""
+        """Ask a running ``run()`` to stop at the next step boundary (after the step the worker already runs
+        ahead, if any: ``runner.run_ahead``)."""
         self._stop = True
 
     @property
