@@ -68,7 +68,7 @@ GLOSSARY: dict[str, str] = {
     "steer/ent_coef": "Entropy coefficient set between steps, logged on the first step using it.",
     "steer/clip_coef": "Clip coefficient set between steps, logged on the first step using it.",
     # time
-    "time/sync_s": "Seconds in sync_weights() (actor -> rollout weights).",
+    "time/sync_s": "Seconds in sync_weights() (actor -> rollout weights). On one collocated slot it also holds the step's one round trip or, for a step the worker ran ahead of the driver (runner.run_ahead), the worker's wait before it.",
     "time/rollout_s": "Seconds in rollout() (env stepping, inference, rewards, the batch hand-off).",
     "time/advantages_s": "Seconds in advantages().",
     "time/train_s": "Seconds in train(), compile time excluded.",
