@@ -336,9 +336,8 @@ class Cluster:
             warming = _import_in_background("rlnb.loop")  # the driver's own torch import, beside the workers'
             import dask
 
-            with dask.config.set(
-                _worker_profile_config()
-            ):  # (the nannies keep it for the workers they start)
+            # (the nannies keep it for the workers they start)
+            with dask.config.set(_worker_profile_config()):
                 self._local = self._start_local(slots, gpus, dashboard_address)
             self.address = self._local.scheduler_address
             self.client = Client(self._local, direct_to_workers=True)

@@ -331,9 +331,8 @@ class PPOActor(ActorBase):
         """Take one or more rollout batches (concatenated along the env axis) onto this rank's device."""
         keys = ("obs", "actions", "logprobs", "values", "rewards", "dones")
         dev = self.device
-        if (
-            len(batches) == 1
-        ):  # (the collocated hand-off: the rollout's tensors as they are, no copy on its device)
+        # the collocated hand-off: the rollout's tensors as they are, no copy on its device
+        if len(batches) == 1:
             batch = {k: batches[0][k].to(dev, non_blocking=True) for k in (*keys, "last_values")}
         else:
             batch = {k: torch.cat([b[k].to(dev, non_blocking=True) for b in batches], dim=1) for k in keys}
@@ -421,9 +420,8 @@ class PPOActor(ActorBase):
         out.update(epochs=epochs_run, lr=self.optimizer.param_groups[0]["lr"], compute_s=compute_s)
         if self.step_compiler is not None:
             out.update(self.step_compiler.report())  # compile time, once, apart from training time
-        with (
-            torch.no_grad()
-        ):  # 1 - Var[returns - values] / Var[returns], both variances in one op and one read
+        # 1 - Var[returns - values] / Var[returns], both variances in one op and one read
+        with torch.no_grad():
             var_returns, var_residual = (
                 torch.stack((b["returns"], b["returns"] - b["values"])).flatten(1).var(1).tolist()
             )

@@ -198,12 +198,10 @@ class Env:
                 final_obs = info["final_obs"][torch.as_tensor(final_idx, device=info["final_obs"].device)]
             elif len(final_idx):
                 final_obs = np.stack([info["final_obs"][i] for i in final_idx])
-        if self.obs_rms is not None or type(obs) is not np.ndarray or obs.dtype == np.float64:
-            obs = self._norm_obs(obs, update=True)  # (a float32 host array, unnormalised, is returned as is)
+        obs = self._norm_obs(obs, update=True)
         if final_obs is not None:
             final_obs = self._norm_obs(final_obs)
-        if self.ret_rms is not None:
-            reward = self._norm_reward(reward, done, idx)
+        reward = self._norm_reward(reward, done, idx)
         self.obs[stage] = obs
         return {
             "obs": obs,
@@ -215,7 +213,9 @@ class Env:
         }
 
     def _norm_obs(self, obs, update: bool = False):
-        if isinstance(obs, torch.Tensor):  # a simulator on a device: normalise there
+        # a simulator on a device: normalise there (a host array is told apart first: isinstance on torch's
+        # Tensor class costs more than the rest of this for one)
+        if type(obs) is not np.ndarray and isinstance(obs, torch.Tensor):
             obs = obs.float() if obs.dtype == torch.float64 else obs
             if self.obs_rms is None:
                 return obs

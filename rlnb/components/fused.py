@@ -78,9 +78,8 @@ def _walk(module: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]:
     (~6 µs instead of ~30 for the built-in policy: these checks run at every update and collection)."""
     modules, params, seen, seen_params = [], [], set(), set()
 
-    def visit(
-        m: nn.Module,
-    ) -> None:  # (pre-order, each module and parameter once, as torch's modules() walks)
+    # pre-order, each module and parameter once, as torch's modules() walks
+    def visit(m: nn.Module) -> None:
         seen.add(id(m))
         modules.append(m)
         for p in m._parameters.values():

@@ -45,20 +45,20 @@ class _Trajectory:
     def __init__(self, steps: int, stages: int):
         self.steps = steps
         self.obs: list = [None] * stages  # per stage: a numpy buffer [T, n, ...] or a list of tensors
-        self.acted: list[list] = [
-            [] for _ in range(stages)
-        ]  # per stage: (actions, logprobs, values) per step
+        # per stage: (actions, logprobs, values) per step
+        self.acted: list[list] = [[] for _ in range(stages)]
         self.rewards: list = [None] * stages  # per stage: float32 [T, n]
         self.dones: list = [None] * stages  # per stage: bool [T, n] (float32 in the batch)
 
     def act(self, stage: int, t: int, obs, actions, logprobs, values) -> None:
         """Record what the policy saw and did at step ``t`` (a stage's steps in order)."""
         buffer = self.obs[stage]
+        if buffer is None:  # (the stage's first step)
+            buffer = self.obs[stage] = (
+                np.empty((self.steps, *obs.shape), obs.dtype) if type(obs) is np.ndarray else []
+            )
         if type(buffer) is np.ndarray:
             buffer[t] = obs
-        elif buffer is None:
-            self.obs[stage] = np.empty((self.steps, *obs.shape), obs.dtype) if type(obs) is np.ndarray else []
-            return self.act(stage, t, obs, actions, logprobs, values)
         else:
             buffer.append(torch.as_tensor(obs))
         self.acted[stage].append((actions, logprobs, values))

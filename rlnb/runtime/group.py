@@ -543,21 +543,18 @@ def _waking_without_preempting():
     woken thread on the sender's CPU, ahead of it. Here the sender goes on with the next step, which then
     waited for the driver's own work: ~0.2 ms a step, measured as the worker's `send` on a 2-CPU VM, and
     ~0.02 ms with this. A batch thread never preempts on waking (it runs once a CPU is free for it)."""
-    policy = None
-    try:
-        policy = os.sched_getscheduler(0)
-        if policy != os.SCHED_OTHER:  # (a real-time or idle driver thread is left as its user set it)
-            policy = None
-        else:
+    try:  # (a real-time or idle driver thread is left as its user set it)
+        batch = os.sched_getscheduler(0) == os.SCHED_OTHER
+        if batch:
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux, or not allowed
-        policy = None
+        batch = False
     try:
         yield
     finally:
-        if policy is not None:
+        if batch:
             with contextlib.suppress(OSError):
-                os.sched_setscheduler(0, policy, os.sched_param(0))
+                os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
 
 def chain(
