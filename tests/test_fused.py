@@ -223,6 +223,9 @@ def test_fused_act_is_the_policys_act_bit_for_bit(activation, batch):
             for a, b in zip(policy.act(o, g1, deterministic), act(o, g2, deterministic)):
                 assert torch.equal(a, b)
     assert torch.equal(g1.get_state(), g2.get_state())  # the same draws
+    for o in obs:  # bootstrap and last values: the critic's kernels alone, the values act gives
+        value = policy.value(o)
+        assert torch.equal(value, act.value(o)) and torch.equal(value, policy.act(o, g1)[2])
 
 
 def test_fused_act_is_used_only_where_it_computes_what_act_would():
@@ -245,8 +248,12 @@ class ActWatchingRollout(rlnb.PolicyRollout):
         self.through = type(self._policy_act).__name__
         return super().act(obs, deterministic)
 
-    def acted_through(self) -> str:
-        return self.through
+    def _values(self, obs):
+        self.valued_through = type(getattr(self._policy_value, "__self__", None)).__name__
+        return super()._values(obs)
+
+    def acted_through(self) -> tuple[str, str]:
+        return self.through, self.valued_through
 
 
 def test_the_next_collection_uses_the_same_fused_act_while_the_policy_still_fits_it(monkeypatch):
@@ -275,4 +282,4 @@ def test_a_collection_on_a_worker_calls_the_policy_through_fused_act(cluster, tm
         cluster, tmp_path, ActWatchingRollout, steps=1, steps_per_rollout=8, update_epochs=1
     ) as loop:
         loop.run(progress=False)
-        assert loop.groups["rollout"].acted_through().result() == ["FusedAct"]
+        assert loop.groups["rollout"].acted_through().result() == [("FusedAct", "FusedAct")]

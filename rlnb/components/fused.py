@@ -412,6 +412,10 @@ class FusedAct:
         logprob = logp_all.gather(-1, actions[:, None]).squeeze(-1)
         return actions, logprob, self._mlp(self.critic_layers, self.critic_act, x).squeeze(-1)
 
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        """``value [B]``, as ``ActorCritic.value`` returns it (the critic's kernels only)."""
+        return self._mlp(self.critic_layers, self.critic_act, obs.flatten(1)).squeeze(-1)
+
 
 def fused_act(policy: nn.Module, previous: FusedAct | None = None):
     """A :class:`FusedAct` for ``policy`` where it computes exactly what ``policy.act`` would (the built-in

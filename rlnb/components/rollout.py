@@ -186,6 +186,7 @@ class PolicyRollout(RolloutBase):
     launch = launcher("rollout")
     _policy_act = None  # within a collection: the policy's act, fused where it can be (see _collecting)
     _fused_act = None  # the last collection's FusedAct, used again while the policy fits it
+    _policy_value = None  # within a collection: the FusedAct's values, where it has one (see _collecting)
 
     def __init__(
         self,
@@ -254,27 +255,37 @@ class PolicyRollout(RolloutBase):
     @contextlib.contextmanager
     def _collecting(self):
         """For one collection, ``act`` calls the policy through :func:`rlnb.components.fused.fused_act`:
-        the built-in MLP policy's own kernels without its module calls, the same values bit for bit."""
+        the built-in MLP policy's own kernels without its module calls, the same values bit for bit; its
+        bootstrap and last values likewise."""
         self._policy_act = fused_act(self.policy, self._fused_act)
         self._fused_act = self._policy_act if isinstance(self._policy_act, FusedAct) else None
+        self._policy_value = self._fused_act.value if self._fused_act is not None else None
         try:
             yield
         finally:
-            self._policy_act = None
+            self._policy_act = self._policy_value = None
+
+    def _values(self, obs) -> torch.Tensor:
+        """``value [n]`` of a batch of observations, a CPU tensor."""
+        with torch.no_grad():
+            return (self._policy_value or self.policy.value)(torch.as_tensor(obs, device=self.device)).cpu()
 
     def env_actions(self, actions: torch.Tensor) -> np.ndarray:
         a = actions.numpy()
         return np.clip(a, self.low, self.high) if self.low is not None and not self.discrete else a
 
     def _record_step(self, traj: _Trajectory, stage: int, t: int, out: dict) -> float:
-        """Rewards/dones of step ``t``; truncated episodes get ``gamma * V(final_obs)`` added to their reward.
-        Returns the seconds of that value forward (inference)."""
+        """Rewards/dones of step ``t`` and :meth:`_bootstrap`; returns the seconds of its value forward."""
         traj.outcome(stage, t, out["reward"], out["terminated"], out["truncated"])
-        if out["final_obs"] is None or not len(out["final_idx"]):
+        return 0.0 if out["final_obs"] is None else self._bootstrap(traj, stage, t, out)
+
+    def _bootstrap(self, traj: _Trajectory, stage: int, t: int, out: dict) -> float:
+        """Truncated episodes of step ``t`` get ``gamma * V(final_obs)`` added to their reward. Returns the
+        seconds of that value forward (inference)."""
+        if not len(out["final_idx"]):
             return 0.0
         t0 = time.perf_counter()
-        with torch.no_grad():
-            v = self.policy.value(torch.as_tensor(out["final_obs"], device=self.device)).cpu().numpy()
+        v = self._values(out["final_obs"]).numpy()
         seconds = time.perf_counter() - t0
         traj.rewards[stage][t, out["final_idx"]] += self.gamma * v
         return seconds
@@ -283,8 +294,7 @@ class PolicyRollout(RolloutBase):
         """The batch (``self.batch``) and its summary, and the seconds of the last values' forward."""
         batch = traj.batch()
         t0 = time.perf_counter()
-        with torch.no_grad():
-            values = [self.policy.value(torch.as_tensor(o, device=self.device)).cpu() for o in last_obs]
+        values = [self._values(o) for o in last_obs]
         batch["last_values"] = values[0] if len(values) == 1 else torch.cat(values)
         seconds = time.perf_counter() - t0
         batch["version"] = self.version
@@ -309,18 +319,26 @@ class PolicyRollout(RolloutBase):
         inference_s = 0.0  # every forward of the policy: actions, bootstrap values, last values
         perf_counter = time.perf_counter
         with self._collecting():
-            act, env_actions, env_step, record = self.act, self.env_actions, env_obj.step, self._record_step
+            act, env_step, outcome, bootstrap = self.act, env_obj.step, traj.outcome, self._bootstrap
+            # (the built-in env_actions of discrete or unbounded actions is the tensor's numpy view: one call)
+            to_env = (
+                torch.Tensor.numpy
+                if type(self).env_actions is PolicyRollout.env_actions and (self.low is None or self.discrete)
+                else self.env_actions
+            )
             stages = range(env_obj.stages)
             for t in range(steps):
-                for s in stages:
+                for s in stages:  # (what _record_step does, inline)
                     t0 = perf_counter()
                     actions, logprob, value = act(obs[s])
                     inference_s += perf_counter() - t0
                     traj.act(s, t, obs[s], actions, logprob, value)
-                    out = env_step(s, env_actions(actions))
-                    inference_s += record(traj, s, t, out)
+                    out = env_step(s, to_env(actions))
+                    outcome(s, t, out["reward"], out["terminated"], out["truncated"])
+                    if out["final_obs"] is not None:
+                        inference_s += bootstrap(traj, s, t, out)
                     obs[s] = out["obs"]
-        summary, last_values_s = self._finish(traj, obs)
+            summary, last_values_s = self._finish(traj, obs)
         # the work, timed where it ran; the rest of the call is the loop's overhead
         summary.update(env_s=env_obj.pop_sim_s(), inference_s=inference_s + last_values_s)
         if actor is not None:

@@ -160,7 +160,9 @@ class ActorCritic(nn.Module):
         return Normal(mean, self.log_std.exp().expand_as(mean), validate_args=False)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:  # (B, ...) -> (B,)
-        return self.critic_head(self._features(obs)[1]).squeeze(-1)
+        # the critic's path of _features only: the actor's trunk has no part in a value
+        h = self.trunk(obs.flatten(1) if isinstance(self.trunk, nn.Flatten) else obs)
+        return self.critic_head(self.critic_trunk(h)).squeeze(-1)
 
     def act(self, obs: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = False):
         """Sample actions: ``(actions, logprob [B], value [B])``; ``generator`` makes sampling reproducible."""
