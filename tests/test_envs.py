@@ -144,3 +144,40 @@ def test_a_collection_adds_the_discounted_value_of_the_last_observation_to_a_tru
         assert batch["dones"][t].tolist() == [float(t in (2, 5))] * 4
     assert batch["obs"][:, 0, 0].tolist() == [0, 1, 2, 0, 1, 2]
     assert env.pop_episodes() == [(3.0, 3)] * 8
+
+
+class EvalObsRollout(__import__("rlnb").PolicyRollout):
+    """Keeps the first observations its evaluation acts on (the only deterministic ``act`` of a run)."""
+
+    eval_obs = None
+
+    def act(self, obs, deterministic: bool = False):
+        if deterministic and self.eval_obs is None:
+            self.eval_obs = np.array(obs)
+        return super().act(obs, deterministic)
+
+    def first_eval_obs(self):
+        return self.eval_obs
+
+
+def test_evaluation_normalises_observations_with_the_training_statistics_on_a_worker(cluster, tmp_path):
+    import rlnb
+    from rlnb.loop import Loop
+
+    env = rlnb.Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4, normalize_obs=True)
+    rollout = rlnb.launch(EvalObsRollout, cluster, "0", name="rollout")
+    actor = rlnb.launch(rlnb.PPOActor, cluster, "0", name="actor")
+    runner = {"tensorboard": False, "steps": 3, "eval_episodes": 2}
+    with Loop(
+        env=env, rollout=rollout, actor=actor, steps_per_rollout=16, runner=runner, run_dir=tmp_path
+    ) as loop:
+        loop.run(progress=False)
+        loop.evaluate()
+        trained = env.obs_normalization().result()[0]
+        seen = rollout.first_eval_obs().result()[0]
+        seed = loop.recipe.seed + 1_000_003
+    # the evaluation's fresh envs, reset as it resets them, normalised with what training had learnt (frozen)
+    raw = Env(EnvConfig(id="CartPole-v1", num_envs=2, pipeline_stages=1), seed=seed).reset()[0]
+    assert trained.count > 3 * 16 * 4  # (training's statistics, not a fresh normaliser's)
+    np.testing.assert_allclose(seen, trained.normalize(raw), rtol=1e-6)
+    assert Env(EnvConfig(id="CartPole-v1", num_envs=2), normalize_obs=False).obs_normalization() is None

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -109,6 +110,7 @@ class Env:
         self._ones = np.ones(n, dtype=np.int64)  # (adding an array of ones takes half the time of adding 1)
         self.finished: list[tuple[float, int]] = []  # episodes finished since the last pop_episodes()
         self.obs_rms = RunningMeanStd(self.observation_space.shape) if self.cfg.normalize_obs else None
+        self.obs_rms_frozen = False  # evaluation: normalise with training's statistics, unchanged
         self.ret_rms = RunningMeanStd(()) if self.cfg.normalize_reward else None
         self.disc_return = np.zeros(n)
         self.started = False
@@ -198,7 +200,7 @@ class Env:
                 final_obs = info["final_obs"][torch.as_tensor(final_idx, device=info["final_obs"].device)]
             elif len(final_idx):
                 final_obs = np.stack([info["final_obs"][i] for i in final_idx])
-        obs = self._norm_obs(obs, update=True)
+        obs = self._norm_obs(obs, update=not self.obs_rms_frozen)
         if final_obs is not None:
             final_obs = self._norm_obs(final_obs)
         reward = self._norm_reward(reward, done, idx)
@@ -231,6 +233,17 @@ class Env:
         if update:
             self.obs_rms.update(obs)
         return self.obs_rms.normalize(obs)
+
+    def obs_normalization(self) -> RunningMeanStd | None:
+        """A copy of the running mean and variance observations are normalised with (``env.normalize_obs``),
+        or ``None`` when they are not normalised."""
+        return copy.deepcopy(self.obs_rms)
+
+    def normalize_obs_with(self, statistics: RunningMeanStd) -> None:
+        """Normalise observations with ``statistics`` (:meth:`obs_normalization` of a training env) from now
+        on, without updating them: what an evaluation must see, as SB3's ``VecNormalize(training=False)``.
+        Call it before :meth:`reset`."""
+        self.obs_rms, self.obs_rms_frozen = copy.deepcopy(statistics), True
 
     def _norm_reward(self, reward: np.ndarray, done: np.ndarray, idx: slice) -> np.ndarray:
         if self.ret_rms is None:

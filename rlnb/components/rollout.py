@@ -396,13 +396,16 @@ class PolicyRollout(RolloutBase):
         }
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, env_spec: dict, episodes: int, seed: int) -> dict:
+    def evaluate(self, env_spec: dict, episodes: int, seed: int, obs_normalization=None) -> dict:
         """Deterministic episodes on fresh envs built from ``env_spec`` (:meth:`Env.spec`); returns
-        ``return_mean``, ``return_std``, ``len_mean``."""
+        ``return_mean``, ``return_std``, ``len_mean``. ``obs_normalization``: a training env's
+        :meth:`Env.obs_normalization`, which these envs then normalise with, frozen."""
         n = min(episodes, 8)
         env = Env(
             env_spec["config"], seed=seed, make_env=env_spec.get("make_env"), num_envs=n, pipeline_stages=1
         )
+        if obs_normalization is not None:
+            env.normalize_obs_with(obs_normalization)
         obs = env.reset()[0]
         returns: list[tuple[float, int]] = []
         while len(returns) < episodes:

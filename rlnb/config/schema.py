@@ -236,7 +236,8 @@ class EnvConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments to ``gymnasium.make``."""
     normalize_obs: bool = False
-    """Normalise observations with running statistics (continuous control)."""
+    """Normalise observations with running statistics (continuous control); evaluation (and an exported policy)
+    normalise with env rank 0's statistics as training left them, frozen."""
     normalize_reward: bool = False
     """Scale rewards by a running std of discounted returns (continuous control)."""
 

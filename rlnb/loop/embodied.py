@@ -445,8 +445,17 @@ class Loop(LoopBase):
             )
         self._sync_rollout()  # evaluate the current weights
         n = episodes or self.recipe.runner.eval_episodes
+        # observations normalised as in training: with env rank 0's statistics as they are now, frozen
+        normalization = (
+            (self.groups["env"].on(0).obs_normalization().result()[0],)
+            if self.env_spec["config"].normalize_obs
+            else ()
+        )
         res = (
-            self.groups["rollout"].on(0).evaluate(self.env_spec, n, self.recipe.seed + 1_000_003).result()[0]
+            self.groups["rollout"]
+            .on(0)
+            .evaluate(self.env_spec, n, self.recipe.seed + 1_000_003, *normalization)
+            .result()[0]
         )
         record = {f"eval/{k}": v for k, v in res.items()}
         record["time/eval_s"] = time.perf_counter() - t0
