@@ -42,6 +42,8 @@ _LAZY = {
     "launch": "rlnb.components",
     "Loop": "rlnb.loop",
     "GRPOLoop": "rlnb.loop",
+    "load_policy": "rlnb.export",
+    "TrainedPolicy": "rlnb.export",
 }
 
 
@@ -109,11 +111,13 @@ __all__ = [
     "RewardWorker",
     "RlnbError",
     "Slot",
+    "TrainedPolicy",
     "UnknownNameError",
     "WorkerLostError",
     "current_rank",
     "init_collective",
     "launch",
+    "load_policy",
     "process_group",
     "warm_up",
 ]

@@ -1,5 +1,5 @@
-"""The ``rlnb`` command line: ``rlnb run RECIPE [key=value ...]``, ``rlnb eval RUN_DIR``, ``rlnb info``,
-``rlnb recipes``, ``rlnb demo``.
+"""The ``rlnb`` command line: ``rlnb run RECIPE [key=value ...]``, ``rlnb eval RUN_DIR``, ``rlnb export RUN_DIR``,
+``rlnb info``, ``rlnb recipes``, ``rlnb demo``.
 
 Exit codes: 0 success, 2 bad usage or config, 1 run failure, 130 stopped by Ctrl-C (after a checkpoint).
 """
@@ -121,16 +121,38 @@ def _run(args) -> int:
     return 130 if loop.stopped else 0  # 130: stopped by Ctrl-C, after a checkpoint
 
 
-def _eval(args) -> int:
+def _resume(run_dir: str):
+    """The loop of ``run_dir`` at its latest checkpoint."""
     from pathlib import Path
 
     from rlnb.config import load_recipe
     from rlnb.loop import loop_class
 
-    recipe_file = Path(args.run_dir) / "recipe.yaml"
+    recipe_file = Path(run_dir) / "recipe.yaml"
     if not recipe_file.exists():
-        raise ConfigError(f"{args.run_dir} is not a run directory (no recipe.yaml)", "run_dir")
-    loop = loop_class(load_recipe(recipe_file)).resume(args.run_dir)
+        raise ConfigError(f"{run_dir} is not a run directory (no recipe.yaml)", "run_dir")
+    return loop_class(load_recipe(recipe_file)).resume(run_dir)
+
+
+def _export(args) -> int:
+    from rlnb.loop import GRPOLoop
+
+    loop = _resume(args.run_dir)
+    try:
+        path = loop.export(args.out)
+        how = (
+            f"transformers.AutoModelForCausalLM.from_pretrained({str(path)!r})"
+            if isinstance(loop, GRPOLoop)
+            else f"rlnb.load_policy({str(path)!r}).predict(obs)"
+        )
+        print(f"rlnb: exported {args.run_dir} at step {loop.step} to {path}; load it with {how}")
+    finally:
+        loop.close()
+    return 0
+
+
+def _eval(args) -> int:
+    loop = _resume(args.run_dir)
     try:
         res = loop.evaluate(args.episodes)
         print(
@@ -185,6 +207,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--episodes", type=int, default=None, help="episodes (default: the recipe's runner.eval_episodes)"
     )
     p.set_defaults(fn=_eval)
+    p = sub.add_parser(
+        "export",
+        help="write a run's trained policy (or LM, in Hugging Face format) from its latest checkpoint",
+        description="Export the trained policy of a run directory's latest checkpoint: a policy file that "
+        "rlnb.load_policy reads (embodied), or a save_pretrained directory (LM).",
+    )
+    p.add_argument("run_dir")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="where to write it (default RUN_DIR/policy.pt, or RUN_DIR/model for an LM)",
+    )
+    p.set_defaults(fn=_export)
     p = sub.add_parser("recipes", help="list bundled recipes", description="List the bundled recipes")
     p.set_defaults(fn=_recipes)
     return parser

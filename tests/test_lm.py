@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker
 from rlnb.config import AlgorithmConfig, RecipeError, load_recipe
@@ -674,6 +675,14 @@ def test_grpo_raises_reward(cluster, tmp_path):
         assert len(computed) == 60 and min(computed) < 1.0, computed
         rank0, rank1 = loop.groups["actor"].policy_state().result(60)  # DDP kept the replicas equal
         assert all(torch.equal(w, rank1[name]) for name, w in rank0.items())
+        # the trained model in Hugging Face format, as transformers loads it, and nothing left beside it
+        exported = loop.export()
+        assert exported == tmp_path / "run" / "model"
+        model = AutoModelForCausalLM.from_pretrained(exported)
+        assert model.state_dict().keys() == rank0.keys()
+        assert all(torch.equal(w, rank0[name]) for name, w in model.state_dict().items())
+        assert AutoTokenizer.from_pretrained(exported)("3+4=")["input_ids"]
+        assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".")]
         for k in (
             "rollout/tokens_per_s",
             "rollout/response_len_mean",

@@ -12,6 +12,7 @@ Example (in-process; ``PPOActor.launch(cluster, "1", ...)`` places the same on a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import math
@@ -299,6 +300,10 @@ class PPOActor(ActorBase):
         """Weights for the rollout: a detached copy on the actor's device (on a GPU they reach the rollout
         by CUDA IPC on one node, with no host round trip)."""
         return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+
+    def policy_module(self) -> torch.nn.Module:
+        """A copy of the policy on the CPU, in eval mode, without gradients (what ``Loop.export`` saves)."""
+        return copy.deepcopy(self.policy).cpu().eval().requires_grad_(False)
 
     def copy_policy_into(self, module: torch.nn.Module) -> bool:
         """Copy the policy's weights into ``module`` in this process (a collocated rollout's copy of the same

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import time
 
 import torch
@@ -1190,10 +1191,25 @@ class LMActor(ActorBase):
         return loss, metrics
 
     def export_hf(self, path: str) -> str:
-        """Write the current model in Hugging Face format (``save_pretrained``)."""
-        self.policy.save_pretrained(path)
-        self.tok.save_pretrained(path)
-        return path
+        """Write the current model and its tokenizer in Hugging Face format (``save_pretrained``) to the directory
+        ``path`` on this worker, atomically: into a temporary directory beside it, then renamed (a directory
+        already there is replaced)."""
+        import shutil
+        import uuid
+        from pathlib import Path
+
+        final = Path(path)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:6]}")
+        try:
+            self.policy.save_pretrained(tmp)
+            self.tok.save_pretrained(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return str(final)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "ref": self.ref.state_dict() if self.ref is not None else None}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from pathlib import Path
 
 from rlnb.algorithms.contract import EMBODIED, check_algorithm
 from rlnb.components.actor import PPOActor
@@ -193,7 +194,7 @@ class Loop(LoopBase):
     def _compose(self) -> None:
         env, rollout, actor = (self.groups[k] for k in self.COMPONENTS)
         p = self.placement
-        obs_space, act_space = env.on(0).spaces().result()[0]
+        obs_space, act_space = self.spaces = env.on(0).spaces().result()[0]
         self.env_spec = env.on(0).spec().result()[0]
         self._bind_checked(
             [rollout.bind_spaces(obs_space, act_space), actor.bind_spaces(obs_space, act_space)]
@@ -461,6 +462,27 @@ class Loop(LoopBase):
         record["time/eval_s"] = time.perf_counter() - t0
         self.logger.log(self.step, record)
         return record
+
+    def export(self, path=None) -> Path:
+        """Write the trained policy to ``path`` (default ``<run_dir>/policy.pt``), atomically, with what acts on an
+        env's raw observations: the env's observation normalisation as it is now, frozen (``env.normalize_obs``),
+        and its spaces. :func:`rlnb.load_policy` reads it in any process, with no cluster. Returns the path.
+
+        Example:
+            >>> path = loop.export()                                                  # doctest: +SKIP
+            >>> policy = rlnb.load_policy(path)                                       # doctest: +SKIP
+            >>> action = policy.predict(obs)  # obs from gymnasium.make(...).reset()   # doctest: +SKIP
+        """
+        from rlnb.export import TrainedPolicy
+
+        module = self.groups["actor"].on(0).policy_module().result()[0]
+        normalization = (
+            self.groups["env"].on(0).obs_normalization().result()[0]
+            if self.env_spec["config"].normalize_obs
+            else None
+        )
+        policy = TrainedPolicy(module, *self.spaces, normalization, step=self.step, source=str(self.run_dir))
+        return policy.save(Path(path) if path is not None else self.run_dir / "policy.pt")
 
     # ------------------------------------------------------------------ metrics
     def episode_stats(self) -> dict:

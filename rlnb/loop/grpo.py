@@ -524,6 +524,18 @@ class GRPOLoop(LoopBase):
         self.last_samples = [(p.prompt, t, p.answer) for p, t in zip(problems[:8], texts[:8])]
         return record
 
+    def export(self, path=None) -> Path:
+        """Write the trained model and its tokenizer in Hugging Face format (``save_pretrained``) to the directory
+        ``path`` (default ``<run_dir>/model``), atomically, for ``transformers``' ``from_pretrained`` or vLLM.
+        Actor rank 0 writes it, on its worker's filesystem (as checkpoints are written). Returns the path.
+
+        Example:
+            >>> path = loop.export()                                                  # doctest: +SKIP
+            >>> model = transformers.AutoModelForCausalLM.from_pretrained(path)       # doctest: +SKIP
+        """
+        path = Path(path) if path is not None else self.run_dir / "model"
+        return Path(self.groups["actor"].on(0).export_hf(str(path.absolute())).result()[0])
+
     def _run_steps(self, steps: int, progress: bool) -> list[dict]:
         """The whole pipeline: SFT (if ``actor.sft_steps`` and not done), ``eval/accuracy`` at step 0, then GRPO."""
         if self.step == 0 and not self.sft_done:

@@ -1,0 +1,166 @@
+"""A trained embodied policy on its own, out of the loop: save it, load it anywhere, act with it.
+
+``Loop.export()`` (or ``rlnb export RUN_DIR``) writes the actor's policy with what turns an env's observations
+into its input (the frozen observation normalisation of ``env.normalize_obs``) and its output into the env's
+actions (continuous actions clipped to the action space, as the rollout clips them). :func:`load_policy` reads
+it back in any process, with no cluster, Dask or rlnb component running; a policy class defined in a notebook
+cell travels with the file (pickled by value).
+
+Example:
+    >>> import gymnasium as gym, rlnb                                           # doctest: +SKIP
+    >>> policy = rlnb.load_policy("runs/ppo_cartpole-20261124-054820-70c1/policy.pt")  # doctest: +SKIP
+    >>> env = gym.make("CartPole-v1")                                            # doctest: +SKIP
+    >>> obs, _ = env.reset(seed=0)                                               # doctest: +SKIP
+    >>> obs, reward, terminated, truncated, _ = env.step(policy.predict(obs))    # doctest: +SKIP
+
+The file is a pickle (``torch.load(..., weights_only=False)``): load only files you trust, as with any pickle.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlnb.errors import RlnbError
+
+FORMAT = "rlnb-policy/1"
+
+
+class PolicyFileError(RlnbError, ValueError):
+    """A file that is not a policy :meth:`TrainedPolicy.save` wrote (or from a newer format)."""
+
+
+class TrainedPolicy:
+    """A trained policy module with what it needs to act on an env's raw observations.
+
+    Args:
+        module: the policy (``act(obs, generator, deterministic) -> (actions, logprob, value)``, the actor-critic
+            contract of :func:`rlnb.models.make_policy`), on the CPU.
+        observation_space: the env's ``gymnasium`` observation space.
+        action_space: the env's action space (``Discrete`` or ``Box``).
+        obs_normalization: the frozen running mean and variance observations are normalised with
+            (:meth:`rlnb.Env.obs_normalization`), or ``None``.
+        step: the training step the weights are from.
+        source: where they come from (a run directory).
+    """
+
+    def __init__(
+        self,
+        module,
+        observation_space,
+        action_space,
+        obs_normalization=None,
+        step: int = 0,
+        source: str = "",
+    ):
+        import gymnasium as gym
+
+        self.module = module.eval()
+        self.observation_space, self.action_space = observation_space, action_space
+        self.obs_normalization = obs_normalization
+        self.step, self.source = step, source
+        self.discrete = isinstance(action_space, gym.spaces.Discrete)
+
+    def predict(self, obs, deterministic: bool = True) -> np.ndarray:
+        """Actions for one observation (shaped as the observation space) or a batch ``[B, ...]`` of them, as the
+        env takes them: a numpy array, one action per observation (clipped to the action space where it is
+        continuous). ``deterministic=False`` samples, from torch's global RNG.
+
+        Raises:
+            ValueError: an observation that is not shaped as the observation space (or a batch of it).
+        """
+        import torch
+
+        obs = np.asarray(obs)
+        shape = tuple(self.observation_space.shape)
+        single = obs.shape == shape
+        if not single and obs.shape[1:] != shape:
+            raise ValueError(
+                f"predict: expected an observation of shape {shape} or a batch [B, {', '.join(map(str, shape))}], "
+                f"got shape {obs.shape}"
+            )
+        batch = obs[None] if single else obs
+        if self.obs_normalization is not None:  # as the env normalised them in training (Env._norm_obs)
+            batch = self.obs_normalization.normalize(batch)
+        elif batch.dtype == np.float64:
+            batch = batch.astype(np.float32)
+        with torch.no_grad():
+            actions = self.module.act(torch.as_tensor(batch), None, deterministic)[0].numpy()
+        if not self.discrete:  # sampled unbounded, clipped for the env (PolicyRollout.env_actions)
+            actions = np.clip(actions, self.action_space.low, self.action_space.high)
+        return actions[0] if single else actions
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write this policy to ``path`` atomically (a temporary file, then renamed); returns the path."""
+        import cloudpickle
+        import torch
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:6]}")
+        state = {
+            "format": FORMAT,
+            "module": self.module,
+            "observation_space": self.observation_space,
+            "action_space": self.action_space,
+            "obs_normalization": self.obs_normalization,
+            "step": self.step,
+            "source": self.source,
+        }
+        try:
+            with open(tmp, "wb") as f:
+                # by value where a class is not importable (defined in a notebook cell or a script's __main__)
+                torch.save(state, f, pickle_module=cloudpickle)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+    def __repr__(self) -> str:  # local state only
+        kind = "discrete" if self.discrete else "continuous"
+        norm = ", normalised observations" if self.obs_normalization is not None else ""
+        return (
+            f"TrainedPolicy({type(self.module).__name__}, step {self.step}, obs {tuple(self.observation_space.shape)}"
+            f", {kind} actions {self.action_space}{norm}"
+            + (f", from {self.source}" if self.source else "")
+            + ")"
+        )
+
+
+def load_policy(path: str | os.PathLike) -> TrainedPolicy:
+    """Read a policy :meth:`TrainedPolicy.save` (``Loop.export``, ``rlnb export``) wrote. A run directory
+    stands for its ``policy.pt``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        PolicyFileError: a file that is not such a policy.
+    """
+    import torch
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "policy.pt"
+    if not path.is_file():
+        hint = " (write one with loop.export() or `rlnb export RUN_DIR`)" if path.name == "policy.pt" else ""
+        raise FileNotFoundError(f"load_policy: no policy file at {path}{hint}")
+    try:
+        state: Any = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise PolicyFileError(f"load_policy: {path} is not a policy file ({type(e).__name__}: {e})") from e
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise PolicyFileError(f"load_policy: {path}: expected format {FORMAT!r}, found {found!r}")
+    return TrainedPolicy(
+        state["module"],
+        state["observation_space"],
+        state["action_space"],
+        state["obs_normalization"],
+        state["step"],
+        state["source"],
+    )

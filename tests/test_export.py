@@ -1,0 +1,138 @@
+"""Trained policies out of rlnb: written from runs on workers, loaded in processes with no cluster, acting as trained."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import rlnb
+from rlnb.export import PolicyFileError, TrainedPolicy, load_policy
+from rlnb.loop import Loop
+
+RLNB = [sys.executable, "-m", "rlnb.cli"]
+
+
+class DeterministicRollout(rlnb.PolicyRollout):
+    """Says which actions its policy takes, deterministically, on given (already normalised) observations."""
+
+    def act_deterministic(self, obs):
+        return self.act(obs, deterministic=True)[0]
+
+
+def test_an_exported_policy_acts_on_raw_observations_as_the_rollout_on_normalised_ones(cluster, tmp_path):
+    env = rlnb.Env.launch(cluster, "0", make_env="Pendulum-v1", num_envs=4, normalize_obs=True)
+    rollout = rlnb.launch(DeterministicRollout, cluster, "0", name="rollout")
+    actor = rlnb.launch(rlnb.PPOActor, cluster, "0", name="actor")
+    runner = {"tensorboard": False, "steps": 3}
+    with Loop(
+        env=env, rollout=rollout, actor=actor, steps_per_rollout=16, runner=runner, run_dir=tmp_path
+    ) as loop:
+        loop.run(progress=False)
+        path = loop.export()
+        loop.sync_weights()  # the rollout acts with the weights exported
+        trained = env.obs_normalization().result()[0]
+        # Pendulum's raw observations: cos, sin, angular velocity in [-8, 8]
+        raw = np.random.default_rng(0).uniform([-1, -1, -8], [1, 1, 8], size=(64, 3)).astype(np.float32)
+        expected = np.clip(rollout.act_deterministic(trained.normalize(raw)).result()[0].numpy(), -2.0, 2.0)
+    assert path == tmp_path / "policy.pt" and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    policy = load_policy(tmp_path)  # (a run directory stands for its policy.pt)
+    assert policy.step == 3 and policy.source == str(tmp_path) and "normalised observations" in repr(policy)
+    np.testing.assert_array_equal(policy.predict(raw), expected)
+    # one observation, one action (a batch of one may round otherwise in the last bit)
+    np.testing.assert_allclose(policy.predict(raw[5]), expected[5], rtol=1e-5)
+    # the same weights without the normalisation the file carries act otherwise
+    bare = TrainedPolicy(policy.module, policy.observation_space, policy.action_space)
+    assert not np.array_equal(bare.predict(raw), expected)
+    with pytest.raises(
+        ValueError, match=r"expected an observation of shape \(3,\) or a batch \[B, 3\], got shape"
+    ):
+        policy.predict(np.zeros(4))
+
+
+SCRIPT = """
+import sys
+
+import torch
+
+import rlnb
+from rlnb.loop import Loop
+
+
+class TinyPolicy(torch.nn.Module):  # defined in the script's __main__: no other process can import it
+    def __init__(self, obs_space, act_space):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 3)  # two logits and a value
+
+    def forward(self, obs):
+        out = self.net(obs)
+        return torch.distributions.Categorical(logits=out[:, :2]), out[:, 2]
+
+
+if __name__ == "__main__":
+    with rlnb.Cluster(slots=1, gpus=False) as cluster:
+        env = rlnb.Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4)
+        rollout = rlnb.PolicyRollout.launch(cluster, "0", policy=TinyPolicy)
+        actor = rlnb.PPOActor.launch(cluster, "0", policy=TinyPolicy)
+        runner = {"tensorboard": False, "steps": 1}
+        with Loop(env=env, rollout=rollout, actor=actor, steps_per_rollout=8, runner=runner, run_dir=sys.argv[1]) as loop:
+            loop.run(progress=False)
+            print(loop.export())
+            print(loop.groups["actor"].policy_module().result()[0].module.net.weight.tolist())
+"""
+
+
+def test_a_policy_class_from_a_scripts_main_is_exported_with_its_code_and_loads_in_another_process(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    path, weight = done.stdout.strip().splitlines()[-2:]
+    load = (
+        f"import rlnb; p = rlnb.load_policy({path!r}); print(type(p.module.module).__name__); "
+        "print(p.module.module.net.weight.tolist()); print(p.predict([0.0, 0.1, 0.0, -0.1]))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    name, loaded_weight, action = loaded.stdout.strip().splitlines()
+    assert name == "TinyPolicy" and loaded_weight == weight and action in ("0", "1")
+
+
+def test_rlnb_eval_and_rlnb_export_work_from_a_runs_latest_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    quiet = ["runner.tensorboard=false", "runner.eval_interval=0"]
+    done = subprocess.run(
+        [*RLNB, "run", "ppo_cartpole", "runner.steps=2", *quiet, "--run-dir", str(run), "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    evaluated = subprocess.run(
+        [*RLNB, "eval", str(run), "--episodes", "3"], capture_output=True, text=True, timeout=300
+    )
+    assert evaluated.returncode == 0 and "at step 2: eval/return_mean=" in evaluated.stdout, evaluated.stderr
+    out = tmp_path / "exported" / "cartpole.pt"
+    exported = subprocess.run(
+        [*RLNB, "export", str(run), "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert f"at step 2 to {out}; load it with rlnb.load_policy(" in exported.stdout
+    policy = load_policy(out)
+    assert policy.step == 2 and policy.discrete and policy.predict(np.zeros((5, 4))).shape == (5,)
+    missing = subprocess.run([*RLNB, "export", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "is not a run directory (no recipe.yaml)" in missing.stderr
+
+
+def test_loading_what_is_not_a_policy_file_says_so(tmp_path):
+    with pytest.raises(
+        FileNotFoundError, match=r"no policy file at .*policy\.pt \(write one with loop\.export"
+    ):
+        load_policy(tmp_path)
+    (tmp_path / "text.pt").write_text("not a pickle")
+    with pytest.raises(PolicyFileError, match="is not a policy file"):
+        load_policy(tmp_path / "text.pt")
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "state.pt")
+    with pytest.raises(PolicyFileError, match="expected format 'rlnb-policy/1', found None"):
+        load_policy(tmp_path / "state.pt")
