@@ -7,6 +7,7 @@ import torch
 
 from rlnb.components import Env
 from rlnb.config import EnvConfig
+from rlnb.seeding import rank_seed
 from tests.conftest import set_spaces
 
 
@@ -181,3 +182,44 @@ def test_evaluation_normalises_observations_with_the_training_statistics_on_a_wo
     assert trained.count > 3 * 16 * 4  # (training's statistics, not a fresh normaliser's)
     np.testing.assert_allclose(seen, trained.normalize(raw), rtol=1e-6)
     assert Env(EnvConfig(id="CartPole-v1", num_envs=2), normalize_obs=False).obs_normalization() is None
+
+
+class SeededLength(__import__("gymnasium").Env):
+    """Episodes of 1 step for an even reset seed, 10 for an odd one (kept across autoresets), reward 1 a step."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+    length = 1
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self.length = 1 if seed % 2 == 0 else 10
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(2, np.float32), 1.0, self.t >= self.length, False, {}
+
+
+def test_evaluation_counts_episodes_evenly_over_its_envs_not_the_first_to_end_on_a_worker(cluster, tmp_path):
+    import rlnb
+    from rlnb.loop import Loop
+
+    env = rlnb.Env.launch(cluster, "0", make_env=SeededLength, num_envs=4)
+    rollout = rlnb.PolicyRollout.launch(cluster, "0")
+    actor = rlnb.PPOActor.launch(cluster, "0")
+    runner = {"tensorboard": False, "steps": 1}
+    with Loop(
+        env=env, rollout=rollout, actor=actor, steps_per_rollout=8, runner=runner, run_dir=tmp_path
+    ) as loop:
+        # 4 envs (consecutive seeds), 4 episodes: one each, two of 1 step and two of 10 (the first 4 episodes
+        # to end were all of 1 step)
+        assert loop.evaluate(4)["eval/return_mean"] == pytest.approx(5.5)
+        # 12 episodes over 8 envs: one each for the first four, two each for the others (as SB3's
+        # evaluate_policy shares them)
+        twelve = loop.evaluate(12)["eval/return_mean"]
+        first = rank_seed(loop.recipe.seed + 1_000_003, 0, "env")
+    lengths = [1 if (first + i) % 2 == 0 else 10 for i in range(8)]
+    assert twelve == pytest.approx(sum(n * length for n, length in zip([1] * 4 + [2] * 4, lengths)) / 12)

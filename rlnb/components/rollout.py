@@ -397,8 +397,8 @@ class PolicyRollout(RolloutBase):
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, env_spec: dict, episodes: int, seed: int, obs_normalization=None) -> dict:
-        """Deterministic episodes on fresh envs built from ``env_spec`` (:meth:`Env.spec`); returns
-        ``return_mean``, ``return_std``, ``len_mean``. ``obs_normalization``: a training env's
+        """Deterministic episodes on fresh envs built from ``env_spec`` (:meth:`Env.spec`), ``episodes`` shared
+        evenly over up to 8 of them; returns ``return_mean``, ``return_std``, ``len_mean``. ``obs_normalization``: a training env's
         :meth:`Env.obs_normalization`, which these envs then normalise with, frozen."""
         n = min(episodes, 8)
         env = Env(
@@ -407,18 +407,27 @@ class PolicyRollout(RolloutBase):
         if obs_normalization is not None:
             env.normalize_obs_with(obs_normalization)
         obs = env.reset()[0]
+        # each env's share of the episodes, fixed before any ends (as SB3's evaluate_policy): counting the first
+        # to end would favour short episodes, an env that fails fast ending several before a good one ends one
+        wanted = np.array([(episodes + i) // n for i in range(n)])
+        counted = np.zeros(n, dtype=np.int64)
         returns: list[tuple[float, int]] = []
-        while len(returns) < episodes:
+        while (counted < wanted).any():
             actions, _, _ = self.act(obs, deterministic=True)
             out = env.step(0, self.env_actions(actions))
             obs = out["obs"]
-            returns.extend(env.pop_episodes())
+            # the episodes that ended this step, in the order of their envs (Env.step)
+            ended = np.flatnonzero(np.logical_or(out["terminated"], out["truncated"]))
+            for i, episode in zip(ended, env.pop_episodes()):
+                if counted[i] < wanted[i]:
+                    counted[i] += 1
+                    returns.append(episode)
         env.close()
-        r = np.array([x[0] for x in returns[:episodes]])
+        r = np.array([x[0] for x in returns])
         return {
             "return_mean": float(r.mean()),
             "return_std": float(r.std()),
-            "len_mean": float(np.mean([x[1] for x in returns[:episodes]])),
+            "len_mean": float(np.mean([x[1] for x in returns])),
         }
 
     # ------------------------------------------------------------------ state
