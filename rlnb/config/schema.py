@@ -38,7 +38,8 @@ class RunnerConfig:
     eval_interval: int = 0
     """Evaluate every this many steps (0: never during ``run``)."""
     eval_episodes: int = 10
-    """Episodes per evaluation."""
+    """Episodes per evaluation: deterministic actions on up to 8 fresh envs, each with a fixed share of the
+    episodes (not the first to end, which would favour short ones)."""
     resume: str | None = None
     """``auto`` (latest complete checkpoint of ``run_dir``), a checkpoint path, or empty."""
     stop_return: float | None = None
