@@ -418,3 +418,23 @@ def test_the_progress_bar_redraws_at_its_own_pace_not_twice_a_step(cluster, tmp_
         loop.run(progress=True)
     drawn = capsys.readouterr().err.count("\r")
     assert 0 < drawn < 20, drawn
+
+
+def test_a_run_past_runner_steps_extends_the_learning_rate_decay_instead_of_training_at_zero(
+    cluster, tmp_path, caplog
+):
+    overrides = ["runner.steps=3", "runner.tensorboard=false", "runner.stop_return=100000"]
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+        lrs = [r["train/lr"] for r in loop.run(6, progress=False)]  # 6 steps of a 3-step recipe
+        assert loop.recipe.runner.steps == 6 and load_recipe(tmp_path / "recipe.yaml").runner.steps == 6
+        assert lrs == pytest.approx([1e-3 * (1 - k / 6) for k in range(6)])  # (was 0 from the 4th step on)
+        with caplog.at_level("WARNING", logger="rlnb"):
+            loop.step_once()  # a 7th step, past the run's end, phase by phase: the rate is 0, and it says so
+            loop.step_once()
+        assert [r["train/lr"] for r in loop.history[-2:]] == [0.0, 0.0]
+    said = [r.getMessage() for r in caplog.records if "trained with learning rate 0" in r.getMessage()]
+    assert said == [
+        "step 7 trained with learning rate 0: actor.anneal_lr decays it to 0 at runner.steps=6, and this step is "
+        "past it; loop.run(n) extends runner.steps (and the decay) to the steps it runs, or set "
+        "actor.anneal_lr: false"
+    ]

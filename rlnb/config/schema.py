@@ -28,7 +28,8 @@ class RunnerConfig:
     """How long to run, and what to write."""
 
     steps: int = 100
-    """Training steps (one step = rollout, advantages, train)."""
+    """Training steps (one step = rollout, advantages, train); ``actor.anneal_lr`` decays the learning rate to 0
+    over them. ``loop.run(n)`` past them makes this the step it runs to."""
     run_dir: str | None = None
     """Where metrics, checkpoints and the resolved recipe go (default ``runs/<recipe>-<time>``)."""
     save_interval: int = 0

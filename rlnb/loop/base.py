@@ -194,6 +194,7 @@ class LoopBase:
         self._run_target: int | None = None  # the step the running run() stops at (None outside run())
         self._ahead = False  # a step running ahead on the workers, to be taken by step_once (embodied loop)
         self.restarts = 0  # lost workers run() recovered from (runner.max_restarts per run)
+        self._said_lr_is_zero = False  # the warning of a step past runner.steps trained with learning rate 0
         self.logger = MetricLogger(
             self.run_dir, recipe.runner.tensorboard, recipe.runner.wandb_project, asdict(self.recipe)
         )
@@ -534,6 +535,13 @@ class LoopBase:
                 last,
             ) from e
         summary = mean_dicts(per_rank)
+        if summary.get("lr") == 0.0 and self.step >= self.recipe.runner.steps and not self._said_lr_is_zero:
+            self._said_lr_is_zero = True
+            log.warning(
+                "step %d trained with learning rate 0: actor.anneal_lr decays it to 0 at runner.steps=%d, and "
+                "this step is past it; loop.run(n) extends runner.steps (and the decay) to the steps it runs, "
+                "or set actor.anneal_lr: false", self.step + 1, self.recipe.runner.steps
+            )  # fmt: skip
         compile_s, compile_failed = summary.pop("compile_s", None), summary.pop("compile_failed", None)
         out = self._phase("train", t0, summary, dt)
         if compile_s is not None:  # the first step compiled the train step: its own time, not training's
@@ -666,6 +674,8 @@ class LoopBase:
         """
         runner = self.recipe.runner
         steps = runner.steps - self.step if steps is None else steps
+        if self.step + steps > runner.steps:
+            self._extend_run(self.step + steps)
         if live:
             from rlnb.widgets import show_dashboard
 
@@ -689,6 +699,19 @@ class LoopBase:
             return self._thread
         self._stop = False
         return self._run_steps(steps, progress)
+
+    def _extend_run(self, steps: int) -> None:
+        """``runner.steps`` grows to ``steps`` for a :meth:`run` that goes past it, and the actor learns of it:
+        the learning-rate decay of ``actor.anneal_lr`` then spans the longer run, instead of holding the rate at
+        0 past the old end. Written to the run's ``recipe.yaml`` (a resume continues with it)."""
+        before, self.recipe.runner.steps = self.recipe.runner.steps, steps
+        self.groups["actor"].set_total_steps(steps).result()
+        if self.run_dir is not None and self.run_dir.exists():
+            (self.run_dir / "recipe.yaml").write_text(to_yaml(self.recipe))
+        log.info(
+            "run() goes to step %d, past runner.steps=%d: runner.steps is now %d (with actor.anneal_lr, the "
+            "learning rate decays to 0 over the %d steps)", steps, before, steps, steps
+        )  # fmt: skip
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for a background run; re-raise its error, if any."""
