@@ -121,6 +121,17 @@ def _run(args) -> int:
     return 130 if loop.stopped else 0  # 130: stopped by Ctrl-C, after a checkpoint
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (anything else is bad usage, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def _resume(run_dir: str):
     """The loop of ``run_dir`` at its latest checkpoint."""
     from pathlib import Path
@@ -204,7 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir")
     p.add_argument(
-        "--episodes", type=int, default=None, help="episodes (default: the recipe's runner.eval_episodes)"
+        "--episodes",
+        type=_positive_int,
+        default=None,
+        help="episodes (default: the recipe's runner.eval_episodes)",
     )
     p.set_defaults(fn=_eval)
     p = sub.add_parser(

@@ -7,6 +7,7 @@ import torch
 
 from rlnb.components import Env
 from rlnb.config import EnvConfig
+from rlnb.errors import ConfigError
 from rlnb.seeding import rank_seed
 from tests.conftest import set_spaces
 
@@ -217,6 +218,9 @@ def test_evaluation_counts_episodes_evenly_over_its_envs_not_the_first_to_end_on
         # 4 envs (consecutive seeds), 4 episodes: one each, two of 1 step and two of 10 (the first 4 episodes
         # to end were all of 1 step)
         assert loop.evaluate(4)["eval/return_mean"] == pytest.approx(5.5)
+        for bad in (0, -2, 2.5, True):  # refused before anything runs (-2 was an IndexError on the worker)
+            with pytest.raises(ConfigError, match=rf"episodes: expected an integer >= 1, got {bad!r}"):
+                loop.evaluate(bad)
         # 12 episodes over 8 envs: one each for the first four, two each for the others (as SB3's
         # evaluate_policy shares them)
         twelve = loop.evaluate(12)["eval/return_mean"]

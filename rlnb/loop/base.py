@@ -93,6 +93,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def count_or_default(value, name: str, default: int) -> int:
+    """``value``, a count given to a loop's method (``name`` in the error), or ``default`` for ``None``.
+
+    Raises:
+        ConfigError: anything but ``None`` or an integer >= 1.
+    """
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}: expected an integer >= 1, got {value!r}", name)
+    return value
+
+
 def mean_dicts(dicts: list[dict]) -> dict:
     """Per-key mean of the numeric entries that every rank reported."""
     if len(dicts) == 1:  # one rank: its numbers as they are (the per-step path of a one-slot loop)

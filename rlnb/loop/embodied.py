@@ -24,6 +24,7 @@ from rlnb.loop.base import (
     LoopBase,
     TrainingDivergedError,
     complete_checkpoints,
+    count_or_default,
     mean_dicts,
     objects_recipe,
 )
@@ -436,7 +437,9 @@ class Loop(LoopBase):
         )
 
     def evaluate(self, episodes: int | None = None) -> dict:
-        """Deterministic episodes on fresh envs (seeded apart from training); logs ``eval/return_mean``."""
+        """Deterministic episodes on fresh envs (seeded apart from training); logs ``eval/return_mean``.
+        ``episodes``: default ``runner.eval_episodes``."""
+        n = count_or_default(episodes, "episodes", self.recipe.runner.eval_episodes)
         t0 = time.perf_counter()
         self._settle_in_flight()
         if self._in_flight is not None:  # the rollout ranks keep the weights their batch was made with
@@ -445,7 +448,6 @@ class Loop(LoopBase):
                 "run() calls or at run()'s eval_interval, where nothing is in flight"
             )
         self._sync_rollout()  # evaluate the current weights
-        n = episodes or self.recipe.runner.eval_episodes
         # observations normalised as in training: with env rank 0's statistics as they are now, frozen
         normalization = (
             (self.groups["env"].on(0).obs_normalization().result()[0],)

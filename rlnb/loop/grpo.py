@@ -17,7 +17,7 @@ from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
 from rlnb.config.schema import DataConfig, Recipe, RolloutConfig
 from rlnb.data.prompts import ArithmeticTask, Problem, load_qa_file, problems_from_records
 from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementError
-from rlnb.loop.base import LoopBase, objects_recipe
+from rlnb.loop.base import LoopBase, count_or_default, objects_recipe
 from rlnb.models.lm import build_tiny_lm, is_hub_id, resolve_model
 from rlnb.runtime.group import Group
 
@@ -495,11 +495,13 @@ class GRPOLoop(LoopBase):
         """Greedy answers to held-out problems, scored by the reward: logs ``eval/accuracy``.
 
         In asynchronous mode it first lets the generation in flight finish (its batch is kept for the
-        next :meth:`rollout`); the groups still in the pools go on with the current weights after it."""
+        next :meth:`rollout`); the groups still in the pools go on with the current weights after it. ``size``:
+        how many held-out problems (default ``data.eval_size``)."""
+        size = count_or_default(size, "size", self.recipe.data.eval_size)
         t0 = time.perf_counter()
         self._settle_in_flight()
         self._sync_rollout()  # evaluate the current weights
-        problems = self.task.held_out[: size or self.recipe.data.eval_size]
+        problems = self.task.held_out[:size]
         rollout = self.groups["rollout"]
         texts = [
             t
