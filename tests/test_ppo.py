@@ -10,7 +10,7 @@ import torch
 
 import rlnb
 from rlnb.config import load_recipe
-from rlnb.errors import PlacementError
+from rlnb.errors import ConfigError, PlacementError
 from rlnb.loop import Loop, complete_checkpoints
 from rlnb.metrics import read_metrics
 from tests.conftest import assert_metrics_documented, collocated_loop, set_spaces, without_wall_clock
@@ -432,6 +432,10 @@ def test_a_run_past_runner_steps_extends_the_learning_rate_decay_instead_of_trai
             loop.step_once()  # a 7th step, past the run's end, phase by phase: the rate is 0, and it says so
             loop.step_once()
         assert [r["train/lr"] for r in loop.history[-2:]] == [0.0, 0.0]
+        for bad in (-1, 2.5, "3"):  # (2.5 ran 3 steps and made runner.steps a float)
+            with pytest.raises(ConfigError, match=rf"steps: expected an integer >= 0, got {bad!r}"):
+                loop.run(bad)
+        assert loop.run(0) == [] and loop.step == 8
     said = [r.getMessage() for r in caplog.records if "trained with learning rate 0" in r.getMessage()]
     assert said == [
         "step 7 trained with learning rate 0: actor.anneal_lr decays it to 0 at runner.steps=6, and this step is "

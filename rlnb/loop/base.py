@@ -686,6 +686,8 @@ class LoopBase:
         (or the thread, with ``background``).
         """
         runner = self.recipe.runner
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+            raise ConfigError(f"steps: expected an integer >= 0, got {steps!r}", "steps")
         steps = runner.steps - self.step if steps is None else steps
         if self.step + steps > runner.steps:
             self._extend_run(self.step + steps)
