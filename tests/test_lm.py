@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker
 from rlnb.config import AlgorithmConfig, RecipeError, load_recipe
 from rlnb.data import ArithmeticTask, load_qa_file
-from rlnb.errors import ConfigError
+from rlnb.errors import ConfigError, RemoteError
 from rlnb.loop import GRPOLoop, complete_checkpoints
 from rlnb.models.lm import (
     build_tiny_lm,
@@ -814,6 +814,8 @@ def test_one_group_and_one_prompt_can_be_looked_at(cluster, tmp_path):
         loop.rollout()
         rows = loop.sample_group(0)
         assert len(rows) == size and "advantage" not in rows[0] and rows[0]["prompt"].endswith("=")
+        with pytest.raises(RemoteError, match=r"expected a group in 0-\d+ of this batch, got 999"):
+            loop.sample_group(999)  # (was an empty list)
         loop.advantages()
         rows = loop.sample_group(0)
         rewards = torch.tensor([r["reward"] for r in rows])

@@ -240,6 +240,8 @@ def test_the_sample_after_advantages_shows_them_beside_rewards_and_dones(cluster
         assert after["advantages"].shape == after["rewards"].shape == after["dones"].shape == (5, 8)
         assert torch.allclose(after["returns"], after["advantages"] + after["values"], atol=1e-5)
         assert torch.equal(after["rewards"], before["rewards"])
+        with pytest.raises(ConfigError, match="n: expected an integer >= 1, got -2"):
+            loop.sample(-2)  # (was every time step but the last two)
 
 
 def test_a_step_on_one_slot_is_one_chain_that_trains_as_the_phases_do(cluster, tmp_path):

@@ -1000,6 +1000,9 @@ class LMActor(ActorBase):
             return []
         rows = []
         size = self.algo.group_size
+        groups = -(-b["input_ids"].shape[0] // size)
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < groups:
+            raise IndexError(f"sample_group: expected a group in 0-{groups - 1} of this batch, got {group!r}")
         for i in range(group * size, min((group + 1) * size, b["input_ids"].shape[0])):
             response = b["response_mask"][i].bool()
             prompt = b["attention_mask"][i].bool() & ~response

@@ -534,6 +534,7 @@ class Loop(LoopBase):
         a notebook: ``obs``, ``actions``, ``logprobs``, ``values``, ``rewards``, ``dones`` and, after
         :meth:`advantages`, ``advantages`` and ``returns``. (Rollout rank 0's batch, for an actor class
         without ``sample``.)"""
+        n = count_or_default(n, "n", 4)
         actor = self.groups["actor"]
         if callable(getattr(actor.cls, "sample", None)):
             got = actor.on(0).sample(n).result()[0]
