@@ -46,6 +46,7 @@ class TrainedPolicy:
             (:meth:`rlnb.Env.obs_normalization`), or ``None``.
         step: the training step the weights are from.
         source: where they come from (a run directory).
+        env_spec: what builds the envs it was trained on (:meth:`rlnb.Env.spec`), for :meth:`evaluate`.
     """
 
     def __init__(
@@ -56,13 +57,14 @@ class TrainedPolicy:
         obs_normalization=None,
         step: int = 0,
         source: str = "",
+        env_spec: dict | None = None,
     ):
         import gymnasium as gym
 
         self.module = module.eval()
         self.observation_space, self.action_space = observation_space, action_space
         self.obs_normalization = obs_normalization
-        self.step, self.source = step, source
+        self.step, self.source, self.env_spec = step, source, env_spec
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
 
     def predict(self, obs, deterministic: bool = True) -> np.ndarray:
@@ -73,7 +75,6 @@ class TrainedPolicy:
         Raises:
             ValueError: an observation that is not shaped as the observation space (or a batch of it).
         """
-        import torch
 
         obs = np.asarray(obs)
         shape = tuple(self.observation_space.shape)
@@ -88,11 +89,57 @@ class TrainedPolicy:
             batch = self.obs_normalization.normalize(batch)
         elif batch.dtype == np.float64:
             batch = batch.astype(np.float32)
+        actions = self._act(batch, deterministic)
+        return actions[0] if single else actions
+
+    def _act(self, batch, deterministic: bool) -> np.ndarray:
+        """The env's actions for a batch of observations already normalised as in training."""
+        import torch
+
         with torch.no_grad():
             actions = self.module.act(torch.as_tensor(batch), None, deterministic)[0].numpy()
         if not self.discrete:  # sampled unbounded, clipped for the env (PolicyRollout.env_actions)
             actions = np.clip(actions, self.action_space.low, self.action_space.high)
-        return actions[0] if single else actions
+        return actions
+
+    def evaluate(self, episodes: int = 10, seed: int = 0, make_env=None, **settings) -> dict:
+        """Deterministic episodes on fresh envs in this process, played as ``Loop.evaluate`` plays them (up to 8
+        envs, each with a fixed share of the episodes, observations normalised with the frozen statistics);
+        returns ``return_mean``, ``return_std`` and ``len_mean``. With the seed ``Loop.evaluate`` uses
+        (``recipe.seed + 1_000_003``) it gives the loop's figures for the same weights.
+
+        Args:
+            episodes: how many episodes.
+            seed: the envs' seed (env ``i`` resets with ``seed + i``).
+            make_env: a gymnasium id, ``gymnasium.Env`` class or factory (as :class:`rlnb.Env` takes it);
+                default: the env the policy was trained on.
+            settings: fields of :class:`rlnb.config.EnvConfig` for these envs (``kwargs``, ``vector_mode``...).
+
+        Example:
+            >>> rlnb.load_policy("runs/ppo_cartpole-20261124-054820-70c1").evaluate(episodes=5)  # doctest: +SKIP
+            {'return_mean': 500.0, 'return_std': 0.0, 'len_mean': 500.0}
+        """
+        from rlnb.components.env import Env
+
+        if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
+            raise ValueError(f"evaluate: episodes expected an integer >= 1, got {episodes!r}")
+        spec = self.env_spec or {}
+        if make_env is None and not spec:
+            raise ValueError(
+                "evaluate: this policy's file does not name the env it was trained on; pass make_env"
+            )
+        env = Env(
+            spec.get("config"),
+            seed=seed,
+            make_env=make_env if make_env is not None else spec.get("make_env"),
+            **{**settings, "num_envs": min(episodes, 8), "pipeline_stages": 1},
+        )
+        if self.obs_normalization is not None:
+            env.normalize_obs_with(self.obs_normalization)
+        try:
+            return env.run_episodes(lambda obs: self._act(obs, deterministic=True), episodes)
+        finally:
+            env.close()
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write this policy to ``path`` atomically (a temporary file, then renamed); returns the path."""
@@ -110,6 +157,7 @@ class TrainedPolicy:
             "obs_normalization": self.obs_normalization,
             "step": self.step,
             "source": self.source,
+            "env_spec": self.env_spec,
         }
         try:
             with open(tmp, "wb") as f:
@@ -163,4 +211,5 @@ def load_policy(path: str | os.PathLike) -> TrainedPolicy:
         state["obs_normalization"],
         state["step"],
         state["source"],
+        state.get("env_spec"),
     )

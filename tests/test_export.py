@@ -36,6 +36,8 @@ def test_an_exported_policy_acts_on_raw_observations_as_the_rollout_on_normalise
         # Pendulum's raw observations: cos, sin, angular velocity in [-8, 8]
         raw = np.random.default_rng(0).uniform([-1, -1, -8], [1, 1, 8], size=(64, 3)).astype(np.float32)
         expected = np.clip(rollout.act_deterministic(trained.normalize(raw)).result()[0].numpy(), -2.0, 2.0)
+        evaluated = loop.evaluate(3)
+        seed = loop.recipe.seed + 1_000_003
     assert path == tmp_path / "policy.pt" and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     policy = load_policy(tmp_path)  # (a run directory stands for its policy.pt)
     assert policy.step == 3 and policy.source == str(tmp_path) and "normalised observations" in repr(policy)
@@ -49,6 +51,12 @@ def test_an_exported_policy_acts_on_raw_observations_as_the_rollout_on_normalise
         ValueError, match=r"expected an observation of shape \(3,\) or a batch \[B, 3\], got shape"
     ):
         policy.predict(np.zeros(4))
+    # its episodes in this process, on the env it was trained on, are the loop's evaluation (same seed)
+    figures = {k.removeprefix("eval/"): v for k, v in evaluated.items() if not k.startswith("time/")}
+    assert policy.evaluate(3, seed=seed) == figures
+    assert policy.evaluate(3, seed=seed, kwargs={"max_episode_steps": 50})["len_mean"] == 50.0
+    with pytest.raises(ValueError, match="episodes expected an integer >= 1, got 0"):
+        policy.evaluate(0)
 
 
 SCRIPT = """

@@ -253,6 +253,38 @@ class Env:
         self.disc_return[idx][done] = 0.0
         return np.clip(reward / np.sqrt(self.ret_rms.var + 1e-8), -10, 10)
 
+    def run_episodes(self, act, episodes: int) -> dict:
+        """Play ``episodes`` whole episodes from a reset, ``act(obs) -> actions`` choosing the env's actions
+        (one stage); returns ``return_mean``, ``return_std`` and ``len_mean`` of their undiscounted returns.
+
+        Each env has its share of the episodes, fixed before any ends, as SB3's ``evaluate_policy`` shares them:
+        counting the first episodes to end would favour short ones, an env that fails fast ending several
+        before a good one ends one.
+        """
+        if self.stages != 1:
+            raise ValueError(f"run_episodes: expected an env of one stage, got pipeline_stages={self.stages}")
+        n = self.cfg.num_envs
+        wanted = np.array([(episodes + i) // n for i in range(n)])
+        counted = np.zeros(n, dtype=np.int64)
+        returns: list[tuple[float, int]] = []
+        obs = self.reset()[0]
+        self.ep_return[:], self.ep_len[:], self.finished = 0.0, 0, []  # (every episode starts here)
+        while (counted < wanted).any():
+            out = self.step(0, act(obs))
+            obs = out["obs"]
+            # the episodes that ended this step, in the order of their envs (as step() records them)
+            ended = np.flatnonzero(np.logical_or(out["terminated"], out["truncated"]))
+            for i, episode in zip(ended, self.pop_episodes()):
+                if counted[i] < wanted[i]:
+                    counted[i] += 1
+                    returns.append(episode)
+        r = np.array([x[0] for x in returns])
+        return {
+            "return_mean": float(r.mean()),
+            "return_std": float(r.std()),
+            "len_mean": float(np.mean([x[1] for x in returns])),
+        }
+
     # ------------------------------------------------------------------ channel mode
     def run(self, steps: int, obs_channel, act_channel, key: str) -> int:
         """Serve ``steps`` steps through channels: take actions for each stage, step it, put the result.

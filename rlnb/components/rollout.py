@@ -398,37 +398,24 @@ class PolicyRollout(RolloutBase):
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, env_spec: dict, episodes: int, seed: int, obs_normalization=None) -> dict:
         """Deterministic episodes on fresh envs built from ``env_spec`` (:meth:`Env.spec`), ``episodes`` shared
-        evenly over up to 8 of them; returns ``return_mean``, ``return_std``, ``len_mean``. ``obs_normalization``: a training env's
-        :meth:`Env.obs_normalization`, which these envs then normalise with, frozen."""
-        n = min(episodes, 8)
+        evenly over up to 8 of them (:meth:`Env.run_episodes`); returns ``return_mean``, ``return_std``,
+        ``len_mean``. ``obs_normalization``: a training env's :meth:`Env.obs_normalization`, which these envs
+        then normalise with, frozen."""
         env = Env(
-            env_spec["config"], seed=seed, make_env=env_spec.get("make_env"), num_envs=n, pipeline_stages=1
+            env_spec["config"],
+            seed=seed,
+            make_env=env_spec.get("make_env"),
+            num_envs=min(episodes, 8),
+            pipeline_stages=1,
         )
         if obs_normalization is not None:
             env.normalize_obs_with(obs_normalization)
-        obs = env.reset()[0]
-        # each env's share of the episodes, fixed before any ends (as SB3's evaluate_policy): counting the first
-        # to end would favour short episodes, an env that fails fast ending several before a good one ends one
-        wanted = np.array([(episodes + i) // n for i in range(n)])
-        counted = np.zeros(n, dtype=np.int64)
-        returns: list[tuple[float, int]] = []
-        while (counted < wanted).any():
-            actions, _, _ = self.act(obs, deterministic=True)
-            out = env.step(0, self.env_actions(actions))
-            obs = out["obs"]
-            # the episodes that ended this step, in the order of their envs (Env.step)
-            ended = np.flatnonzero(np.logical_or(out["terminated"], out["truncated"]))
-            for i, episode in zip(ended, env.pop_episodes()):
-                if counted[i] < wanted[i]:
-                    counted[i] += 1
-                    returns.append(episode)
-        env.close()
-        r = np.array([x[0] for x in returns])
-        return {
-            "return_mean": float(r.mean()),
-            "return_std": float(r.std()),
-            "len_mean": float(np.mean([x[1] for x in returns])),
-        }
+        try:
+            return env.run_episodes(
+                lambda obs: self.env_actions(self.act(obs, deterministic=True)[0]), episodes
+            )
+        finally:
+            env.close()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

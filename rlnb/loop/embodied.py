@@ -483,7 +483,14 @@ class Loop(LoopBase):
             if self.env_spec["config"].normalize_obs
             else None
         )
-        policy = TrainedPolicy(module, *self.spaces, normalization, step=self.step, source=str(self.run_dir))
+        policy = TrainedPolicy(
+            module,
+            *self.spaces,
+            normalization,
+            step=self.step,
+            source=str(self.run_dir),
+            env_spec=self.env_spec,
+        )
         return policy.save(Path(path) if path is not None else self.run_dir / "policy.pt")
 
     # ------------------------------------------------------------------ metrics
