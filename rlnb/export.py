@@ -46,7 +46,9 @@ class TrainedPolicy:
             (:meth:`rlnb.Env.obs_normalization`), or ``None``.
         step: the training step the weights are from.
         source: where they come from (a run directory).
-        env_spec: what builds the envs it was trained on (:meth:`rlnb.Env.spec`), for :meth:`evaluate`.
+        env_spec: what builds the envs it was trained on (:meth:`rlnb.Env.spec`), for :meth:`evaluate`; in a
+            loaded file it stays pickled until used, so a policy whose env class cannot be imported here still
+            loads and acts.
     """
 
     def __init__(
@@ -64,7 +66,7 @@ class TrainedPolicy:
         self.module = module.eval()
         self.observation_space, self.action_space = observation_space, action_space
         self.obs_normalization = obs_normalization
-        self.step, self.source, self.env_spec = step, source, env_spec
+        self.step, self.source, self._env_spec = step, source, env_spec
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
 
     def predict(self, obs, deterministic: bool = True) -> np.ndarray:
@@ -102,6 +104,25 @@ class TrainedPolicy:
             actions = np.clip(actions, self.action_space.low, self.action_space.high)
         return actions
 
+    @property
+    def env_spec(self) -> dict | None:
+        """What builds the envs the policy was trained on (unpickled on first use), or ``None``.
+
+        Raises:
+            ValueError: they cannot be rebuilt in this process (their env class's module is missing here).
+        """
+        if isinstance(self._env_spec, bytes):
+            import cloudpickle
+
+            try:
+                self._env_spec = cloudpickle.loads(self._env_spec)
+            except Exception as e:
+                raise ValueError(
+                    f"the env this policy was trained on cannot be rebuilt in this process ({type(e).__name__}: "
+                    f"{e}); evaluate(make_env=...) names another"
+                ) from e
+        return self._env_spec
+
     def evaluate(self, episodes: int = 10, seed: int = 0, make_env=None, **settings) -> dict:
         """Deterministic episodes on fresh envs in this process, played as ``Loop.evaluate`` plays them (up to 8
         envs, each with a fixed share of the episodes, observations normalised with the frozen statistics);
@@ -123,7 +144,12 @@ class TrainedPolicy:
 
         if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
             raise ValueError(f"evaluate: episodes expected an integer >= 1, got {episodes!r}")
-        spec = self.env_spec or {}
+        try:
+            spec = self.env_spec or {}
+        except ValueError:
+            if make_env is None:
+                raise
+            spec = {}
         if make_env is None and not spec:
             raise ValueError(
                 "evaluate: this policy's file does not name the env it was trained on; pass make_env"
@@ -157,7 +183,12 @@ class TrainedPolicy:
             "obs_normalization": self.obs_normalization,
             "step": self.step,
             "source": self.source,
-            "env_spec": self.env_spec,
+            # (pickled apart: a file whose env class cannot be imported where it is loaded still loads)
+            "env_spec": (
+                self._env_spec
+                if self._env_spec is None or isinstance(self._env_spec, bytes)
+                else cloudpickle.dumps(self._env_spec)
+            ),
         }
         try:
             with open(tmp, "wb") as f:

@@ -1,5 +1,6 @@
 """Trained policies out of rlnb: written from runs on workers, loaded in processes with no cluster, acting as trained."""
 
+import os
 import subprocess
 import sys
 
@@ -63,6 +64,7 @@ SCRIPT = """
 import sys
 
 import torch
+import tiny_envs  # on this process's (and its workers') PYTHONPATH only
 
 import rlnb
 from rlnb.loop import Loop
@@ -80,7 +82,7 @@ class TinyPolicy(torch.nn.Module):  # defined in the script's __main__: no other
 
 if __name__ == "__main__":
     with rlnb.Cluster(slots=1, gpus=False) as cluster:
-        env = rlnb.Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4)
+        env = rlnb.Env.launch(cluster, "0", make_env=tiny_envs.Cart, num_envs=4)
         rollout = rlnb.PolicyRollout.launch(cluster, "0", policy=TinyPolicy)
         actor = rlnb.PPOActor.launch(cluster, "0", policy=TinyPolicy)
         runner = {"tensorboard": False, "steps": 1}
@@ -92,21 +94,34 @@ if __name__ == "__main__":
 
 
 def test_a_policy_class_from_a_scripts_main_is_exported_with_its_code_and_loads_in_another_process(tmp_path):
+    """The policy class travels with the file; an env class importable only where it trained does not stop the
+    file from loading elsewhere (only its evaluation on that env)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True, timeout=180
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "tiny_envs.py").write_text(
+        "from gymnasium.envs.classic_control import CartPoleEnv\n\n\nclass Cart(CartPoleEnv):\n    pass\n"
     )
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(tmp_path / "pkg")},
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     path, weight = done.stdout.strip().splitlines()[-2:]
     load = (
         f"import rlnb; p = rlnb.load_policy({path!r}); print(type(p.module.module).__name__); "
-        "print(p.module.module.net.weight.tolist()); print(p.predict([0.0, 0.1, 0.0, -0.1]))"
+        "print(p.module.module.net.weight.tolist()); print(p.predict([0.0, 0.1, 0.0, -0.1])); "
+        "print(p.evaluate(2, make_env='CartPole-v1')['len_mean'] > 0); p.evaluate(2)"
     )
     loaded = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=120)
-    assert loaded.returncode == 0, loaded.stderr[-3000:]
-    name, loaded_weight, action = loaded.stdout.strip().splitlines()
-    assert name == "TinyPolicy" and loaded_weight == weight and action in ("0", "1")
+    assert (
+        loaded.returncode == 1
+        and "ValueError: the env this policy was trained on cannot be rebuilt in this "
+        "process (ModuleNotFoundError: No module named 'tiny_envs'); evaluate(make_env=...) names another"
+        in loaded.stderr
+    ), loaded.stderr[-3000:]
+    name, loaded_weight, action, evaluated = loaded.stdout.strip().splitlines()
+    assert name == "TinyPolicy" and loaded_weight == weight and action in ("0", "1") and evaluated == "True"
 
 
 def test_rlnb_eval_and_rlnb_export_work_from_a_runs_latest_checkpoint(tmp_path):
