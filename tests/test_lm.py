@@ -630,6 +630,26 @@ def test_an_actor_whose_model_cannot_share_prompts_trains_per_sequence_and_says_
     )
 
 
+def test_the_warm_start_puts_the_answer_on_the_prompt_with_one_bos_for_a_tokenizer_that_adds_it(tmp_path):
+    llama = str(build_tiny_lm(tmp_path / "llama", hidden_size=32, num_layers=1, num_heads=2, arch="llama"))
+    actor = LMActor(llama, AlgorithmConfig(advantage="grpo", policy_loss="ppo", group_size=2), seed=0)
+    tok = actor.tok
+    assert tok("3+4=")["input_ids"][0] == tok.bos_token_id  # (as Llama's tokenizer: <bos> first)
+    (row,), (mark,) = actor._sft_rows(["3+4="], ["7"])
+    assert tok.convert_ids_to_tokens(row) == [
+        "<bos>",
+        "3",
+        "+",
+        "4",
+        "=",
+        "7",
+        "<eos>",
+    ]  # (was <bos> before 7)
+    assert mark == [0, 0, 0, 0, 0, 1, 1]
+    losses = actor.sft(["1+1=", "2+2="] * 4, ["2", "4"] * 4, steps=2, batch_size=8, lr=1e-3)
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
 def test_sft_then_grpo_update_moves_the_right_way(tiny_lm):
     algo = AlgorithmConfig(
         advantage="grpo", policy_loss="ppo", group_size=4, num_minibatches=1, update_epochs=1

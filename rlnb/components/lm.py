@@ -874,6 +874,14 @@ class LMActor(ActorBase):
         return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
 
     # ------------------------------------------------------------------ SFT
+    def _sft_rows(self, prompts: list[str], answers: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+        """Token ids of ``prompt + answer + EOS`` per problem, and which of them are the answer's (1) to learn."""
+        enc = [self.tok(p)["input_ids"] for p in prompts]
+        # the answer goes on the prompt's tokens with no special token of its own: a Llama tokenizer would start
+        # it with a second <bos>, and the warm start would teach one after every prompt
+        tgt = [self.tok(a, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id] for a in answers]
+        return [p + a for p, a in zip(enc, tgt)], [[0] * len(p) + [1] * len(a) for p, a in zip(enc, tgt)]
+
     def sft(
         self, prompts: list[str], answers: list[str], steps: int, batch_size: int, lr: float,
         wrong_answers: list[str] | None = None, wrong_prob: float = 0.0,
@@ -883,15 +891,9 @@ class LMActor(ActorBase):
         With ``wrong_answers``, each time a problem is drawn its answer is replaced by the wrong one
         with probability ``wrong_prob``: an imperfect teacher, wrong on every problem now and then.
         """
-
-        def encode(ans: list[str]):
-            enc = [self.tok(p)["input_ids"] for p in prompts]
-            tgt = [self.tok(a)["input_ids"] + [self.tok.eos_token_id] for a in ans]
-            return [p + a for p, a in zip(enc, tgt)], [[0] * len(p) + [1] * len(a) for p, a in zip(enc, tgt)]
-
-        rows, marks = encode(answers)
+        rows, marks = self._sft_rows(prompts, answers)
         if wrong_answers is not None:
-            wrong_rows, wrong_marks = encode(wrong_answers)
+            wrong_rows, wrong_marks = self._sft_rows(prompts, wrong_answers)
             rows, marks = rows + wrong_rows, marks + wrong_marks
         ids = _pad_left(rows, self.tok.pad_token_id)
         attn = _pad_left([[1] * len(r) for r in rows], 0)

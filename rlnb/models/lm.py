@@ -20,15 +20,21 @@ CHARS = string.digits + string.ascii_letters + " +-*/=().,?#\\{}$:;'\n"
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
-def build_char_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast`` made with ``tokenizers`` (no download)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def build_char_tokenizer(add_bos: bool = False):
+    """A character-level ``PreTrainedTokenizerFast`` made with ``tokenizers`` (no download). ``add_bos``: it
+    starts each encoded text with ``<bos>`` unless called with ``add_special_tokens=False``, as Llama's does
+    (Qwen2's adds nothing)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(SPECIAL + list(CHARS))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
     tok.decoder = decoders.Fuse()
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
+        )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
         clean_up_tokenization_spaces=False,
@@ -42,7 +48,7 @@ def build_tiny_lm(
     """Build a small causal LM from a ``transformers`` config and a local tokenizer; ``save_pretrained`` it.
 
     Args:
-        arch: ``qwen2`` or ``llama``.
+        arch: ``qwen2`` or ``llama`` (whose tokenizer, as Llama's, starts each text with ``<bos>``).
     Returns:
         The directory, loadable with :func:`load_lm` (``from_pretrained``), as a real checkpoint is.
     """
@@ -52,7 +58,7 @@ def build_tiny_lm(
         raise ConfigError(
             f"hidden_size {hidden_size} must be divisible by num_heads {num_heads}", "model.num_heads"
         )
-    tok = build_char_tokenizer()
+    tok = build_char_tokenizer(add_bos=arch == "llama")  # (each with its family's tokenizer habit)
     cls_cfg, cls_model = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[
         arch
     ]
