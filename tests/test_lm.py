@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker
 from rlnb.config import AlgorithmConfig, RecipeError, load_recipe
-from rlnb.data import ArithmeticTask, load_qa_file
+from rlnb.data import ArithmeticTask, Problem, load_qa_file
+from rlnb.data.prompts import chat_prompts
 from rlnb.errors import ConfigError, RemoteError
 from rlnb.loop import GRPOLoop, complete_checkpoints
 from rlnb.models.lm import (
@@ -747,6 +748,54 @@ def test_lm_recipe_errors():
         RecipeError, match=r"data.path: 'qa.jsonl' is set, but data.task is 'arithmetic'.*data.task=file"
     ):
         load_recipe("grpo_arith", ["data.path=qa.jsonl"])  # silently trained on arithmetic before
+    with pytest.raises(
+        RecipeError, match=r"data.system_prompt: 'Be brief.' is set, but data.chat_template is false"
+    ):
+        load_recipe("grpo_arith", ["data.system_prompt=Be brief."])
+
+
+def test_chat_templated_prompts_get_one_bos_in_generation_and_in_the_warm_start(tmp_path):
+    """A chat template that writes the tokenizer's <bos> itself (Llama 3's, Gemma's) with a tokenizer that also
+    adds one (Llama's): prompts are tokenized without adding a second, as TRL tokenizes them."""
+    llama = str(build_tiny_lm(tmp_path / "llama", hidden_size=32, num_layers=1, num_heads=2, arch="llama"))
+    tok = load_lm(llama)[1]
+    (problem,) = chat_prompts([Problem("3+4=", "7")], tok, system_prompt="Answer with a number.")
+    assert problem == Problem("<bos>Answer with a number.\nQ: 3+4=\nA: ", "7")
+    rollout = HFRollout(llama, max_new_tokens=2, seed=0)
+    rollout.generate([problem.prompt, "2+2="], [problem.answer, "4"], n=2)
+    batch = rollout.take_batch()
+    prompt_part = batch["attention_mask"].bool() & ~batch["response_mask"].bool()
+    bos_per_row = ((batch["input_ids"] == tok.bos_token_id) & prompt_part).sum(1)
+    assert bos_per_row.tolist() == [1, 1, 1, 1]  # (the templated rows had two)
+    actor = LMActor(llama, AlgorithmConfig(advantage="grpo", policy_loss="ppo", group_size=2), seed=0)
+    (row,), _ = actor._sft_rows([problem.prompt], [problem.answer])
+    assert tok.convert_ids_to_tokens(row).count("<bos>") == 1
+    bare = load_lm(tiny_lm_without_template(tmp_path))[1]
+    with pytest.raises(ConfigError, match="data.chat_template: the model's tokenizer has no chat template"):
+        chat_prompts([problem], bare)
+
+
+def tiny_lm_without_template(tmp_path):
+    """A base model's directory: its tokenizer has no chat template."""
+    path = build_tiny_lm(tmp_path / "base", hidden_size=32, num_layers=1, num_heads=2)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    return str(path)
+
+
+def test_a_chat_template_recipe_trains_on_templated_prompts_on_workers(cluster, tmp_path):
+    overrides = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "runner.steps=1", "actor.sft_steps=20",
+                 "actor.tiny_lm.arch=llama", "data.chat_template=true", "data.system_prompt=Answer with a number."]  # fmt: skip
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        loop.run(progress=False)
+        row = loop.sample_group(0)[0]
+        tried = loop.try_prompt("3+4=", "7")
+    question = row["prompt"].removeprefix("Answer with a number.\nQ: ").removesuffix("\nA: ")
+    assert row["prompt"] == f"Answer with a number.\nQ: {question}\nA: " and question.endswith("=")
+    assert row["prompt_tokens"] == f"<bos>{row['prompt']}"  # one <bos>, the template's
+    assert len(tried) == loop.recipe.algorithm.group_size
 
 
 def test_the_lm_speed_options_of_a_recipe_reach_the_components_on_workers(cluster, tmp_path):

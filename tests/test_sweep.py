@@ -55,6 +55,7 @@ SWEEP = {
     "env.normalize_reward": (PPO, []),
     "reward.name": (GRPO, []),
     "data.task": (GRPO, ["data.path=missing.jsonl"]),
+    "data.chat_template": (GRPO, []),
 }
 COVERED_ELSEWHERE = {"algorithm.advantage", "algorithm.policy_loss"}
 

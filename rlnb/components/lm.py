@@ -30,11 +30,13 @@ from rlnb.components.rollout import RolloutBase, resolve_device
 from rlnb.config.schema import ActorConfig
 from rlnb.errors import ConfigError
 from rlnb.models.lm import (
+    encode_prompts,
     first_response_column,
     load_lm,
     logits_kept,
     new_cache,
     positions_from_mask,
+    prompt_ids,
     shared_prompt_logprobs,
     token_logprobs,
 )
@@ -227,7 +229,7 @@ class HFRollout(RolloutBase):
     @torch.no_grad()
     def _generate(self, prompts: list[str], n: int, greedy: bool):
         self.onload()
-        enc = self.tok(prompts, return_tensors="pt", padding=True).to(self.device)
+        enc = encode_prompts(self.tok, prompts).to(self.device)
         seed = self.seed * 1_000_003 + self.calls
         if not greedy:  # greedy decoding draws nothing: evaluating does not shift training's sampling seeds
             self.calls += 1
@@ -557,7 +559,7 @@ class HFRollout(RolloutBase):
         """Add ``problems`` (``(serial, prompt, answer)``) to the pool, ``n`` empty sequences each."""
         for serial, prompt, answer in problems:
             seqs = [{"ids": [], "logprobs": [], "versions": [], "done": False} for _ in range(n)]
-            ids = self.tok(prompt)["input_ids"]
+            ids = prompt_ids(self.tok, prompt)
             self.pool.append(
                 {"serial": serial, "prompt": prompt, "answer": answer, "prompt_ids": ids, "start": None, "seqs": seqs}
             )  # fmt: skip
@@ -746,7 +748,9 @@ class VLLMRollout(HFRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
             max_tokens=self.max_new_tokens, logprobs=0, seed=self.seed * 1_000_003 + self.calls,
         )  # fmt: skip
         self.calls += 0 if greedy else 1  # evaluating does not shift training's sampling seeds
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        # token ids, tokenized as the HF rollout and the actor tokenize prompts (prompt_ids), not by vLLM again
+        inputs = [{"prompt_token_ids": prompt_ids(self.tok, p)} for p in prompts]
+        outs = self.llm.generate(inputs, params, use_tqdm=False)
         rows, logps, texts, prompt_rows = [], [], [], []
         for out in outs:
             for o in out.outputs:
@@ -876,7 +880,7 @@ class LMActor(ActorBase):
     # ------------------------------------------------------------------ SFT
     def _sft_rows(self, prompts: list[str], answers: list[str]) -> tuple[list[list[int]], list[list[int]]]:
         """Token ids of ``prompt + answer + EOS`` per problem, and which of them are the answer's (1) to learn."""
-        enc = [self.tok(p)["input_ids"] for p in prompts]
+        enc = [prompt_ids(self.tok, p) for p in prompts]
         # the answer goes on the prompt's tokens with no special token of its own: a Llama tokenizer would start
         # it with a second <bos>, and the warm start would teach one after every prompt
         tgt = [self.tok(a, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id] for a in answers]
@@ -1010,6 +1014,8 @@ class LMActor(ActorBase):
             prompt = b["attention_mask"][i].bool() & ~response
             row = {
                 "prompt": self.tok.decode(b["input_ids"][i][prompt], skip_special_tokens=True),
+                # what the model was given, special tokens included (a chat template's turns and <bos>)
+                "prompt_tokens": self.tok.decode(b["input_ids"][i][prompt]),
                 "completion": self.tok.decode(b["input_ids"][i][response], skip_special_tokens=True),
                 "reward": float(b["rewards"][i]),
                 "logprob": float(b["logprobs"][i][response].sum()),

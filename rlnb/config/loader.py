@@ -428,6 +428,11 @@ def _check_lm(recipe: Recipe) -> list[str]:
         )
     if d.task == "file" and (d.path is None or not Path(d.path).exists()):
         errs.append(f"data.path: data.task=file needs an existing .jsonl/.parquet file, got {d.path!r}")
+    if d.system_prompt is not None and not d.chat_template:  # it would be dropped without a word
+        errs.append(
+            f"data.system_prompt: {d.system_prompt!r} is set, but data.chat_template is false, which gives the "
+            "model bare questions; set data.chat_template=true to open each prompt with it"
+        )
     if d.task == "arithmetic" and d.path is not None:  # it would train on generated problems instead
         errs.append(
             f"data.path: {d.path!r} is set, but data.task is 'arithmetic', which generates its problems and "

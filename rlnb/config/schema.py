@@ -276,6 +276,12 @@ class DataConfig:
     """File data: the question column."""
     answer_key: str = "answer"
     """File data: the answer column (GSM8K-style ``#### 72`` keeps the final answer)."""
+    chat_template: bool = False
+    """Give the model each question as a user turn of its tokenizer's chat template, with the assistant's turn
+    opened (``apply_chat_template(..., add_generation_prompt=True)``), as TRL does with conversational data: for
+    instruct models. The warm start's answers and the rewards' prompts are those of the templated prompts."""
+    system_prompt: str | None = None
+    """With ``chat_template``: a system turn before each question (e.g. the answer format to use)."""
 
 
 @dataclass

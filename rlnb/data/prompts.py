@@ -97,6 +97,32 @@ def load_qa_file(
     return problems_from_records(rows, question_key, answer_key, key="data.path", source=path.name)
 
 
+def chat_prompts(problems: list[Problem], tokenizer, system_prompt: str | None = None) -> list[Problem]:
+    """``problems`` with each question given as a user turn of ``tokenizer``'s chat template, the assistant's
+    turn opened (``apply_chat_template(..., add_generation_prompt=True)``), after a system turn if
+    ``system_prompt``; answers unchanged.
+
+    Raises:
+        ConfigError: the tokenizer has no chat template (a base model's, not an instruct model's).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            "data.chat_template: the model's tokenizer has no chat template (a base model's?); give an instruct "
+            "model's (actor.model_path) or set data.chat_template=false",
+            "data.chat_template",
+        )
+    head = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    return [
+        Problem(
+            tokenizer.apply_chat_template(
+                [*head, {"role": "user", "content": p.prompt}], tokenize=False, add_generation_prompt=True
+            ),
+            p.answer,
+        )
+        for p in problems
+    ]
+
+
 def problems_from_records(
     records,
     question_key: str = "question",

@@ -15,7 +15,7 @@ from pathlib import Path
 from rlnb.algorithms.contract import LM, check_algorithm, check_reward
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
 from rlnb.config.schema import DataConfig, Recipe, RolloutConfig
-from rlnb.data.prompts import ArithmeticTask, Problem, load_qa_file, problems_from_records
+from rlnb.data.prompts import ArithmeticTask, Problem, chat_prompts, load_qa_file, problems_from_records
 from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementError
 from rlnb.loop.base import LoopBase, count_or_default, objects_recipe
 from rlnb.models.lm import build_tiny_lm, is_hub_id, resolve_model
@@ -195,6 +195,7 @@ class GRPOLoop(LoopBase):
     def _prepare(self) -> None:
         recipe = self.recipe
         d = recipe.data
+        self._chat = None  # data.chat_template: the tokenizer whose template wraps each question
         if self.built_from_objects:
             self.task = _FileTask(problems_from_records(self._prompts), d.held_out_frac, recipe.seed)
             return
@@ -216,6 +217,12 @@ class GRPOLoop(LoopBase):
             self.task = _FileTask(
                 load_qa_file(d.path, d.question_key, d.answer_key), d.held_out_frac, recipe.seed
             )
+        if d.chat_template:  # (the split and the sampling order stay those of the bare questions)
+            from transformers import AutoTokenizer
+
+            self._chat = AutoTokenizer.from_pretrained(self.model_path)
+            self.task.train = chat_prompts(self.task.train, self._chat, d.system_prompt)
+            self.task.held_out = chat_prompts(self.task.held_out, self._chat, d.system_prompt)
 
     def _launch(self) -> None:
         """The recipe path: the same public ``launch`` calls a notebook makes."""
@@ -384,13 +391,18 @@ class GRPOLoop(LoopBase):
     def try_prompt(self, prompt: str, answer: str) -> list[dict]:
         """``group_size`` completions of ``prompt`` sampled with the rollout's current weights, scored by the
         reward and normalised by the advantage as a training batch would be; nothing in the run changes.
-        Call it before and after training to see what GRPO did to one prompt."""
+        Call it before and after training to see what GRPO did to one prompt. With ``data.chat_template``, the
+        prompt is a question, given as the training prompts are (a user turn of the chat template)."""
         import torch
 
         from rlnb.algorithms import ADVANTAGES
 
         algorithm = self.recipe.algorithm
         size = algorithm.group_size
+        if self._chat is not None:
+            prompt = chat_prompts([Problem(prompt, answer)], self._chat, self.recipe.data.system_prompt)[
+                0
+            ].prompt
         texts = self.groups["rollout"].on(0).sample_completions(prompt, size).result()[0]
         rewards = self.groups["reward"].on(0).score(texts, [answer] * size, [prompt] * size).result()[0]
         offered = {"rewards": torch.tensor(rewards, dtype=torch.float32), "group_size": size}

@@ -20,6 +20,16 @@ CHARS = string.digits + string.ascii_letters + " +-*/=().,?#\\{}$:;'\n"
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
+# an instruct model's chat template in the tiny tokenizer's characters: a system line, "Q: " turns, "A: " answers
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] + '\\n' }}"
+    "{% elif m['role'] == 'user' %}{{ 'Q: ' + m['content'] + '\\n' }}"
+    "{% else %}{{ 'A: ' + m['content'] + eos_token }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'A: ' }}{% endif %}"
+)
+
+
 def build_char_tokenizer(add_bos: bool = False):
     """A character-level ``PreTrainedTokenizerFast`` made with ``tokenizers`` (no download). ``add_bos``: it
     starts each encoded text with ``<bos>`` unless called with ``add_special_tokens=False``, as Llama's does
@@ -59,6 +69,7 @@ def build_tiny_lm(
             f"hidden_size {hidden_size} must be divisible by num_heads {num_heads}", "model.num_heads"
         )
     tok = build_char_tokenizer(add_bos=arch == "llama")  # (each with its family's tokenizer habit)
+    tok.chat_template = TINY_CHAT_TEMPLATE
     cls_cfg, cls_model = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[
         arch
     ]
@@ -134,6 +145,20 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu", key: str = "ac
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).to(device)
     return model, tok
+
+
+def prompt_ids(tok, prompt: str) -> list[int]:
+    """A prompt's token ids: with the tokenizer's special tokens (a Llama tokenizer's ``<bos>``), unless the text
+    starts with its ``<bos>`` already, as a chat template's output does (``apply_chat_template``): tokenizing it
+    with them would double it. The one tokenization of prompts for generation and the warm start alike."""
+    bos = tok.bos_token
+    return tok(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))["input_ids"]
+
+
+def encode_prompts(tok, prompts: list[str]):
+    """:func:`prompt_ids` of each prompt, padded on the tokenizer's side: ``input_ids`` and ``attention_mask``
+    ``[B, P]`` tensors (a ``BatchEncoding``)."""
+    return tok.pad({"input_ids": [prompt_ids(tok, p) for p in prompts]}, return_tensors="pt")
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
