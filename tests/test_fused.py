@@ -228,6 +228,19 @@ def test_fused_act_is_the_policys_act_bit_for_bit(activation, batch):
         assert torch.equal(value, act.value(o)) and torch.equal(value, policy.act(o, g1)[2])
 
 
+class ScaledFeatures(ActorCritic):
+    """A subclass with features of its own: observations scaled before both trunks."""
+
+    def _features(self, obs):
+        return super()._features(obs * 3.0)
+
+
+def test_a_subclass_with_its_own_features_gets_values_from_them():
+    policy = ScaledFeatures(OBS, DISCRETE).requires_grad_(False)
+    obs = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(policy.value(obs), policy.act(obs)[2])  # (the built-in's critic path skipped them)
+
+
 def test_fused_act_is_used_only_where_it_computes_what_act_would():
     for policy in (
         _policy(CONTINUOUS).requires_grad_(False),
