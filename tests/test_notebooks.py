@@ -7,6 +7,7 @@ learning fails CI. The executed copies, outputs included, go to ``build/notebook
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import nbformat
@@ -27,6 +28,16 @@ CHECKS = {
 
 
 def _execute(path: Path) -> tuple[dict, object]:
+    runs = path.parent / "runs"  # where the notebooks' loops write their run directories (cwd-relative)
+    before = set(runs.iterdir()) if runs.exists() else set()
+    try:
+        return _execute_in_kernel(path)
+    finally:  # the runs this test made leave the checkout (a user's own stay)
+        for made in (set(runs.iterdir()) if runs.exists() else set()) - before:
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def _execute_in_kernel(path: Path) -> tuple[dict, object]:
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
