@@ -223,6 +223,12 @@ def load_policy(path: str | os.PathLike) -> TrainedPolicy:
     import torch
 
     path = Path(path)
+    for model in (path, path / "model"):  # an LM run's export, or that export itself
+        if (model / "config.json").is_file():
+            raise PolicyFileError(
+                f"load_policy: {model} is a Hugging Face model (an LM run's export), not a policy file; load it "
+                f"with transformers.AutoModelForCausalLM.from_pretrained({str(model)!r})"
+            )
     if path.is_dir():
         path = path / "policy.pt"
     if not path.is_file():

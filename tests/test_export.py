@@ -160,6 +160,13 @@ def test_loading_what_is_not_a_policy_file_says_so(tmp_path):
     (tmp_path / "text.pt").write_text("not a pickle")
     with pytest.raises(PolicyFileError, match="is not a policy file"):
         load_policy(tmp_path / "text.pt")
+    (tmp_path / "grpo" / "model").mkdir(parents=True)
+    (tmp_path / "grpo" / "model" / "config.json").write_text("{}")  # an LM run's export
+    for given in (tmp_path / "grpo", tmp_path / "grpo" / "model"):
+        with pytest.raises(
+            PolicyFileError, match=r"is a Hugging Face model .*AutoModelForCausalLM.from_pretrained"
+        ):
+            load_policy(given)
     torch.save({"weights": torch.zeros(2)}, tmp_path / "state.pt")
     with pytest.raises(PolicyFileError, match="expected format 'rlnb-policy/1', found None"):
         load_policy(tmp_path / "state.pt")
