@@ -160,6 +160,13 @@ class TrainedPolicy:
             make_env=make_env if make_env is not None else spec.get("make_env"),
             **{**settings, "num_envs": min(episodes, 8), "pipeline_stages": 1},
         )
+        theirs = (tuple(env.observation_space.shape), env.action_space)
+        if theirs[0] != tuple(self.observation_space.shape) or theirs[1] != self.action_space:
+            env.close()
+            raise ValueError(
+                f"evaluate: the env's observations {theirs[0]} and actions {theirs[1]} are not the policy's "
+                f"{tuple(self.observation_space.shape)} and {self.action_space}"
+            )
         if self.obs_normalization is not None:
             env.normalize_obs_with(self.obs_normalization)
         try:

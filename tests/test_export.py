@@ -58,6 +58,10 @@ def test_an_exported_policy_acts_on_raw_observations_as_the_rollout_on_normalise
     assert policy.evaluate(3, seed=seed, kwargs={"max_episode_steps": 50})["len_mean"] == 50.0
     with pytest.raises(ValueError, match="episodes expected an integer >= 1, got 0"):
         policy.evaluate(0)
+    with pytest.raises(
+        ValueError, match=r"the env's observations \(4,\) and actions Discrete\(2\) are not the policy's"
+    ):
+        policy.evaluate(2, make_env="CartPole-v1")  # (was a shape error from inside the policy)
 
 
 SCRIPT = """
