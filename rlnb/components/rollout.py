@@ -275,14 +275,10 @@ class PolicyRollout(RolloutBase):
         return np.clip(a, self.low, self.high) if self.low is not None and not self.discrete else a
 
     def _record_step(self, traj: _Trajectory, stage: int, t: int, out: dict) -> float:
-        """Rewards/dones of step ``t`` and :meth:`_bootstrap`; returns the seconds of its value forward."""
+        """Rewards/dones of step ``t``; truncated episodes get ``gamma * V(final_obs)`` added to their reward.
+        Returns the seconds of that value forward (inference)."""
         traj.outcome(stage, t, out["reward"], out["terminated"], out["truncated"])
-        return 0.0 if out["final_obs"] is None else self._bootstrap(traj, stage, t, out)
-
-    def _bootstrap(self, traj: _Trajectory, stage: int, t: int, out: dict) -> float:
-        """Truncated episodes of step ``t`` get ``gamma * V(final_obs)`` added to their reward. Returns the
-        seconds of that value forward (inference)."""
-        if not len(out["final_idx"]):
+        if out["final_obs"] is None or not len(out["final_idx"]):
             return 0.0
         t0 = time.perf_counter()
         v = self._values(out["final_obs"]).numpy()
@@ -319,24 +315,16 @@ class PolicyRollout(RolloutBase):
         inference_s = 0.0  # every forward of the policy: actions, bootstrap values, last values
         perf_counter = time.perf_counter
         with self._collecting():
-            act, env_step, outcome, bootstrap = self.act, env_obj.step, traj.outcome, self._bootstrap
-            # (the built-in env_actions of discrete or unbounded actions is the tensor's numpy view: one call)
-            to_env = (
-                torch.Tensor.numpy
-                if type(self).env_actions is PolicyRollout.env_actions and (self.low is None or self.discrete)
-                else self.env_actions
-            )
+            act, env_actions, env_step, record = self.act, self.env_actions, env_obj.step, self._record_step
             stages = range(env_obj.stages)
             for t in range(steps):
-                for s in stages:  # (what _record_step does, inline)
+                for s in stages:
                     t0 = perf_counter()
                     actions, logprob, value = act(obs[s])
                     inference_s += perf_counter() - t0
                     traj.act(s, t, obs[s], actions, logprob, value)
-                    out = env_step(s, to_env(actions))
-                    outcome(s, t, out["reward"], out["terminated"], out["truncated"])
-                    if out["final_obs"] is not None:
-                        inference_s += bootstrap(traj, s, t, out)
+                    out = env_step(s, env_actions(actions))
+                    inference_s += record(traj, s, t, out)
                     obs[s] = out["obs"]
             summary, last_values_s = self._finish(traj, obs)
         # the work, timed where it ran; the rest of the call is the loop's overhead
