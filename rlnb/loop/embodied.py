@@ -448,18 +448,13 @@ class Loop(LoopBase):
                 "run() calls or at run()'s eval_interval, where nothing is in flight"
             )
         self._sync_rollout()  # evaluate the current weights
-        # observations normalised as in training: with env rank 0's statistics as they are now, frozen
-        normalization = (
-            (self.groups["env"].on(0).obs_normalization().result()[0],)
-            if self.env_spec["config"].normalize_obs
-            else ()
-        )
-        res = (
-            self.groups["rollout"]
-            .on(0)
-            .evaluate(self.env_spec, n, self.recipe.seed + 1_000_003, *normalization)
-            .result()[0]
-        )
+        args = (self.env_spec, n, self.recipe.seed + 1_000_003)
+        # observations normalised as in training: with env rank 0's statistics as they are now, frozen (not
+        # passed without them, so a rollout's own evaluate of three arguments goes on working)
+        normalization = self._obs_normalization()
+        if normalization is not None:
+            args += (normalization,)
+        res = self.groups["rollout"].on(0).evaluate(*args).result()[0]
         record = {f"eval/{k}": v for k, v in res.items()}
         record["time/eval_s"] = time.perf_counter() - t0
         self.logger.log(self.step, record)
@@ -478,20 +473,22 @@ class Loop(LoopBase):
         from rlnb.export import TrainedPolicy
 
         module = self.groups["actor"].on(0).policy_module().result()[0]
-        normalization = (
-            self.groups["env"].on(0).obs_normalization().result()[0]
-            if self.env_spec["config"].normalize_obs
-            else None
-        )
         policy = TrainedPolicy(
             module,
             *self.spaces,
-            normalization,
+            self._obs_normalization(),
             step=self.step,
             source=str(self.run_dir),
             env_spec=self.env_spec,
         )
         return policy.save(Path(path) if path is not None else self.run_dir / "policy.pt")
+
+    def _obs_normalization(self):
+        """Env rank 0's observation statistics as they are now (``env.normalize_obs``), else ``None``: what an
+        evaluation and an exported policy normalise with."""
+        if not self.env_spec["config"].normalize_obs:
+            return None
+        return self.groups["env"].on(0).obs_normalization().result()[0]
 
     # ------------------------------------------------------------------ metrics
     def episode_stats(self) -> dict:
