@@ -19,7 +19,6 @@ The file is a pickle (``torch.load(..., weights_only=False)``): load only files 
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -177,11 +176,11 @@ class TrainedPolicy:
     def save(self, path: str | os.PathLike) -> Path:
         """Write this policy to ``path`` atomically (a temporary file, then renamed); returns the path."""
         import cloudpickle
-        import torch
+
+        from rlnb.files import torch_save_atomic
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:6]}")
         state = {
             "format": FORMAT,
             "module": self.module,
@@ -197,15 +196,8 @@ class TrainedPolicy:
                 else cloudpickle.dumps(self._env_spec)
             ),
         }
-        try:
-            with open(tmp, "wb") as f:
-                # by value where a class is not importable (defined in a notebook cell or a script's __main__)
-                torch.save(state, f, pickle_module=cloudpickle)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        # by value where a class is not importable (defined in a notebook cell or a script's __main__)
+        torch_save_atomic(state, path, pickle_module=cloudpickle)
         return path
 
     def __repr__(self) -> str:  # local state only

@@ -322,19 +322,9 @@ class RankHost:
 
 
 def _save_state(obj, path: str) -> int:
-    import torch
+    from rlnb.files import torch_save_atomic
 
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj.state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the checkpoint is marked complete
-        os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return os.path.getsize(path)
+    return torch_save_atomic(obj.state_dict(), path)  # (on disk before the checkpoint is marked complete)
 
 
 def _load_state(obj, path: str) -> None:
