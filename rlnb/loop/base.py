@@ -620,8 +620,7 @@ class LoopBase:
             setattr(getattr(self.recipe, section), field, value)  # the recipe describes the run as it goes on
             self._pending[f"steer/{key}"] = value
         self.steering.append({"step": self.step + 1, **changes})
-        if self.run_dir is not None and self.run_dir.exists():
-            (self.run_dir / "recipe.yaml").write_text(to_yaml(self.recipe))
+        self._write_recipe()
         log.info("step %d trains with %s", self.step + 1, changes)
 
     def pause(self) -> None:
@@ -715,14 +714,18 @@ class LoopBase:
         self._stop = False
         return self._run_steps(steps, progress)
 
+    def _write_recipe(self) -> None:
+        """The run's ``recipe.yaml`` as the recipe is now (a resume continues with it)."""
+        if self.run_dir is not None and self.run_dir.exists():
+            (self.run_dir / "recipe.yaml").write_text(to_yaml(self.recipe))
+
     def _extend_run(self, steps: int) -> None:
         """``runner.steps`` grows to ``steps`` for a :meth:`run` that goes past it, and the actor learns of it:
         the learning-rate decay of ``actor.anneal_lr`` then spans the longer run, instead of holding the rate at
         0 past the old end. Written to the run's ``recipe.yaml`` (a resume continues with it)."""
         before, self.recipe.runner.steps = self.recipe.runner.steps, steps
         self.groups["actor"].set_total_steps(steps).result()
-        if self.run_dir is not None and self.run_dir.exists():
-            (self.run_dir / "recipe.yaml").write_text(to_yaml(self.recipe))
+        self._write_recipe()
         log.info(
             "run() goes to step %d, past runner.steps=%d: runner.steps is now %d (with actor.anneal_lr, the "
             "learning rate decays to 0 over the %d steps)", steps, before, steps, steps
