@@ -30,7 +30,7 @@ GLOSSARY: dict[str, str] = {
     "rollout/tokens_per_s": "Tokens generated per second (asynchronous mode: over the generation time itself).",
     "rollout/response_len_mean": "Mean completion length, in tokens.",
     "rollout/reward_mean": "Mean reward of this step's completions.",
-    "rollout/accuracy": "Share of this step's completions with reward >= 1 (exact answers).",
+    "rollout/accuracy": "Share of this step's completions with reward >= 1 (exact answers; with several rewards, the first).",
     "rollout/staleness_mean": "Asynchronous mode: mean policy versions between a token's generation and the step training on it.",
     "rollout/staleness_max": "Asynchronous mode: the largest such staleness in the batch (<= algorithm.max_staleness).",
     "rollout/interrupted_frac": "Asynchronous LM mode: share of sequences whose generation spanned a weight update.",
@@ -38,7 +38,8 @@ GLOSSARY: dict[str, str] = {
     "rollout/overlap_frac": "Share of rollout time hidden behind training (0: synchronous).",
     # reward
     "reward/mean": "Mean reward the reward component gave this step's completions.",
-    "reward/accuracy": "Share of this step's completions the reward scored >= 1.",
+    "reward/accuracy": "Share of this step's completions the reward scored >= 1 (with several rewards, the first).",
+    "reward/<name>/mean": "With several rewards (reward.name a list): the mean score the reward <name> gave this step's completions, before its weight.",
     # advantages
     "advantages/advantage_mean": "Mean advantage before minibatch normalisation.",
     "advantages/advantage_std": "Standard deviation of the advantages.",
@@ -106,9 +107,29 @@ WORK_IN_PHASE: dict[str, tuple[str, ...]] = {
 }
 
 
+def explain(key: str) -> str | None:
+    """What the metric ``key`` means, from :data:`GLOSSARY` (where ``<name>`` stands for any one part of a
+    key, e.g. ``reward/<name>/mean`` explains ``reward/format/mean``), or None.
+
+    Example:
+        >>> explain("reward/format/mean").startswith("With several rewards")
+        True
+    """
+    if key in GLOSSARY:
+        return GLOSSARY[key]
+    parts = key.split("/")
+    for pattern, text in _PATTERNS:
+        if len(pattern) == len(parts) and all(p in ("<name>", k) for p, k in zip(pattern, parts)):
+            return text.replace("<name>", parts[pattern.index("<name>")])
+    return None
+
+
+_PATTERNS = [(k.split("/"), v) for k, v in GLOSSARY.items() if "<name>" in k]
+
+
 def undocumented(keys) -> list[str]:
     """The metric names in ``keys`` that :data:`GLOSSARY` does not explain."""
-    return sorted(k for k in keys if k not in GLOSSARY)
+    return sorted(k for k in keys if explain(k) is None)
 
 
 class MetricLogger:

@@ -84,7 +84,7 @@ def test_all_errors_at_once_with_file_and_keys(tmp_path):
         ("env.pipeline_stages=3", "env.pipeline_stages: 3 stages must divide env.num_envs=8"),
         (
             "actor.model.hidden_sizes=64",
-            "actor.model.hidden_sizes: expected a list of an integer, got int 64",
+            "actor.model.hidden_sizes: expected a list of integers, got int 64",
         ),
         ("actor.modle.kind=cnn", "actor.modle: unknown key"),
         ("runner.steps=-1", "runner.steps: expected an integer >= 0, got -1"),

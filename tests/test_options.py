@@ -385,3 +385,86 @@ def test_gpu_check_dry_run_checks_the_plan_and_imports_without_a_gpu(tmp_path):
         timeout=120,
     )
     assert bad.returncode == 2 and "unknown check(s) ['clustr']" in bad.stderr
+
+
+def half_point(completion: str) -> float:
+    """A reward of 0.5 whatever the completion (with weight 2.0: 1.0, which an accuracy of the weighted sum
+    would count as right)."""
+    return 0.5
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        ["cluster.component_placement={'actor,rollout,reward': 0}"],
+        ["cluster.component_placement={'actor,rollout': 0, reward: 1}"],
+        ["cluster.component_placement={'rollout,reward': 0, actor: 1}", "algorithm.max_staleness=1"],
+    ],
+    ids=["scored-next-to-the-rollout", "scored-on-its-own-slot", "asynchronous"],
+)
+def test_several_weighted_rewards_are_summed_and_logged_apart(cluster, tmp_path, monkeypatch, placement):
+    """``reward.name: [arithmetic, half_point]`` with ``reward.weights: [1, 2]`` (TRL's reward_funcs and
+    reward_weights), on workers in each scoring path: each reward's mean is logged, the training reward is
+    the weighted sum, and accuracy counts the first reward alone."""
+    from rlnb.algorithms.rewards import REWARDS, register_reward
+
+    monkeypatch.setattr(REWARDS, "_items", dict(REWARDS._items))  # registered for this test only
+    register_reward("half_point")(half_point)
+    overrides = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "runner.steps=3", "actor.sft_steps=40",
+                 "reward.name=[arithmetic,half_point]", "reward.weights=[1,2]", *placement]  # fmt: skip
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        loop.run(progress=False)
+        group = loop.sample_group(0)
+        tried = loop.try_prompt("2+3=", "5")
+    steps = [r for r in loop.history if "reward/mean" in r]
+    assert len(steps) == 3
+    for r in steps:
+        assert r["reward/half_point/mean"] == 0.5
+        assert r["reward/mean"] == pytest.approx(r["reward/arithmetic/mean"] + 2 * 0.5)
+        assert r["reward/accuracy"] == pytest.approx(r["reward/arithmetic/mean"])  # 0/1 scores
+    assert any(r["reward/accuracy"] > 0 for r in steps)  # the warm start answers some
+    for row in [*group, *tried]:
+        assert row["rewards"]["half_point"] == 0.5
+        assert row["reward"] == pytest.approx(row["rewards"]["arithmetic"] + 1.0)
+    evals = [r for r in loop.history if "eval/accuracy" in r]
+    assert evals and all(r["eval/reward_mean"] == pytest.approx(r["eval/accuracy"] + 1.0) for r in evals)
+
+
+def test_reward_functions_from_a_notebook_cell_are_weighted_on_a_worker(cluster):
+    def exact(completion, answer):
+        return float(completion.strip() == answer)
+
+    def short(completion):
+        return -0.1 * len(completion)
+
+    reward = rlnb.RewardWorker.launch(cluster, "1", fn=[exact, short], weights=[1.0, 0.5])
+    try:
+        scored = reward.score_terms(["4", "5 "], ["4", "4"]).result()[0]
+        assert scored["terms"] == {"exact": [1.0, 0.0], "short": [pytest.approx(-0.1), pytest.approx(-0.2)]}
+        assert scored["rewards"] == [pytest.approx(0.95), pytest.approx(-0.1)]
+        assert reward.score(["4"], ["4"]).result() == [[pytest.approx(0.95)]]
+    finally:
+        reward.shutdown()
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["reward.name=[arithmetic,fromat]"],
+            r"reward.name\[1\]: unknown reward 'fromat'.*Did you mean 'format'",
+        ),
+        (["reward.name=[arithmetic,format]", "reward.weights=[1]"], r"reward.weights: expected a list of 2"),
+        (["reward.name=[format,format]"], r"reward.name: each reward is logged under its name, and 'format'"),
+        (["reward.name=[]"], r"reward.name: expected a reward or a non-empty list"),
+        (
+            ["reward.weights=[.nan]"],
+            r"reward.weights\[0\]: expected a finite number \(the weight of 'arithmetic'\)",
+        ),
+    ],
+)
+def test_bad_reward_lists_are_refused_naming_the_key(overrides, message):
+    from rlnb.config import load_recipe
+
+    with pytest.raises(rlnb.ConfigError, match=message):
+        load_recipe("grpo_arith", overrides)

@@ -13,12 +13,14 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rlnb.algorithms.advantages import ADVANTAGES
 from rlnb.algorithms.losses import POLICY_LOSSES
 from rlnb.algorithms.registry import Entry, check_serves
 from rlnb.algorithms.rewards import REWARDS
+from rlnb.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -109,3 +111,44 @@ def check_algorithm(contract: LoopContract, advantage, policy_loss) -> tuple[Ent
 def check_reward(reward) -> Entry:
     """The reward entry (a name or a function) if the LM loop can call it, else a :class:`rlnb.ConfigError`."""
     return check_serves(REWARDS, reward, LM.reward_inputs, LM.layout, "reward.name", LM.name)
+
+
+def check_rewards(rewards, weights=None) -> tuple[list[Entry], list[float]]:
+    """Several rewards summed with weights, as TRL's ``reward_funcs`` and ``reward_weights``: the entries of
+    ``rewards`` (a name, a function, or a list of them) and one weight each (default 1.0 each), or a
+    :class:`rlnb.ConfigError` naming ``reward.name`` or ``reward.weights``.
+
+    Example:
+        >>> entries, weights = check_rewards(["arithmetic", "format"], [1.0, 0.2])
+        >>> [e.name for e in entries], weights
+        (['arithmetic', 'format'], [1.0, 0.2])
+    """
+    items = list(rewards) if isinstance(rewards, (list, tuple)) else [rewards]
+    if not items:
+        raise ConfigError(
+            "reward.name: expected a reward or a non-empty list of rewards, got []", "reward.name"
+        )
+    entries = [check_reward(r) for r in items]
+    names = [e.name for e in entries]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ConfigError(
+            f"reward.name: each reward is logged under its name, and {', '.join(map(repr, repeated))} comes "
+            f"more than once in {names}; give each function a name of its own (a def, not a lambda)",
+            "reward.name",
+        )
+    if weights is None:
+        return entries, [1.0] * len(entries)
+    if not isinstance(weights, (list, tuple)) or len(weights) != len(entries):
+        raise ConfigError(
+            f"reward.weights: expected a list of {len(entries)} number(s), one per reward in {names}, "
+            f"got {weights!r}",
+            "reward.weights",
+        )
+    for i, w in enumerate(weights):
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ConfigError(
+                f"reward.weights[{i}]: expected a finite number (the weight of {names[i]!r}), got {w!r}",
+                "reward.weights",
+            )
+    return entries, [float(w) for w in weights]

@@ -19,7 +19,7 @@ import time
 import torch
 
 from rlnb.algorithms import kl_penalty
-from rlnb.algorithms.contract import LM, check_algorithm, check_reward
+from rlnb.algorithms.contract import LM, check_algorithm, check_rewards
 from rlnb.algorithms.losses import masked_mean
 from rlnb.algorithms.rewards import SafeReward
 from rlnb.components.actor import ActorBase, with_settings
@@ -79,38 +79,68 @@ def _micro_batches(n: int, size: int):
 
 
 class RewardWorker:
-    """Applies a reward to completions; may sit on its own slot or next to the rollout.
+    """Applies a reward, or several summed with weights, to completions; may sit on its own slot or next to
+    the rollout.
 
     Args:
-        name: a registered reward (``math``, ``arithmetic``...).
+        name: a registered reward (``math``, ``arithmetic``...), or a list of them.
         fn: instead, a function (e.g. defined in a notebook cell) taking some of ``completion``,
             ``answer`` and ``prompt`` by keyword and returning a float, or a registered name
-            (``RewardWorker.launch(cluster, "0", fn="math")``).
+            (``RewardWorker.launch(cluster, "0", fn="math")``), or a list of either (TRL's ``reward_funcs``).
+        weights: with several rewards, one weight each (default 1.0 each; TRL's ``reward_weights``). A
+            completion's reward is the weighted sum; each reward is also kept apart (:meth:`score_terms`),
+            and the first is the one accuracy counts (a score >= 1): put the correctness reward first.
 
     Example:
         >>> RewardWorker(fn=lambda completion, answer: float(completion.strip() == answer)).score(["4"], ["4"])
         [1.0]
+        >>> RewardWorker(fn=["arithmetic", "format"], weights=[1.0, 0.5]).score_terms(["4 #### 4"], ["4"])
+        {'rewards': [1.5], 'terms': {'arithmetic': [1.0], 'format': [1.0]}}
     """
 
     launch = launcher("reward")
 
     @classmethod
     def prepare_launch(cls, kwargs: dict) -> dict:
-        """On the driver: resolve the reward into a registry entry (travels by value) or refuse it."""
+        """On the driver: resolve the rewards into registry entries (they travel by value) or refuse them."""
         kwargs = dict(kwargs)
-        kwargs["fn"] = check_reward(kwargs.get("fn") or kwargs.get("name", "arithmetic"))
+        fn, name = kwargs.pop("fn", None), kwargs.pop("name", "arithmetic")
+        kwargs["fn"], kwargs["weights"] = check_rewards(fn if fn is not None else name, kwargs.get("weights"))
         return kwargs
 
-    def __init__(self, name: str = "arithmetic", fn=None, rank_info: RankInfo | None = None):
-        entry = check_reward(fn if fn is not None else name)  # refuses a function the loop cannot call
-        self.name = entry.name
-        self.fn = SafeReward(entry.name, entry)
+    def __init__(self, name="arithmetic", fn=None, weights=None, rank_info: RankInfo | None = None):
+        # refuses a function the loop cannot call, a repeated name, or weights that do not fit
+        entries, self.weights = check_rewards(fn if fn is not None else name, weights)
+        self.rewards = [SafeReward(e.name, e) for e in entries]
+        self.names = [e.name for e in entries]
+        self.name = "+".join(self.names)
+        self.fn = self.rewards[0]
 
     def score(
         self, completions: list[str], answers: list[str], prompts: list[str] | None = None
     ) -> list[float]:
+        """Each completion's reward: the weighted sum of the rewards."""
+        return self._score_terms(completions, answers, prompts)["rewards"]
+
+    def score_terms(
+        self, completions: list[str], answers: list[str], prompts: list[str] | None = None
+    ) -> dict:
+        """``{"rewards": [weighted sum per completion], "terms": {reward name: [its score per completion]}}``
+        (what the loop logs apart). A subclass overriding :meth:`score` alone has its scores as one term."""
+        if type(self).score is not RewardWorker.score:
+            rewards = [float(r) for r in self.score(completions, answers, prompts)]
+            return {"rewards": rewards, "terms": {self.name: rewards}}
+        return self._score_terms(completions, answers, prompts)
+
+    def _score_terms(self, completions, answers, prompts) -> dict:
         prompts = prompts or [None] * len(completions)
-        return [self.fn(c, a, p) for c, a, p in zip(completions, answers, prompts)]
+        rows = list(zip(completions, answers, prompts))
+        terms = {r.name: [r(c, a, p) for c, a, p in rows] for r in self.rewards}
+        if len(terms) == 1 and self.weights[0] == 1.0:
+            return {"rewards": terms[self.names[0]], "terms": terms}
+        columns = [terms[n] for n in self.names]
+        rewards = [sum(w * s for w, s in zip(self.weights, each)) for each in zip(*columns)]
+        return {"rewards": rewards, "terms": terms}
 
     def state_dict(self) -> dict:  # stateless; kept so every component checkpoints the same way
         return {"name": self.name}
@@ -438,8 +468,8 @@ class HFRollout(RolloutBase):
             "response_len_mean": float(lengths.mean()),
         }
         if reward is not None:
-            scores = local_peer(reward, self.rank).score(texts, batch["answers"], batch["prompts"])
-            summary.update(self.set_rewards(scores))
+            scored = local_peer(reward, self.rank).score_terms(texts, batch["answers"], batch["prompts"])
+            summary.update(self.set_rewards(scored["rewards"], scored["terms"]))
         else:
             summary["texts"], summary["answers"], summary["prompts"] = (
                 texts,
@@ -462,10 +492,19 @@ class HFRollout(RolloutBase):
             for j in range(shards)
         ]
 
-    def set_rewards(self, rewards: list[float]) -> dict:
+    def set_rewards(self, rewards: list[float], terms: dict[str, list[float]] | None = None) -> dict:
+        """The batch's ``rewards [B]`` and, from :meth:`RewardWorker.score_terms`, each reward's scores apart
+        (``reward_terms [B, K]`` named by ``reward_names``, with several). Returns the mean reward, the
+        accuracy (the share the first reward scored >= 1) and each reward's mean (``reward_terms``)."""
         r = torch.tensor(rewards, dtype=torch.float32)
         self.batch["rewards"] = r
-        return {"reward_mean": float(r.mean()), "accuracy": float((r >= 1.0).float().mean())}
+        first = torch.tensor(next(iter(terms.values())), dtype=torch.float32) if terms else r
+        summary = {"reward_mean": float(r.mean()), "accuracy": float((first >= 1.0).float().mean())}
+        if terms and len(terms) > 1:
+            self.batch["reward_terms"] = torch.tensor(list(zip(*terms.values())), dtype=torch.float32)
+            self.batch["reward_names"] = tuple(terms)
+            summary["reward_terms"] = {n: sum(v) / len(v) for n, v in terms.items()}
+        return summary
 
     def complete(self, prompts: list[str]) -> list[str]:
         """Greedy completions (evaluation, samples in notebooks)."""
@@ -548,9 +587,8 @@ class HFRollout(RolloutBase):
             "version": self.version,
         }
         b = self.batch
-        summary.update(
-            self.set_rewards(local_peer(reward, self.rank).score(b["texts"], b["answers"], b["prompts"]))
-        )
+        scored = local_peer(reward, self.rank).score_terms(b["texts"], b["answers"], b["prompts"])
+        summary.update(self.set_rewards(scored["rewards"], scored["terms"]))
         self.put_batch(batches, batch_key, shards)
         summary["generate_s"] = time.perf_counter() - t0
         return summary
@@ -942,6 +980,9 @@ class LMActor(ActorBase):
             "rewards": torch.cat([b["rewards"] for b in batches]),
             "version": min(b["version"] for b in batches),
         }
+        if all("reward_terms" in b for b in batches):  # several rewards, each kept apart (sample_group)
+            batch["reward_terms"] = torch.cat([b["reward_terms"] for b in batches])
+            batch["reward_names"] = batches[0]["reward_names"]
         self.batch = batch
         return {"sequences": int(batch["rewards"].numel()), "version": batch["version"]}
 
@@ -1020,6 +1061,8 @@ class LMActor(ActorBase):
                 "reward": float(b["rewards"][i]),
                 "logprob": float(b["logprobs"][i][response].sum()),
             }
+            if "reward_terms" in b:  # several rewards: each one's score
+                row["rewards"] = dict(zip(b["reward_names"], b["reward_terms"][i].tolist()))
             if "advantages" in b:
                 row["advantage"] = float(b["advantages"][i][response].mean()) if response.any() else 0.0
             rows.append(row)

@@ -68,7 +68,9 @@ def _type_name(tp) -> str:
         empty = " (or empty)" if type(None) in typing.get_args(tp) else ""
         return " or ".join(_type_name(a) for a in args) + empty
     if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+        (item,) = typing.get_args(tp)
+        plural = {int: "integers", float: "numbers", str: "strings", bool: "true/false values"}
+        return f"a list of {plural.get(item) or _type_name(item)}"
     if origin is dict:
         return "a mapping"
     if dataclasses.is_dataclass(tp):
@@ -360,10 +362,12 @@ def validate(recipe: Recipe) -> list[str]:
     ints = all(isinstance(x, int) for x in (e.num_envs, e.pipeline_stages))
     if ints and e.num_envs >= 1 and e.pipeline_stages >= 1 and e.num_envs % e.pipeline_stages:
         errs.append(f"env.pipeline_stages: {e.pipeline_stages} stages must divide env.num_envs={e.num_envs}")
+    several = isinstance(recipe.reward.name, list)  # rewards summed with reward.weights
+    rewards = recipe.reward.name if several else [recipe.reward.name]
     for key, value, reg in (
         ("algorithm.advantage", a.advantage, ADVANTAGES),
         ("algorithm.policy_loss", a.policy_loss, POLICY_LOSSES),
-        ("reward.name", recipe.reward.name, REWARDS),
+        *((f"reward.name[{i}]" if several else "reward.name", r, REWARDS) for i, r in enumerate(rewards)),
     ):
         if isinstance(value, str) and value not in reg:
             errs.append(
@@ -373,13 +377,13 @@ def validate(recipe: Recipe) -> list[str]:
         isinstance(v, str) and v in reg
         for v, reg in ((a.advantage, ADVANTAGES), (a.policy_loss, POLICY_LOSSES))
     ):
-        from rlnb.algorithms.contract import EMBODIED, LM, check_algorithm, check_reward
+        from rlnb.algorithms.contract import EMBODIED, LM, check_algorithm, check_rewards
 
         lm = recipe.rollout.backend in ("hf", "vllm")
         try:  # a combination the loop cannot serve is refused here, before any worker starts
             check_algorithm(LM if lm else EMBODIED, a.advantage, a.policy_loss)
-            if lm and recipe.reward.name in REWARDS:
-                check_reward(recipe.reward.name)
+            if lm and all(isinstance(r, str) and r in REWARDS for r in rewards):
+                check_rewards(recipe.reward.name, recipe.reward.weights)
         except ConfigError as err:
             errs.append(str(err))
     if (

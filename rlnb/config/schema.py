@@ -248,8 +248,12 @@ class EnvConfig:
 class RewardConfig:
     """Reward function (LM RL)."""
 
-    name: str = "arithmetic"
-    """Registered reward: ``math``, ``arithmetic``, ``format``..."""
+    name: str | list[str] = "arithmetic"
+    """Registered reward (``math``, ``arithmetic``, ``format``...), or a list of them summed with ``weights``, as
+    TRL's ``reward_funcs``: each is logged apart (``reward/<name>/mean``), and accuracy counts the first (a
+    score >= 1), so put the correctness reward first."""
+    weights: list[float] | None = None
+    """With a list of rewards: one weight each (default 1.0 each), as TRL's ``reward_weights``."""
 
 
 @dataclass

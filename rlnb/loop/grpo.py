@@ -12,7 +12,7 @@ import random
 import time
 from pathlib import Path
 
-from rlnb.algorithms.contract import LM, check_algorithm, check_reward
+from rlnb.algorithms.contract import LM, check_algorithm
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
 from rlnb.config.schema import DataConfig, Recipe, RolloutConfig
 from rlnb.data.prompts import ArithmeticTask, Problem, chat_prompts, load_qa_file, problems_from_records
@@ -61,8 +61,10 @@ class GRPOLoop(LoopBase):
     Args:
         recipe, cluster, run_dir: the recipe path, as :class:`rlnb.loop.Loop`.
         rollout, actor: launched groups (the objects path); the loop owns them from then on.
-        reward: a launched reward group, or a function / registered reward name, then placed on the
+        reward: a launched reward group, or a function / registered reward name, or a list of them (summed,
+            each logged apart as ``reward/<name>/mean``; accuracy counts the first), then placed on the
             rollout's slots and scored next to it.
+        reward_weights: with a list of rewards, one weight each (default 1.0 each), as ``reward.weights``.
         prompts: prompt/answer records (dicts with ``prompt`` or ``question`` and ``answer``), or a
             ``datasets.Dataset`` of them; ``held_out_frac`` of them are held out for ``evaluate()``.
         prompts_per_step, eval_size, held_out_frac: as ``data.*`` in a recipe.
@@ -77,7 +79,7 @@ class GRPOLoop(LoopBase):
         "actor": ("describe", "sft", "set_batch", "take_local_batches", "take_channel_batches",
                   "compute_advantages", "train", "policy_state", "publish_weights", "export_hf",
                   "state_dict", "load_state_dict"),
-        "reward": ("score", "state_dict", "load_state_dict"),
+        "reward": ("score", "score_terms", "state_dict", "load_state_dict"),
     }  # fmt: skip
     ROLE_BASES = {"rollout": "rlnb.components.HFRollout", "actor": "rlnb.components.LMActor",
                   "reward": "rlnb.components.RewardWorker"}  # fmt: skip
@@ -98,6 +100,7 @@ class GRPOLoop(LoopBase):
         rollout=None,
         actor=None,
         reward=None,
+        reward_weights=None,
         prompts=None,
         prompts_per_step: int = 16,
         eval_size: int = 200,
@@ -121,13 +124,19 @@ class GRPOLoop(LoopBase):
                 "and prompts=",
                 "recipe",
             )
-        if not isinstance(reward, Group):  # a function or a registered name: score next to the rollout
+        if isinstance(reward, Group) and reward_weights is not None:
+            raise ConfigError(
+                "reward_weights: a launched reward group weighs its rewards itself "
+                "(RewardWorker.launch(..., fn=[...], weights=[...])); pass the functions or names instead",
+                "reward_weights",
+            )
+        if not isinstance(reward, Group):  # functions or registered names: score next to the rollout
             if not isinstance(rollout, Group):
                 raise ComponentError(
                     "expected a launched group", "rollout", type(rollout).__name__, "rollout"
                 )
             slots = tuple(i.slot for i in rollout.infos)
-            reward = RewardWorker.launch(rollout.cluster, slots, fn=reward)
+            reward = RewardWorker.launch(rollout.cluster, slots, fn=reward, weights=reward_weights)
         data = DataConfig(prompts_per_step=prompts_per_step, eval_size=eval_size, held_out_frac=held_out_frac)
         rollout_config = RolloutConfig(backend="hf", chunk_tokens=chunk_tokens)
         recipe = objects_recipe(name, seed, runner, data=data, rollout=rollout_config)
@@ -250,7 +259,7 @@ class GRPOLoop(LoopBase):
             length_buckets=r.actor.length_buckets,
         )  # fmt: skip
         self.groups["reward"] = RewardWorker.launch(
-            cl, p["reward"], call_timeout_s=timeout, fn=check_reward(r.reward.name)
+            cl, p["reward"], call_timeout_s=timeout, fn=r.reward.name, weights=r.reward.weights
         )
 
     def _compose(self) -> None:
@@ -354,10 +363,11 @@ class GRPOLoop(LoopBase):
             ).result()
             n_rew = reward.world_size
             scored = [
-                reward.on(k % n_rew).score(s["texts"], s["answers"], s["prompts"])
+                reward.on(k % n_rew).score_terms(s["texts"], s["answers"], s["prompts"])
                 for k, s in enumerate(summaries)
             ]
-            stats = rollout.call_each("set_rewards", [(res.result()[0],) for res in scored]).result()
+            scores = [res.result()[0] for res in scored]
+            stats = rollout.call_each("set_rewards", [(x["rewards"], x["terms"]) for x in scores]).result()
             for s, st in zip(summaries, stats):
                 s.update(st)
         self._hand_batches()
@@ -380,6 +390,8 @@ class GRPOLoop(LoopBase):
             "accuracy": sum(s["accuracy"] * s["sequences"] for s in summaries) / n,
             **extra,
         }
+        for name in summaries[0].get("reward_terms", ()):  # several rewards: each one's mean
+            out[f"reward_term/{name}"] = sum(s["reward_terms"][name] * s["sequences"] for s in summaries) / n
         return self._phase("rollout", t0, out)
 
     # ------------------------------------------------------------------ looking inside
@@ -404,15 +416,20 @@ class GRPOLoop(LoopBase):
                 0
             ].prompt
         texts = self.groups["rollout"].on(0).sample_completions(prompt, size).result()[0]
-        rewards = self.groups["reward"].on(0).score(texts, [answer] * size, [prompt] * size).result()[0]
+        scored = self.groups["reward"].on(0).score_terms(texts, [answer] * size, [prompt] * size).result()[0]
+        rewards, terms = scored["rewards"], scored["terms"]
         offered = {"rewards": torch.tensor(rewards, dtype=torch.float32), "group_size": size}
         offered.update(scale=algorithm.scale, gamma=algorithm.gamma, kl_coef=0.0)
         advantages = ADVANTAGES.entry(algorithm.advantage)(**offered)
         advantages = advantages[0] if isinstance(advantages, tuple) else advantages
-        return [
+        rows = [
             {"completion": t, "reward": r, "advantage": float(a)}
             for t, r, a in zip(texts, rewards, advantages)
         ]
+        if len(terms) > 1:  # several rewards: each one's score
+            for i, row in enumerate(rows):
+                row["rewards"] = {name: scores[i] for name, scores in terms.items()}
+        return rows
 
     # ------------------------------------------------------------------ asynchronous RL
     def sync_weights(self) -> dict:
@@ -522,14 +539,15 @@ class GRPOLoop(LoopBase):
             ).result()
             for t in part
         ]
-        scores = (
+        scored = (
             self.groups["reward"]
             .on(0)
-            .score(texts, [p.answer for p in problems], [p.prompt for p in problems])
+            .score_terms(texts, [p.answer for p in problems], [p.prompt for p in problems])
             .result()[0]
         )
+        scores, first = scored["rewards"], next(iter(scored["terms"].values()))
         record = {
-            "eval/accuracy": sum(1.0 for s in scores if s >= 1.0) / len(scores),
+            "eval/accuracy": sum(1.0 for s in first if s >= 1.0) / len(first),
             "eval/reward_mean": sum(scores) / len(scores),
             "eval/size": len(scores),
             "time/eval_s": time.perf_counter() - t0,
@@ -565,6 +583,11 @@ class GRPOLoop(LoopBase):
             {
                 "reward/mean": p.get("rollout/reward_mean"),
                 "reward/accuracy": p.get("rollout/accuracy"),
+                **{
+                    f"reward/{k.removeprefix('rollout/reward_term/')}/mean": v
+                    for k, v in p.items()
+                    if k.startswith("rollout/reward_term/")
+                },
                 "rollout/tokens_per_s": p.get("rollout/tokens_per_s"),
                 "rollout/response_len_mean": p.get("rollout/response_len_mean"),
                 **{f"rollout/{k}": p.get(f"rollout/{k}") for k in ASYNC_METRICS if self.max_staleness},

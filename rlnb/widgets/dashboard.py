@@ -9,7 +9,7 @@ import time
 
 import ipywidgets as w
 
-from rlnb.metrics import GLOSSARY, WORK_IN_PHASE
+from rlnb.metrics import GLOSSARY, WORK_IN_PHASE, explain
 from rlnb.widgets.model import DashboardModel, watch_messages
 
 
@@ -191,7 +191,9 @@ class Dashboard(w.VBox):
             rows.append(("overhead", f"{100 * model.latest['time/overhead_frac']:.1f} % of the step"))
         self.phases.value = _table(rows, {"overhead": GLOSSARY["time/overhead_frac"]})
         keys = [k for k in sorted(model.latest) if not k.startswith("time/")][:16]
-        self.metrics.value = _table([(k, f"{model.latest[k]:.4g}") for k in keys], GLOSSARY)
+        self.metrics.value = _table(
+            [(k, f"{model.latest[k]:.4g}") for k in keys], {k: explain(k) for k in keys}
+        )
         self.messages.value = (
             "<b>warnings and errors</b><pre style='white-space:pre-wrap'>"
             + html.escape("\n".join(model.messages))
