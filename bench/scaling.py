@@ -18,13 +18,15 @@ advantage and update compute) and the loop's own overhead, the rest, as a share 
 and of ``run()``'s wall time per step (which also holds the driver's own work between steps), then where that
 overhead goes: each phase's time outside its timed work (on one slot the sync phase carries the step's one
 round trip, or, where the worker ran the step ahead, its wait between the two steps). The recipe is measured
-twice: as it runs, and with ``runner.run_ahead=false``.
+twice: as it runs, and with ``runner.run_ahead=false``. Each size's medians are over at least ``--steps`` steps
+and at least 3 s of them (the recipe's 13 ms steps: ~230).
 It saves a plot to ``docs/img/scaling_work.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import numpy as np
@@ -35,6 +37,8 @@ from rlnb.demo import Echo
 from rlnb.metrics import WORK_IN_PHASE
 
 CALLS = 40
+MIN_MEASURED_S = 3.0  # --part work: each size is measured over at least this many seconds of steps
+MAX_STEPS = 400
 
 
 class Feeder(Echo):
@@ -125,9 +129,9 @@ SIZES = [  # (label, overrides): one axis grows at a time from the recipe's own 
 ]
 
 
-def work_row(cluster, overrides: list[str], steps: int) -> dict:
-    """Medians over ``steps`` PPO steps after three warm-up steps (a fresh loop's first steps fault in its
-    memory): the step, its timed work, the overhead share."""
+def work_row(cluster, overrides: list[str], steps: int, min_s: float = MIN_MEASURED_S) -> dict:
+    """Medians over at least ``steps`` PPO steps, and at least ``min_s`` seconds of them, after three warm-up
+    steps (a fresh loop's first steps fault in its memory): the step, its timed work, the overhead share."""
     import tempfile
 
     from rlnb.loop import Loop
@@ -137,7 +141,10 @@ def work_row(cluster, overrides: list[str], steps: int) -> dict:
         tempfile.TemporaryDirectory() as run_dir,
         Loop.from_recipe("ppo_cartpole", [*base, *overrides], cluster=cluster, run_dir=run_dir) as loop,
     ):
-        loop.run(3, progress=False)
+        warm = loop.run(3, progress=False)
+        # a short step is measured over more of them: 8 steps of 13 ms are a tenth of a second, where one
+        # slow moment of the VM moves the median (the recipe runs 390)
+        steps = max(steps, min(MAX_STEPS, math.ceil(min_s / max(1e-3, warm[-1]["time/step_s"]))))
         t0 = time.perf_counter()
         records = loop.run(steps, progress=False)
         wall_s = (time.perf_counter() - t0) / steps
@@ -248,7 +255,12 @@ def main():
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--items-per-rank", type=int, default=200)
     parser.add_argument("--step-s", type=float, default=0.5, help="a training step's duration, for the model")
-    parser.add_argument("--steps", type=int, default=8, help="--part work: steps measured per size")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=8,
+        help=f"--part work: steps measured per size, at least (and at least {MIN_MEASURED_S:g} s of them)",
+    )
     parser.add_argument(
         "--plot", default="docs/img/scaling_work.png", help="--part work: where the plot goes"
     )
