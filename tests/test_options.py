@@ -468,3 +468,24 @@ def test_bad_reward_lists_are_refused_naming_the_key(overrides, message):
 
     with pytest.raises(rlnb.ConfigError, match=message):
         load_recipe("grpo_arith", overrides)
+
+
+def test_grpo_through_the_cli_with_two_rewards_shows_rlnb_progress_only(tmp_path):
+    """``rlnb run grpo_arith reward.name=[...] reward.weights=[...]``: the list overrides reach the workers, each
+    reward is logged, and the workers' ``transformers`` bars ("Loading weights", one per rank and model) are
+    not interleaved in the terminal."""
+    out = subprocess.run(
+        [*RLNB, "run", "grpo_arith", "reward.name=[arithmetic,format]", "reward.weights=[1,0.5]",
+         "runner.steps=2", "actor.sft_steps=5", "data.eval_size=8", "runner.eval_interval=0",
+         "runner.tensorboard=false", f"actor.model_path={tmp_path / 'model'}", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Loading weights" not in out.stderr and "Writing model shards" not in out.stderr, out.stderr[
+        -3000:
+    ]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "reward/format/mean" in r and "reward/arithmetic/mean" in r] == [
+        1,
+        2,
+    ]

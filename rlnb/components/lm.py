@@ -32,6 +32,7 @@ from rlnb.errors import ConfigError
 from rlnb.models.lm import (
     encode_prompts,
     first_response_column,
+    hf_quiet,
     load_lm,
     logits_kept,
     new_cache,
@@ -1256,8 +1257,9 @@ class LMActor(ActorBase):
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:6]}")
         try:
-            self.policy.save_pretrained(tmp)
-            self.tok.save_pretrained(tmp)
+            with hf_quiet():
+                self.policy.save_pretrained(tmp)
+                self.tok.save_pretrained(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)

@@ -7,6 +7,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import string
 from pathlib import Path
@@ -82,9 +84,29 @@ def build_tiny_lm(
     torch.manual_seed(seed)
     model = cls_model(config)
     path = Path(path)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+    with hf_quiet():
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
     return path
+
+
+@contextlib.contextmanager
+def hf_quiet():
+    """``transformers``' own progress bars ("Loading weights", "Writing model shards") off while rlnb loads or
+    writes a model, then as they were: on workers, every rank's bars would interleave in the driver's terminal,
+    where rlnb shows its own progress. ``RLNB_HF_PROGRESS=1`` keeps them."""
+    from transformers.utils import logging as hf_logging
+
+    if os.environ.get("RLNB_HF_PROGRESS", "").strip().lower() in ("1", "true", "yes", "on"):
+        yield
+        return
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -143,7 +165,8 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu", key: str = "ac
     tok.padding_side = "left"  # generation appends on the right
     if tok.pad_token_id is None:  # many hub tokenizers have none; generation and batching need one
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).to(device)
+    with hf_quiet():
+        model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).to(device)
     return model, tok
 
 
