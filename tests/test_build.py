@@ -151,8 +151,11 @@ def test_lm_every_served_combination_trains_one_step_on_workers(cluster, tmp_pat
                 assert "advantages/kl_mean" in record and "train/kl" not in record, record
 
 
-def test_lm_loop_from_objects_with_several_weighted_reward_functions(cluster, tmp_path, tiny_lm):
-    """``GRPOLoop(reward=[f, g], reward_weights=[...])``, functions defined here: each scored and logged."""
+def test_lm_loop_from_objects_with_weighted_reward_functions_reading_record_fields(
+    cluster, tmp_path, tiny_lm
+):
+    """``GRPOLoop(reward=[f, g, h], reward_weights=[...])``, functions defined here, one reading the records'
+    ``level`` field: each scored and logged."""
 
     def exact(completion, answer):
         return float(completion.strip().startswith(answer))
@@ -160,20 +163,29 @@ def test_lm_loop_from_objects_with_several_weighted_reward_functions(cluster, tm
     def brevity(completion):
         return -float(len(completion.strip()))
 
+    def bonus(level):  # the record's own field
+        return 10.0 * level
+
+    records = [{**r, "level": i % 3} for i, r in enumerate(RECORDS)]
+    level = {r["prompt"]: r["level"] for r in records}
     rollout = HFRollout.launch(cluster, "0", model_path=tiny_lm, max_new_tokens=2)
     actor = LMActor.launch(cluster, "1", model_path=tiny_lm, group_size=4)
     with GRPOLoop(
-        rollout=rollout, actor=actor, reward=[exact, brevity], reward_weights=[1.0, 0.25], prompts=RECORDS,
-        prompts_per_step=4, runner=NO_TB, run_dir=tmp_path,
+        rollout=rollout, actor=actor, reward=[exact, brevity, bonus], reward_weights=[1.0, 0.25, 1.0],
+        prompts=records, prompts_per_step=4, runner=NO_TB, run_dir=tmp_path,
     ) as loop:  # fmt: skip
         record = loop.step_once()
         rows = loop.sample_group(0)
     assert record["reward/mean"] == pytest.approx(
-        record["reward/exact/mean"] + 0.25 * record["reward/brevity/mean"], abs=1e-6
+        record["reward/exact/mean"] + 0.25 * record["reward/brevity/mean"] + record["reward/bonus/mean"],
+        abs=1e-5,
     )
     assert record["reward/brevity/mean"] < 0
     for row in rows:
-        assert row["reward"] == pytest.approx(row["rewards"]["exact"] + 0.25 * row["rewards"]["brevity"])
+        assert row["rewards"]["bonus"] == 10.0 * level[row["prompt"]]
+        assert row["reward"] == pytest.approx(
+            row["rewards"]["exact"] + 0.25 * row["rewards"]["brevity"] + row["rewards"]["bonus"]
+        )
 
 
 # ---------------------------------------------------------------------------- continuous actions

@@ -489,3 +489,81 @@ def test_grpo_through_the_cli_with_two_rewards_shows_rlnb_progress_only(tmp_path
         1,
         2,
     ]
+
+
+def parity(level: int) -> float:
+    """A reward read from the prompt record's own ``level`` field (nothing of the completion)."""
+    return float(level)
+
+
+def _group_or_none(loop, group: int) -> list[dict]:
+    try:
+        return loop.sample_group(group)
+    except rlnb.RemoteError:  # past this actor rank's share of the batch
+        return []
+
+
+def _parity_records(path):
+    rows = [
+        {"question": f"{a}+{b}=", "answer": str(a + b), "level": (a + b) % 2}
+        for a in range(10)
+        for b in range(10)
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return {r["question"]: r["level"] for r in rows}
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        ["cluster.component_placement={'actor,rollout,reward': 0}"],
+        ["cluster.component_placement={'actor,rollout': 0, reward: 1}"],
+        ["cluster.component_placement={'rollout,reward': 0, actor: 1}", "algorithm.max_staleness=1"],
+    ],
+    ids=["scored-next-to-the-rollout", "scored-on-its-own-slot", "asynchronous"],
+)
+def test_rewards_read_the_prompt_records_other_fields(cluster, tmp_path, monkeypatch, placement):
+    """A reward taking ``level`` gets each completion's record's ``level`` column (TRL passes a dataset's
+    columns to its reward functions), on workers in every scoring path, in evaluation and in try_prompt."""
+    from rlnb.algorithms.rewards import REWARDS, register_reward
+
+    monkeypatch.setattr(REWARDS, "_items", dict(REWARDS._items))
+    register_reward("parity")(parity)
+    level = _parity_records(tmp_path / "data.jsonl")
+    overrides = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "runner.steps=2", "actor.sft_steps=5",
+                 "data.task=file", f"data.path={tmp_path / 'data.jsonl'}", "reward.name=[arithmetic,parity]",
+                 "data.eval_size=10", *placement]  # fmt: skip
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        loop.run(progress=False)
+        rows = [row for g in range(loop.recipe.data.prompts_per_step) for row in _group_or_none(loop, g)]
+        tried = loop.try_prompt("2+3=", "5", level=1)
+        held_out = [p.prompt for p in loop.task.held_out[:10]]
+    assert {row["rewards"]["parity"] == level[row["prompt"]] for row in rows} == {True}
+    assert {0.0, 1.0} <= {row["rewards"]["parity"] for row in rows}
+    assert [row["rewards"]["parity"] for row in tried] == [1.0] * len(tried)
+    evals = [r for r in loop.history if "eval/accuracy" in r]
+    expected = sum(level[p] for p in held_out) / len(held_out)
+    assert evals and all(r["eval/reward_mean"] == pytest.approx(r["eval/accuracy"] + expected) for r in evals)
+
+
+def test_a_reward_needing_a_field_the_records_lack_is_refused_before_anything_runs(
+    cluster, tmp_path, monkeypatch
+):
+    from rlnb.algorithms.rewards import REWARDS, register_reward
+    from rlnb.config import load_recipe
+
+    monkeypatch.setattr(REWARDS, "_items", dict(REWARDS._items))
+    register_reward("parity")(parity)
+    with pytest.raises(
+        rlnb.ConfigError, match=r"reward 'parity' needs input\(s\) level .*these records have none"
+    ):
+        load_recipe("grpo_arith", ["reward.name=parity"])  # procedural arithmetic: no fields
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        "\n".join(json.dumps({"question": f"{a}+1=", "answer": str(a + 1), "src": "x"}) for a in range(20))
+    )
+    overrides = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "data.task=file", f"data.path={data}",
+                 "reward.name=parity", "actor.sft_steps=0"]  # fmt: skip
+    recipe = load_recipe("grpo_arith", overrides)  # the file's columns are not known yet: checked at build
+    with pytest.raises(rlnb.ConfigError, match=r"needs input\(s\) level .*these records have src"):
+        GRPOLoop(recipe, cluster=cluster, run_dir=tmp_path / "run")

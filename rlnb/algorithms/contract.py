@@ -108,15 +108,29 @@ def check_algorithm(contract: LoopContract, advantage, policy_loss) -> tuple[Ent
     return adv, loss
 
 
-def check_reward(reward) -> Entry:
-    """The reward entry (a name or a function) if the LM loop can call it, else a :class:`rlnb.ConfigError`."""
-    return check_serves(REWARDS, reward, LM.reward_inputs, LM.layout, "reward.name", LM.name)
+def check_reward(reward, fields=()) -> Entry:
+    """The reward entry (a name or a function) if the LM loop can call it, else a :class:`rlnb.ConfigError`.
+
+    ``fields``: the prompt records' fields a reward may also read by name (:func:`rlnb.data.prompts.common_fields`),
+    or ``None`` where they are not known yet (a recipe's data file before it is read): any input is then taken
+    for one, and the loop checks again once it has the records."""
+    if fields is None:
+        fields = REWARDS.entry(reward).needs
+    try:
+        return check_serves(
+            REWARDS, reward, LM.reward_inputs | set(fields), LM.layout, "reward.name", LM.name
+        )
+    except ConfigError as e:
+        has = f"these records have {', '.join(fields)}" if fields else "these records have none"
+        raise ConfigError(
+            f"{e}. A reward may also read any field every prompt record has ({has})", e.key
+        ) from None
 
 
-def check_rewards(rewards, weights=None) -> tuple[list[Entry], list[float]]:
+def check_rewards(rewards, weights=None, fields=()) -> tuple[list[Entry], list[float]]:
     """Several rewards summed with weights, as TRL's ``reward_funcs`` and ``reward_weights``: the entries of
     ``rewards`` (a name, a function, or a list of them) and one weight each (default 1.0 each), or a
-    :class:`rlnb.ConfigError` naming ``reward.name`` or ``reward.weights``.
+    :class:`rlnb.ConfigError` naming ``reward.name`` or ``reward.weights``. ``fields``: as for :func:`check_reward`.
 
     Example:
         >>> entries, weights = check_rewards(["arithmetic", "format"], [1.0, 0.2])
@@ -128,7 +142,7 @@ def check_rewards(rewards, weights=None) -> tuple[list[Entry], list[float]]:
         raise ConfigError(
             "reward.name: expected a reward or a non-empty list of rewards, got []", "reward.name"
         )
-    entries = [check_reward(r) for r in items]
+    entries = [check_reward(r, fields) for r in items]
     names = [e.name for e in entries]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:

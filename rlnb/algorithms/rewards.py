@@ -21,8 +21,9 @@ _warned: set[str] = set()
 class SafeReward:
     """Wraps a reward function: exceptions become 0.0, logged once.
 
-    The function is called with the inputs it accepts among ``completion``, ``answer`` and ``prompt``
-    (by keyword: the reward contract, the same for built-ins and functions defined in a notebook).
+    The function is called with the inputs it accepts among ``completion``, ``answer``, ``prompt`` and the
+    prompt record's other fields (by keyword: the reward contract, the same for built-ins and functions
+    defined in a notebook).
     """
 
     def __init__(self, name: str, fn):
@@ -31,9 +32,9 @@ class SafeReward:
         self.fn = self.entry.fn
         functools.update_wrapper(self, getattr(fn, "fn", fn))
 
-    def __call__(self, completion: str, answer: str, prompt: str | None = None) -> float:
+    def __call__(self, completion: str, answer: str, prompt: str | None = None, **fields) -> float:
         try:
-            return float(self.entry(completion=completion, answer=answer, prompt=prompt))
+            return float(self.entry(**fields, completion=completion, answer=answer, prompt=prompt))
         except Exception as e:
             if self.name not in _warned:
                 _warned.add(self.name)

@@ -91,6 +91,9 @@ class RewardWorker:
         weights: with several rewards, one weight each (default 1.0 each; TRL's ``reward_weights``). A
             completion's reward is the weighted sum; each reward is also kept apart (:meth:`score_terms`),
             and the first is the one accuracy counts (a score >= 1): put the correctness reward first.
+        fields: the prompt records' fields the rewards may read by name besides ``completion``, ``answer``
+            and ``prompt`` (e.g. a coding task's ``tests``), as TRL passes a dataset's columns; a loop passes
+            those every record has.
 
     Example:
         >>> RewardWorker(fn=lambda completion, answer: float(completion.strip() == answer)).score(["4"], ["4"])
@@ -106,37 +109,57 @@ class RewardWorker:
         """On the driver: resolve the rewards into registry entries (they travel by value) or refuse them."""
         kwargs = dict(kwargs)
         fn, name = kwargs.pop("fn", None), kwargs.pop("name", "arithmetic")
-        kwargs["fn"], kwargs["weights"] = check_rewards(fn if fn is not None else name, kwargs.get("weights"))
+        kwargs["fields"] = tuple(kwargs.get("fields", ()))
+        kwargs["fn"], kwargs["weights"] = check_rewards(
+            fn if fn is not None else name, kwargs.get("weights"), kwargs["fields"]
+        )
         return kwargs
 
-    def __init__(self, name="arithmetic", fn=None, weights=None, rank_info: RankInfo | None = None):
+    def __init__(
+        self, name="arithmetic", fn=None, weights=None, fields=(), rank_info: RankInfo | None = None
+    ):
         # refuses a function the loop cannot call, a repeated name, or weights that do not fit
-        entries, self.weights = check_rewards(fn if fn is not None else name, weights)
+        entries, self.weights = check_rewards(fn if fn is not None else name, weights, tuple(fields))
+        self.fields = tuple(fields)
         self.rewards = [SafeReward(e.name, e) for e in entries]
         self.names = [e.name for e in entries]
         self.name = "+".join(self.names)
         self.fn = self.rewards[0]
 
     def score(
-        self, completions: list[str], answers: list[str], prompts: list[str] | None = None
+        self,
+        completions: list[str],
+        answers: list[str],
+        prompts: list[str] | None = None,
+        fields: list[dict] | None = None,
     ) -> list[float]:
-        """Each completion's reward: the weighted sum of the rewards."""
-        return self._score_terms(completions, answers, prompts)["rewards"]
+        """Each completion's reward: the weighted sum of the rewards. ``fields``: each completion's prompt
+        record's other fields (``None``: none)."""
+        return self._score_terms(completions, answers, prompts, fields)["rewards"]
 
     def score_terms(
-        self, completions: list[str], answers: list[str], prompts: list[str] | None = None
+        self,
+        completions: list[str],
+        answers: list[str],
+        prompts: list[str] | None = None,
+        fields: list[dict] | None = None,
     ) -> dict:
         """``{"rewards": [weighted sum per completion], "terms": {reward name: [its score per completion]}}``
         (what the loop logs apart). A subclass overriding :meth:`score` alone has its scores as one term."""
         if type(self).score is not RewardWorker.score:
-            rewards = [float(r) for r in self.score(completions, answers, prompts)]
+            scored = (  # (a subclass's score may predate fields)
+                self.score(completions, answers, prompts, fields)
+                if fields and any(fields)
+                else self.score(completions, answers, prompts)
+            )
+            rewards = [float(r) for r in scored]
             return {"rewards": rewards, "terms": {self.name: rewards}}
-        return self._score_terms(completions, answers, prompts)
+        return self._score_terms(completions, answers, prompts, fields)
 
-    def _score_terms(self, completions, answers, prompts) -> dict:
-        prompts = prompts or [None] * len(completions)
-        rows = list(zip(completions, answers, prompts))
-        terms = {r.name: [r(c, a, p) for c, a, p in rows] for r in self.rewards}
+    def _score_terms(self, completions, answers, prompts, fields) -> dict:
+        n = len(completions)
+        rows = list(zip(completions, answers, prompts or [None] * n, fields or [{}] * n))
+        terms = {r.name: [r(c, a, p, **f) for c, a, p, f in rows] for r in self.rewards}
         if len(terms) == 1 and self.weights[0] == 1.0:
             return {"rewards": terms[self.names[0]], "terms": terms}
         columns = [terms[n] for n in self.names]
@@ -450,8 +473,16 @@ class HFRollout(RolloutBase):
             "decode_fallback": self.decode_fallback,
         }
 
-    def generate(self, prompts: list[str], answers: list[str], n: int, reward: str | None = None) -> dict:
+    def generate(
+        self,
+        prompts: list[str],
+        answers: list[str],
+        n: int,
+        reward: str | None = None,
+        fields: list[dict] | None = None,
+    ) -> dict:
         """Sample ``n`` completions per prompt and keep the batch; score in-process if ``reward`` is collocated.
+        ``fields``: each prompt record's other fields, for the reward.
 
         Returns a summary with the completion texts (to score elsewhere) unless scored here.
         """
@@ -459,6 +490,7 @@ class HFRollout(RolloutBase):
         batch["group_index"] = torch.arange(len(prompts)).repeat_interleave(n)
         batch["answers"] = [a for a in answers for _ in range(n)]
         batch["prompts"] = [p for p in prompts for _ in range(n)]
+        batch["fields"] = [f for f in fields or [{}] * len(prompts) for _ in range(n)]
         batch["texts"] = texts
         batch["version"] = self.version
         self.batch = batch
@@ -469,14 +501,13 @@ class HFRollout(RolloutBase):
             "response_len_mean": float(lengths.mean()),
         }
         if reward is not None:
-            scored = local_peer(reward, self.rank).score_terms(texts, batch["answers"], batch["prompts"])
+            scored = local_peer(reward, self.rank).score_terms(
+                texts, batch["answers"], batch["prompts"], batch["fields"]
+            )
             summary.update(self.set_rewards(scored["rewards"], scored["terms"]))
         else:
-            summary["texts"], summary["answers"], summary["prompts"] = (
-                texts,
-                batch["answers"],
-                batch["prompts"],
-            )
+            for key in ("texts", "answers", "prompts", "fields"):
+                summary[key] = batch[key]
         return summary
 
     @staticmethod
@@ -526,7 +557,7 @@ class HFRollout(RolloutBase):
         weights, weights_key: str, batches, batch_key: str, reward: str, shards: int = 1, chunk_tokens: int = 8,
     ) -> dict:  # fmt: skip
         """Partial-rollout generation for asynchronous training (AReaL): admit ``problems``
-        (``(serial, prompt, answer)``, ``n`` completions each) to the pool of groups in progress, then
+        (``(serial, prompt, answer)`` or ``(serial, prompt, answer, fields)``, ``n`` completions each) to the pool of groups in progress, then
         generate ``chunk_tokens`` at a time for every unfinished sequence until ``groups`` groups are done.
         The loop admits them at version ``train_version - 1``: the call first waits (up to the channel's
         deadline) for those weights if they have not arrived yet.
@@ -588,19 +619,23 @@ class HFRollout(RolloutBase):
             "version": self.version,
         }
         b = self.batch
-        scored = local_peer(reward, self.rank).score_terms(b["texts"], b["answers"], b["prompts"])
+        scored = local_peer(reward, self.rank).score_terms(
+            b["texts"], b["answers"], b["prompts"], b["fields"]
+        )
         summary.update(self.set_rewards(scored["rewards"], scored["terms"]))
         self.put_batch(batches, batch_key, shards)
         summary["generate_s"] = time.perf_counter() - t0
         return summary
 
     def _admit(self, problems: list[tuple[int, str, str]], n: int) -> None:
-        """Add ``problems`` (``(serial, prompt, answer)``) to the pool, ``n`` empty sequences each."""
-        for serial, prompt, answer in problems:
+        """Add ``problems`` (``(serial, prompt, answer)``, and the record's other ``fields``) to the pool,
+        ``n`` empty sequences each."""
+        for serial, prompt, answer, *fields in problems:
             seqs = [{"ids": [], "logprobs": [], "versions": [], "done": False} for _ in range(n)]
             ids = prompt_ids(self.tok, prompt)
             self.pool.append(
-                {"serial": serial, "prompt": prompt, "answer": answer, "prompt_ids": ids, "start": None, "seqs": seqs}
+                {"serial": serial, "prompt": prompt, "answer": answer, "fields": fields[0] if fields else {},
+                 "prompt_ids": ids, "start": None, "seqs": seqs}
             )  # fmt: skip
 
     @torch.no_grad()
@@ -694,6 +729,7 @@ class HFRollout(RolloutBase):
             "group_index": torch.arange(len(taken)).repeat_interleave(n),
             "answers": [g["answer"] for g, _ in seqs],
             "prompts": [g["prompt"] for g, _ in seqs],
+            "fields": [g.get("fields", {}) for g, _ in seqs],
             "texts": texts,
             "version": min(g["start"] for g in taken),
         }

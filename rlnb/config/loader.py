@@ -383,7 +383,9 @@ def validate(recipe: Recipe) -> list[str]:
         try:  # a combination the loop cannot serve is refused here, before any worker starts
             check_algorithm(LM if lm else EMBODIED, a.advantage, a.policy_loss)
             if lm and all(isinstance(r, str) and r in REWARDS for r in rewards):
-                check_rewards(recipe.reward.name, recipe.reward.weights)
+                # a data file's fields are known once it is read: the loop checks them then
+                fields = () if recipe.data.task == "arithmetic" else None
+                check_rewards(recipe.reward.name, recipe.reward.weights, fields)
         except ConfigError as err:
             errs.append(str(err))
     if (

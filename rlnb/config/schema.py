@@ -263,7 +263,8 @@ class DataConfig:
     task: Literal["arithmetic", "file"] = "arithmetic"
     """``arithmetic`` (procedural) or ``file`` (local ``.jsonl``/``.parquet`` at ``path``)."""
     path: str | None = None
-    """Local data file (question/answer layout, GSM8K-style ``#### answer``)."""
+    """Local data file (question/answer layout, GSM8K-style ``#### answer``); its other columns are fields a reward
+    may read by name (``def passes(completion, tests)``)."""
     max_operand: int = 20
     """Arithmetic: operands from 0 to this (difficulty)."""
     ops: str = "+"

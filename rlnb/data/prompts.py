@@ -4,16 +4,43 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlnb.errors import ConfigError
 
+RESERVED_FIELDS = ("prompt", "answer", "completion")
+"""What a reward is given by these names: never a record's own column of that name."""
+
 
 @dataclass(frozen=True)
 class Problem:
+    """A prompt, its reference answer, and the record's other ``fields`` (e.g. a coding task's tests), which a
+    reward may read by name, as TRL passes a dataset's columns to its reward functions."""
+
     prompt: str
     answer: str
+    fields: dict = field(default_factory=dict, compare=False)
+
+    def __repr__(self) -> str:
+        extra = f", fields={self.fields!r}" if self.fields else ""
+        return f"Problem(prompt={self.prompt!r}, answer={self.answer!r}{extra})"
+
+
+def common_fields(*splits: list[Problem]) -> tuple[str, ...]:
+    """The fields every problem of ``splits`` has, sorted: what a reward may ask for by name.
+
+    Example:
+        >>> common_fields([Problem("1+1=", "2", {"level": 1}), Problem("2+2=", "4", {"level": 2, "src": "x"})])
+        ('level',)
+    """
+    problems = [p for split in splits for p in split]
+    if not problems:
+        return ()
+    names = set(problems[0].fields)
+    for p in problems[1:]:
+        names &= p.fields.keys()
+    return tuple(sorted(names))
 
 
 class ArithmeticTask:
@@ -118,6 +145,7 @@ def chat_prompts(problems: list[Problem], tokenizer, system_prompt: str | None =
                 [*head, {"role": "user", "content": p.prompt}], tokenize=False, add_generation_prompt=True
             ),
             p.answer,
+            p.fields,
         )
         for p in problems
     ]
@@ -133,11 +161,14 @@ def problems_from_records(
     """Problems from any iterable of prompt/answer records: dicts, or a ``datasets.Dataset``.
 
     The question is ``record[question_key]`` (or ``record["prompt"]``); GSM8K-style answers (worked
-    solution then ``#### 72``) keep only the final answer.
+    solution then ``#### 72``) keep only the final answer. The record's other keys are the problem's
+    ``fields`` (but ``prompt``, ``answer`` and ``completion``, which a reward is given by the loop).
 
     Example:
         >>> problems_from_records([{"prompt": "2+2=", "answer": "4"}])
         [Problem(prompt='2+2=', answer='4')]
+        >>> problems_from_records([{"question": "2+2=", "answer": "4", "level": 1}])
+        [Problem(prompt='2+2=', answer='4', fields={'level': 1})]
     """
     out = []
     for i, row in enumerate(records):
@@ -158,6 +189,7 @@ def problems_from_records(
             Problem(
                 str(row[q_key]),
                 answer.rsplit("####", 1)[1].strip() if "####" in answer else answer.strip(),
+                {k: row[k] for k in row if k not in (q_key, answer_key, *RESERVED_FIELDS)},
             )
         )
     if not out:

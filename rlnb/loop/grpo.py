@@ -15,7 +15,14 @@ from pathlib import Path
 from rlnb.algorithms.contract import LM, check_algorithm
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
 from rlnb.config.schema import DataConfig, Recipe, RolloutConfig
-from rlnb.data.prompts import ArithmeticTask, Problem, chat_prompts, load_qa_file, problems_from_records
+from rlnb.data.prompts import (
+    ArithmeticTask,
+    Problem,
+    chat_prompts,
+    common_fields,
+    load_qa_file,
+    problems_from_records,
+)
 from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementError
 from rlnb.loop.base import LoopBase, count_or_default, objects_recipe
 from rlnb.models.lm import build_tiny_lm, is_hub_id, resolve_model
@@ -136,7 +143,10 @@ class GRPOLoop(LoopBase):
                     "expected a launched group", "rollout", type(rollout).__name__, "rollout"
                 )
             slots = tuple(i.slot for i in rollout.infos)
-            reward = RewardWorker.launch(rollout.cluster, slots, fn=reward, weights=reward_weights)
+            self._prompts = problems_from_records(prompts)  # (their fields are what a reward may read)
+            reward = RewardWorker.launch(
+                rollout.cluster, slots, fn=reward, weights=reward_weights, fields=common_fields(self._prompts)
+            )
         data = DataConfig(prompts_per_step=prompts_per_step, eval_size=eval_size, held_out_frac=held_out_frac)
         rollout_config = RolloutConfig(backend="hf", chunk_tokens=chunk_tokens)
         recipe = objects_recipe(name, seed, runner, data=data, rollout=rollout_config)
@@ -206,7 +216,10 @@ class GRPOLoop(LoopBase):
         d = recipe.data
         self._chat = None  # data.chat_template: the tokenizer whose template wraps each question
         if self.built_from_objects:
-            self.task = _FileTask(problems_from_records(self._prompts), d.held_out_frac, recipe.seed)
+            problems = self._prompts
+            if not (isinstance(problems, list) and all(isinstance(p, Problem) for p in problems)):
+                problems = problems_from_records(problems)
+            self.task = _FileTask(problems, d.held_out_frac, recipe.seed)
             return
         path = recipe.actor.model_path
         # build_if_missing applies to local paths only: a hub id loads through from_pretrained or fails
@@ -259,7 +272,12 @@ class GRPOLoop(LoopBase):
             length_buckets=r.actor.length_buckets,
         )  # fmt: skip
         self.groups["reward"] = RewardWorker.launch(
-            cl, p["reward"], call_timeout_s=timeout, fn=r.reward.name, weights=r.reward.weights
+            cl,
+            p["reward"],
+            call_timeout_s=timeout,
+            fn=r.reward.name,
+            weights=r.reward.weights,
+            fields=common_fields(self.task.train, self.task.held_out),
         )
 
     def _compose(self) -> None:
@@ -353,17 +371,18 @@ class GRPOLoop(LoopBase):
         problems = self.task.sample(recipe.data.prompts_per_step)
         shards = _shard(problems, rollout.world_size)
         G = recipe.algorithm.group_size
-        if self.reward_local:  # score in-process next to the rollout
-            summaries = rollout.call_each(
-                "generate", [([p.prompt for p in s], [p.answer for p in s], G, reward.name) for s in shards]
-            ).result()
-        else:
-            summaries = rollout.call_each(
-                "generate", [([p.prompt for p in s], [p.answer for p in s], G) for s in shards]
-            ).result()
+        # records' other fields go along where there are any (a rollout class's generate may not take them)
+        has_fields = any(p.fields for p in problems)
+        calls = [
+            ([p.prompt for p in s], [p.answer for p in s], G, reward.name if self.reward_local else None)
+            + (([p.fields for p in s],) if has_fields else ())
+            for s in shards
+        ]
+        summaries = rollout.call_each("generate", calls).result()
+        if not self.reward_local:  # score on the reward's own slots
             n_rew = reward.world_size
             scored = [
-                reward.on(k % n_rew).score_terms(s["texts"], s["answers"], s["prompts"])
+                reward.on(k % n_rew).score_terms(s["texts"], s["answers"], s["prompts"], s.get("fields"))
                 for k, s in enumerate(summaries)
             ]
             scores = [res.result()[0] for res in scored]
@@ -400,11 +419,12 @@ class GRPOLoop(LoopBase):
         reward, sampling log-prob and, after :meth:`advantages`, the normalised advantage of each."""
         return self.groups["actor"].on(0).sample_group(group).result()[0]
 
-    def try_prompt(self, prompt: str, answer: str) -> list[dict]:
+    def try_prompt(self, prompt: str, answer: str, **fields) -> list[dict]:
         """``group_size`` completions of ``prompt`` sampled with the rollout's current weights, scored by the
         reward and normalised by the advantage as a training batch would be; nothing in the run changes.
         Call it before and after training to see what GRPO did to one prompt. With ``data.chat_template``, the
-        prompt is a question, given as the training prompts are (a user turn of the chat template)."""
+        prompt is a question, given as the training prompts are (a user turn of the chat template). ``fields``:
+        the record's other fields a reward reads (``tests=[...]``)."""
         import torch
 
         from rlnb.algorithms import ADVANTAGES
@@ -416,7 +436,9 @@ class GRPOLoop(LoopBase):
                 0
             ].prompt
         texts = self.groups["rollout"].on(0).sample_completions(prompt, size).result()[0]
-        scored = self.groups["reward"].on(0).score_terms(texts, [answer] * size, [prompt] * size).result()[0]
+        scored = (
+            self.groups["reward"].on(0).score_terms(texts, [answer] * size, [prompt] * size, [fields] * size)
+        ).result()[0]
         rewards, terms = scored["rewards"], scored["terms"]
         offered = {"rewards": torch.tensor(rewards, dtype=torch.float32), "group_size": size}
         offered.update(scale=algorithm.scale, gamma=algorithm.gamma, kl_coef=0.0)
@@ -495,7 +517,9 @@ class GRPOLoop(LoopBase):
         for k in rollout.ranks:
             new = max(0, limit - self._admitted[k])
             first = self.task.position
-            problems = [(first + i, p.prompt, p.answer) for i, p in enumerate(self.task.sample(new))]
+            problems = [
+                (first + i, p.prompt, p.answer, p.fields) for i, p in enumerate(self.task.sample(new))
+            ]
             self._admitted[k] += new
             key, shards = puts[k]
             calls.append(
@@ -542,7 +566,12 @@ class GRPOLoop(LoopBase):
         scored = (
             self.groups["reward"]
             .on(0)
-            .score_terms(texts, [p.answer for p in problems], [p.prompt for p in problems])
+            .score_terms(
+                texts,
+                [p.answer for p in problems],
+                [p.prompt for p in problems],
+                [p.fields for p in problems],
+            )
             .result()[0]
         )
         scores, first = scored["rewards"], next(iter(scored["terms"].values()))
