@@ -397,6 +397,31 @@ def check_shared_prompt_prefill_cuda(work: Path) -> dict:
     return out
 
 
+def check_reward_model_cuda(work: Path) -> dict:
+    """``RewardModel`` on the GPU (``device="auto"`` picks it): its batched scores of prompt + completion are the
+    CPU's, padded batches included, and how long 256 texts take there."""
+    import torch
+
+    from rlnb.algorithms import RewardModel
+    from rlnb.models.lm import build_tiny_reward_model
+
+    path = build_tiny_reward_model(work / "tiny-rm", hidden_size=128, num_layers=2, num_heads=4, seed=0)
+    completions = [f"{a} is the answer" * (1 + a % 3) for a in range(256)]
+    prompts = [f"{a}+{a % 7}=" for a in range(256)]
+    gpu, cpu = RewardModel(path, batch_size=64), RewardModel(path, batch_size=64, device="cpu")
+    scores = gpu.score_batch(completions, prompts)  # (loads on first use)
+    if gpu._loaded[2] != "cuda":
+        raise RuntimeError(f"RewardModel(device='auto') scored on {gpu._loaded[2]}, not the GPU")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    scores = gpu.score_batch(completions, prompts)
+    seconds = round(time.perf_counter() - t0, 4)
+    drift = max(abs(a - b) for a, b in zip(scores, cpu.score_batch(completions, prompts)))
+    if drift > 1e-3:
+        raise RuntimeError(f"GPU and CPU scores differ by up to {drift}")
+    return {"texts": len(scores), "score_s_256": seconds, "max_diff_vs_cpu": drift}
+
+
 def check_async_chunks_cuda(work: Path, device: str = "cuda") -> dict:
     """Asynchronous generation's chunks on the GPU (``HFRollout._chunk``): decoding on from the last chunk's
     KV cache gives the tokens, and the log-probs, of prefilling every chunk again, with one prefill in all;
@@ -650,6 +675,7 @@ CHECKS = [
     ("grpo_tiny_lm_cuda", check_grpo_tiny_lm_cuda),
     ("shared_prompt_prefill_cuda", check_shared_prompt_prefill_cuda),
     ("async_chunks_cuda", check_async_chunks_cuda),
+    ("reward_model_cuda", check_reward_model_cuda),
     ("cuda_ipc_channel", check_cuda_ipc_channel),
     ("weight_sync_cuda_disaggregated", check_weight_sync_cuda_disaggregated),
     ("nccl_broadcast_two_groups", check_nccl_broadcast_two_groups),

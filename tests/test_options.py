@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import rlnb
@@ -567,3 +568,41 @@ def test_a_reward_needing_a_field_the_records_lack_is_refused_before_anything_ru
     recipe = load_recipe("grpo_arith", overrides)  # the file's columns are not known yet: checked at build
     with pytest.raises(rlnb.ConfigError, match=r"needs input\(s\) level .*these records have src"):
         GRPOLoop(recipe, cluster=cluster, run_dir=tmp_path / "run")
+
+
+def test_grpo_raises_a_learned_reward_models_score_on_workers(cluster, tmp_path):
+    """``reward.model_path``: a sequence-classification reward model (TRL's model in ``reward_funcs``), loaded
+    on the workers, scores prompt + completion in batches; GRPO raises its score, and a completion's reward on
+    the worker is the model's score of it here."""
+    from rlnb.algorithms import RewardModel
+    from rlnb.models import build_tiny_reward_model
+
+    rm = build_tiny_reward_model(tmp_path / "rm", seed=0)
+    overrides = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "runner.steps=30", "actor.sft_steps=40",
+                 "data.eval_size=20", "reward.name=[]", f"reward.model_path={rm}", "reward.model_batch_size=5",
+                 "rollout.max_new_tokens=6"]  # fmt: skip
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        loop.run(progress=False)
+        rows = loop.sample_group(0)
+    rewards = [r["reward/mean"] for r in loop.history if "reward/mean" in r]
+    assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.04, rewards
+    here = RewardModel(rm).score_batch([r["completion"] for r in rows], [r["prompt"] for r in rows])
+    assert [r["reward"] for r in rows] == pytest.approx(here, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["reward.model_path=/no/such/rm"], r"reward.model_path: '/no/such/rm' has no config.json"),
+        (["reward.model_path={rm}", "reward.weights=[1]"], r"reward.weights: expected a list of 2 number\(s\), one "
+         r"per reward in \['arithmetic', 'reward_model'\]"),
+        (["reward.model_path={rm}", "reward.model_batch_size=0"], r"reward.model_batch_size: expected an integer >= 1"),
+    ],
+)  # fmt: skip
+def test_bad_reward_model_settings_are_refused_naming_the_key(tmp_path, overrides, message):
+    from rlnb.config import load_recipe
+    from rlnb.models import build_tiny_reward_model
+
+    rm = build_tiny_reward_model(tmp_path / "rm")
+    with pytest.raises(rlnb.ConfigError, match=message):
+        load_recipe("grpo_arith", [o.format(rm=rm) for o in overrides])

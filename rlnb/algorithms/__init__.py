@@ -17,12 +17,13 @@ from rlnb.algorithms.losses import (
     register_policy_loss,
     value_loss,
 )
-from rlnb.algorithms.rewards import REWARDS, extract_answer, get_reward, register_reward
+from rlnb.algorithms.rewards import REWARDS, RewardModel, extract_answer, get_reward, register_reward
 
 __all__ = [
     "ADVANTAGES",
     "POLICY_LOSSES",
     "REWARDS",
+    "RewardModel",
     "aggregate",
     "entropy_bonus",
     "extract_answer",

@@ -11,6 +11,7 @@ import re
 import threading
 
 from rlnb.algorithms.registry import Registry
+from rlnb.errors import ConfigError
 
 REWARDS = Registry("reward", key="reward.name")
 register_reward = REWARDS.register
@@ -45,6 +46,106 @@ class SafeReward:
 
     def __repr__(self) -> str:
         return f"<reward {self.name}>"
+
+    def many(
+        self, completions: list[str], answers: list[str], prompts: list, fields: list[dict]
+    ) -> list[float]:
+        """Scores of a batch: in one call where the reward scores batches (``score_batch(completions, prompts)``,
+        as :class:`RewardModel` does), else one by one. A batch that raises scores 0.0, logged once."""
+        score_batch = getattr(self.entry.fn, "score_batch", None)
+        if score_batch is None:
+            return [self(c, a, p, **f) for c, a, p, f in zip(completions, answers, prompts, fields)]
+        try:
+            scores = [float(s) for s in score_batch(list(completions), list(prompts))]
+            if len(scores) != len(completions):
+                raise ValueError(
+                    f"score_batch returned {len(scores)} scores for {len(completions)} completions"
+                )
+            return scores
+        except Exception as e:
+            if self.name not in _warned:
+                _warned.add(self.name)
+                log.warning(
+                    "reward %r raised %s: %s; scoring 0.0 (logged once)", self.name, type(e).__name__, e
+                )
+            return [0.0] * len(completions)
+
+
+class RewardModel:
+    """A learned reward: a ``transformers`` sequence-classification model's score (its first logit) of the
+    prompt followed by the completion, as TRL's ``GRPOTrainer`` scores with a model among its ``reward_funcs``
+    (OpenRLHF's and veRL's reward models likewise).
+
+    It travels to workers as its path alone and loads there on first use, once per process; it scores a
+    rollout's completions ``batch_size`` texts per forward (:meth:`score_batch`, which a reward component
+    calls once per batch) rather than one at a time.
+
+    Args:
+        model_path: a local ``save_pretrained`` directory or a hub id (``from_pretrained``).
+        batch_size: texts per forward.
+        device: ``"auto"`` (CUDA where the process has a GPU, else CPU), ``"cpu"`` or ``"cuda"``.
+        name: the reward's name, in logs (``reward/<name>/mean``).
+
+    Example:
+        >>> rm = RewardModel("runs/models/tiny-rm")                              # doctest: +SKIP
+        >>> rm.score_batch(["4", "5"], ["2+2=", "2+2="])                          # doctest: +SKIP
+        [0.131..., -0.274...]
+    """
+
+    def __init__(self, model_path, batch_size: int = 16, device: str = "auto", name: str = "reward_model"):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(
+                f"RewardModel: batch_size: expected an integer >= 1, got {batch_size!r}", "batch_size"
+            )
+        self.model_path, self.batch_size, self.device = str(model_path), batch_size, device
+        self.__name__ = name
+        self._loaded = None  # (model, tokenizer, device), in the process that scores
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_loaded": None}  # the path travels, not the weights
+
+    def __repr__(self) -> str:
+        return f"RewardModel({self.model_path!r}, batch_size={self.batch_size}, name={self.__name__!r})"
+
+    def __call__(self, completion: str, prompt: str | None) -> float:
+        return self.score_batch([completion], [prompt])[0]
+
+    def score_batch(self, completions: list[str], prompts: list[str | None]) -> list[float]:
+        """The score of each ``prompt + completion`` (no special tokens added, as TRL tokenizes them)."""
+        import torch
+
+        from rlnb.models.lm import load_reward_model
+
+        if self._loaded is None:
+            device = self.device
+            if device == "auto":
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            self._loaded = (*load_reward_model(self.model_path, device), device)
+        model, tok, device = self._loaded
+        texts = [(p or "") + c for p, c in zip(prompts, completions)]
+        scores: list[float] = []
+        with torch.inference_mode():
+            for start in range(0, len(texts), self.batch_size):
+                batch = tok(
+                    texts[start : start + self.batch_size],
+                    return_tensors="pt",
+                    padding=True,
+                    add_special_tokens=False,
+                ).to(device)
+                scores += model(**batch).logits[:, 0].float().cpu().tolist()
+        return scores
+
+
+def recipe_rewards(name, model_path: str | None = None, model_batch_size: int = 16) -> list:
+    """A recipe's rewards (``reward.name``, ``reward.model_path``, ``reward.model_batch_size``) as a list: the
+    registered names, then the reward model, if any.
+
+    Example:
+        >>> recipe_rewards("math", "models/rm")
+        ['math', RewardModel('models/rm', batch_size=16, name='reward_model')]
+    """
+    names = list(name) if isinstance(name, (list, tuple)) else [name]
+    return names + ([RewardModel(model_path, model_batch_size)] if model_path is not None else [])
 
 
 def get_reward(name: str, **kwargs) -> SafeReward:

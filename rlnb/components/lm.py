@@ -158,8 +158,8 @@ class RewardWorker:
 
     def _score_terms(self, completions, answers, prompts, fields) -> dict:
         n = len(completions)
-        rows = list(zip(completions, answers, prompts or [None] * n, fields or [{}] * n))
-        terms = {r.name: [r(c, a, p, **f) for c, a, p, f in rows] for r in self.rewards}
+        columns = (list(completions), list(answers), list(prompts or [None] * n), list(fields or [{}] * n))
+        terms = {r.name: r.many(*columns) for r in self.rewards}
         if len(terms) == 1 and self.weights[0] == 1.0:
             return {"rewards": terms[self.names[0]], "terms": terms}
         columns = [terms[n] for n in self.names]

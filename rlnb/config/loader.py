@@ -362,6 +362,20 @@ def validate(recipe: Recipe) -> list[str]:
     ints = all(isinstance(x, int) for x in (e.num_envs, e.pipeline_stages))
     if ints and e.num_envs >= 1 and e.pipeline_stages >= 1 and e.num_envs % e.pipeline_stages:
         errs.append(f"env.pipeline_stages: {e.pipeline_stages} stages must divide env.num_envs={e.num_envs}")
+    if recipe.reward.model_path is not None:
+        need(
+            lambda: recipe.reward.model_batch_size >= 1,
+            "reward.model_batch_size",
+            "an integer >= 1",
+            recipe.reward.model_batch_size,
+        )
+        if recipe.rollout.backend in ("hf", "vllm"):
+            from rlnb.models.lm import resolve_model
+
+            try:  # before any worker starts: a missing directory, or a hub id not in this machine's cache
+                resolve_model(recipe.reward.model_path, "reward.model_path")
+            except ConfigError as err:
+                errs.append(str(err))
     several = isinstance(recipe.reward.name, list)  # rewards summed with reward.weights
     rewards = recipe.reward.name if several else [recipe.reward.name]
     for key, value, reg in (
@@ -378,6 +392,7 @@ def validate(recipe: Recipe) -> list[str]:
         for v, reg in ((a.advantage, ADVANTAGES), (a.policy_loss, POLICY_LOSSES))
     ):
         from rlnb.algorithms.contract import EMBODIED, LM, check_algorithm, check_rewards
+        from rlnb.algorithms.rewards import recipe_rewards
 
         lm = recipe.rollout.backend in ("hf", "vllm")
         try:  # a combination the loop cannot serve is refused here, before any worker starts
@@ -385,7 +400,8 @@ def validate(recipe: Recipe) -> list[str]:
             if lm and all(isinstance(r, str) and r in REWARDS for r in rewards):
                 # a data file's fields are known once it is read: the loop checks them then
                 fields = () if recipe.data.task == "arithmetic" else None
-                check_rewards(recipe.reward.name, recipe.reward.weights, fields)
+                rw = recipe.reward
+                check_rewards(recipe_rewards(rw.name, rw.model_path, rw.model_batch_size), rw.weights, fields)
         except ConfigError as err:
             errs.append(str(err))
     if (

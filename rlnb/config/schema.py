@@ -254,6 +254,12 @@ class RewardConfig:
     score >= 1), so put the correctness reward first."""
     weights: list[float] | None = None
     """With a list of rewards: one weight each (default 1.0 each), as TRL's ``reward_weights``."""
+    model_path: str | None = None
+    """A learned reward model (a sequence classifier: local ``save_pretrained`` directory or hub id), scoring
+    prompt + completion as one more reward, ``reward_model``, after those of ``name`` (which may then be ``[]``);
+    its weight is the last of ``weights``. It loads where the reward component runs."""
+    model_batch_size: int = 16
+    """Texts per forward of the reward model."""
 
 
 @dataclass

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from rlnb.algorithms.contract import LM, check_algorithm
+from rlnb.algorithms.rewards import recipe_rewards
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
 from rlnb.config.schema import DataConfig, Recipe, RolloutConfig
 from rlnb.data.prompts import (
@@ -275,7 +276,7 @@ class GRPOLoop(LoopBase):
             cl,
             p["reward"],
             call_timeout_s=timeout,
-            fn=r.reward.name,
+            fn=recipe_rewards(r.reward.name, r.reward.model_path, r.reward.model_batch_size),
             weights=r.reward.weights,
             fields=common_fields(self.task.train, self.task.held_out),
         )

@@ -109,6 +109,47 @@ def hf_quiet():
             hf_logging.enable_progress_bar()
 
 
+def build_tiny_reward_model(
+    path: str | Path, hidden_size: int = 32, num_layers: int = 1, num_heads: int = 2, seed: int = 0
+) -> Path:
+    """Build a small reward model, a Qwen2-style sequence classifier with one output (a score), on the tiny LMs'
+    character tokenizer; ``save_pretrained`` it. Random weights: it scores texts, arbitrarily but
+    deterministically, as a trained one would score them for real (for :class:`rlnb.algorithms.RewardModel`).
+    """
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tok = build_char_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=4 * hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_heads, max_position_embeddings=256, num_labels=1,
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen2ForSequenceClassification(config)
+    path = Path(path)
+    with hf_quiet():
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+    return path
+
+
+def load_reward_model(path: str | Path, device: str | torch.device = "cpu", key: str = "reward.model_path"):
+    """``(model, tokenizer)`` of a sequence-classification reward model, from a local ``save_pretrained``
+    directory or a hub id, in eval mode; texts are padded on the right (the model scores each at its last token)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    ref = resolve_model(path, key)
+    tok = AutoTokenizer.from_pretrained(ref)
+    tok.padding_side = "right"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    with hf_quiet():
+        model = AutoModelForSequenceClassification.from_pretrained(ref, dtype=torch.float32).to(device)
+    if model.config.pad_token_id is None:  # (it finds each text's last token by the pad id)
+        model.config.pad_token_id = tok.pad_token_id
+    return model.eval().requires_grad_(False), tok
+
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
