@@ -606,3 +606,16 @@ def test_bad_reward_model_settings_are_refused_naming_the_key(tmp_path, override
     rm = build_tiny_reward_model(tmp_path / "rm")
     with pytest.raises(rlnb.ConfigError, match=message):
         load_recipe("grpo_arith", [o.format(rm=rm) for o in overrides])
+
+
+def test_a_batched_reward_that_raises_scores_zero_on_a_worker(cluster, tmp_path):
+    """A reward scored a batch at a time (``score_batch``) that raises on the worker (here, a reward model
+    whose directory is gone) scores the batch 0.0, logged once, as a reward scored one by one does."""
+    from rlnb.algorithms import RewardModel
+
+    reward = rlnb.RewardWorker.launch(cluster, "1", fn=["arithmetic", RewardModel(tmp_path / "gone")])
+    try:
+        scored = reward.score_terms(["4", "5"], ["4", "4"]).result()[0]
+    finally:
+        reward.shutdown()
+    assert scored == {"rewards": [1.0, 0.0], "terms": {"arithmetic": [1.0, 0.0], "reward_model": [0.0, 0.0]}}
