@@ -388,21 +388,22 @@ def test_gpu_check_dry_run_checks_the_plan_and_imports_without_a_gpu(tmp_path):
     assert bad.returncode == 2 and "unknown check(s) ['clustr']" in bad.stderr
 
 
+# the three places a reward scores: in-process next to the rollout, on its own slot, asynchronously
+SCORING_PATHS = [
+    ["cluster.component_placement={'actor,rollout,reward': 0}"],
+    ["cluster.component_placement={'actor,rollout': 0, reward: 1}"],
+    ["cluster.component_placement={'rollout,reward': 0, actor: 1}", "algorithm.max_staleness=1"],
+]
+SCORING_PATH_IDS = ["scored-next-to-the-rollout", "scored-on-its-own-slot", "asynchronous"]
+
+
 def half_point(completion: str) -> float:
     """A reward of 0.5 whatever the completion (with weight 2.0: 1.0, which an accuracy of the weighted sum
     would count as right)."""
     return 0.5
 
 
-@pytest.mark.parametrize(
-    "placement",
-    [
-        ["cluster.component_placement={'actor,rollout,reward': 0}"],
-        ["cluster.component_placement={'actor,rollout': 0, reward: 1}"],
-        ["cluster.component_placement={'rollout,reward': 0, actor: 1}", "algorithm.max_staleness=1"],
-    ],
-    ids=["scored-next-to-the-rollout", "scored-on-its-own-slot", "asynchronous"],
-)
+@pytest.mark.parametrize("placement", SCORING_PATHS, ids=SCORING_PATH_IDS)
 def test_several_weighted_rewards_are_summed_and_logged_apart(cluster, tmp_path, monkeypatch, placement):
     """``reward.name: [arithmetic, half_point]`` with ``reward.weights: [1, 2]`` (TRL's reward_funcs and
     reward_weights), on workers in each scoring path: each reward's mean is logged, the training reward is
@@ -514,15 +515,7 @@ def _parity_records(path):
     return {r["question"]: r["level"] for r in rows}
 
 
-@pytest.mark.parametrize(
-    "placement",
-    [
-        ["cluster.component_placement={'actor,rollout,reward': 0}"],
-        ["cluster.component_placement={'actor,rollout': 0, reward: 1}"],
-        ["cluster.component_placement={'rollout,reward': 0, actor: 1}", "algorithm.max_staleness=1"],
-    ],
-    ids=["scored-next-to-the-rollout", "scored-on-its-own-slot", "asynchronous"],
-)
+@pytest.mark.parametrize("placement", SCORING_PATHS, ids=SCORING_PATH_IDS)
 def test_rewards_read_the_prompt_records_other_fields(cluster, tmp_path, monkeypatch, placement):
     """A reward taking ``level`` gets each completion's record's ``level`` column (TRL passes a dataset's
     columns to its reward functions), on workers in every scoring path, in evaluation and in try_prompt."""

@@ -81,6 +81,11 @@ def build_tiny_lm(
         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         tie_word_embeddings=True,
     )  # fmt: skip
+    return _save_new(cls_model, config, tok, path, seed)
+
+
+def _save_new(cls_model, config, tok, path: str | Path, seed: int) -> Path:
+    """A model of ``cls_model`` initialised from ``seed``, saved with ``tok`` in ``path``."""
     torch.manual_seed(seed)
     model = cls_model(config)
     path = Path(path)
@@ -124,13 +129,7 @@ def build_tiny_reward_model(
         num_attention_heads=num_heads, num_key_value_heads=num_heads, max_position_embeddings=256, num_labels=1,
         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
     )  # fmt: skip
-    torch.manual_seed(seed)
-    model = Qwen2ForSequenceClassification(config)
-    path = Path(path)
-    with hf_quiet():
-        model.save_pretrained(path)
-        tok.save_pretrained(path)
-    return path
+    return _save_new(Qwen2ForSequenceClassification, config, tok, path, seed)
 
 
 def load_reward_model(path: str | Path, device: str | torch.device = "cpu", key: str = "reward.model_path"):
