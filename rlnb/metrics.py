@@ -30,6 +30,7 @@ GLOSSARY: dict[str, str] = {
     "rollout/tokens_per_s": "Tokens generated per second (asynchronous mode: over the generation time itself).",
     "rollout/response_len_mean": "Mean completion length, in tokens.",
     "rollout/reward_mean": "Mean reward of this step's completions.",
+    "rollout/truncated_frac": "LM: share of this step's completions that reached rollout.max_new_tokens without ending (no EOS); algorithm.mask_truncated_completions leaves them out of the loss (TRL's completions/clipped_ratio).",
     "rollout/accuracy": "Share of this step's completions with reward >= 1 (exact answers; with several rewards, the first).",
     "rollout/staleness_mean": "Asynchronous mode: mean policy versions between a token's generation and the step training on it.",
     "rollout/staleness_max": "Asynchronous mode: the largest such staleness in the batch (<= algorithm.max_staleness).",

@@ -890,3 +890,44 @@ def test_one_group_and_one_prompt_can_be_looked_at(cluster, tmp_path):
         rewards = torch.tensor([r["reward"] for r in rows])
         expected = (rewards - rewards.mean()) / (rewards.std() + 1e-6)  # GRPO, scale=group
         assert torch.allclose(torch.tensor([r["advantage"] for r in rows]), expected, atol=1e-4)
+
+
+def test_mask_truncated_completions_trains_as_if_they_were_not_in_the_batch(tiny_lm):
+    """``algorithm.mask_truncated_completions`` (TRL's; DAPO's overlong filtering): an update with the truncated
+    completions masked is the update on the batch without them (the same advantages), and not the update with
+    them in."""
+
+    def trained(mask_truncated: bool, drop_rows: bool) -> list[torch.Tensor]:
+        actor = LMActor(
+            tiny_lm,
+            group_size=4,
+            seed=0,
+            update_epochs=1,
+            num_minibatches=1,
+            mask_truncated_completions=mask_truncated,
+        )
+        actor.set_batch(_two_rollout_batches(tiny_lm))
+        b = actor.batch
+        b["truncated"] = torch.arange(len(b["rewards"])) % 3 == 1  # (as if cut at max_new_tokens)
+        actor.compute_advantages()
+        if drop_rows:
+            keep, n = ~b["truncated"], len(b["rewards"])
+            actor.batch = {k: v[keep] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n else v
+                           for k, v in b.items()}  # fmt: skip
+        actor.train()
+        return [p.detach().clone() for p in actor.policy.parameters()]
+
+    masked, without, with_them = trained(True, False), trained(False, True), trained(False, False)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(masked, without))
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(masked, with_them))
+
+
+def test_rollout_marks_completions_cut_at_max_new_tokens(tiny_lm):
+    ro = HFRollout(tiny_lm, max_new_tokens=3, seed=0)
+    summary = ro.generate(["1+2=", "13+4="], ["3", "17"], n=8)
+    b = ro.take_batch()
+    lengths = b["response_mask"].sum(1)
+    ended = (b["input_ids"] == ro.tok.eos_token_id).logical_and(b["response_mask"].bool()).any(1)
+    assert torch.equal(b["truncated"], (lengths == 3) & ~ended)
+    assert summary["truncated_frac"] == pytest.approx(float(b["truncated"].float().mean()))
+    assert 0 < summary["truncated_frac"] < 1 or b["truncated"].all()

@@ -612,3 +612,20 @@ def test_a_batched_reward_that_raises_scores_zero_on_a_worker(cluster, tmp_path)
     finally:
         reward.shutdown()
     assert scored == {"rewards": [1.0, 0.0], "terms": {"arithmetic": [1.0, 0.0], "reward_model": [0.0, 0.0]}}
+
+
+@pytest.mark.parametrize("placement", SCORING_PATHS, ids=SCORING_PATH_IDS)
+def test_truncated_completions_are_marked_for_the_actor_on_workers(cluster, tmp_path, placement):
+    """Completions cut at ``rollout.max_new_tokens`` reach the actor marked (``truncated``, what
+    ``algorithm.mask_truncated_completions`` leaves out of the loss), through every hand-off, and their share
+    is logged as ``rollout/truncated_frac``."""
+    overrides = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "runner.steps=2", "actor.sft_steps=5",
+                 "rollout.max_new_tokens=2", "algorithm.mask_truncated_completions=true", *placement]  # fmt: skip
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        loop.run(progress=False)
+        rows = [row for g in range(loop.recipe.data.prompts_per_step) for row in _group_or_none(loop, g)]
+        shares = [r["rollout/truncated_frac"] for r in loop.history if "rollout/truncated_frac" in r]
+    assert len(shares) == 2 and 0 < shares[-1] <= 1
+    assert {row["truncated"] for row in rows} <= {True, False} and any(row["truncated"] for row in rows)
+    if "actor,rollout,reward" in placement[0]:  # one rank holds the whole batch
+        assert sum(row["truncated"] for row in rows) / len(rows) == pytest.approx(shares[-1])

@@ -493,12 +493,14 @@ class HFRollout(RolloutBase):
         batch["fields"] = [f for f in fields or [{}] * len(prompts) for _ in range(n)]
         batch["texts"] = texts
         batch["version"] = self.version
+        batch["truncated"] = self._truncated(batch)
         self.batch = batch
         lengths = batch["response_mask"].sum(-1).float()
         summary = {
             "sequences": len(texts),
             "tokens": int(lengths.sum()),
             "response_len_mean": float(lengths.mean()),
+            "truncated_frac": float(batch["truncated"].float().mean()),
         }
         if reward is not None:
             scored = local_peer(reward, self.rank).score_terms(
@@ -509,6 +511,15 @@ class HFRollout(RolloutBase):
             for key in ("texts", "answers", "prompts", "fields"):
                 summary[key] = batch[key]
         return summary
+
+    def _truncated(self, batch: dict) -> torch.Tensor:
+        """``[B]`` bool: the completions that reached ``max_new_tokens`` without ending (their last token is
+        not EOS). Responses sit right after their prompts, right-padded, so a row's last response position is
+        its last token."""
+        mask = batch["response_mask"].bool()
+        last = mask.shape[1] - 1 - mask.flip(1).int().argmax(1)
+        last_token = batch["input_ids"].gather(1, last[:, None]).squeeze(1)
+        return (mask.sum(1) >= self.max_new_tokens) & (last_token != self.tok.eos_token_id)
 
     @staticmethod
     def split_batch(batch: dict, shards: int) -> list[dict]:
@@ -606,10 +617,12 @@ class HFRollout(RolloutBase):
         taken_ids = {id(g) for g in taken}
         self.pool = [g for g in self.pool if id(g) not in taken_ids]
         self.batch = self._pool_batch(taken)
+        self.batch["truncated"] = self._truncated(self.batch)
         summary = {
             "sequences": len(self.batch["texts"]),
             "tokens": tokens,
             "response_len_mean": float(self.batch["response_mask"].sum(-1).float().mean()),
+            "truncated_frac": float(self.batch["truncated"].float().mean()),
             "staleness": [train_version - g["start"] for g in taken],
             "interrupted": sum(len(set(s["versions"])) > 1 for g in taken for s in g["seqs"]),
             "serials": [g["serial"] for g in taken],
@@ -1017,6 +1030,10 @@ class LMActor(ActorBase):
             "rewards": torch.cat([b["rewards"] for b in batches]),
             "version": min(b["version"] for b in batches),
         }
+        if all(
+            "truncated" in b for b in batches
+        ):  # completions cut at max_new_tokens (mask_truncated_completions)
+            batch["truncated"] = torch.cat([b["truncated"] for b in batches])
         if all("reward_terms" in b for b in batches):  # several rewards, each kept apart (sample_group)
             batch["reward_terms"] = torch.cat([b["reward_terms"] for b in batches])
             batch["reward_names"] = batches[0]["reward_names"]
@@ -1098,6 +1115,8 @@ class LMActor(ActorBase):
                 "reward": float(b["rewards"][i]),
                 "logprob": float(b["logprobs"][i][response].sum()),
             }
+            if "truncated" in b:  # cut at max_new_tokens without ending
+                row["truncated"] = bool(b["truncated"][i])
             if "reward_terms" in b:  # several rewards: each one's score
                 row["rewards"] = dict(zip(b["reward_names"], b["reward_terms"][i].tolist()))
             if "advantages" in b:
@@ -1136,6 +1155,11 @@ class LMActor(ActorBase):
                 "algorithm.advantage",
             )
         batch["advantages"] = adv
+        # the tokens the loss counts: every response token, or (mask_truncated_completions) those of the
+        # completions that ended
+        batch["loss_mask"] = batch["response_mask"]
+        if algo.mask_truncated_completions and batch.get("truncated") is not None:
+            batch["loss_mask"] = batch["response_mask"] * ~batch["truncated"][:, None]
         out = {
             "advantage_abs_mean": float(masked_mean(adv.abs(), mask)),
             # sequences with no learning signal (a group whose completions all scored alike)
@@ -1188,7 +1212,8 @@ class LMActor(ActorBase):
     def _update(self, idx: torch.Tensor) -> dict:
         batch, algo = self.batch, self.algo
         idx = idx.sort().values  # a group's rows side by side: micro-batches share their prompts' forward
-        mask_all = batch["response_mask"][idx].float()
+        mask_key = "loss_mask" if "loss_mask" in batch else "response_mask"  # (advantages set by hand)
+        mask_all = batch[mask_key][idx].float()
         total_tokens, total_seqs = mask_all.sum().clamp(min=1), len(idx)
         rows, weight = self._rows_to_compute(idx)
         if self.clip_and_step.optimizer is not self.optimizer:  # a subclass replaced the optimizer
@@ -1208,7 +1233,7 @@ class LMActor(ActorBase):
 
             micro_batch = {
                 "input_ids": take("input_ids"), "attention_mask": take("attention_mask"),
-                "mask": take("response_mask").float(), "advantages": take("advantages"),
+                "mask": take(mask_key).float(), "advantages": take("advantages"),
                 # None: one on-policy pass, the current ones; also for a stand-in row at weight 0, whose
                 # metrics then say (ratio 1) that the policy did not move
                 "old_logprobs": take("old_logprobs") if weight else None,

@@ -112,6 +112,10 @@ class AlgorithmConfig:
         "token-mean"
     )
     """Loss aggregation over tokens (LM RL)."""
+    mask_truncated_completions: bool = False
+    """LM RL: leave completions that reached ``rollout.max_new_tokens`` without ending (no EOS) out of the loss,
+    as TRL's ``mask_truncated_completions`` (DAPO's overlong filtering); their rewards still count in their
+    group's advantages. ``rollout/truncated_frac`` says how many there are."""
 
 
 @dataclass

@@ -410,6 +410,8 @@ class GRPOLoop(LoopBase):
             "accuracy": sum(s["accuracy"] * s["sequences"] for s in summaries) / n,
             **extra,
         }
+        if all("truncated_frac" in s for s in summaries):
+            out["truncated_frac"] = sum(s["truncated_frac"] * s["sequences"] for s in summaries) / n
         for name in summaries[0].get("reward_terms", ()):  # several rewards: each one's mean
             out[f"reward_term/{name}"] = sum(s["reward_terms"][name] * s["sequences"] for s in summaries) / n
         return self._phase("rollout", t0, out)
@@ -620,6 +622,7 @@ class GRPOLoop(LoopBase):
                 },
                 "rollout/tokens_per_s": p.get("rollout/tokens_per_s"),
                 "rollout/response_len_mean": p.get("rollout/response_len_mean"),
+                "rollout/truncated_frac": p.get("rollout/truncated_frac"),
                 **{f"rollout/{k}": p.get(f"rollout/{k}") for k in ASYNC_METRICS if self.max_staleness},
             }
         )
