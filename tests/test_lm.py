@@ -166,7 +166,7 @@ def test_ended_sequences_leave_the_decoding_batch_on_a_worker_and_sampling_is_ge
     for drop in (True, False):
         # an untrained model: EOS is one token of ~90, so some of 48 rows end before 24 tokens, most do not
         rollout = RowCountingRollout.launch(
-            cluster, "0", model_path=tiny_lm, max_new_tokens=24, temperature=0.7, top_p=0.9, seed=11,
+            cluster, "0", model_path=tiny_lm, max_new_tokens=24, temperature=0.7, top_p=0.9, top_k=20, seed=11,
             drop_finished=drop, name=f"rollout_drop_{drop}",
         )  # fmt: skip
         rollout.generate(prompts * 4, answers * 4, n=4).result(120)
@@ -179,7 +179,7 @@ def test_ended_sequences_leave_the_decoding_batch_on_a_worker_and_sampling_is_ge
     assert decoding[0] == 48 and decoding == sorted(decoding, reverse=True) and decoding[-1] < 48, decoding
     assert set(rows[False][1:]) == {48}  # generate: every row to the end
     dropped, kept = batches[True], batches[False]
-    # the same sampling (temperature, then top-p, with the same seed) until the first sequence ends
+    # the same sampling (temperature, then top-k, then top-p, with the same seed) until the first sequence ends
     response = dropped["response_mask"].bool()
     first = int(response.any(0).nonzero()[0])
     ends = response.sum(1)

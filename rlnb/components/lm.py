@@ -202,7 +202,8 @@ class HFRollout(RolloutBase):
 
     Args:
         model_path: a ``save_pretrained`` directory.
-        max_new_tokens, temperature, top_p: sampling parameters.
+        max_new_tokens, temperature, top_p, top_k: sampling parameters (``top_k=0``: all tokens), applied
+            as ``transformers``' ``generate`` applies them: temperature, then top-k, then top-p.
         seed: rank ``r`` seeds each call from ``rlnb.seeding.rank_seed(seed, r, "lm_rollout")`` and a call
             counter (reproducible).
         share_prompt_prefill: compute each prompt's KV cache once for its ``n`` completions and repeat
@@ -226,7 +227,7 @@ class HFRollout(RolloutBase):
     def __init__(
         self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
         device: str = "auto", torch_threads: int = 1, rank_info: RankInfo | None = None,
-        share_prompt_prefill: bool = True, drop_finished: bool = True,
+        share_prompt_prefill: bool = True, drop_finished: bool = True, top_k: int = 0,
     ):  # fmt: skip
         rank_info = rank_info or current_rank()  # subclasses need not pass it on
         torch.set_num_threads(torch_threads)
@@ -240,7 +241,12 @@ class HFRollout(RolloutBase):
         self.model_path = model_path
         self.model, self.tok = load_lm(model_path, self.device)
         self.model.eval().requires_grad_(False)
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k = (
+            max_new_tokens,
+            temperature,
+            top_p,
+            top_k,
+        )
         self.seed, self.calls = rank_seed(seed, self.rank, "lm_rollout"), 0
         self.version = 0
         self.batch = None
@@ -327,7 +333,8 @@ class HFRollout(RolloutBase):
         """``transformers``' ``generate``: sequences ``[B*n, P+R]`` and the sampled tokens' log-probs ``[B*n, R]``."""
         sampling = dict(
             do_sample=not greedy, temperature=self.temperature if not greedy else None,
-            top_p=self.top_p if not greedy else None, top_k=None, max_new_tokens=self.max_new_tokens,
+            top_p=self.top_p if not greedy else None, top_k=(self.top_k or None) if not greedy else None,
+            max_new_tokens=self.max_new_tokens,
             pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
             return_dict_in_generate=True, output_scores=True,
         )  # fmt: skip
@@ -419,11 +426,14 @@ class HFRollout(RolloutBase):
 
     def _sample(self, logits: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The next token of each row from ``logits [N, V]`` and its log-prob under the distribution it
-        was drawn from (``generate``'s warpers: temperature, then top-p keeping at least one token)."""
+        was drawn from (``generate``'s warpers: temperature, then top-k, then top-p keeping at least one token)."""
         if greedy:
             token = logits.argmax(-1)
             return token, torch.log_softmax(logits, -1).gather(1, token[:, None]).squeeze(1)
         scores = logits / self.temperature
+        if self.top_k:
+            kth = torch.topk(scores, min(self.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, -float("inf"))
         if self.top_p is not None and self.top_p < 1.0:
             ordered, order = torch.sort(scores, descending=False)
             drop = ordered.softmax(-1).cumsum(-1) <= (1 - self.top_p)
@@ -686,7 +696,7 @@ class HFRollout(RolloutBase):
             ids, attn = self._contexts(rows)
             out = self.model.generate(
                 input_ids=ids, attention_mask=attn, do_sample=True, temperature=self.temperature, top_p=self.top_p,
-                top_k=None, max_new_tokens=steps, pad_token_id=self.tok.pad_token_id,
+                top_k=self.top_k or None, max_new_tokens=steps, pad_token_id=self.tok.pad_token_id,
                 eos_token_id=self.tok.eos_token_id, return_dict_in_generate=True, output_scores=True,
             )  # fmt: skip
             scores = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
@@ -781,7 +791,7 @@ class VLLMRollout(HFRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
     def __init__(
         self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
         device: str = "auto", torch_threads: int = 1, gpu_memory_utilization: float = 0.3,
-        rank_info: RankInfo | None = None,
+        rank_info: RankInfo | None = None, top_k: int = 0,
     ):  # fmt: skip
         rank_info = rank_info or current_rank()  # subclasses need not pass it on
         from transformers import AutoTokenizer
@@ -794,7 +804,12 @@ class VLLMRollout(HFRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
             model=model_path, enforce_eager=True, gpu_memory_utilization=gpu_memory_utilization, seed=seed + self.rank,
             worker_extension_cls="rlnb.components.lm.VLLMWorkerExtension", enable_sleep_mode=True,
         )  # fmt: skip
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k = (
+            max_new_tokens,
+            temperature,
+            top_p,
+            top_k,
+        )
         self.seed, self.calls, self.version, self.batch, self.offloaded = seed, 0, 0, None, False
 
     def load_weights(self, state_dict: dict, version: int) -> int:
@@ -833,6 +848,7 @@ class VLLMRollout(HFRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
         self.onload()
         params = SamplingParams(
             n=n, temperature=0.0 if greedy else self.temperature, top_p=1.0 if greedy else self.top_p,
+            top_k=-1 if greedy or not self.top_k else self.top_k,  # (-1: every token)
             max_tokens=self.max_new_tokens, logprobs=0, seed=self.seed * 1_000_003 + self.calls,
         )  # fmt: skip
         self.calls += 0 if greedy else 1  # evaluating does not shift training's sampling seeds

@@ -465,7 +465,7 @@ def _check_lm(recipe: Recipe) -> list[str]:
         ("rollout.max_new_tokens", ro.max_new_tokens, 1), ("rollout.chunk_tokens", ro.chunk_tokens, 1),
         ("actor.micro_batch_size", act.micro_batch_size, 1),
         ("actor.sft_steps", act.sft_steps, 0), ("actor.sft_batch_size", act.sft_batch_size, 1),
-        ("actor.length_buckets", act.length_buckets, 1),
+        ("actor.length_buckets", act.length_buckets, 1), ("rollout.top_k", ro.top_k, 0),
     ):  # fmt: skip
         if isinstance(value, int) and value < low:
             errs.append(f"{key}: expected an integer >= {low}, got {value!r}")

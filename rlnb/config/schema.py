@@ -211,6 +211,9 @@ class RolloutConfig:
     """LM RL: sampling temperature (the actor's log-probs use the same)."""
     top_p: float = 1.0
     """LM RL: nucleus sampling threshold."""
+    top_k: int = 0
+    """LM RL: sample among the ``top_k`` likeliest tokens only (after the temperature, before ``top_p``, as
+    ``transformers`` orders them); ``0``: all."""
     drop_finished: bool = True
     """LM RL, ``hf`` backend: completions that ended leave the decoding batch (rlnb's decoding loop, the
     same tokens as ``generate``); ``false``: sample with ``transformers``' ``generate``."""

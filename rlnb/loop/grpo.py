@@ -259,7 +259,7 @@ class GRPOLoop(LoopBase):
         )
         self.groups["rollout"] = rollout_cls.launch(
             cl, p["rollout"], call_timeout_s=timeout, model_path=self.model_path, max_new_tokens=ro.max_new_tokens,
-            temperature=ro.temperature, top_p=ro.top_p, seed=r.seed, device=ro.device,
+            temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, seed=r.seed, device=ro.device,
             torch_threads=r.actor.torch_threads, **extra,
         )  # fmt: skip
         # registry entries resolved here travel by value: ones registered in a notebook cell work too
