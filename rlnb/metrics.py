@@ -204,6 +204,18 @@ class MetricLogger:
                 self._closer = weakref.finalize(self, self._file.close)
             self._file.write(line)
 
+    def log_rows(self, table: str, step: int, rows: list[dict]) -> None:
+        """Append ``rows`` (each with ``"step": step``) to ``<run_dir>/<table>.jsonl``, one JSON object a line
+        (e.g. the ``completions`` the LM loop samples; :func:`read_table` reads them back). On resume,
+        :meth:`truncate_after` drops the rows of later steps, as it does records."""
+        if table not in TABLES:
+            raise ValueError(f"log_rows: expected a table in {TABLES}, got {table!r}")
+        lines = "".join(
+            json.dumps({"step": step, **{k: _plain(v) for k, v in r.items()}}) + "\n" for r in rows
+        )
+        with (self.run_dir / f"{table}.jsonl").open("a") as f:
+            f.write(lines)
+
     def _close_file(self) -> None:
         with self._file_lock:
             if self._file is not None:
@@ -218,13 +230,10 @@ class MetricLogger:
             self._tb.close()
             self._tb = _tensorboard_writer(self.run_dir, purge_step=step + 1)
         self._close_file()  # (the file is replaced below: the next record opens the new one)
-        if not self.path.exists():
-            return
-        kept = [r for r in read_metrics(self.run_dir) if r.get("step", 0) <= step]
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.path)
-        self.history = kept
+        for table in TABLES:
+            _keep_through(self.run_dir / f"{table}.jsonl", step)
+        if self.path.exists():
+            self.history = _keep_through(self.path, step)
 
     def close(self) -> None:
         self._close_file()
@@ -250,10 +259,34 @@ def _tensorboard_writer(run_dir: Path, purge_step: int | None = None):
     return SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
 
 
+TABLES = ("completions",)
+"""The run's row logs beside ``metrics.jsonl`` (:meth:`MetricLogger.log_rows`)."""
+
+
+def _keep_through(path: Path, step: int) -> list[dict]:
+    """Rewrite the JSON-lines file ``path`` atomically with its rows of steps up to ``step``; returns them."""
+    if not path.exists():
+        return []
+    kept = [r for r in _read_jsonl(path) if r.get("step", 0) <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+    return kept
+
+
+def read_table(run_dir: str | Path, table: str = "completions") -> list[dict]:
+    """The rows of a run's ``<table>.jsonl`` (:meth:`MetricLogger.log_rows`), e.g. the completions an LM run
+    logged (``runner.completions_interval``)."""
+    return _read_jsonl(Path(run_dir) / f"{table}.jsonl")
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """All records of a run's ``metrics.jsonl``; a line that does not parse (the torn last line of a
     killed run) is skipped."""
-    path = Path(run_dir) / "metrics.jsonl"
+    return _read_jsonl(Path(run_dir) / "metrics.jsonl")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     records = []

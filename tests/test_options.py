@@ -629,3 +629,36 @@ def test_truncated_completions_are_marked_for_the_actor_on_workers(cluster, tmp_
     assert {row["truncated"] for row in rows} <= {True, False} and any(row["truncated"] for row in rows)
     if "actor,rollout,reward" in placement[0]:  # one rank holds the whole batch
         assert sum(row["truncated"] for row in rows) / len(rows) == pytest.approx(shares[-1])
+
+
+def test_completions_are_logged_every_interval_and_resume_drops_later_ones(cluster, tmp_path):
+    """``runner.completions_interval`` (TRL's log_completions): the group actor rank 0 trained on, written on
+    the driver every N steps to completions.jsonl; a resume from an earlier checkpoint drops the rows of the
+    steps it recomputes, as it drops their metrics."""
+    from rlnb.metrics import read_table
+
+    overrides = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "runner.steps=4", "actor.sft_steps=5",
+                 "runner.completions_interval=2", "runner.save_interval=2"]  # fmt: skip
+    run_dir = tmp_path / "run"
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=run_dir) as loop:
+        loop.run(progress=False)
+        group_size = loop.recipe.algorithm.group_size
+    rows = read_table(run_dir)
+    assert [r["step"] for r in rows] == [2] * group_size + [4] * group_size
+    assert {"prompt", "completion", "reward", "advantage"} <= set(rows[0])
+    assert len({r["prompt"] for r in rows if r["step"] == 2}) == 1  # one prompt's group
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints" / "step_000004")  # as if the run died after step 4's rows
+    with GRPOLoop.resume(run_dir) as loop:
+        assert loop.step == 2
+        assert [r["step"] for r in read_table(run_dir)] == [2] * group_size
+        loop.run(progress=False)
+    assert [r["step"] for r in read_table(run_dir)] == [2] * group_size + [4] * group_size
+
+
+def test_completions_interval_is_refused_for_an_env_recipe():
+    from rlnb.config import load_recipe
+
+    with pytest.raises(rlnb.ConfigError, match=r"runner.completions_interval: 2 logs an LM's completions"):
+        load_recipe("ppo_cartpole", ["runner.completions_interval=2"])

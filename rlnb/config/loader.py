@@ -296,6 +296,21 @@ def validate(recipe: Recipe) -> list[str]:
     need(lambda: r.steps >= 0, "runner.steps", "an integer >= 0", r.steps)
     need(lambda: r.save_interval >= 0, "runner.save_interval", "an integer >= 0", r.save_interval)
     need(lambda: r.keep_checkpoints >= 1, "runner.keep_checkpoints", "an integer >= 1", r.keep_checkpoints)
+    need(
+        lambda: r.completions_interval >= 0,
+        "runner.completions_interval",
+        "an integer >= 0",
+        r.completions_interval,
+    )
+    if (
+        recipe.rollout.backend == "policy"
+        and isinstance(r.completions_interval, int)
+        and r.completions_interval
+    ):
+        errs.append(
+            f"runner.completions_interval: {r.completions_interval} logs an LM's completions; this recipe trains a "
+            "policy on an env (rollout.backend=policy): look at its batches with loop.sample() instead"
+        )
     need(lambda: r.max_restarts >= 0, "runner.max_restarts", "an integer >= 0", r.max_restarts)
     need(lambda: r.eval_episodes >= 1, "runner.eval_episodes", "an integer >= 1", r.eval_episodes)
     need(

@@ -38,6 +38,10 @@ class RunnerConfig:
     """How many complete checkpoints to keep."""
     eval_interval: int = 0
     """Evaluate every this many steps (0: never during ``run``)."""
+    completions_interval: int = 0
+    """LM loop: every this many steps, append the first prompt's group of completions the actor trained on
+    (prompt, completion, reward, advantage...) to ``<run_dir>/completions.jsonl``, as TRL's ``log_completions``
+    (0: never). ``rlnb.metrics.read_table(run_dir)`` reads them back."""
     eval_episodes: int = 10
     """Episodes per evaluation: deterministic actions on up to 8 fresh envs, each with a fixed share of the
     episodes (not the first to end, which would favour short ones)."""

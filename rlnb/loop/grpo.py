@@ -626,6 +626,9 @@ class GRPOLoop(LoopBase):
                 **{f"rollout/{k}": p.get(f"rollout/{k}") for k in ASYNC_METRICS if self.max_staleness},
             }
         )
+        every = self.recipe.runner.completions_interval
+        if every and self.step % every == 0:  # what the model wrote, as TRL's log_completions
+            self.logger.log_rows("completions", self.step, self.sample_group(0))
 
     def summary(self) -> str:
         evals = [r["eval/accuracy"] for r in self.history if "eval/accuracy" in r]
