@@ -21,7 +21,8 @@ EXECUTED = ROOT / "build" / "notebooks"
 # per notebook: an expression evaluated in its kernel after the last cell -> a JSON-able dict
 CHECKS = {
     "01_quickstart": '{"return": loop.episode_stats()["episode_return_mean"], "exported": episode_return}',
-    "02_grpo_arithmetic": '{"first": float(acc["eval/accuracy"].iloc[0]), "last": float(acc["eval/accuracy"].iloc[-1])}',
+    "02_grpo_arithmetic": '{"first": float(acc["eval/accuracy"].iloc[0]), "last": float(acc["eval/accuracy"].iloc[-1]), '
+    '"logged_steps": sorted(set(logged["step"].tolist()))}',
     "04_custom_algorithm": '{"return": final_return}',
     "06_build_your_own": '{"return": final_return, "eval": evaluation["eval/return_mean"]}',
 }
@@ -70,6 +71,7 @@ def test_notebook_runs_and_does_what_it_says(path):
         assert found["exported"] >= 300, found  # the exported policy, loaded in the kernel, plays as trained
     elif path.stem == "02_grpo_arithmetic":
         assert found["last"] >= found["first"] + 0.05, found  # GRPO lifted held-out accuracy
+        assert found["logged_steps"] == [30, 60, 90, 120], found  # runner.completions_interval=30
     elif path.stem == "04_custom_algorithm":
         assert found["return"] >= 300, found
     elif path.stem == "06_build_your_own":
