@@ -241,12 +241,8 @@ class HFRollout(RolloutBase):
         self.model_path = model_path
         self.model, self.tok = load_lm(model_path, self.device)
         self.model.eval().requires_grad_(False)
-        self.max_new_tokens, self.temperature, self.top_p, self.top_k = (
-            max_new_tokens,
-            temperature,
-            top_p,
-            top_k,
-        )
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.top_k = top_k
         self.seed, self.calls = rank_seed(seed, self.rank, "lm_rollout"), 0
         self.version = 0
         self.batch = None
@@ -578,9 +574,9 @@ class HFRollout(RolloutBase):
         weights, weights_key: str, batches, batch_key: str, reward: str, shards: int = 1, chunk_tokens: int = 8,
     ) -> dict:  # fmt: skip
         """Partial-rollout generation for asynchronous training (AReaL): admit ``problems``
-        (``(serial, prompt, answer)`` or ``(serial, prompt, answer, fields)``, ``n`` completions each) to the pool of groups in progress, then
-        generate ``chunk_tokens`` at a time for every unfinished sequence until ``groups`` groups are done.
-        The loop admits them at version ``train_version - 1``: the call first waits (up to the channel's
+        (``(serial, prompt, answer)`` or ``(serial, prompt, answer, fields)``, ``n`` completions each) to the
+        pool of groups in progress, then generate ``chunk_tokens`` at a time for every unfinished sequence until
+        ``groups`` groups are done. The loop admits them at version ``train_version - 1``: the call first waits (up to the channel's
         deadline) for those weights if they have not arrived yet.
 
         Between chunks it takes the newest weights the actor published under ``weights_key``: a
@@ -804,12 +800,8 @@ class VLLMRollout(HFRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
             model=model_path, enforce_eager=True, gpu_memory_utilization=gpu_memory_utilization, seed=seed + self.rank,
             worker_extension_cls="rlnb.components.lm.VLLMWorkerExtension", enable_sleep_mode=True,
         )  # fmt: skip
-        self.max_new_tokens, self.temperature, self.top_p, self.top_k = (
-            max_new_tokens,
-            temperature,
-            top_p,
-            top_k,
-        )
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.top_k = top_k
         self.seed, self.calls, self.version, self.batch, self.offloaded = seed, 0, 0, None, False
 
     def load_weights(self, state_dict: dict, version: int) -> int:
@@ -1046,9 +1038,7 @@ class LMActor(ActorBase):
             "rewards": torch.cat([b["rewards"] for b in batches]),
             "version": min(b["version"] for b in batches),
         }
-        if all(
-            "truncated" in b for b in batches
-        ):  # completions cut at max_new_tokens (mask_truncated_completions)
+        if all("truncated" in b for b in batches):  # cut at max_new_tokens (mask_truncated_completions)
             batch["truncated"] = torch.cat([b["truncated"] for b in batches])
         if all("reward_terms" in b for b in batches):  # several rewards, each kept apart (sample_group)
             batch["reward_terms"] = torch.cat([b["reward_terms"] for b in batches])

@@ -372,13 +372,15 @@ class GRPOLoop(LoopBase):
         problems = self.task.sample(recipe.data.prompts_per_step)
         shards = _shard(problems, rollout.world_size)
         G = recipe.algorithm.group_size
-        # records' other fields go along where there are any (a rollout class's generate may not take them)
-        has_fields = any(p.fields for p in problems)
-        calls = [
-            ([p.prompt for p in s], [p.answer for p in s], G, reward.name if self.reward_local else None)
-            + (([p.fields for p in s],) if has_fields else ())
-            for s in shards
-        ]
+        # the reward's name where it scores next to the rollout, and the records' other fields where there are
+        # any: only then (a rollout class of one's own may take neither)
+        with_fields = any(p.fields for p in problems)
+        calls = []
+        for s in shards:
+            args = ([p.prompt for p in s], [p.answer for p in s], G)
+            if self.reward_local or with_fields:
+                args += (reward.name if self.reward_local else None,)
+            calls.append(args + (([p.fields for p in s],) if with_fields else ()))
         summaries = rollout.call_each("generate", calls).result()
         if not self.reward_local:  # score on the reward's own slots
             n_rew = reward.world_size
