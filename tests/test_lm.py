@@ -931,3 +931,30 @@ def test_rollout_marks_completions_cut_at_max_new_tokens(tiny_lm):
     assert torch.equal(b["truncated"], (lengths == 3) & ~ended)
     assert summary["truncated_frac"] == pytest.approx(float(b["truncated"].float().mean()))
     assert 0 < summary["truncated_frac"] < 1 or b["truncated"].all()
+
+
+def test_dynamic_sampling_assembles_kept_groups_then_groups_set_aside(tiny_lm):
+    """keep_groups / assemble_kept: groups with a signal first, in the order sampled, then groups set aside to
+    fill the batch; batches of other widths joined as an actor joins its ranks' batches, and trainable."""
+    ro = HFRollout(tiny_lm, max_new_tokens=3, seed=0)
+    ro.generate(["1+2=", "13+4="], ["3", "17"], n=4)
+    ro.set_rewards([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0])  # group 0 alike (aside), group 1 kept
+    assert ro.keep_groups(4) == {"groups": 2, "informative": 1, "kept": 1}
+    ro.generate(["7=", "111+222="], ["7", "333"], n=4)  # another prompt width
+    ro.set_rewards([0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])  # group 0 kept, group 1 aside
+    assert ro.keep_groups(4) == {"groups": 2, "informative": 1, "kept": 2}
+    assert ro.assemble_kept(3, 4) == {"groups": 3, "informative": 2}
+    b = ro.take_batch()
+    assert b["prompts"] == ["13+4="] * 4 + ["7="] * 4 + ["1+2="] * 4
+    assert b["rewards"].tolist() == [0.0, 1.0, 0.0, 0.0] + [0.0, 1.0, 1.0, 1.0] + [1.0] * 4
+    assert b["group_index"].tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    assert b["input_ids"].shape[0] == 12 and b["attention_mask"].shape == b["input_ids"].shape
+    decoded = [
+        ro.tok.decode(ids[m.bool() & ~r.bool()])
+        for ids, m, r in zip(b["input_ids"], b["attention_mask"], b["response_mask"])
+    ]
+    assert decoded == b["prompts"]  # each row's prompt where its mask says, after the left padding
+    actor = LMActor(tiny_lm, group_size=4, seed=0, update_epochs=1, num_minibatches=1)
+    actor.set_batch([b])
+    assert actor.compute_advantages()["zero_advantage_frac"] == pytest.approx(4 / 12)
+    assert math.isfinite(actor.train()["loss"])

@@ -662,3 +662,59 @@ def test_completions_interval_is_refused_for_an_env_recipe():
 
     with pytest.raises(rlnb.ConfigError, match=r"runner.completions_interval: 2 logs an LM's completions"):
         load_recipe("ppo_cartpole", ["runner.completions_interval=2"])
+
+
+def odd_length_if_mixed(completion: str, mixed: int) -> float:
+    """A learning signal only for records with ``mixed=1``: their groups' completions score 0 or 1 by length;
+    a ``mixed=0`` record's group scores 0 throughout."""
+    return float(mixed and len(completion) % 2)
+
+
+@pytest.mark.parametrize(
+    "placement", [*SCORING_PATHS[:2], []], ids=[*SCORING_PATH_IDS[:2], "two-rollout-ranks-data-parallel"]
+)
+def test_dynamic_sampling_fills_the_batch_with_groups_that_have_a_signal(
+    cluster, tmp_path, monkeypatch, placement
+):
+    """``algorithm.dynamic_sampling`` (DAPO; veRL's filter_groups), on workers: half the records can give a
+    learning signal; the trained batch holds only their groups, after more than one round of sampling."""
+    from rlnb.algorithms.rewards import REWARDS, register_reward
+
+    monkeypatch.setattr(REWARDS, "_items", dict(REWARDS._items))
+    register_reward("odd_length_if_mixed")(odd_length_if_mixed)
+    rows = [
+        {"question": f"{a}+{b}=", "answer": str(a + b), "mixed": (a + b) % 2}
+        for a in range(10)
+        for b in range(10)
+    ]
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    mixed = {r["question"]: r["mixed"] for r in rows}
+    overrides = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "runner.steps=2", "actor.sft_steps=0",
+                 "data.task=file", f"data.path={tmp_path / 'data.jsonl'}", "reward.name=odd_length_if_mixed",
+                 "rollout.max_new_tokens=6", "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=6",
+                 *placement]  # fmt: skip
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        loop.run(progress=False)
+        groups = [g for i in range(loop.recipe.data.prompts_per_step) if (g := _group_or_none(loop, i))]
+    steps = [r for r in loop.history if "rollout/sampling_rounds" in r]
+    assert len(steps) == 2 and all(r["rollout/sampling_rounds"] >= 2 for r in steps), steps
+    assert all(r["rollout/informative_frac"] == 1.0 and r["rollout/signal_frac"] < 0.8 for r in steps), steps
+    assert groups and all(mixed[g[0]["prompt"]] == 1 for g in groups)
+    assert all(len({row["reward"] for row in g}) == 2 for g in groups)  # each with a signal
+
+
+@pytest.mark.parametrize(
+    "recipe,overrides,message",
+    [
+        ("grpo_arith", ["algorithm.dynamic_sampling=true", "algorithm.max_staleness=1",
+                        "cluster.component_placement={'rollout,reward': 0, actor: 1}"],
+         r"algorithm.dynamic_sampling: .*with algorithm.max_staleness=1 \(asynchronous\)"),
+        ("grpo_arith", ["algorithm.max_sampling_rounds=0"], r"algorithm.max_sampling_rounds: expected an integer >= 1"),
+        ("ppo_cartpole", ["algorithm.dynamic_sampling=true"], r"algorithm.dynamic_sampling: it filters an LM's groups"),
+    ],
+)  # fmt: skip
+def test_dynamic_sampling_misfits_are_refused_naming_the_key(recipe, overrides, message):
+    from rlnb.config import load_recipe
+
+    with pytest.raises(rlnb.ConfigError, match=message):
+        load_recipe(recipe, overrides)

@@ -37,6 +37,7 @@ SWEEP = {
     "algorithm.kl_estimator": (GRPO, ["algorithm.kl_coef=0.01"]),
     "algorithm.agg": (GRPO, []),
     "algorithm.mask_truncated_completions": (GRPO, ["rollout.max_new_tokens=2"]),
+    "algorithm.dynamic_sampling": (GRPO, []),
     "actor.model.kind": (PPO, []),
     "actor.model.activation": (PPO, []),
     "actor.model.shared_trunk": (PPO, []),

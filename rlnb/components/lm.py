@@ -173,6 +173,50 @@ class RewardWorker:
         self.name = state["name"]
 
 
+# a batch's [B, W] columns, left-padded to a common width when batches are put together, and their padding
+_WIDE = {"attention_mask": 0, "response_mask": 0, "logprobs": 0.0, "versions": -1}
+
+
+def _batch_rows(batch: dict, rows: torch.Tensor) -> dict:
+    """The rows ``rows`` (a bool mask or indices over ``B``) of a rollout batch: its tensors and per-sequence
+    lists; the rest (``version``, ``reward_names``) as it is."""
+    n = len(batch["texts"])
+    index = rows.nonzero().squeeze(1).tolist() if rows.dtype == torch.bool else rows.tolist()
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n:
+            out[key] = value[index]
+        elif isinstance(value, list) and len(value) == n:
+            out[key] = [value[i] for i in index]
+        else:
+            out[key] = value
+    return out
+
+
+def _join_batches(parts: list[dict], pad_token_id: int) -> dict:
+    """Rollout batches as one: ``[B, W]`` columns left-padded to the widest (as an actor joins its ranks'
+    batches), the rest concatenated; ``version`` the oldest."""
+    width = max(p["input_ids"].shape[1] for p in parts)
+
+    def left(t: torch.Tensor, value) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+
+    out = {}
+    for key, value in parts[0].items():
+        if key == "input_ids" or key in _WIDE:
+            pad = pad_token_id if key == "input_ids" else _WIDE[key]
+            out[key] = torch.cat([left(p[key], pad) for p in parts])
+        elif isinstance(value, torch.Tensor) and value.dim():
+            out[key] = torch.cat([p[key] for p in parts])
+        elif isinstance(value, list):
+            out[key] = [x for p in parts for x in p[key]]
+        elif key == "version":
+            out[key] = min(p[key] for p in parts)
+        else:
+            out[key] = value
+    return out
+
+
 def _same(a: list, b: list) -> bool:
     """Whether two lists hold the same objects in the same order."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
@@ -554,6 +598,40 @@ class HFRollout(RolloutBase):
             self.batch["reward_names"] = tuple(terms)
             summary["reward_terms"] = {n: sum(v) / len(v) for n, v in terms.items()}
         return summary
+
+    # ------------------------------------------------------------------ dynamic sampling (DAPO)
+    def keep_groups(self, group_size: int) -> dict:
+        """Dynamic sampling: of the batch just scored, keep the groups whose completions did not all score
+        alike for this step's batch, and set the others aside (to top the batch up with if sampling stops
+        short). Returns this batch's ``groups``, how many had a learning signal (``informative``), and the
+        groups kept so far (``kept``)."""
+        kept, aside = self.__dict__.setdefault("_kept", []), self.__dict__.setdefault("_aside", [])
+        rewards = self.batch["rewards"].view(-1, group_size)
+        signal = (rewards != rewards[:, :1]).any(1)  # [G]
+        rows = signal.repeat_interleave(group_size)
+        kept.append(_batch_rows(self.batch, rows))
+        aside.append(_batch_rows(self.batch, ~rows))
+        return {
+            "groups": len(signal),
+            "informative": int(signal.sum()),
+            "kept": sum(len(b["texts"]) for b in kept) // group_size,
+        }
+
+    def assemble_kept(self, groups: int, group_size: int) -> dict:
+        """Dynamic sampling: this step's batch, the first ``groups`` groups kept (:meth:`keep_groups`), topped up
+        with groups set aside where fewer were kept; returns how many of its ``groups`` are ``informative``."""
+        parts, have, informative = [], 0, 0
+        for source in ("_kept", "_aside"):
+            for part in self.__dict__.pop(source, []):
+                take = min(len(part["texts"]) // group_size, groups - have)
+                if take:
+                    parts.append(_batch_rows(part, torch.arange(take * group_size)))
+                    have += take
+                    informative += take if source == "_kept" else 0
+        batch = _join_batches(parts, self.tok.pad_token_id)
+        batch["group_index"] = torch.arange(have).repeat_interleave(group_size)
+        self.batch = batch
+        return {"groups": have, "informative": informative}
 
     def complete(self, prompts: list[str]) -> list[str]:
         """Greedy completions (evaluation, samples in notebooks)."""

@@ -377,6 +377,22 @@ def validate(recipe: Recipe) -> list[str]:
     ints = all(isinstance(x, int) for x in (e.num_envs, e.pipeline_stages))
     if ints and e.num_envs >= 1 and e.pipeline_stages >= 1 and e.num_envs % e.pipeline_stages:
         errs.append(f"env.pipeline_stages: {e.pipeline_stages} stages must divide env.num_envs={e.num_envs}")
+    need(
+        lambda: a.max_sampling_rounds >= 1,
+        "algorithm.max_sampling_rounds",
+        "an integer >= 1",
+        a.max_sampling_rounds,
+    )
+    if a.dynamic_sampling is True and isinstance(a.max_staleness, int) and a.max_staleness > 0:
+        errs.append(
+            f"algorithm.dynamic_sampling: it samples more prompts until a synchronous step's batch has enough groups "
+            f"with a learning signal; with algorithm.max_staleness={a.max_staleness} (asynchronous) groups are trained "
+            "as they finish. Set one of them off"
+        )
+    if a.dynamic_sampling is True and recipe.rollout.backend == "policy":
+        errs.append(
+            "algorithm.dynamic_sampling: it filters an LM's groups of completions; this recipe trains a policy on an env"
+        )
     if recipe.reward.model_path is not None:
         need(
             lambda: recipe.reward.model_batch_size >= 1,

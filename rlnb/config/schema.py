@@ -116,6 +116,14 @@ class AlgorithmConfig:
         "token-mean"
     )
     """Loss aggregation over tokens (LM RL)."""
+    dynamic_sampling: bool = False
+    """LM RL, synchronous: DAPO's dynamic sampling (veRL's ``filter_groups``): a group whose completions all scored
+    alike (no learning signal) is set aside, and more prompts are sampled until each rollout rank has its share
+    of ``data.prompts_per_step`` groups with a signal, or ``max_sampling_rounds`` rounds were made (the batch is
+    then topped up with groups set aside). ``rollout/sampling_rounds`` and ``rollout/informative_frac`` say how
+    it went; rewards and accuracy are over every completion sampled."""
+    max_sampling_rounds: int = 4
+    """With ``dynamic_sampling``: generation rounds per step at most."""
     mask_truncated_completions: bool = False
     """LM RL: leave completions that reached ``rollout.max_new_tokens`` without ending (no EOS) out of the loss,
     as TRL's ``mask_truncated_completions`` (DAPO's overlong filtering); their rewards still count in their

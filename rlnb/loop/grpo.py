@@ -54,6 +54,7 @@ class _FileTask:
 
 # what asynchronous mode logs per step, besides the synchronous metrics
 ASYNC_METRICS = ("staleness_mean", "staleness_max", "interrupted_frac", "weight_swaps", "overlap_frac")
+DYNAMIC_SAMPLING_METRICS = ("sampling_rounds", "signal_frac", "informative_frac")
 
 
 class GRPOLoop(LoopBase):
@@ -367,16 +368,25 @@ class GRPOLoop(LoopBase):
         t0 = time.perf_counter()
         if self.max_staleness:
             return self._rollout_async(t0)
-        recipe = self.recipe
-        rollout, reward = self.groups["rollout"], self.groups["reward"]
-        problems = self.task.sample(recipe.data.prompts_per_step)
-        shards = _shard(problems, rollout.world_size)
-        G = recipe.algorithm.group_size
+        rollout, extra = self.groups["rollout"], {}
+        if self.recipe.algorithm.dynamic_sampling:
+            summaries, extra = self._sample_with_signal(rollout)
+        else:
+            summaries = self._generate_scored(rollout, self.task.sample(self.recipe.data.prompts_per_step))
+        self._hand_batches()
+        if self.batch_local and self.cluster.has_gpus and self.recipe.rollout.device != "cpu":
+            rollout.offload().result()  # frees GPU memory for the collocated actor's training
+        return self._rollout_summary(t0, summaries, extra)
+
+    def _generate_scored(self, rollout: Group, problems: list[Problem]) -> list[dict]:
+        """``problems`` shared over the ranks of ``rollout`` (the group or a view of some of its ranks), each
+        sampled ``algorithm.group_size`` times and scored; each rank keeps its batch. Returns their summaries."""
+        reward, G = self.groups["reward"], self.recipe.algorithm.group_size
         # the reward's name where it scores next to the rollout, and the records' other fields where there are
         # any: only then (a rollout class of one's own may take neither)
         with_fields = any(p.fields for p in problems)
         calls = []
-        for s in shards:
+        for s in _shard(problems, rollout.world_size):
             args = ([p.prompt for p in s], [p.answer for p in s], G)
             if self.reward_local or with_fields:
                 args += (reward.name if self.reward_local else None,)
@@ -392,10 +402,33 @@ class GRPOLoop(LoopBase):
             stats = rollout.call_each("set_rewards", [(x["rewards"], x["terms"]) for x in scores]).result()
             for s, st in zip(summaries, stats):
                 s.update(st)
-        self._hand_batches()
-        if self.batch_local and self.cluster.has_gpus and self.recipe.rollout.device != "cpu":
-            rollout.offload().result()  # frees GPU memory for the collocated actor's training
-        return self._rollout_summary(t0, summaries, {})
+        return summaries
+
+    def _sample_with_signal(self, rollout: Group) -> tuple[list[dict], dict]:
+        """DAPO's dynamic sampling (``algorithm.dynamic_sampling``): rounds of generation on the rollout ranks
+        still short of their share of groups with a learning signal, each round a full share of new prompts,
+        at most ``algorithm.max_sampling_rounds``; then each rank assembles its batch from the groups it kept
+        (topped up with groups set aside). Returns every round's summaries and the rounds' metrics."""
+        algorithm, G = self.recipe.algorithm, self.recipe.algorithm.group_size
+        share = self.recipe.data.prompts_per_step // rollout.world_size
+        kept = dict.fromkeys(rollout.ranks, 0)
+        summaries, rounds, groups, informative = [], 0, 0, 0
+        while rounds < algorithm.max_sampling_rounds and min(kept.values()) < share:
+            rounds += 1
+            short = rollout.on([k for k in rollout.ranks if kept[k] < share])
+            summaries += self._generate_scored(short, self.task.sample(share * short.world_size))
+            for k, got in zip(short.ranks, short.keep_groups(G).result()):
+                kept[k], groups, informative = (
+                    got["kept"],
+                    groups + got["groups"],
+                    informative + got["informative"],
+                )
+        batches = rollout.assemble_kept(share, G).result()
+        return summaries, {
+            "sampling_rounds": rounds,
+            "signal_frac": informative / groups,  # of every group sampled
+            "informative_frac": sum(b["informative"] for b in batches) / sum(b["groups"] for b in batches),
+        }
 
     def _rollout_summary(self, t0: float, summaries: list[dict], extra: dict) -> dict:
         dt = time.perf_counter() - t0
@@ -625,6 +658,9 @@ class GRPOLoop(LoopBase):
                 "rollout/tokens_per_s": p.get("rollout/tokens_per_s"),
                 "rollout/response_len_mean": p.get("rollout/response_len_mean"),
                 "rollout/truncated_frac": p.get("rollout/truncated_frac"),
+                **{
+                    f"rollout/{k}": p[f"rollout/{k}"] for k in DYNAMIC_SAMPLING_METRICS if f"rollout/{k}" in p
+                },
                 **{f"rollout/{k}": p.get(f"rollout/{k}") for k in ASYNC_METRICS if self.max_staleness},
             }
         )
