@@ -169,7 +169,8 @@ def test_lm_loop_from_objects_with_weighted_reward_functions_reading_record_fiel
     records = [{**r, "level": i % 3} for i, r in enumerate(RECORDS)]
     level = {r["prompt"]: r["level"] for r in records}
     rollout = HFRollout.launch(cluster, "0", model_path=tiny_lm, max_new_tokens=2)
-    actor = LMActor.launch(cluster, "1", model_path=tiny_lm, group_size=4)
+    # the actor's algorithm settings include the loop's dynamic sampling (the objects path records them)
+    actor = LMActor.launch(cluster, "1", model_path=tiny_lm, group_size=4, dynamic_sampling=True)
     with GRPOLoop(
         rollout=rollout, actor=actor, reward=[exact, brevity, bonus], reward_weights=[1.0, 0.25, 1.0],
         prompts=records, prompts_per_step=4, runner=NO_TB, run_dir=tmp_path,
@@ -181,6 +182,7 @@ def test_lm_loop_from_objects_with_weighted_reward_functions_reading_record_fiel
         abs=1e-5,
     )
     assert record["reward/brevity/mean"] < 0
+    assert record["rollout/sampling_rounds"] >= 1 and record["rollout/informative_frac"] > 0
     for row in rows:
         assert row["rewards"]["bonus"] == 10.0 * level[row["prompt"]]
         assert row["reward"] == pytest.approx(
