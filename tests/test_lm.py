@@ -958,3 +958,16 @@ def test_dynamic_sampling_assembles_kept_groups_then_groups_set_aside(tiny_lm):
     actor.set_batch([b])
     assert actor.compute_advantages()["zero_advantage_frac"] == pytest.approx(4 / 12)
     assert math.isfinite(actor.train()["loss"])
+
+
+def test_dynamic_sampling_starts_each_step_afresh(tiny_lm):
+    """A step's first round drops what an earlier step left (had it failed between rounds)."""
+    ro = HFRollout(tiny_lm, max_new_tokens=2, seed=0)
+    ro.generate(["1+2="], ["3"], n=4)
+    ro.set_rewards([0.0, 1.0, 0.0, 0.0])
+    ro.keep_groups(4, first=True)  # ... and the step failed here
+    ro.generate(["5+5="], ["10"], n=4)
+    ro.set_rewards([1.0, 0.0, 0.0, 0.0])
+    assert ro.keep_groups(4, first=True)["kept"] == 1
+    ro.assemble_kept(1, 4)
+    assert ro.take_batch()["prompts"] == ["5+5="] * 4

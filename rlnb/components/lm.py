@@ -600,11 +600,15 @@ class HFRollout(RolloutBase):
         return summary
 
     # ------------------------------------------------------------------ dynamic sampling (DAPO)
-    def keep_groups(self, group_size: int) -> dict:
+    def keep_groups(self, group_size: int, first: bool = False) -> dict:
         """Dynamic sampling: of the batch just scored, keep the groups whose completions did not all score
         alike for this step's batch, and set the others aside (to top the batch up with if sampling stops
-        short). Returns this batch's ``groups``, how many had a learning signal (``informative``), and the
-        groups kept so far (``kept``)."""
+        short); ``first``: the step's first round (what an earlier step left, had it failed midway, goes).
+        Returns this batch's ``groups``, how many had a learning signal (``informative``), and the groups kept
+        so far (``kept``)."""
+        if first:
+            self.__dict__.pop("_kept", None)
+            self.__dict__.pop("_aside", None)
         kept, aside = self.__dict__.setdefault("_kept", []), self.__dict__.setdefault("_aside", [])
         rewards = self.batch["rewards"].view(-1, group_size)
         signal = (rewards != rewards[:, :1]).any(1)  # [G]

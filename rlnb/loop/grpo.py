@@ -417,7 +417,7 @@ class GRPOLoop(LoopBase):
             rounds += 1
             short = rollout.on([k for k in rollout.ranks if kept[k] < share])
             summaries += self._generate_scored(short, self.task.sample(share * short.world_size))
-            for k, got in zip(short.ranks, short.keep_groups(G).result()):
+            for k, got in zip(short.ranks, short.keep_groups(G, rounds == 1).result()):
                 kept[k], groups, informative = (
                     got["kept"],
                     groups + got["groups"],
