@@ -22,6 +22,8 @@ GLOSSARY: dict[str, str] = {
     "global_step": "Embodied PPO: env steps collected so far (all env ranks).",
     "wall_time": "Seconds since the run started, when this record was logged.",
     # env
+    "env/success_rate": "Share of the last 20 finished training episodes that succeeded, where the env says so at an episode's end (info['is_success'], as SB3's rollout/success_rate; ManiSkill's success); not logged for envs that do not.",
+    "eval/success_rate": "Share of the evaluation's episodes that succeeded, where the env says so (info['is_success']).",
     "env/episode_return_mean": "Mean return of the last 20 finished episodes (undiscounted, before reward normalisation).",
     "env/episode_len_mean": "Mean length of the last 20 finished episodes, in env steps.",
     # rollout

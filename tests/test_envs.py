@@ -227,3 +227,49 @@ def test_evaluation_counts_episodes_evenly_over_its_envs_not_the_first_to_end_on
         first = rank_seed(loop.recipe.seed + 1_000_003, 0, "env")
     lengths = [1 if (first + i) % 2 == 0 else 10 for i in range(8)]
     assert twelve == pytest.approx(sum(n * length for n, length in zip([1] * 4 + [2] * 4, lengths)) / 12)
+
+
+class Choice(gym.Env):
+    """One-step episodes: action 1 succeeds (``info["is_success"]``, as SB3 reads it) and earns 1.0, action 0
+    fails and earns 0.0, so an episode's return is its success."""
+
+    observation_space = gym.spaces.Box(0.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(2, np.float32), float(action == 1), True, False, {"is_success": bool(action == 1)}
+
+
+def test_success_rate_is_logged_for_envs_that_report_it_on_workers(cluster, tmp_path):
+    """``env/success_rate`` over the same episodes as ``env/episode_return_mean`` (here equal, episode by
+    episode), through two pipeline stages (each stage's ended envs numbered apart), and ``eval/success_rate``."""
+    import rlnb
+
+    env = rlnb.Env.launch(cluster, "0", make_env=Choice, num_envs=6, pipeline_stages=2)
+    rollout = rlnb.PolicyRollout.launch(cluster, "0")
+    actor = rlnb.PPOActor.launch(cluster, "1", num_minibatches=2)
+    runner = {"steps": 6, "tensorboard": False}
+    with rlnb.Loop(
+        env=env, rollout=rollout, actor=actor, steps_per_rollout=8, runner=runner, run_dir=tmp_path
+    ) as loop:
+        loop.run(progress=False)
+        evaluation = loop.evaluate(8)
+    rates = [
+        (r["env/success_rate"], r["env/episode_return_mean"]) for r in loop.history if "env/success_rate" in r
+    ]
+    assert len(rates) == 6 and all(s == pytest.approx(ret) for s, ret in rates), rates
+    assert 0 < rates[0][0] < 1  # a policy that has not learnt yet: some of each
+    assert evaluation["eval/success_rate"] == pytest.approx(evaluation["eval/return_mean"])
+
+
+def test_envs_that_do_not_report_success_log_no_success_rate():
+    env = Env({"id": "CartPole-v1", "num_envs": 2}, seed=0)
+    env.reset()
+    while not env.finished:
+        env.step(0, np.zeros(2, dtype=np.int64))
+    assert all(len(e) == 2 for e in env.finished)  # (return, length): no success to say
+    assert "success_rate" not in env.run_episodes(lambda obs: np.zeros(len(obs), dtype=np.int64), 2)

@@ -40,6 +40,23 @@ def _host(x, dtype=None) -> np.ndarray:
     return np.asarray(x, dtype=dtype)
 
 
+SUCCESS_KEYS = ("is_success", "success")
+"""Where an episode's success is read, in the info of its last step: gymnasium's and SB3's ``is_success``,
+ManiSkill's ``success``."""
+
+
+def episode_success(info, ended: np.ndarray) -> list[float | None]:
+    """For the sub-envs ``ended`` whose episodes ended this step: 1.0 or 0.0 where their last step's info said
+    whether they succeeded (a same-step autoreset vector env's ``info["final_info"]``), else ``None``."""
+    final = info.get("final_info") if isinstance(info, dict) else None
+    for key in SUCCESS_KEYS if isinstance(final, dict) else ():
+        if key in final:
+            values, mask = _host(final[key]), final.get(f"_{key}")
+            mask = _host(mask) if mask is not None else None
+            return [float(bool(values[i])) if mask is None or mask[i] else None for i in ended]
+    return [None] * len(ended)
+
+
 def _env_config(cfg, settings: dict | None = None) -> EnvConfig:
     cfg = cfg if isinstance(cfg, EnvConfig) else EnvConfig(**(cfg or {}))
     if settings:
@@ -108,7 +125,7 @@ class Env:
         self.obs: list[np.ndarray | None] = [None] * self.stages
         self.ep_return, self.ep_len = np.zeros(n), np.zeros(n, dtype=np.int64)
         self._ones = np.ones(n, dtype=np.int64)  # (adding an array of ones takes half the time of adding 1)
-        self.finished: list[tuple[float, int]] = []  # episodes finished since the last pop_episodes()
+        self.finished: list[tuple] = []  # episodes finished since the last pop_episodes()
         self.obs_rms = RunningMeanStd(self.observation_space.shape) if self.cfg.normalize_obs else None
         self.obs_rms_frozen = False  # evaluation: normalise with training's statistics, unchanged
         self.ret_rms = RunningMeanStd(()) if self.cfg.normalize_reward else None
@@ -193,7 +210,11 @@ class Env:
         final_idx, final_obs = _NONE_ENDED, None
         if len(ended):  # (most steps end no episode: nothing of this runs)
             rows = ended + lo  # (one op for all the episodes that ended: a thousand envs end dozens a step)
-            self.finished.extend(zip(self.ep_return[rows].tolist(), self.ep_len[rows].tolist()))
+            # (return, length), and success where the env says (a third field: pairs stay pairs otherwise)
+            for episode in zip(
+                self.ep_return[rows].tolist(), self.ep_len[rows].tolist(), episode_success(info, ended)
+            ):
+                self.finished.append(episode if episode[2] is not None else episode[:2])
             self.ep_return[rows], self.ep_len[rows] = 0.0, 0
             final_idx = np.logical_and(truncated, np.logical_not(terminated)).nonzero()[0]
             if len(final_idx) and isinstance(info["final_obs"], torch.Tensor):
@@ -266,7 +287,7 @@ class Env:
         n = self.cfg.num_envs
         wanted = np.array([(episodes + i) // n for i in range(n)])
         counted = np.zeros(n, dtype=np.int64)
-        returns: list[tuple[float, int]] = []
+        returns: list[tuple] = []
         obs = self.reset()[0]
         self.ep_return[:], self.ep_len[:], self.finished = 0.0, 0, []  # (every episode starts here)
         while (counted < wanted).any():
@@ -279,11 +300,15 @@ class Env:
                     counted[i] += 1
                     returns.append(episode)
         r = np.array([x[0] for x in returns])
-        return {
+        out = {
             "return_mean": float(r.mean()),
             "return_std": float(r.std()),
             "len_mean": float(np.mean([x[1] for x in returns])),
         }
+        successes = [x[2] for x in returns if len(x) > 2 and x[2] is not None]
+        if successes:  # an env that says whether its episodes succeeded
+            out["success_rate"] = float(np.mean(successes))
+        return out
 
     # ------------------------------------------------------------------ channel mode
     def run(self, steps: int, obs_channel, act_channel, key: str) -> int:
@@ -307,8 +332,9 @@ class Env:
         out, self.sim_s = self.sim_s, 0.0
         return out
 
-    def pop_episodes(self) -> list[tuple[float, int]]:
-        """(return, length) of the episodes finished since the last call, in finishing order."""
+    def pop_episodes(self) -> list[tuple]:
+        """``(return, length)`` of the episodes finished since the last call, in finishing order, and a third
+        field, ``success`` (1.0 or 0.0), for an episode whose env said at its end (:data:`SUCCESS_KEYS`)."""
         out, self.finished = self.finished, []
         return out
 

@@ -165,6 +165,9 @@ class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN)
         if "final_observation" in info:
             out["final_obs"] = info["final_observation"]
             out["_final_obs"] = info["_final_observation"]
+        final = info.get("final_info")
+        if isinstance(final, dict) and "success" in final:  # the ended episodes' success (env/success_rate)
+            out["final_info"] = {"success": final["success"]}
         return obs, reward, terminated, truncated, out
 
     def state_dict(self) -> dict:

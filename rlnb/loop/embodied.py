@@ -495,11 +495,14 @@ class Loop(LoopBase):
         """Mean return and length of the last (up to) 20 finished training episodes, ``None`` before any
         (a few µs: the loop reads it several times a step)."""
         if not self.episodes:
-            return {"episode_return_mean": None, "episode_len_mean": None}
+            return {"episode_return_mean": None, "episode_len_mean": None, "episode_success_rate": None}
         n = len(self.episodes)
+        # (return, length), with a third field, success (1.0 / 0.0), where the env says (is_success)
+        successes = [e[2] for e in self.episodes if len(e) > 2 and e[2] is not None]
         return {
             "episode_return_mean": math.fsum(e[0] for e in self.episodes) / n,
             "episode_len_mean": math.fsum(e[1] for e in self.episodes) / n,
+            "episode_success_rate": math.fsum(successes) / len(successes) if successes else None,
         }
 
     def _log_step(self, train_out: dict) -> None:
@@ -510,6 +513,8 @@ class Loop(LoopBase):
             "env/episode_len_mean": stats["episode_len_mean"],
             "rollout/steps_per_s": self._pending.get("rollout/steps_per_s"),
         }
+        if stats["episode_success_rate"] is not None:  # an env that says whether its episodes succeeded
+            record["env/success_rate"] = stats["episode_success_rate"]
         p = self._pending
         work = {  # seconds of the work itself inside the phases, timed where it runs (wall clock: time/)
             "time/env_s": p.pop("rollout/env_s", None),
