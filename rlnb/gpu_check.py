@@ -652,6 +652,8 @@ def check_maniskill_pickcube(work: Path) -> dict:
             steps=loop.step, wall_s=round(time.perf_counter() - t0, 1), startup_s=round(loop.startup_s, 1)
         )
         out["batch_obs_device"] = str(loop.groups["rollout"].sample(2).result()[0]["obs"].device)
+        # ManiSkill says whether each episode succeeded (final_info["success"]): env/success_rate, once one ended
+        out["success_rate_logged"] = any("env/success_rate" in r for r in loop.history)
         path = loop.save()  # the simulator's state through its own API, never pickled
         out["checkpoint"] = path.name
     finally:
