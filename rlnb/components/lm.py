@@ -1107,24 +1107,12 @@ class LMActor(ActorBase):
 
     # ------------------------------------------------------------------ RL
     def set_batch(self, batches: list[dict]) -> dict:
-        width = max(b["input_ids"].shape[1] for b in batches)
-
-        def pad(t, value):  # left-pad to a common width
-            return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
-
-        batch = {
-            "input_ids": torch.cat([pad(b["input_ids"], self.tok.pad_token_id) for b in batches]),
-            "attention_mask": torch.cat([pad(b["attention_mask"], 0) for b in batches]),
-            "response_mask": torch.cat([pad(b["response_mask"], 0) for b in batches]),
-            "logprobs": torch.cat([pad(b["logprobs"], 0.0) for b in batches]),
-            "rewards": torch.cat([b["rewards"] for b in batches]),
-            "version": min(b["version"] for b in batches),
-        }
-        if all("truncated" in b for b in batches):  # cut at max_new_tokens (mask_truncated_completions)
-            batch["truncated"] = torch.cat([b["truncated"] for b in batches])
-        if all("reward_terms" in b for b in batches):  # several rewards, each kept apart (sample_group)
-            batch["reward_terms"] = torch.cat([b["reward_terms"] for b in batches])
-            batch["reward_names"] = batches[0]["reward_names"]
+        """This rank's batch: the rollout batches given, joined (left-padded to a common width), of their
+        columns the update reads, and (where every batch has them) ``truncated`` (mask_truncated_completions)
+        and each reward's scores apart (``reward_terms``, for ``sample_group``)."""
+        optional = [k for k in ("truncated", "reward_terms", "reward_names") if all(k in b for b in batches)]
+        keys = ("input_ids", "attention_mask", "response_mask", "logprobs", "rewards", "version", *optional)
+        batch = _join_batches([{k: b[k] for k in keys} for b in batches], self.tok.pad_token_id)
         self.batch = batch
         return {"sequences": int(batch["rewards"].numel()), "version": batch["version"]}
 
