@@ -971,3 +971,15 @@ def test_dynamic_sampling_starts_each_step_afresh(tiny_lm):
     assert ro.keep_groups(4, first=True)["kept"] == 1
     ro.assemble_kept(1, 4)
     assert ro.take_batch()["prompts"] == ["5+5="] * 4
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_a_tiny_models_tokenizer_loads_as_it_was_saved(tmp_path, arch):
+    """transformers 5's AutoTokenizer loads a qwen2 model's tokenizer as Qwen2Tokenizer, whose own
+    pre-tokenizer dropped every space and line break of the tiny character tokenizer (a chat template's turns
+    ran together: "Add.Q:5+6=A:"). Loaded by path it is the tokenizer that was saved."""
+    path = build_tiny_lm(tmp_path / arch, hidden_size=32, num_layers=1, num_heads=2, arch=arch)
+    _, tok = load_lm(path)
+    ids = tok("a b\nc", add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == "a b\nc" and len(ids) == 5
+    assert (tok("1+1=")["input_ids"][0] == tok.bos_token_id) == (arch == "llama")  # Llama's habit kept

@@ -718,3 +718,50 @@ def test_dynamic_sampling_misfits_are_refused_naming_the_key(recipe, overrides, 
 
     with pytest.raises(rlnb.ConfigError, match=message):
         load_recipe(recipe, overrides)
+
+
+CONVERSATIONS = [
+    {
+        "prompt": [{"role": "system", "content": "Add."}, {"role": "user", "content": f"{a}+{b}="}],
+        "answer": str(a + b),
+    }
+    for a in range(8)
+    for b in range(8)
+]
+
+
+def test_conversational_records_train_through_the_chat_template_on_workers(cluster, tmp_path):
+    """TRL's conversational records (``prompt``: a list of messages) in a data file: each conversation goes
+    through the model's chat template, its own system turn included; without data.chat_template it is refused."""
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in CONVERSATIONS))
+    overrides = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "runner.steps=2", "actor.sft_steps=5",
+                 "data.task=file", f"data.path={data}", "data.question_key=prompt"]  # fmt: skip
+    with pytest.raises(rlnb.ConfigError, match=r"data.chat_template: 64 record\(s\) of .* are conversations"):
+        GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "refused")
+    with GRPOLoop.from_recipe(
+        "grpo_arith", [*overrides, "data.chat_template=true"], cluster=cluster, run_dir=tmp_path / "run"
+    ) as loop:
+        loop.run(progress=False)
+        row = loop.sample_group(0)[0]
+        tried = loop.try_prompt([{"role": "user", "content": "2+3="}], "5")
+    # the tiny template: <bos>, a system line, "Q: " user turns, the assistant's "A: " opened
+    assert row["prompt_tokens"].startswith("<bos>Add.\nQ: ") and row["prompt_tokens"].endswith("=\nA: "), row
+    assert len(tried) == loop.recipe.algorithm.group_size
+
+
+def test_conversational_records_from_objects_use_the_rollouts_template(cluster, tmp_path):
+    from rlnb.models import build_tiny_lm
+
+    model = str(build_tiny_lm(tmp_path / "tiny", hidden_size=32, num_layers=1, num_heads=2))
+    rollout = rlnb.HFRollout.launch(cluster, "0", model_path=model, max_new_tokens=2)
+    actor = rlnb.LMActor.launch(cluster, "1", model_path=model, group_size=4)
+    with GRPOLoop(
+        rollout=rollout, actor=actor, reward="arithmetic", prompts=CONVERSATIONS, prompts_per_step=4,
+        runner={"tensorboard": False}, run_dir=tmp_path / "run",
+    ) as loop:  # fmt: skip
+        assert all(
+            p.prompt.startswith("<bos>Add.\nQ: ") and p.prompt.endswith("=\nA: ") for p in loop.task.train
+        )
+        record = loop.step_once()
+    assert math.isfinite(record["train/loss"])

@@ -28,12 +28,14 @@ from rlnb.components.launch import launcher
 from rlnb.components.optim import ClipAndStep, build_optimizer
 from rlnb.components.rollout import RolloutBase, resolve_device
 from rlnb.config.schema import ActorConfig
+from rlnb.data.prompts import template_prompts
 from rlnb.errors import ConfigError
 from rlnb.models.lm import (
     encode_prompts,
     first_response_column,
     hf_quiet,
     load_lm,
+    load_tokenizer,
     logits_kept,
     new_cache,
     positions_from_mask,
@@ -637,6 +639,11 @@ class HFRollout(RolloutBase):
         self.batch = batch
         return {"groups": have, "informative": informative}
 
+    def template_prompts(self, prompts: list, system_prompt: str | None = None) -> list[str]:
+        """``prompts`` (questions, or conversations: lists of ``{"role", "content"}`` messages) through this
+        model's chat template, the assistant's turn opened (:func:`rlnb.data.prompts.template_prompts`)."""
+        return template_prompts(prompts, self.tok, system_prompt)
+
     def complete(self, prompts: list[str]) -> list[str]:
         """Greedy completions (evaluation, samples in notebooks)."""
         return self._generate(prompts, 1, greedy=True)[1]
@@ -872,12 +879,11 @@ class VLLMRollout(HFRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
         rank_info: RankInfo | None = None, top_k: int = 0,
     ):  # fmt: skip
         rank_info = rank_info or current_rank()  # subclasses need not pass it on
-        from transformers import AutoTokenizer
         from vllm import LLM
 
         self.rank = rank_info.rank if rank_info else 0
         self.device = resolve_device(device, rank_info)
-        self.tok = AutoTokenizer.from_pretrained(model_path)
+        self.tok = load_tokenizer(model_path)
         self.llm = LLM(
             model=model_path, enforce_eager=True, gpu_memory_utilization=gpu_memory_utilization, seed=seed + self.rank,
             worker_extension_cls="rlnb.components.lm.VLLMWorkerExtension", enable_sleep_mode=True,

@@ -16,9 +16,10 @@ RESERVED_FIELDS = ("prompt", "answer", "completion")
 @dataclass(frozen=True)
 class Problem:
     """A prompt, its reference answer, and the record's other ``fields`` (e.g. a coding task's tests), which a
-    reward may read by name, as TRL passes a dataset's columns to its reward functions."""
+    reward may read by name, as TRL passes a dataset's columns to its reward functions. A prompt is text, or a
+    conversation (``(role, content)`` pairs) until a chat template makes it text (:func:`chat_prompts`)."""
 
-    prompt: str
+    prompt: str | tuple
     answer: str
     fields: dict = field(default_factory=dict, compare=False)
 
@@ -124,10 +125,22 @@ def load_qa_file(
     return problems_from_records(rows, question_key, answer_key, key="data.path", source=path.name)
 
 
-def chat_prompts(problems: list[Problem], tokenizer, system_prompt: str | None = None) -> list[Problem]:
-    """``problems`` with each question given as a user turn of ``tokenizer``'s chat template, the assistant's
-    turn opened (``apply_chat_template(..., add_generation_prompt=True)``), after a system turn if
-    ``system_prompt``; answers unchanged.
+def is_conversation(prompt) -> bool:
+    """Whether ``prompt`` is a conversation: messages with a ``role`` and a ``content`` each (a list of
+    mappings, as TRL's conversational records hold them, or the ``(role, content)`` pairs a Problem keeps)."""
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return False
+    return all(
+        (hasattr(m, "keys") and "role" in m and "content" in m) or (isinstance(m, tuple) and len(m) == 2)
+        for m in prompt
+    )
+
+
+def template_prompts(prompts: list, tokenizer, system_prompt: str | None = None) -> list[str]:
+    """Each prompt through ``tokenizer``'s chat template with the assistant's turn opened
+    (``apply_chat_template(..., add_generation_prompt=True)``): a question as a user turn, a conversation
+    (:func:`is_conversation`) as its messages; a system turn first if ``system_prompt`` and the conversation has
+    none of its own.
 
     Raises:
         ConfigError: the tokenizer has no chat template (a base model's, not an instruct model's).
@@ -138,17 +151,24 @@ def chat_prompts(problems: list[Problem], tokenizer, system_prompt: str | None =
             "model's (actor.model_path) or set data.chat_template=false",
             "data.chat_template",
         )
-    head = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
-    return [
-        Problem(
-            tokenizer.apply_chat_template(
-                [*head, {"role": "user", "content": p.prompt}], tokenize=False, add_generation_prompt=True
-            ),
-            p.answer,
-            p.fields,
-        )
-        for p in problems
-    ]
+    out = []
+    for prompt in prompts:
+        if is_conversation(prompt):
+            messages = [dict(m) if hasattr(m, "keys") else {"role": m[0], "content": m[1]} for m in prompt]
+        else:
+            messages = [{"role": "user", "content": prompt}]
+        if system_prompt is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    return out
+
+
+def chat_prompts(problems: list[Problem], tokenizer, system_prompt: str | None = None) -> list[Problem]:
+    """``problems`` with each prompt given through ``tokenizer``'s chat template (:func:`template_prompts`: a
+    question as a user turn, a conversation as its messages), after a system turn if ``system_prompt``;
+    answers and fields unchanged."""
+    texts = template_prompts([p.prompt for p in problems], tokenizer, system_prompt)
+    return [Problem(text, p.answer, p.fields) for text, p in zip(texts, problems)]
 
 
 def problems_from_records(
@@ -184,10 +204,18 @@ def problems_from_records(
             raise ConfigError(
                 f"{key}: row {i} of {source} has no {missing} (keys: {sorted(row.keys())})", key
             )
-        answer = str(row[answer_key])
+        answer, prompt = str(row[answer_key]), row[q_key]
+        if isinstance(prompt, (list, tuple)):  # a conversation (TRL's conversational records)
+            if not is_conversation(prompt):
+                raise ConfigError(
+                    f"{key}: row {i} of {source} has a {q_key!r} list that is not a conversation: expected "
+                    f"messages with 'role' and 'content' each, got {prompt!r:.200}",
+                    key,
+                )
+            prompt = tuple((str(m["role"]), str(m["content"])) for m in prompt)  # (kept hashable)
         out.append(
             Problem(
-                str(row[q_key]),
+                prompt if isinstance(prompt, tuple) else str(prompt),
                 answer.rsplit("####", 1)[1].strip() if "####" in answer else answer.strip(),
                 {k: row[k] for k in row if k not in (q_key, answer_key, *RESERVED_FIELDS)},
             )

@@ -21,12 +21,13 @@ from rlnb.data.prompts import (
     Problem,
     chat_prompts,
     common_fields,
+    is_conversation,
     load_qa_file,
     problems_from_records,
 )
 from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementError
 from rlnb.loop.base import LoopBase, count_or_default, objects_recipe
-from rlnb.models.lm import build_tiny_lm, is_hub_id, resolve_model
+from rlnb.models.lm import build_tiny_lm, is_hub_id, load_tokenizer, resolve_model
 from rlnb.runtime.group import Group
 
 
@@ -221,6 +222,9 @@ class GRPOLoop(LoopBase):
             problems = self._prompts
             if not (isinstance(problems, list) and all(isinstance(p, Problem) for p in problems)):
                 problems = problems_from_records(problems)
+            if any(not isinstance(p.prompt, str) for p in problems):  # conversations: the rollout's template
+                texts = self._template([p.prompt for p in problems])
+                problems = [Problem(t, p.answer, p.fields) for t, p in zip(texts, problems)]
             self.task = _FileTask(problems, d.held_out_frac, recipe.seed)
             return
         path = recipe.actor.model_path
@@ -241,10 +245,16 @@ class GRPOLoop(LoopBase):
             self.task = _FileTask(
                 load_qa_file(d.path, d.question_key, d.answer_key), d.held_out_frac, recipe.seed
             )
+        conversations = [p for p in self.task.train + self.task.held_out if not isinstance(p.prompt, str)]
+        if conversations and not d.chat_template:
+            raise ConfigError(
+                f"data.chat_template: {len(conversations)} record(s) of {d.path} are conversations (lists of "
+                "messages, as TRL's conversational records), which only a chat template makes a prompt of; set "
+                "data.chat_template=true",
+                "data.chat_template",
+            )
         if d.chat_template:  # (the split and the sampling order stay those of the bare questions)
-            from transformers import AutoTokenizer
-
-            self._chat = AutoTokenizer.from_pretrained(self.model_path)
+            self._chat = load_tokenizer(self.model_path)
             self.task.train = chat_prompts(self.task.train, self._chat, d.system_prompt)
             self.task.held_out = chat_prompts(self.task.held_out, self._chat, d.system_prompt)
 
@@ -430,6 +440,11 @@ class GRPOLoop(LoopBase):
             "informative_frac": sum(b["informative"] for b in batches) / sum(b["groups"] for b in batches),
         }
 
+    def _template(self, prompts: list) -> list[str]:
+        """Objects path: ``prompts`` (conversations among them) through the chat template of rollout rank 0's
+        tokenizer (:func:`rlnb.data.prompts.template_prompts`)."""
+        return self._bind_checked([self.groups["rollout"].on(0).template_prompts(prompts)])[0][0]
+
     def _rollout_summary(self, t0: float, summaries: list[dict], extra: dict) -> dict:
         dt = time.perf_counter() - t0
         n = sum(s["sequences"] for s in summaries)
@@ -473,6 +488,8 @@ class GRPOLoop(LoopBase):
             prompt = chat_prompts([Problem(prompt, answer)], self._chat, self.recipe.data.system_prompt)[
                 0
             ].prompt
+        elif is_conversation(prompt):  # objects path: through the rollout's tokenizer
+            prompt = self._template([prompt])[0]
         texts = self.groups["rollout"].on(0).sample_completions(prompt, size).result()[0]
         scored = (
             self.groups["reward"].on(0).score_terms(texts, [answer] * size, [prompt] * size, [fields] * size)

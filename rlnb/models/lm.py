@@ -135,10 +135,10 @@ def build_tiny_reward_model(
 def load_reward_model(path: str | Path, device: str | torch.device = "cpu", key: str = "reward.model_path"):
     """``(model, tokenizer)`` of a sequence-classification reward model, from a local ``save_pretrained``
     directory or a hub id, in eval mode; texts are padded on the right (the model scores each at its last token)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
     ref = resolve_model(path, key)
-    tok = AutoTokenizer.from_pretrained(ref)
+    tok = load_tokenizer(ref)
     tok.padding_side = "right"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -147,6 +147,26 @@ def load_reward_model(path: str | Path, device: str | torch.device = "cpu", key:
     if model.config.pad_token_id is None:  # (it finds each text's last token by the pad id)
         model.config.pad_token_id = tok.pad_token_id
     return model.eval().requires_grad_(False), tok
+
+
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""Declared in ``tokenizer_config.json`` by a tokenizer saved from ``tokenizers`` itself (rlnb's tiny ones)."""
+
+
+def load_tokenizer(ref: str):
+    """The tokenizer of a model directory or hub id, as ``AutoTokenizer`` loads it, but as declared where its
+    ``tokenizer_config.json`` names the generic ``tokenizers`` class: ``transformers`` 5 would otherwise load
+    the model type's own class (``Qwen2Tokenizer`` for a ``qwen2`` model), whose built-in pre-tokenizer
+    replaces the saved one (the tiny character tokenizer then drops every space and line break)."""
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config = Path(ref) / "tokenizer_config.json"
+    declared = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if declared in GENERIC_TOKENIZER_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(ref)
+    return AutoTokenizer.from_pretrained(ref)
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -198,10 +218,10 @@ def resolve_model(path: str | Path, key: str = "actor.model_path") -> str:
 def load_lm(path: str | Path, device: str | torch.device = "cpu", key: str = "actor.model_path"):
     """``(model, tokenizer)`` from a local ``save_pretrained`` directory or a hub id (``from_pretrained``),
     with a clear error naming ``key`` when neither is there."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     ref = resolve_model(path, key)
-    tok = AutoTokenizer.from_pretrained(ref)
+    tok = load_tokenizer(ref)
     tok.padding_side = "left"  # generation appends on the right
     if tok.pad_token_id is None:  # many hub tokenizers have none; generation and batching need one
         tok.pad_token = tok.eos_token
