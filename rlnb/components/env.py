@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import time
 
 import cloudpickle
@@ -55,6 +56,13 @@ def episode_success(info, ended: np.ndarray) -> list[float | None]:
             mask = _host(mask) if mask is not None else None
             return [float(bool(values[i])) if mask is None or mask[i] else None for i in ended]
     return [None] * len(ended)
+
+
+def success_rate(episodes) -> float | None:
+    """The share of ``episodes`` (``(return, length[, success])``, as :meth:`Env.pop_episodes` gives them) that
+    succeeded, over those whose env said; ``None`` where none did."""
+    successes = [e[2] for e in episodes if len(e) > 2]
+    return math.fsum(successes) / len(successes) if successes else None
 
 
 def _env_config(cfg, settings: dict | None = None) -> EnvConfig:
@@ -305,9 +313,9 @@ class Env:
             "return_std": float(r.std()),
             "len_mean": float(np.mean([x[1] for x in returns])),
         }
-        successes = [x[2] for x in returns if len(x) > 2 and x[2] is not None]
-        if successes:  # an env that says whether its episodes succeeded
-            out["success_rate"] = float(np.mean(successes))
+        rate = success_rate(returns)
+        if rate is not None:  # an env that says whether its episodes succeeded
+            out["success_rate"] = rate
         return out
 
     # ------------------------------------------------------------------ channel mode

@@ -160,12 +160,12 @@ class RewardWorker:
 
     def _score_terms(self, completions, answers, prompts, fields) -> dict:
         n = len(completions)
-        columns = (list(completions), list(answers), list(prompts or [None] * n), list(fields or [{}] * n))
-        terms = {r.name: r.many(*columns) for r in self.rewards}
+        inputs = (list(completions), list(answers), list(prompts or [None] * n), list(fields or [{}] * n))
+        terms = {r.name: r.many(*inputs) for r in self.rewards}
         if len(terms) == 1 and self.weights[0] == 1.0:
             return {"rewards": terms[self.names[0]], "terms": terms}
-        columns = [terms[n] for n in self.names]
-        rewards = [sum(w * s for w, s in zip(self.weights, each)) for each in zip(*columns)]
+        per_completion = zip(*(terms[name] for name in self.names))
+        rewards = [sum(w * s for w, s in zip(self.weights, each)) for each in per_completion]
         return {"rewards": rewards, "terms": terms}
 
     def state_dict(self) -> dict:  # stateless; kept so every component checkpoints the same way

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass, field
@@ -168,7 +169,7 @@ def chat_prompts(problems: list[Problem], tokenizer, system_prompt: str | None =
     question as a user turn, a conversation as its messages), after a system turn if ``system_prompt``;
     answers and fields unchanged."""
     texts = template_prompts([p.prompt for p in problems], tokenizer, system_prompt)
-    return [Problem(text, p.answer, p.fields) for text, p in zip(texts, problems)]
+    return [dataclasses.replace(p, prompt=text) for text, p in zip(texts, problems)]
 
 
 def problems_from_records(

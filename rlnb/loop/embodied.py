@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rlnb.algorithms.contract import EMBODIED, check_algorithm
 from rlnb.components.actor import PPOActor
-from rlnb.components.env import Env
+from rlnb.components.env import Env, success_rate
 from rlnb.components.rollout import PolicyRollout
 from rlnb.config.schema import Recipe, RolloutConfig
 from rlnb.errors import ConfigError, PlacementError
@@ -497,12 +497,10 @@ class Loop(LoopBase):
         if not self.episodes:
             return {"episode_return_mean": None, "episode_len_mean": None, "episode_success_rate": None}
         n = len(self.episodes)
-        # (return, length), with a third field, success (1.0 / 0.0), where the env says (is_success)
-        successes = [e[2] for e in self.episodes if len(e) > 2 and e[2] is not None]
         return {
             "episode_return_mean": math.fsum(e[0] for e in self.episodes) / n,
             "episode_len_mean": math.fsum(e[1] for e in self.episodes) / n,
-            "episode_success_rate": math.fsum(successes) / len(successes) if successes else None,
+            "episode_success_rate": success_rate(self.episodes),
         }
 
     def _log_step(self, train_out: dict) -> None:

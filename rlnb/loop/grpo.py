@@ -8,6 +8,7 @@ Example (one phase per notebook cell):
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -224,7 +225,7 @@ class GRPOLoop(LoopBase):
                 problems = problems_from_records(problems)
             if any(not isinstance(p.prompt, str) for p in problems):  # conversations: the rollout's template
                 texts = self._template([p.prompt for p in problems])
-                problems = [Problem(t, p.answer, p.fields) for t, p in zip(texts, problems)]
+                problems = [dataclasses.replace(p, prompt=t) for t, p in zip(texts, problems)]
             self.task = _FileTask(problems, d.held_out_frac, recipe.seed)
             return
         path = recipe.actor.model_path
@@ -453,15 +454,19 @@ class GRPOLoop(LoopBase):
             tokens_per_s = tokens / max(s["generate_s"] for s in summaries) if tokens else None
         else:
             tokens_per_s = sum(s["tokens"] for s in summaries) / dt
+
+        def mean(key: str) -> float:  # over every sequence of every summary
+            return sum(s[key] * s["sequences"] for s in summaries) / n
+
         out = {
             "tokens_per_s": tokens_per_s,
-            "response_len_mean": sum(s["response_len_mean"] * s["sequences"] for s in summaries) / n,
-            "reward_mean": sum(s["reward_mean"] * s["sequences"] for s in summaries) / n,
-            "accuracy": sum(s["accuracy"] * s["sequences"] for s in summaries) / n,
+            "response_len_mean": mean("response_len_mean"),
+            "reward_mean": mean("reward_mean"),
+            "accuracy": mean("accuracy"),
             **extra,
         }
         if all("truncated_frac" in s for s in summaries):
-            out["truncated_frac"] = sum(s["truncated_frac"] * s["sequences"] for s in summaries) / n
+            out["truncated_frac"] = mean("truncated_frac")
         for name in summaries[0].get("reward_terms", ()):  # several rewards: each one's mean
             out[f"reward_term/{name}"] = sum(s["reward_terms"][name] * s["sequences"] for s in summaries) / n
         return self._phase("rollout", t0, out)
