@@ -92,6 +92,10 @@ def _profile_interval_ms(dask_worker) -> float:
     return dask_worker.periodic_callbacks["profile"].callback_time
 
 
+def _tick_interval_ms(dask_worker) -> float:
+    return dask_worker.periodic_callbacks["tick"].callback_time
+
+
 def test_embedded_workers_sample_their_profile_every_100_ms_unless_the_dask_config_says_otherwise(cluster):
     """Dask's profiler walks the running call's stack twice a sample, holding the GIL: every 10 ms (Dask's
     default) it took ~1 % of a worker's time. A value set in the dask config is kept."""
@@ -105,6 +109,24 @@ def test_embedded_workers_sample_their_profile_every_100_ms_unless_the_dask_conf
         rlnb.Cluster(slots=1, gpus=False) as own,
     ):
         assert set(own.client.run(_profile_interval_ms).values()) == {20.0}
+        assert set(own.client.run(_tick_interval_ms).values()) == {200.0}  # (the other setting stays ours)
     assert (
         dask.config.get("distributed.worker.profile.interval") == "10ms"
     )  # the driver's config is as it was
+
+
+def test_embedded_workers_check_their_event_loop_every_200_ms_unless_the_dask_config_says_otherwise(cluster):
+    """Dask's event-loop health check woke each worker's event loop thread every 20 ms, taking the GIL from
+    the component's thread 50 times a second. A value set in the dask config is kept."""
+    import dask
+
+    import rlnb
+
+    assert set(cluster.client.run(_tick_interval_ms).values()) == {200.0}
+    with (
+        dask.config.set({"distributed.admin.tick.interval": "50ms"}),
+        rlnb.Cluster(slots=1, gpus=False) as own,
+    ):
+        assert set(own.client.run(_tick_interval_ms).values()) == {50.0}
+        assert set(own.client.run(_profile_interval_ms).values()) == {100.0}
+    assert dask.config.get("distributed.admin.tick.interval") == "20ms"

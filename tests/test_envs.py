@@ -148,6 +148,50 @@ def test_a_collection_adds_the_discounted_value_of_the_last_observation_to_a_tru
     assert env.pop_episodes() == [(3.0, 3)] * 8
 
 
+class _OwnStep(Env):
+    """An env whose ``step`` is its own (here: Env's, called through it)."""
+
+    def step(self, stage, actions):
+        return super().step(stage, actions)
+
+
+@pytest.mark.parametrize(
+    "make_env", ["CartPole-v1", TimeLimitedVectorEnv], ids=["terminations", "truncations"]
+)
+def test_a_collection_through_the_host_loop_records_what_the_generic_loop_records(make_env, monkeypatch):
+    """One stage of host observations stepped by Env.step itself takes collect()'s own loop, which writes the
+    records straight into their buffers; an env with its own step takes the generic one. Same seeds, the very
+    same batch and episodes, over episodes that end (terminated, or truncated and bootstrapped)."""
+    from rlnb.components.rollout import PolicyRollout
+    from rlnb.runtime import rank as rank_mod
+
+    host_loops = []
+    real = PolicyRollout._collect_host
+    monkeypatch.setattr(PolicyRollout, "_collect_host", lambda *a: host_loops.append(1) or real(*a))
+    results, hosts = [], []
+    for env_class in (Env, _OwnStep):
+        env = env_class(make_env=make_env, num_envs=4, seed=3)
+        torch.manual_seed(0)  # (the same initial weights)
+        rollout = PolicyRollout(None, env.observation_space, env.action_space, gamma=0.9, seed=5)
+        hosts.append(type("Host", (), {"obj": env})())
+        rank_mod._HOSTS[("", f"env-{env_class.__name__}", 0)] = hosts[-1]
+        batches = []
+        for _ in range(3):
+            rollout.collect(20, f"env-{env_class.__name__}")
+            batches.append(rollout.batch)
+        results.append((batches, env.pop_episodes()))
+    assert len(host_loops) == 3  # the built-in env's collections only
+    (host, host_episodes), (generic, generic_episodes) = results
+    assert len(host_episodes) >= 8 and host_episodes == generic_episodes
+    for a, b in zip(host, generic):
+        assert a.keys() == b.keys()
+        for key in a:
+            if isinstance(a[key], torch.Tensor):
+                assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+            else:
+                assert a[key] == b[key], key
+
+
 class EvalObsRollout(__import__("rlnb").PolicyRollout):
     """Keeps the first observations its evaluation acts on (the only deterministic ``act`` of a run)."""
 

@@ -269,6 +269,33 @@ class ActWatchingRollout(rlnb.PolicyRollout):
         return self.through, self.valued_through
 
 
+def test_the_modules_are_walked_again_only_once_something_was_registered_since(monkeypatch):
+    """At every collection and update the fused act and step check the policy's modules and parameters; while
+    no module, parameter or buffer was registered anywhere in the process since the last check, the last walk
+    stands for a new one. A registration anywhere (a layer replaced, a new module) walks them again."""
+    policy = _policy(DISCRETE)
+    check = {"model": policy, "loss_fn": ppo_clip_value_entropy, "compiled": False}
+    step, _ = fused_ppo_step(policy, **check)
+    frozen = _policy(DISCRETE).requires_grad_(False)
+    act = fused_act(frozen)
+    fused_ppo_step(policy, **check, previous=step)  # (walks again: the second policy was registered since)
+    walks = []
+    real_walk = fused_module._walk
+    monkeypatch.setattr(fused_module, "_walk", lambda m: walks.append(m) or real_walk(m))
+    for _ in range(3):
+        assert fused_ppo_step(policy, **check, previous=step) == (step, None)
+        assert fused_act(frozen, act) is act
+    assert walks == []
+    torch.nn.Linear(1, 1)  # a registration anywhere: both walk again, and still fit
+    assert fused_ppo_step(policy, **check, previous=step) == (step, None)
+    assert fused_act(frozen, act) is act
+    assert walks == [policy, frozen]
+    other = _policy(DISCRETE)  # another policy: never stands for this one's walk
+    walks.clear()
+    assert fused_ppo_step(other, **{**check, "model": other}, previous=step)[0] is not step
+    assert walks == [other]
+
+
 def test_the_next_collection_uses_the_same_fused_act_while_the_policy_still_fits_it(monkeypatch):
     policy = _policy(DISCRETE).requires_grad_(False)
     act = fused_act(policy)

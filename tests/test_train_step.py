@@ -234,3 +234,43 @@ def test_tanh_of_few_elements_or_not_on_the_cpu_is_torch_tanh():
     if torch.cuda.is_available():
         big = torch.randn(256, 64, device="cuda")
         assert torch.equal(Tanh()(big), torch.tanh(big))
+
+
+def test_the_batch_statistics_read_in_one_go_are_those_of_the_batch_trained_on():
+    """compute_advantages() reads the advantages' mean and std, the returns' mean and the explained variance's
+    two variances in one reduction; train() reports the explained variance of the batch it trains on, also when
+    it computes the advantages itself or a new batch came since."""
+    from rlnb.components.actor import PPOActor
+
+    env = Env(make_env="CartPole-v1", num_envs=4)
+    torch.manual_seed(0)
+    actor = PPOActor(None, {"update_epochs": 1}, env.observation_space, env.action_space)
+    g = torch.Generator().manual_seed(2)
+
+    def batch(scale: float) -> dict:
+        return {
+            "obs": torch.randn(8, 4, 4, generator=g), "actions": torch.randint(0, 2, (8, 4), generator=g),
+            "logprobs": torch.full((8, 4), -0.69), "values": scale * torch.randn(8, 4, generator=g),
+            "rewards": torch.rand(8, 4, generator=g), "dones": (torch.rand(8, 4, generator=g) < 0.2).float(),
+            "last_values": torch.randn(4, generator=g), "version": 0,
+        }  # fmt: skip
+
+    def explained(b: dict) -> float:
+        return float(1 - (b["returns"] - b["values"]).var() / b["returns"].var())
+
+    for scale, compute_first in ((1.0, True), (5.0, False), (0.1, True)):
+        actor.set_batch([batch(scale)])
+        if compute_first:
+            stats = actor.compute_advantages()
+            b = actor.batch
+            assert stats["advantage_mean"] == pytest.approx(float(b["advantages"].mean()), abs=1e-6)
+            assert stats["advantage_std"] == pytest.approx(float(b["advantages"].std()), rel=1e-5)
+            assert stats["return_mean"] == pytest.approx(float(b["returns"].mean()), abs=1e-6)
+        out = actor.train()
+        assert out["explained_variance"] == pytest.approx(explained(actor.batch), rel=1e-5, abs=1e-6)
+    # a batch put in place by hand, its advantages computed already: its own explained variance
+    actor.compute_advantages()
+    other = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in actor.batch.items()}
+    other["values"] = other["returns"] + 0.5 * torch.randn(8, 4, generator=g)
+    actor.batch = other
+    assert actor.train()["explained_variance"] == pytest.approx(explained(other), rel=1e-5, abs=1e-6)

@@ -260,21 +260,29 @@ def default_cpu_slots() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-DASK_PROFILE_INTERVAL = "10ms"  # Dask's default for distributed.worker.profile.interval
-EMBEDDED_PROFILE_INTERVAL = "100ms"
+# Dask settings an embedded cluster changes, where the dask config holds Dask's default: key -> (default, ours)
+EMBEDDED_DASK_CONFIG = {
+    # Dask's profiler: each sample walks the running call's stack twice while holding the GIL (~0.1-0.2 ms);
+    # every 10 ms, that took ~1 % of a worker's time (2 ms of a 200 ms collection of 1024 envs). The Dask
+    # dashboard's profile still fills in, ten times more slowly.
+    "distributed.worker.profile.interval": ("10ms", "100ms"),
+    # the event loop's health check: every 20 ms it woke each worker's event loop thread, which took the GIL
+    # from the component's thread 50 times a second (~0.1 % of the recipe's step, more where waking a thread
+    # costs more); a loop blocked past distributed.admin.tick.limit (3 s) is still reported
+    "distributed.admin.tick.interval": ("20ms", "200ms"),
+}
 
 
-def _worker_profile_config() -> dict:
-    """Dask's profiler on an embedded cluster's workers: a sample every 100 ms instead of 10 ms, unless the
-    dask config says otherwise. Each sample walks the running call's stack twice while holding the GIL
-    (~0.1-0.2 ms); every 10 ms, that took ~1 % of a worker's time (2 ms of a 200 ms collection of 1024 envs).
-    The Dask dashboard's profile still fills in, ten times more slowly."""
+def _worker_config() -> dict:
+    """The settings of :data:`EMBEDDED_DASK_CONFIG` for an embedded cluster's processes, each unless the dask
+    config sets another value."""
     import dask
 
-    interval = dask.config.get("distributed.worker.profile.interval", DASK_PROFILE_INTERVAL)
-    if str(interval) != DASK_PROFILE_INTERVAL:
-        return {}
-    return {"distributed.worker.profile.interval": EMBEDDED_PROFILE_INTERVAL}
+    return {
+        key: ours
+        for key, (default, ours) in EMBEDDED_DASK_CONFIG.items()
+        if str(dask.config.get(key, default)) == default
+    }
 
 
 class Cluster:
@@ -337,7 +345,7 @@ class Cluster:
             import dask
 
             # (the nannies keep it for the workers they start)
-            with dask.config.set(_worker_profile_config()):
+            with dask.config.set(_worker_config()):
                 self._local = self._start_local(slots, gpus, dashboard_address)
             self.address = self._local.scheduler_address
             self.client = Client(self._local, direct_to_workers=True)

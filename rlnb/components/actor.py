@@ -274,6 +274,9 @@ class PPOActor(ActorBase):
             loss_fn or policy_loss or self.algo.policy_loss,
         )
         self.batch: dict | None = None
+        self._explained: tuple | None = (
+            None  # (batch, Var[returns], Var[returns - values]) of compute_advantages()
+        )
         self.policy = None
         self.step_compiler: StepCompiler | None = None
         self.fused_steps = 0  # minibatches trained through the hand-derived step (actor.fused_step)
@@ -343,7 +346,7 @@ class PPOActor(ActorBase):
             batch = {k: torch.cat([b[k].to(dev, non_blocking=True) for b in batches], dim=1) for k in keys}
             batch["last_values"] = torch.cat([b["last_values"].to(dev, non_blocking=True) for b in batches])
         batch["version"] = min(b["version"] for b in batches)
-        self.batch = batch
+        self.batch, self._explained = batch, None
         return {"steps": int(batch["rewards"].numel()), "version": batch["version"]}
 
     def sample(self, n: int = 4) -> dict:
@@ -376,10 +379,20 @@ class PPOActor(ActorBase):
                     "algorithm.advantage",
                 )
         b["advantages"], b["returns"] = advantages, returns  # [T, N]
+        # the batch's statistics in one reduction and one read: those reported here, and the two variances of
+        # the explained variance train() reports, 1 - Var[returns - values] / Var[returns]
+        with torch.no_grad():
+            var, mean = torch.var_mean(
+                torch.stack((advantages, returns, returns - b["values"])).flatten(1), 1
+            )
+            (var_advantages, var_returns, var_residual), (mean_advantages, mean_returns, _) = torch.stack(
+                (var, mean)
+            ).tolist()
+        self._explained = (b, var_returns, var_residual)
         return {
-            "advantage_mean": float(advantages.mean()),
-            "advantage_std": float(advantages.std()),
-            "return_mean": float(returns.mean()),
+            "advantage_mean": mean_advantages,
+            "advantage_std": math.sqrt(var_advantages),
+            "return_mean": mean_returns,
             "compute_s": compute_s,
         }
 
@@ -404,32 +417,42 @@ class PPOActor(ActorBase):
         # each rank takes num_minibatches steps per epoch: DDP then averages gradients over ranks,
         # so a step sees (ranks x mb_size) samples, as one rank would with the whole batch
         mb_size = max(1, n // algo.num_minibatches)
-        sums: dict[str, float] = {}
-        count, epochs_run, compute_s = 0, 0, 0.0
+        history: list[dict] = []  # each minibatch's metrics
+        epochs_run, compute_s, perf_counter, train_minibatch = (
+            0,
+            0.0,
+            time.perf_counter,
+            self._train_minibatch,
+        )
         for _ in range(algo.update_epochs):
             # one minibatch of the whole batch: every term is a mean over samples, so no shuffle
             perm = None if mb_size == n else torch.randperm(n, generator=self.generator)
             for start in range(0, n - mb_size + 1, mb_size):
                 mb = flat if perm is None else {k: v[perm[start : start + mb_size]] for k, v in flat.items()}
-                t0 = time.perf_counter()
-                metrics = self._train_minibatch(mb)
-                compute_s += time.perf_counter() - t0
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                count += 1
+                t0 = perf_counter()
+                history.append(train_minibatch(mb))
+                compute_s += perf_counter() - t0
             epochs_run += 1
-            if algo.target_kl is not None and self._mean_over_ranks(metrics["approx_kl"]) > algo.target_kl:
+            if (
+                algo.target_kl is not None
+                and self._mean_over_ranks(history[-1]["approx_kl"]) > algo.target_kl
+            ):
                 break
         self.step += 1
-        out = {k: v / max(count, 1) for k, v in sums.items()}
+        out = {k: sum(m[k] for m in history) / len(history) for k in (history[0] if history else ())}
         out.update(epochs=epochs_run, lr=self.optimizer.param_groups[0]["lr"], compute_s=compute_s)
         if self.step_compiler is not None:
             out.update(self.step_compiler.report())  # compile time, once, apart from training time
-        # 1 - Var[returns - values] / Var[returns], both variances in one op and one read
-        with torch.no_grad():
-            var_returns, var_residual = (
-                torch.stack((b["returns"], b["returns"] - b["values"])).flatten(1).var(1).tolist()
-            )
+        # 1 - Var[returns - values] / Var[returns], its variances read with the batch's other statistics where
+        # compute_advantages() ran on this very batch
+        explained = self._explained
+        if explained is None or explained[0] is not b:
+            with torch.no_grad():
+                explained = (
+                    b,
+                    *torch.stack((b["returns"], b["returns"] - b["values"])).flatten(1).var(1).tolist(),
+                )
+        _, var_returns, var_residual = explained
         out["explained_variance"] = float("nan") if var_returns == 0 else 1 - var_residual / var_returns
         return out
 

@@ -45,10 +45,10 @@ class _Trajectory:
     def __init__(self, steps: int, stages: int):
         self.steps = steps
         self.obs: list = [None] * stages  # per stage: a numpy buffer [T, n, ...] or a list of tensors
-        # per stage: (actions, logprobs, values) per step
-        self.acted: list[list] = [[] for _ in range(stages)]
+        # per stage: the actions, log-probs and values of each step, a list each
+        self.acted: list[tuple[list, list, list]] = [([], [], []) for _ in range(stages)]
         self.rewards: list = [None] * stages  # per stage: float32 [T, n]
-        self.dones: list = [None] * stages  # per stage: bool [T, n] (float32 in the batch)
+        self.dones: list = [None] * stages  # per stage: float32 [T, n], 1.0 where an episode ended
 
     def act(self, stage: int, t: int, obs, actions, logprobs, values) -> None:
         """Record what the policy saw and did at step ``t`` (a stage's steps in order)."""
@@ -61,28 +61,31 @@ class _Trajectory:
             buffer[t] = obs
         else:
             buffer.append(torch.as_tensor(obs))
-        self.acted[stage].append((actions, logprobs, values))
+        acted = self.acted[stage]
+        acted[0].append(actions)
+        acted[1].append(logprobs)
+        acted[2].append(values)
 
-    def outcome(self, stage: int, t: int, reward: np.ndarray, terminated, truncated) -> None:
+    def outcome(self, stage: int, t: int, reward: np.ndarray, done: np.ndarray) -> None:
         """Record step ``t``'s rewards and done flags (terminated or truncated)."""
         rewards = self.rewards[stage]
         if rewards is None:
             rewards = self.rewards[stage] = np.empty((self.steps, len(reward)), np.float32)
-            self.dones[stage] = np.empty((self.steps, len(reward)), np.bool_)
+            self.dones[stage] = np.empty((self.steps, len(reward)), np.float32)
         rewards[t] = reward
-        np.logical_or(terminated, truncated, self.dones[stage][t])
+        self.dones[stage][t] = done
 
     def batch(self) -> dict[str, torch.Tensor]:
         """Every column, ``[T, N, ...]`` (the stages side by side along N)."""
         stages = range(len(self.obs))
-        acted = [[_stack(list(column)) for column in zip(*self.acted[s])] for s in stages]
+        acted = [[_stack(column) for column in self.acted[s]] for s in stages]
         columns = {
             "obs": [torch.from_numpy(o) if type(o) is np.ndarray else torch.stack(o) for o in self.obs],
             "actions": [a[0] for a in acted],
             "logprobs": [a[1] for a in acted],
             "values": [a[2] for a in acted],
             "rewards": [torch.from_numpy(self.rewards[s]) for s in stages],
-            "dones": [torch.from_numpy(self.dones[s]).float() for s in stages],
+            "dones": [torch.from_numpy(self.dones[s]) for s in stages],
         }
         return {k: v[0] if len(v) == 1 else torch.cat(v, dim=1) for k, v in columns.items()}
 
@@ -277,13 +280,21 @@ class PolicyRollout(RolloutBase):
     def _record_step(self, traj: _Trajectory, stage: int, t: int, out: dict) -> float:
         """Rewards/dones of step ``t``; truncated episodes get ``gamma * V(final_obs)`` added to their reward.
         Returns the seconds of that value forward (inference)."""
-        traj.outcome(stage, t, out["reward"], out["terminated"], out["truncated"])
+        done = out.get("done")
+        if done is None:  # (an env's own step() that does not say)
+            done = np.logical_or(out["terminated"], out["truncated"])
+        traj.outcome(stage, t, out["reward"], done)
         if out["final_obs"] is None or not len(out["final_idx"]):
             return 0.0
+        return self._bootstrap(traj.rewards[stage][t], out)
+
+    def _bootstrap(self, rewards: np.ndarray, out: dict) -> float:
+        """Add ``gamma * V(final_obs)`` to the ``rewards [n]`` of a step's truncated episodes; the seconds of
+        that value forward (inference)."""
         t0 = time.perf_counter()
         v = self._values(out["final_obs"]).numpy()
         seconds = time.perf_counter() - t0
-        traj.rewards[stage][t, out["final_idx"]] += self.gamma * v
+        rewards[out["final_idx"]] += self.gamma * v
         return seconds
 
     def _finish(self, traj: _Trajectory, last_obs: list) -> tuple[dict, float]:
@@ -315,17 +326,26 @@ class PolicyRollout(RolloutBase):
         inference_s = 0.0  # every forward of the policy: actions, bootstrap values, last values
         perf_counter = time.perf_counter
         with self._collecting():
-            act, env_actions, env_step, record = self.act, self.env_actions, env_obj.step, self._record_step
-            stages = range(env_obj.stages)
-            for t in range(steps):
-                for s in stages:
-                    t0 = perf_counter()
-                    actions, logprob, value = act(obs[s])
-                    inference_s += perf_counter() - t0
-                    traj.act(s, t, obs[s], actions, logprob, value)
-                    out = env_step(s, env_actions(actions))
-                    inference_s += record(traj, s, t, out)
-                    obs[s] = out["obs"]
+            act, env_step, record = self.act, env_obj.step, self._record_step
+            # discrete actions of the built-in act() go to the env as their tensor's numpy view, as
+            # env_actions() sends them, without its call
+            plain = (
+                type(self).act is PolicyRollout.act and type(self).env_actions is PolicyRollout.env_actions
+            )
+            env_actions = torch.Tensor.numpy if plain and self.discrete else self.env_actions
+            if env_obj.stages == 1 and type(obs[0]) is np.ndarray and type(env_obj).step is Env.step:
+                inference_s = self._collect_host(traj, steps, obs, act, env_step, env_actions)
+            else:
+                stages = range(env_obj.stages)
+                for t in range(steps):
+                    for s in stages:
+                        t0 = perf_counter()
+                        actions, logprob, value = act(obs[s])
+                        inference_s += perf_counter() - t0
+                        traj.act(s, t, obs[s], actions, logprob, value)
+                        out = env_step(s, env_actions(actions))
+                        inference_s += record(traj, s, t, out)
+                        obs[s] = out["obs"]
             summary, last_values_s = self._finish(traj, obs)
         # the work, timed where it ran; the rest of the call is the loop's overhead
         summary.update(env_s=env_obj.pop_sim_s(), inference_s=inference_s + last_values_s)
@@ -333,6 +353,35 @@ class PolicyRollout(RolloutBase):
             local_peer(actor, self.rank).set_batch([self.batch])
             summary["episodes"] = env_obj.pop_episodes()
         return summary
+
+    def _collect_host(self, traj: _Trajectory, steps: int, obs: list, act, env_step, env_actions) -> float:
+        """:meth:`collect`'s loop for the common case, one stage of host (numpy) observations stepped by
+        :meth:`Env.step` itself: the same records, written straight into their buffers (~1 µs a step less than
+        through :meth:`_Trajectory.act` and :meth:`_record_step`). Returns the seconds of inference."""
+        o = obs[0]
+        n = len(o)
+        obs_buf = traj.obs[0] = np.empty((steps, *o.shape), o.dtype)
+        rewards = traj.rewards[0] = np.empty((steps, n), np.float32)
+        dones = traj.dones[0] = np.empty((steps, n), np.float32)
+        actions_taken, logprobs, values = traj.acted[0]
+        bootstrap = self._bootstrap
+        inference_s, perf_counter = 0.0, time.perf_counter
+        for t in range(steps):
+            obs_buf[t] = o
+            t0 = perf_counter()
+            actions, logprob, value = act(o)
+            inference_s += perf_counter() - t0
+            actions_taken.append(actions)
+            logprobs.append(logprob)
+            values.append(value)
+            out = env_step(0, env_actions(actions))
+            rewards[t] = out["reward"]
+            dones[t] = out["done"]
+            if out["final_obs"] is not None:  # (Env.step gives them only for truncated episodes)
+                inference_s += bootstrap(rewards[t], out)
+            o = out["obs"]
+        obs[0] = o
+        return inference_s
 
     def serve(self, steps: int, obs_channel, act_channel, env_keys: list[str], stages: int) -> dict:
         """Disaggregated/hybrid rollout: env ranks send observations through channels.
