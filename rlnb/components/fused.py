@@ -426,6 +426,15 @@ class FusedAct:
         logprob = logp_all.gather(-1, actions[:, None]).squeeze(-1)
         return actions, logprob, self._mlp(self.critic_layers, self.critic_act, x).squeeze(-1)
 
+    def into(self, obs: torch.Tensor, generator: torch.Generator | None, actions: torch.Tensor):
+        """``(logprob [B], value [B])`` of a sampling ``__call__``, its actions written into ``actions [B, 1]``
+        (int64, multinomial's own shape): the same kernels and draws, into a buffer of the caller's."""
+        x = obs.flatten(1)
+        logp_all = torch.log_softmax(self._mlp(self.actor_layers, self.actor_act, x), dim=-1)  # (B, n)
+        torch.multinomial(logp_all.exp(), 1, generator=generator, out=actions)
+        logprob = logp_all.gather(-1, actions).squeeze(-1)
+        return logprob, self._mlp(self.critic_layers, self.critic_act, x).squeeze(-1)
+
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         """``value [B]``, as ``ActorCritic.value`` returns it (the critic's kernels only)."""
         return self._mlp(self.critic_layers, self.critic_act, obs.flatten(1)).squeeze(-1)
