@@ -148,6 +148,47 @@ def test_a_collection_adds_the_discounted_value_of_the_last_observation_to_a_tru
     assert env.pop_episodes() == [(3.0, 3)] * 8
 
 
+class UnpickledFloat64VectorEnv(gym.vector.VectorEnv):
+    """Float64 observations and rewards whose dtype is not numpy's own float64 object, as arrays unpickled from
+    a checkpoint (a restored MuJoCo env) have it."""
+
+    def __init__(self, num_envs: int = 4):
+        set_spaces(self, num_envs)
+
+    def _obs(self):
+        import pickle
+
+        return pickle.loads(pickle.dumps(np.ones((self.num_envs, 2))))
+
+    def reset(self, *, seed=None, options=None):
+        return self._obs(), {}
+
+    def step(self, actions):
+        import pickle
+
+        no = np.zeros(self.num_envs, bool)
+        return self._obs(), pickle.loads(pickle.dumps(np.ones(self.num_envs))), no, no, {}
+
+
+def test_float64_observations_become_float32_whatever_their_dtype_object():
+    """An env's float64 observations reach the policy as float32, also where their dtype is an equal but other
+    numpy dtype object (unpickled: a resumed MuJoCo run's collection failed on a float64 batch)."""
+    from rlnb.components.rollout import PolicyRollout
+    from rlnb.runtime import rank as rank_mod
+
+    env = Env(make_env=UnpickledFloat64VectorEnv, num_envs=4)
+    assert (
+        env.reset()[0].dtype == np.float32 and env.step(0, np.zeros(4, np.int64))["obs"].dtype == np.float32
+    )
+    rollout = PolicyRollout(None, env.observation_space, env.action_space, seed=0)
+    host = type("Host", (), {"obj": env})()
+    rank_mod._HOSTS[("", "env-unpickled", 0)] = host
+    rollout.collect(3, "env-unpickled")
+    assert (
+        rollout.batch["obs"].dtype == torch.float32 and rollout.batch["rewards"].tolist() == [[1.0] * 4] * 3
+    )
+
+
 class _OwnStep(Env):
     """An env whose ``step`` is its own (here: Env's, called through it)."""
 

@@ -31,7 +31,7 @@ log = logging.getLogger("rlnb")
 
 
 _perf_counter = time.perf_counter  # (a module global: one lookup fewer at every env step)
-_FLOAT64 = np.dtype(np.float64)  # (numpy's one float64 dtype: compared by identity at every env step)
+_FLOAT64 = np.dtype(np.float64)  # (a dtype: compared at every env step without converting np.float64 first)
 _NONE_ENDED = np.zeros(0, dtype=np.int64)  # final_idx of a step that ended no episode (read-only)
 _NONE_ENDED.flags.writeable = False
 
@@ -203,7 +203,7 @@ class Env:
         self.sim_s += _perf_counter() - t0  # the simulator's own work, for the loop's overhead share
         # rewards and done flags ([n] each) come to the host for the episode statistics; observations
         # of a simulator on a GPU stay there (torch tensors), as do its final observations
-        if type(reward) is not np.ndarray or reward.dtype is not _FLOAT64:
+        if type(reward) is not np.ndarray or reward.dtype != _FLOAT64:
             reward = _host(reward, np.float64)
         if type(terminated) is not np.ndarray or type(truncated) is not np.ndarray:
             terminated, truncated = _host(terminated), _host(truncated)
@@ -232,7 +232,7 @@ class Env:
                 final_obs = info["final_obs"][torch.as_tensor(final_idx, device=info["final_obs"].device)]
             elif len(final_idx):
                 final_obs = np.stack([info["final_obs"][i] for i in final_idx])
-        if self.obs_rms is not None or type(obs) is not np.ndarray or obs.dtype is _FLOAT64:
+        if self.obs_rms is not None or type(obs) is not np.ndarray or obs.dtype == _FLOAT64:
             obs = self._norm_obs(obs, update=not self.obs_rms_frozen)  # (else: obs as they are)
         if final_obs is not None:
             final_obs = self._norm_obs(final_obs)
