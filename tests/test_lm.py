@@ -114,6 +114,59 @@ def test_hf_rollout_contract_and_logprob_agreement(tiny_lm):
     del rank_mod._HOSTS[("", "reward-test", 0)]
 
 
+def test_a_multi_turn_rollout_masks_the_interactions_replies_and_keeps_the_models_logprobs(tiny_lm):
+    """max_turns=3: the model's turn, the interaction's reply to the transcript so far, the model's next turn
+    from the transcript's token ids. The batch holds each whole transcript after its prompt: the replies
+    attended to but out of the response mask, with no log-prob; every model token's sampling log-prob is the
+    one the model gives it in the whole transcript. The interaction sees each completion's own record (answer,
+    fields) and its turn, may end an episode early (None), and the texts are the transcripts."""
+    seen = []
+
+    def hint(completion, turn, answer, level):
+        seen.append((turn, answer, level))
+        return None if turn == 2 and level == 2 else f" hint{answer}:"
+
+    ro = HFRollout(tiny_lm, max_new_tokens=4, seed=0, max_turns=3, interaction=hint)
+    ro.generate(["1+2=", "13+4="], ["3", "17"], n=2, fields=[{"level": 1}, {"level": 2}])
+    b = ro.take_batch()
+    assert sorted(seen) == [(1, "17", 2)] * 2 + [(1, "3", 1)] * 2 + [(2, "17", 2)] * 2 + [(2, "3", 1)] * 2
+    texts = b["texts"]
+    assert [t.count(" hint") for t in texts] == [2, 2, 1, 1]  # level 2 ended after its second turn
+    assert all(" hint3:" in t for t in texts[:2]) and all(" hint17:" in t for t in texts[2:])
+    resp, attended = b["response_mask"].bool(), b["attention_mask"].bool()
+    assert (b["logprobs"][~resp] == 0).all() and (b["logprobs"][resp] < 0).all()
+    tok = ro.tok
+    for i, text in enumerate(texts):  # the transcript after the prompt, and the model's own tokens in it
+        start = int(resp[i].nonzero()[0])
+        after = attended[i] & (torch.arange(resp.shape[1]) >= start)
+        assert tok.decode(b["input_ids"][i][after], skip_special_tokens=True) == text
+        replies = tok.decode(b["input_ids"][i][after & ~resp[i]])
+        assert replies == "".join(f" hint{['3', '17'][i // 2]}:" for _ in range(text.count(" hint")))
+    model, _ = load_lm(tiny_lm)
+    with torch.no_grad():
+        again = token_logprobs(model, b["input_ids"], b["attention_mask"])
+    assert torch.allclose(again[resp], b["logprobs"][resp], atol=1e-4)
+    # greedy transcripts for evaluation, each prompt's own answer and fields given to the interaction
+    seen.clear()
+    done = ro.complete(["1+2="], ["3"], [{"level": 1}])
+    assert len(done) == 1 and done[0].count(" hint3:") == 2 and [s[0] for s in seen] == [1, 2]
+
+
+def test_multi_turn_settings_are_refused_before_launch():
+    with pytest.raises(ConfigError, match="max_turns: expected an integer >= 1, got 0"):
+        HFRollout.prepare_launch({"model_path": "m", "max_turns": 0})
+    with pytest.raises(ConfigError, match="interaction: with max_turns=2 something must answer"):
+        HFRollout.prepare_launch({"model_path": "m", "max_turns": 2})
+    with pytest.raises(
+        ConfigError, match="unknown interaction 'arithmetic_retyr'.*Did you mean 'arithmetic_retry'"
+    ):
+        HFRollout.prepare_launch({"model_path": "m", "max_turns": 2, "interaction": "arithmetic_retyr"})
+    with pytest.raises(ConfigError, match="unknown interaction '42'"):
+        HFRollout.prepare_launch({"model_path": "m", "max_turns": 2, "interaction": 42})
+    ok = HFRollout.prepare_launch({"model_path": "m", "max_turns": 2, "interaction": "ARITHMETIC_retry"})
+    assert ok["interaction"].name == "arithmetic_retry"
+
+
 def test_completions_share_their_prompts_prefill_on_a_worker_with_the_same_tokens_and_logprobs(
     cluster, tiny_lm
 ):

@@ -7,6 +7,7 @@ Example:
 """
 
 from rlnb.algorithms.advantages import ADVANTAGES, get_advantage, register_advantage
+from rlnb.algorithms.interactions import INTERACTIONS, get_interaction, register_interaction
 from rlnb.algorithms.losses import (
     POLICY_LOSSES,
     aggregate,
@@ -21,6 +22,7 @@ from rlnb.algorithms.rewards import REWARDS, RewardModel, extract_answer, get_re
 
 __all__ = [
     "ADVANTAGES",
+    "INTERACTIONS",
     "POLICY_LOSSES",
     "REWARDS",
     "RewardModel",
@@ -28,11 +30,13 @@ __all__ = [
     "entropy_bonus",
     "extract_answer",
     "get_advantage",
+    "get_interaction",
     "get_policy_loss",
     "get_reward",
     "kl_penalty",
     "masked_mean",
     "register_advantage",
+    "register_interaction",
     "register_policy_loss",
     "register_reward",
     "value_loss",

@@ -20,6 +20,7 @@ import torch
 
 from rlnb.algorithms import kl_penalty
 from rlnb.algorithms.contract import LM, check_algorithm, check_rewards
+from rlnb.algorithms.interactions import SafeInteraction, check_interaction
 from rlnb.algorithms.losses import masked_mean
 from rlnb.algorithms.rewards import SafeReward
 from rlnb.components.actor import ActorBase, with_settings
@@ -261,6 +262,11 @@ class HFRollout(RolloutBase):
             the model's distribution at ``temperature`` (and ``top_p``), as ``generate`` does with the
             same seed while no sequence has ended. If a model cannot be decoded this way, the rollout
             says why once and uses ``generate``; ``False`` always uses ``generate``.
+        max_turns: turns the model takes per completion at most (multi-turn rollouts); between two of them
+            ``interaction`` answers (:mod:`rlnb.algorithms.interactions`), and only the model's own tokens
+            are trained on.
+        interaction: a registered interaction's name or a function: ``(completion, turn, answer, prompt,
+            fields...) -> str | None``, the text that follows the model's turn, or ``None`` to end there.
     """
 
     launch = launcher("rollout")
@@ -269,13 +275,35 @@ class HFRollout(RolloutBase):
     drop_finished, decode_fallback = False, None
     KEEP_CACHE_ACROSS_CHUNKS = True  # asynchronous mode: a chunk goes on from the last one's KV cache
     _carried: tuple | None = None
+    max_turns, interaction = 1, None  # one turn, unless told (a subclass with its own __init__ too)
+
+    @classmethod
+    def prepare_launch(cls, kwargs: dict) -> dict:
+        """On the driver, before launch: refuse a ``max_turns`` below 1, more turns with nothing to answer between
+        them, and an interaction the loop cannot call; resolve a registered one (it travels by value)."""
+        kwargs = dict(kwargs)
+        turns, interaction = kwargs.get("max_turns", 1), kwargs.get("interaction")
+        if not isinstance(turns, int) or isinstance(turns, bool) or turns < 1:
+            raise ConfigError(f"max_turns: expected an integer >= 1, got {turns!r}", "max_turns")
+        if interaction is not None:
+            kwargs["interaction"] = check_interaction(interaction, None)
+        elif turns > 1:
+            raise ConfigError(
+                f"interaction: with max_turns={turns} something must answer between the model's turns: a "
+                "registered interaction's name or a function (completion, turn, answer, ...) -> str | None",
+                "interaction",
+            )
+        return kwargs
 
     def __init__(
         self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
         device: str = "auto", torch_threads: int = 1, rank_info: RankInfo | None = None,
-        share_prompt_prefill: bool = True, drop_finished: bool = True, top_k: int = 0,
+        share_prompt_prefill: bool = True, drop_finished: bool = True, top_k: int = 0, max_turns: int = 1,
+        interaction=None,
     ):  # fmt: skip
         rank_info = rank_info or current_rank()  # subclasses need not pass it on
+        self.max_turns = max_turns
+        self.interaction = SafeInteraction(interaction) if interaction is not None else None
         torch.set_num_threads(torch_threads)
         self.share_prompt_prefill = share_prompt_prefill
         self.drop_finished = drop_finished
@@ -538,7 +566,7 @@ class HFRollout(RolloutBase):
 
         Returns a summary with the completion texts (to score elsewhere) unless scored here.
         """
-        batch, texts = self._generate(prompts, n, greedy=False)
+        batch, texts = self._generate_turns(prompts, n, False, answers, fields)
         batch["group_index"] = torch.arange(len(prompts)).repeat_interleave(n)
         batch["answers"] = [a for a in answers for _ in range(n)]
         batch["prompts"] = [p for p in prompts for _ in range(n)]
@@ -644,9 +672,83 @@ class HFRollout(RolloutBase):
         model's chat template, the assistant's turn opened (:func:`rlnb.data.prompts.template_prompts`)."""
         return template_prompts(prompts, self.tok, system_prompt)
 
-    def complete(self, prompts: list[str]) -> list[str]:
-        """Greedy completions (evaluation, samples in notebooks)."""
-        return self._generate(prompts, 1, greedy=True)[1]
+    def complete(
+        self, prompts: list[str], answers: list[str] | None = None, fields: list[dict] | None = None
+    ) -> list[str]:
+        """Greedy completions (evaluation, samples in notebooks); with ``max_turns > 1``, whole transcripts, the
+        interaction given each prompt's ``answer`` and record ``fields``."""
+        return self._generate_turns(prompts, 1, True, answers, fields)[1]
+
+    def _generate_turns(self, prompts: list, n: int, greedy: bool, answers, fields) -> tuple[dict, list[str]]:
+        """:meth:`_generate`, then, up to ``max_turns``, the interaction's reply to each transcript and the
+        model's next turn after it (one completion each, from the transcript's token ids: nothing is tokenized
+        again). The batch holds each whole transcript after its prompt, the interaction's tokens in context
+        (attended to) but out of the response mask, with no log-prob; ``texts`` are the transcripts."""
+        batch, texts = self._generate(prompts, n, greedy)
+        if self.max_turns <= 1 or self.interaction is None:
+            return batch, texts
+        pad, start = self.tok.pad_token_id, first_response_column(batch["response_mask"])
+        rows = range(len(texts))
+        heads = [
+            batch["input_ids"][i, :start][batch["attention_mask"][i, :start].bool()].tolist() for i in rows
+        ]
+        # each row's turns after its prompt: (token ids, log-probs, the model's own)
+        parts: list[list[tuple[list[int], list[float], bool]]] = [[] for _ in rows]
+
+        def take(i: int, b: dict, j: int) -> None:  # row j of a turn's batch b: row i's model turn
+            mask = b["response_mask"][j].bool()
+            parts[i].append((b["input_ids"][j][mask].tolist(), b["logprobs"][j][mask].tolist(), True))
+
+        for i in rows:
+            take(i, batch, i)
+        answers = answers or [""] * len(prompts)
+        fields = fields or [{}] * len(prompts)
+        live = list(rows)
+        for turn in range(1, self.max_turns):
+            going = []
+            for i in live:
+                g = i // n
+                reply = self.interaction(texts[i], turn, answers[g], prompts[g], **fields[g])
+                if reply is not None:
+                    ids = self.tok(reply, add_special_tokens=False)["input_ids"]
+                    parts[i].append((ids, [0.0] * len(ids), False))
+                    texts[i] += reply
+                    going.append(i)
+            if not going:
+                break
+            contexts = [heads[i] + [t for ids, _, _ in parts[i] for t in ids] for i in going]
+            nxt, more = self._generate(contexts, 1, greedy)
+            for j, i in enumerate(going):
+                take(i, nxt, j)
+                texts[i] += more[j]
+            live = going
+        return self._transcripts(heads, parts, pad), texts
+
+    @staticmethod
+    def _transcripts(heads: list[list[int]], parts: list[list[tuple]], pad: int) -> dict:
+        """The batch of whole transcripts: prompts left-padded, every turn after them right-padded; the response
+        mask and log-probs on the model's own tokens only, the attention mask on every real token."""
+        prompt = _pad_left(heads, pad)
+        ids = [[t for p in row for t in p[0]] for row in parts]
+        width = max(len(r) for r in ids)
+        own = [[int(p[2]) for p in row for _ in p[0]] for row in parts]
+        logp = [[x for p in row for x in p[1]] for row in parts]
+        fill = [width - len(r) for r in ids]
+        zeros = torch.zeros(len(ids), prompt.shape[1])
+        return {
+            "input_ids": torch.cat([prompt, torch.tensor([r + [pad] * f for r, f in zip(ids, fill)])], 1),
+            "attention_mask": torch.cat(
+                [
+                    torch.tensor([[0] * (prompt.shape[1] - len(h)) + [1] * len(h) for h in heads]),
+                    torch.tensor([[1] * len(r) + [0] * f for r, f in zip(ids, fill)]),
+                ],
+                1,
+            ),
+            "response_mask": torch.cat(
+                [zeros.long(), torch.tensor([r + [0] * f for r, f in zip(own, fill)])], 1
+            ),
+            "logprobs": torch.cat([zeros, torch.tensor([r + [0.0] * f for r, f in zip(logp, fill)])], 1),
+        }
 
     def sample_completions(self, prompt: str, n: int) -> list[str]:
         """``n`` sampled completions of one prompt, to look at: the batch in progress and the training's
@@ -876,10 +978,13 @@ class VLLMRollout(HFRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
     def __init__(
         self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
         device: str = "auto", torch_threads: int = 1, gpu_memory_utilization: float = 0.3,
-        rank_info: RankInfo | None = None, top_k: int = 0,
+        rank_info: RankInfo | None = None, top_k: int = 0, max_turns: int = 1, interaction=None,
     ):  # fmt: skip
         rank_info = rank_info or current_rank()  # subclasses need not pass it on
         from vllm import LLM
+
+        self.max_turns = max_turns  # (each later turn from the transcript's token ids, as HFRollout)
+        self.interaction = SafeInteraction(interaction) if interaction is not None else None
 
         self.rank = rank_info.rank if rank_info else 0
         self.device = resolve_device(device, rank_info)
@@ -1186,14 +1291,19 @@ class LMActor(ActorBase):
         groups = -(-b["input_ids"].shape[0] // size)
         if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < groups:
             raise IndexError(f"sample_group: expected a group in 0-{groups - 1} of this batch, got {group!r}")
+        columns = torch.arange(b["input_ids"].shape[1])
         for i in range(group * size, min((group + 1) * size, b["input_ids"].shape[0])):
             response = b["response_mask"][i].bool()
-            prompt = b["attention_mask"][i].bool() & ~response
+            # after the prompt: the completion, or a multi-turn transcript (the interaction's replies between
+            # the model's turns are attended to, out of the response mask)
+            after = columns >= (int(response.nonzero()[0]) if response.any() else len(columns))
+            attended = b["attention_mask"][i].bool()
+            prompt = attended & ~after
             row = {
                 "prompt": self.tok.decode(b["input_ids"][i][prompt], skip_special_tokens=True),
                 # what the model was given, special tokens included (a chat template's turns and <bos>)
                 "prompt_tokens": self.tok.decode(b["input_ids"][i][prompt]),
-                "completion": self.tok.decode(b["input_ids"][i][response], skip_special_tokens=True),
+                "completion": self.tok.decode(b["input_ids"][i][attended & after], skip_special_tokens=True),
                 "reward": float(b["rewards"][i]),
                 "logprob": float(b["logprobs"][i][response].sum()),
             }

@@ -281,6 +281,7 @@ def load_recipe(
 def validate(recipe: Recipe) -> list[str]:
     """Range and cross-field checks that need no cluster. Returns the list of problems."""
     from rlnb.algorithms import ADVANTAGES, POLICY_LOSSES, REWARDS
+    from rlnb.algorithms.interactions import INTERACTIONS
 
     errs: list[str] = []
 
@@ -392,6 +393,38 @@ def validate(recipe: Recipe) -> list[str]:
     if a.dynamic_sampling is True and recipe.rollout.backend == "policy":
         errs.append(
             "algorithm.dynamic_sampling: it filters an LM's groups of completions; this recipe trains a policy on an env"
+        )
+    ro = recipe.rollout
+    need(
+        lambda: isinstance(ro.max_turns, int) and not isinstance(ro.max_turns, bool) and ro.max_turns >= 1,
+        "rollout.max_turns",
+        "an integer >= 1",
+        ro.max_turns,
+    )
+    if isinstance(ro.max_turns, int) and ro.max_turns >= 2:
+        if ro.backend == "policy":
+            errs.append(
+                "rollout.max_turns: turns of an LM's conversation; this recipe trains a policy on an env"
+            )
+        elif ro.interaction is None:
+            errs.append(
+                f"rollout.interaction: with rollout.max_turns={ro.max_turns} something must answer between the "
+                f"model's turns; registered interactions: {', '.join(INTERACTIONS.names())}"
+            )
+        if isinstance(a.max_staleness, int) and a.max_staleness > 0:
+            errs.append(
+                f"rollout.max_turns: multi-turn rollouts are synchronous; with algorithm.max_staleness="
+                f"{a.max_staleness} completions are generated in chunks across weight updates. Set one of them off"
+            )
+    elif ro.interaction is not None:
+        errs.append(
+            f"rollout.interaction: it answers between the model's turns, and with rollout.max_turns={ro.max_turns} "
+            "there are none; set rollout.max_turns >= 2, or drop the interaction"
+        )
+    if isinstance(ro.interaction, str) and ro.interaction not in INTERACTIONS:
+        errs.append(
+            f"rollout.interaction: unknown interaction {ro.interaction!r}; registered: "
+            f"{', '.join(INTERACTIONS.names())}.{did_you_mean(ro.interaction, INTERACTIONS.names())}"
         )
     if recipe.reward.model_path is not None:
         need(

@@ -229,6 +229,14 @@ class RolloutConfig:
     drop_finished: bool = True
     """LM RL, ``hf`` backend: completions that ended leave the decoding batch (rlnb's decoding loop, the
     same tokens as ``generate``); ``false``: sample with ``transformers``' ``generate``."""
+    max_turns: int = 1
+    """LM RL: turns the model takes per completion at most (multi-turn rollouts, as veRL's and AReaL's agents).
+    After each turn but the last, ``interaction`` answers the transcript so far (a tool's output, a user's
+    follow-up) or ends the episode, and the model's next turn reads the whole transcript. Only the model's own
+    tokens are trained on; rewards score the whole transcript after the prompt. Synchronous mode only."""
+    interaction: str | None = None
+    """LM RL, with ``max_turns`` >= 2: a registered interaction (``arithmetic_retry``; a notebook's own through
+    ``rlnb.algorithms.interactions.register_interaction``, or a function given to ``HFRollout(interaction=...)``)."""
     chunk_tokens: int = 8
     """LM RL, asynchronous mode (``algorithm.max_staleness >= 1``): tokens generated between two checks
     for new weights; a generation spanning a weight update goes on with the new ones (partial rollouts)."""

@@ -9,11 +9,13 @@ Example (one phase per notebook cell):
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import random
 import time
 from pathlib import Path
 
 from rlnb.algorithms.contract import LM, check_algorithm
+from rlnb.algorithms.interactions import check_interaction
 from rlnb.algorithms.rewards import recipe_rewards
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
 from rlnb.config.schema import DataConfig, Recipe, RolloutConfig
@@ -269,6 +271,9 @@ class GRPOLoop(LoopBase):
             if ro.backend == "vllm"
             else (HFRollout, {"drop_finished": ro.drop_finished})
         )
+        fields = common_fields(self.task.train, self.task.held_out)
+        if ro.max_turns > 1:  # the entry travels by value: one registered in a notebook cell works too
+            extra.update(max_turns=ro.max_turns, interaction=check_interaction(ro.interaction, fields))
         self.groups["rollout"] = rollout_cls.launch(
             cl, p["rollout"], call_timeout_s=timeout, model_path=self.model_path, max_new_tokens=ro.max_new_tokens,
             temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, seed=r.seed, device=ro.device,
@@ -290,7 +295,7 @@ class GRPOLoop(LoopBase):
             call_timeout_s=timeout,
             fn=recipe_rewards(r.reward.name, r.reward.model_path, r.reward.model_batch_size),
             weights=r.reward.weights,
-            fields=common_fields(self.task.train, self.task.held_out),
+            fields=fields,
         )
 
     def _compose(self) -> None:
@@ -616,10 +621,19 @@ class GRPOLoop(LoopBase):
         self._sync_rollout()  # evaluate the current weights
         problems = self.task.held_out[:size]
         rollout = self.groups["rollout"]
+        # a rollout whose complete() takes them (HFRollout's) gets each problem's answer and fields, which a
+        # multi-turn rollout's interaction reads
+        full = len(inspect.signature(rollout.cls.complete).parameters) > 2
         texts = [
             t
             for part in rollout.call_each(
-                "complete", [([p.prompt for p in s],) for s in _shard(problems, rollout.world_size)]
+                "complete",
+                [
+                    ([p.prompt for p in s], [p.answer for p in s], [p.fields for p in s])
+                    if full
+                    else ([p.prompt for p in s],)
+                    for s in _shard(problems, rollout.world_size)
+                ],
             ).result()
             for t in part
         ]

@@ -230,10 +230,13 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu", key: str = "ac
     return model, tok
 
 
-def prompt_ids(tok, prompt: str) -> list[int]:
+def prompt_ids(tok, prompt: str | list[int]) -> list[int]:
     """A prompt's token ids: with the tokenizer's special tokens (a Llama tokenizer's ``<bos>``), unless the text
     starts with its ``<bos>`` already, as a chat template's output does (``apply_chat_template``): tokenizing it
-    with them would double it. The one tokenization of prompts for generation and the warm start alike."""
+    with them would double it. The one tokenization of prompts for generation and the warm start alike. A list of
+    token ids is taken as it is."""
+    if isinstance(prompt, list):  # token ids already (a multi-turn rollout's transcript so far)
+        return list(prompt)
     bos = tok.bos_token
     return tok(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))["input_ids"]
 

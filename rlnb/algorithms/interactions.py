@@ -1,0 +1,111 @@
+"""Interactions: what answers the model between its turns in a multi-turn rollout (``rollout.max_turns``).
+
+After each of the model's turns but the last, the rollout calls the interaction with the transcript so far;
+it returns the text that comes next in the conversation (a tool's output, a user's follow-up, an env's
+observation), or ``None`` to end the episode there. The model then takes its next turn from the whole
+transcript. Only the model's own tokens are trained on: what the interaction said is context, masked out of
+the loss, as veRL's multi-turn rollouts and AReaL's agent workflows mask tool outputs.
+
+An interaction is called with the inputs it accepts among ``completion`` (the transcript after the prompt:
+the model's turns and the replies so far), ``turn`` (how many turns the model has taken, 1 after the first),
+``answer``, ``prompt`` and the prompt record's other fields, by keyword: the same contract as a reward's, for
+built-ins and functions defined in a notebook alike.
+
+Example:
+    >>> from rlnb.algorithms.interactions import get_interaction
+    >>> retry = get_interaction("arithmetic_retry")
+    >>> retry(completion="12", answer="11", turn=1)
+    ' no. '
+    >>> retry(completion="11", answer="11", turn=1) is None
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rlnb.algorithms.contract import LM
+from rlnb.algorithms.registry import Entry, Registry, check_serves
+from rlnb.algorithms.rewards import arithmetic_reward
+from rlnb.errors import ConfigError
+
+INTERACTIONS = Registry("interaction", key="rollout.interaction")
+register_interaction = INTERACTIONS.register
+log = logging.getLogger("rlnb.interactions")
+_warned: set[str] = set()
+
+INTERACTION_INPUTS = frozenset({"completion", "turn", "answer", "prompt"})
+"""What the LM loop offers an interaction, besides the prompt record's other fields."""
+
+
+@register_interaction("arithmetic_retry")
+def arithmetic_retry(completion: str, answer: str, turn: int) -> str | None:
+    """The arithmetic task with retries: a turn whose answer is right ends the episode; a wrong one is told
+    `` no. `` and the model answers again after it (a reward then reads the transcript's last answer)."""
+    last = completion.rsplit(" no. ", 1)[-1]
+    return None if arithmetic_reward(last, answer) >= 1.0 else " no. "
+
+
+def check_interaction(interaction, fields=()) -> Entry:
+    """The interaction's entry (a name or a function) if the LM loop can call it, else a :class:`rlnb.ConfigError`
+    naming ``rollout.interaction``. ``fields``: the prompt records' fields it may also read (``None``: not known
+    yet, any input it needs is taken for one)."""
+    if fields is None:
+        fields = INTERACTIONS.entry(interaction).needs
+    try:
+        return check_serves(
+            INTERACTIONS,
+            interaction,
+            INTERACTION_INPUTS | set(fields),
+            LM.layout,
+            "rollout.interaction",
+            LM.name,
+        )
+    except ConfigError as e:
+        has = f"these records have {', '.join(fields)}" if fields else "these records have none"
+        raise ConfigError(
+            f"{e}. An interaction may also read any field every prompt record has ({has})", e.key
+        ) from None
+
+
+class SafeInteraction:
+    """An interaction that never kills a run: one that raises ends that episode there, logged once per name;
+    one that returns something other than a string or ``None`` likewise."""
+
+    def __init__(self, interaction):
+        self.entry = INTERACTIONS.entry(interaction)
+        self.name = self.entry.name
+
+    def __call__(self, completion: str, turn: int, answer: str, prompt: str, **fields) -> str | None:
+        try:
+            reply = self.entry(**fields, completion=completion, turn=turn, answer=answer, prompt=prompt)
+            if reply is not None and not isinstance(reply, str):
+                raise TypeError(f"returned {type(reply).__name__}, expected a string or None")
+            return reply
+        except Exception as e:
+            if self.name not in _warned:
+                _warned.add(self.name)
+                log.warning(
+                    "interaction %r raised %s: %s; that episode ends there (logged once)",
+                    self.name, type(e).__name__, e,
+                )  # fmt: skip
+            return None
+
+    def __repr__(self) -> str:
+        return f"<interaction {self.name}>"
+
+
+def get_interaction(name: str) -> SafeInteraction:
+    """The registered interaction ``name``, wrapped as the rollout calls it (:class:`SafeInteraction`)."""
+    return SafeInteraction(INTERACTIONS.entry(name))
+
+
+__all__ = [
+    "INTERACTIONS",
+    "INTERACTION_INPUTS",
+    "SafeInteraction",
+    "arithmetic_retry",
+    "check_interaction",
+    "get_interaction",
+    "register_interaction",
+]
