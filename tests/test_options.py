@@ -852,3 +852,38 @@ def test_grpo_with_a_retry_raises_the_final_answers_reward_on_workers(cluster, t
     assert len(rewards) == 80
     assert sum(rewards[-10:]) / 10 >= sum(rewards[:10]) / 10 + 0.05, rewards
     assert accuracy >= 0.5
+
+
+def hinted(completion: str, turn: int, hint: str) -> str | None:
+    """An interaction reading a field of each prompt record (as a notebook cell would define it)."""
+    return f" {hint}{turn}:" if turn < 3 else None
+
+
+def test_an_interaction_function_reads_each_records_fields_on_the_objects_path(cluster, tmp_path):
+    """``HFRollout.launch(..., max_turns=3, interaction=fn)``: a plain function travels to the worker and is
+    given each completion's own record's field and its turn; the loop evaluates with the same turns."""
+    from rlnb.models import build_tiny_lm
+
+    model = str(build_tiny_lm(tmp_path / "tiny", hidden_size=32, num_layers=1, num_heads=2))
+    records = [
+        {"question": f"{a}+{b}=", "answer": str(a + b), "hint": "xy"[a % 2]}
+        for a in range(6)
+        for b in range(3)
+    ]
+    rollout = rlnb.HFRollout.launch(
+        cluster, "0", model_path=model, max_new_tokens=2, max_turns=3, interaction=hinted
+    )
+    actor = rlnb.LMActor.launch(cluster, "1", model_path=model, group_size=4)
+    with GRPOLoop(
+        rollout=rollout, actor=actor, reward="arithmetic", prompts=records, prompts_per_step=4,
+        runner={"tensorboard": False}, run_dir=tmp_path / "run",
+    ) as loop:  # fmt: skip
+        record = loop.step_once()
+        rows = loop.sample_group(0) + loop.sample_group(1)
+        loop.evaluate(4)
+        evaluated = loop.last_samples
+    assert math.isfinite(record["train/loss"]) and abs(record["train/ratio_mean"] - 1) < 1e-4
+    for row in rows:
+        hint = "xy"[int(row["prompt"].split("+")[0]) % 2]
+        assert f" {hint}1:" in row["completion"] and f" {hint}2:" in row["completion"], row
+    assert all(f" {'xy'[int(p.split('+')[0]) % 2]}2:" in text for p, text, _ in evaluated)

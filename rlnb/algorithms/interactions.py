@@ -77,6 +77,8 @@ class SafeInteraction:
         self.name = self.entry.name
 
     def __call__(self, completion: str, turn: int, answer: str, prompt: str, **fields) -> str | None:
+        # (a record's own field of one of these names gives way to the loop's, as for rewards)
+        fields = {k: v for k, v in fields.items() if k not in INTERACTION_INPUTS}
         try:
             reply = self.entry(**fields, completion=completion, turn=turn, answer=answer, prompt=prompt)
             if reply is not None and not isinstance(reply, str):
