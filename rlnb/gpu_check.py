@@ -354,6 +354,41 @@ def check_grpo_tiny_lm_cuda(work: Path) -> dict:
         loop.close()
 
 
+def check_multi_turn_cuda(work: Path) -> dict:
+    """A multi-turn GRPO run on the GPU (``rollout.max_turns=3``, ``arithmetic_retry``): the replies between
+    the model's turns stay out of the loss, so the first epoch's ratio is 1 to the GPU's rounding."""
+    import rlnb
+    from rlnb.config import load_recipe
+
+    recipe = load_recipe(
+        "grpo_arith",
+        [
+            "actor.device=cuda", "rollout.device=cuda", f"actor.model_path={work / 'tiny-arith-qwen2'}",
+            "runner.steps=4", "runner.save_interval=0", "runner.eval_interval=0", "actor.sft_steps=50",
+            "rollout.max_turns=3", "rollout.interaction=arithmetic_retry",
+        ],
+    )  # fmt: skip
+    recipe.cluster.component_placement = {"actor,rollout,reward": "0"}
+    loop = rlnb.GRPOLoop.from_recipe(recipe, run_dir=work / "multi_turn")
+    try:
+        loop.run(progress=False)
+        rows = loop.sample_group(0)
+        ratios = [r["train/ratio_mean"] for r in loop.history if "train/ratio_mean" in r]
+        out = {
+            "steps": loop.step,
+            "ratio_mean": ratios,
+            "retried_rows": sum(" no. " in r["completion"] for r in rows),
+            "rows": len(rows),
+        }
+        if not ratios or max(abs(r - 1) for r in ratios) > 1e-2:
+            raise RuntimeError(
+                f"the first epoch's ratio is not 1: the replies are not out of the mask? {out}"
+            )
+        return out
+    finally:
+        loop.close()
+
+
 def check_shared_prompt_prefill_cuda(work: Path) -> dict:
     """``HFRollout`` on the GPU: completions sampled from one prefill per prompt are the tokens, and
     the log-probs, of prefilling each completion, both through rlnb's decoding loop (no fallback to
@@ -622,7 +657,20 @@ def check_vllm_rollout(work: Path) -> dict:
     try:
         loop.run(progress=False)
         final = loop.evaluate()
-        return {"steps": loop.step, "accuracy": final["eval/accuracy"]}
+        out = {"steps": loop.step, "accuracy": final["eval/accuracy"]}
+    finally:
+        loop.close()
+    # later turns from the transcript's token ids (prompt_token_ids), the replies out of the mask
+    recipe.rollout.max_turns, recipe.rollout.interaction = 2, "arithmetic_retry"
+    recipe.runner.steps = 2
+    loop = rlnb.GRPOLoop.from_recipe(recipe, run_dir=work / "vllm_multi_turn")
+    try:
+        loop.run(progress=False)
+        ratios = [r["train/ratio_mean"] for r in loop.history if "train/ratio_mean" in r]
+        out["multi_turn_ratio_mean"] = ratios
+        if not ratios or max(abs(r - 1) for r in ratios) > 5e-2:  # (vLLM's log-probs: its own kernels)
+            raise RuntimeError(f"multi-turn with vLLM: the first epoch's ratio is not ~1: {out}")
+        return out
     finally:
         loop.close()
 
@@ -675,6 +723,7 @@ CHECKS = [
     ("ppo_cartpole_cuda_compiled", check_ppo_cartpole_cuda_compiled),
     ("ppo_gpu_env_obs_stay_on_gpu", check_ppo_gpu_env_obs_stay_on_gpu),
     ("grpo_tiny_lm_cuda", check_grpo_tiny_lm_cuda),
+    ("multi_turn_cuda", check_multi_turn_cuda),
     ("shared_prompt_prefill_cuda", check_shared_prompt_prefill_cuda),
     ("async_chunks_cuda", check_async_chunks_cuda),
     ("reward_model_cuda", check_reward_model_cuda),

@@ -882,8 +882,10 @@ def test_an_interaction_function_reads_each_records_fields_on_the_objects_path(c
         rows = loop.sample_group(0) + loop.sample_group(1)
         loop.evaluate(4)
         evaluated = loop.last_samples
+        tried = loop.try_prompt("3+1=", "4", hint="z")  # as training samples it: the same turns
     assert math.isfinite(record["train/loss"]) and abs(record["train/ratio_mean"] - 1) < 1e-4
     for row in rows:
         hint = "xy"[int(row["prompt"].split("+")[0]) % 2]
         assert f" {hint}1:" in row["completion"] and f" {hint}2:" in row["completion"], row
     assert all(f" {'xy'[int(p.split('+')[0]) % 2]}2:" in text for p, text, _ in evaluated)
+    assert len(tried) == 4 and all(" z1:" in r["completion"] and " z2:" in r["completion"] for r in tried)

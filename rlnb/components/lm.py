@@ -750,12 +750,15 @@ class HFRollout(RolloutBase):
             "logprobs": torch.cat([zeros, torch.tensor([r + [0.0] * f for r, f in zip(logp, fill)])], 1),
         }
 
-    def sample_completions(self, prompt: str, n: int) -> list[str]:
+    def sample_completions(
+        self, prompt: str, n: int, answer: str | None = None, fields: dict | None = None
+    ) -> list[str]:
         """``n`` sampled completions of one prompt, to look at: the batch in progress and the training's
-        sampling seeds are left as they were."""
+        sampling seeds are left as they were. With ``max_turns > 1``, whole transcripts, the interaction given
+        the prompt's ``answer`` and record ``fields``."""
         calls = self.calls
         try:
-            return self._generate([prompt], n, greedy=False)[1]
+            return self._generate_turns([prompt], n, False, [answer or ""], [fields or {}])[1]
         finally:
             self.calls = calls
 

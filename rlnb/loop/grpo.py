@@ -500,7 +500,12 @@ class GRPOLoop(LoopBase):
             ].prompt
         elif is_conversation(prompt):  # objects path: through the rollout's tokenizer
             prompt = self._template([prompt])[0]
-        texts = self.groups["rollout"].on(0).sample_completions(prompt, size).result()[0]
+        rollout = self.groups["rollout"]
+        # a rollout whose sample_completions() takes them (HFRollout's) gets the answer and fields, which a
+        # multi-turn rollout's interaction reads
+        full = len(inspect.signature(rollout.cls.sample_completions).parameters) > 3
+        args = (prompt, size, answer, fields) if full else (prompt, size)
+        texts = rollout.on(0).sample_completions(*args).result()[0]
         scored = (
             self.groups["reward"].on(0).score_terms(texts, [answer] * size, [prompt] * size, [fields] * size)
         ).result()[0]
