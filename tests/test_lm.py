@@ -152,6 +152,18 @@ def test_a_multi_turn_rollout_masks_the_interactions_replies_and_keeps_the_model
     assert len(done) == 1 and done[0].count(" hint3:") == 2 and [s[0] for s in seen] == [1, 2]
 
 
+def test_a_transcript_whose_next_turn_would_not_fit_the_models_positions_ends_before_that_reply(tiny_lm):
+    """The tiny model has 128 positions: after a 61-token reply the next would take a transcript past them, so
+    each ends after its second turn, the reply that would not fit left out, and generation_stats() counts them."""
+    ro = HFRollout(
+        tiny_lm, max_new_tokens=4, seed=0, max_turns=4, interaction=lambda completion: " " + "x" * 60
+    )
+    ro.generate(["1+2=", "13+4="], ["3", "17"], n=2)
+    b = ro.take_batch()
+    assert [t.count(" " + "x" * 60) for t in b["texts"]] == [1] * 4
+    assert b["attention_mask"].sum(1).max() <= 128 and ro.generation_stats()["turns_cut"] == 4
+
+
 def test_multi_turn_settings_are_refused_before_launch():
     with pytest.raises(ConfigError, match="max_turns: expected an integer >= 1, got 0"):
         HFRollout.prepare_launch({"model_path": "m", "max_turns": 0})

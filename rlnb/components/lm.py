@@ -276,6 +276,7 @@ class HFRollout(RolloutBase):
     KEEP_CACHE_ACROSS_CHUNKS = True  # asynchronous mode: a chunk goes on from the last one's KV cache
     _carried: tuple | None = None
     max_turns, interaction = 1, None  # one turn, unless told (a subclass with its own __init__ too)
+    turns_cut = 0  # transcripts ended because their next turn would not fit in the model's positions
 
     @classmethod
     def prepare_launch(cls, kwargs: dict) -> dict:
@@ -545,12 +546,14 @@ class HFRollout(RolloutBase):
 
     def generation_stats(self) -> dict:
         """How this rank generated: whether ended rows leave the batch (``drop_finished``), calls whose prompts
-        shared one prefill, and why sharing or the decoding loop stopped, if they did."""
+        shared one prefill, why sharing or the decoding loop stopped, if they did, and how many multi-turn
+        transcripts ended because their next turn would not fit in the model's positions (``turns_cut``)."""
         return {
             "drop_finished": self.drop_finished,
             "shared_prefills": self.shared_prefills,
             "prefill_fallback": self.prefill_fallback,
             "decode_fallback": self.decode_fallback,
+            "turns_cut": self.turns_cut,
         }
 
     def generate(
@@ -703,6 +706,10 @@ class HFRollout(RolloutBase):
             take(i, batch, i)
         answers = answers or [""] * len(prompts)
         fields = fields or [{}] * len(prompts)
+        # a transcript whose next turn would not fit in the model's positions ends before that reply
+        limit = getattr(
+            getattr(getattr(self, "model", None), "config", None), "max_position_embeddings", None
+        )
         live = list(rows)
         for turn in range(1, self.max_turns):
             going = []
@@ -711,6 +718,10 @@ class HFRollout(RolloutBase):
                 reply = self.interaction(texts[i], turn, answers[g], prompts[g], **fields[g])
                 if reply is not None:
                     ids = self.tok(reply, add_special_tokens=False)["input_ids"]
+                    length = len(heads[i]) + sum(len(p[0]) for p in parts[i]) + len(ids) + self.max_new_tokens
+                    if limit is not None and length > limit:
+                        self.turns_cut += 1
+                        continue
                     parts[i].append((ids, [0.0] * len(ids), False))
                     texts[i] += reply
                     going.append(i)
