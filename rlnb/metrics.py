@@ -32,6 +32,7 @@ GLOSSARY: dict[str, str] = {
     "rollout/tokens_per_s": "Tokens generated per second (asynchronous mode: over the generation time itself).",
     "rollout/response_len_mean": "Mean completion length, in tokens.",
     "rollout/reward_mean": "Mean reward of this step's completions.",
+    "rollout/turns_mean": "LM, rollout.max_turns >= 2: the model's turns per transcript this step, on average (a transcript ends when the interaction returns None, at max_turns, or when its next turn would not fit in the model's positions).",
     "rollout/truncated_frac": "LM: share of this step's completions that reached rollout.max_new_tokens without ending (no EOS); algorithm.mask_truncated_completions leaves them out of the loss (TRL's completions/clipped_ratio).",
     "rollout/sampling_rounds": "LM, algorithm.dynamic_sampling: generation rounds this step took to fill its batch with groups that have a learning signal (at most algorithm.max_sampling_rounds).",
     "rollout/signal_frac": "LM, algorithm.dynamic_sampling: share of every group sampled this step whose completions did not all score alike.",

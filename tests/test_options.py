@@ -805,6 +805,8 @@ def test_a_multi_turn_run_answers_again_after_a_wrong_answer_and_trains_on_the_m
             assert row["reward"] == 1.0
     trained = [r for r in history if "train/ratio_mean" in r]
     assert len(trained) == 2 and all(abs(r["train/ratio_mean"] - 1) < 1e-4 for r in trained)
+    # the model's turns: one more than the replies; the step's mean over all 128 transcripts
+    assert trained[-1]["rollout/turns_mean"] == pytest.approx(1 + sum(replies) / len(replies))
     assert all(abs(r["train/approx_kl"]) < 1e-6 for r in trained)
     assert {r["eval/size"] for r in history if "eval/size" in r} == {8}
     for (

@@ -585,6 +585,8 @@ class HFRollout(RolloutBase):
             "response_len_mean": float(lengths.mean()),
             "truncated_frac": float(batch["truncated"].float().mean()),
         }
+        if "turns" in batch:  # multi-turn: the model's turns per transcript
+            summary["turns_mean"] = float(batch["turns"].float().mean())
         if reward is not None:
             scored = local_peer(reward, self.rank).score_terms(
                 texts, batch["answers"], batch["prompts"], batch["fields"]
@@ -733,7 +735,9 @@ class HFRollout(RolloutBase):
                 take(i, nxt, j)
                 texts[i] += more[j]
             live = going
-        return self._transcripts(heads, parts, pad), texts
+        out = self._transcripts(heads, parts, pad)
+        out["turns"] = torch.tensor([sum(p[2] for p in row) for row in parts])  # the model's turns, [B]
+        return out, texts
 
     @staticmethod
     def _transcripts(heads: list[list[int]], parts: list[list[tuple]], pad: int) -> dict:

@@ -472,6 +472,8 @@ class GRPOLoop(LoopBase):
         }
         if all("truncated_frac" in s for s in summaries):
             out["truncated_frac"] = mean("truncated_frac")
+        if all("turns_mean" in s for s in summaries):  # multi-turn rollouts
+            out["turns_mean"] = mean("turns_mean")
         for name in summaries[0].get("reward_terms", ()):  # several rewards: each one's mean
             out[f"reward_term/{name}"] = sum(s["reward_terms"][name] * s["sequences"] for s in summaries) / n
         return self._phase("rollout", t0, out)
@@ -700,7 +702,9 @@ class GRPOLoop(LoopBase):
                 "rollout/response_len_mean": p.get("rollout/response_len_mean"),
                 "rollout/truncated_frac": p.get("rollout/truncated_frac"),
                 **{
-                    f"rollout/{k}": p[f"rollout/{k}"] for k in DYNAMIC_SAMPLING_METRICS if f"rollout/{k}" in p
+                    f"rollout/{k}": p[f"rollout/{k}"]
+                    for k in (*DYNAMIC_SAMPLING_METRICS, "turns_mean")
+                    if f"rollout/{k}" in p
                 },
                 **{f"rollout/{k}": p.get(f"rollout/{k}") for k in ASYNC_METRICS if self.max_staleness},
             }
