@@ -424,3 +424,21 @@ def test_cleanrl_style_ppo_equals_the_composed_losses():
     )
     assert close(loss, float(expected)) and 0 < float(metrics["clip_frac"]) < 1
     assert close(metrics["approx_kl"], float(pg_metrics["approx_kl"]))
+
+
+def test_tool_calls_run_the_last_tool_the_model_called_and_a_turn_without_one_is_final():
+    from rlnb.algorithms.interactions import calculator, get_interaction, tool_calls
+
+    calc = get_interaction("calculator")  # as the rollout calls it: by keyword, the latest turn alone
+    assert calc(completion="whole transcript", turn=1, last_turn="calc(1+1) then calc(3*(4+5))") == " = 27;"
+    assert calc(completion="calc(1+1)", turn=2, last_turn="27") is None  # no call in the latest turn: final
+    assert calc(completion="", turn=1, last_turn="calc(7/2)") == " = 3.5;"
+    assert calc(completion="", turn=1, last_turn="calc(1/0)") == " = error: ZeroDivisionError;"
+    for unsafe in ("__import__('os')", "2**99999", "x+1", "[1][0]", "1" * 201):
+        assert calc(completion="", turn=1, last_turn=f"calc({unsafe})") == " = error: ValueError;", unsafe
+    assert calculator("-(2 + 3) * 4 // 3 % 5") == (-(2 + 3) * 4 // 3) % 5
+    lookup = tool_calls({"upper": str.upper, "count": len}, result="\n<{result}>\n")
+    assert lookup(last_turn="upper(abc) count(hello)") == "\n<5>\n" and lookup(last_turn="counted(x)") is None
+    for bad in ({}, {"not a name": len}, {1: len}):
+        with pytest.raises(ConfigError, match="tools: expected"):
+            tool_calls(bad)

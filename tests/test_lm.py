@@ -122,8 +122,10 @@ def test_a_multi_turn_rollout_masks_the_interactions_replies_and_keeps_the_model
     fields) and its turn, may end an episode early (None), and the texts are the transcripts."""
     seen = []
 
-    def hint(completion, turn, answer, level):
+    def hint(completion, turn, answer, level, last_turn):
         seen.append((turn, answer, level))
+        # the model's latest turn alone: all of it at first, then what follows the last reply
+        assert last_turn == (completion if turn == 1 else completion.rsplit(f" hint{answer}:", 1)[1])
         return None if turn == 2 and level == 2 else f" hint{answer}:"
 
     ro = HFRollout(tiny_lm, max_new_tokens=4, seed=0, max_turns=3, interaction=hint)

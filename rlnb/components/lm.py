@@ -712,12 +712,12 @@ class HFRollout(RolloutBase):
         limit = getattr(
             getattr(getattr(self, "model", None), "config", None), "max_position_embeddings", None
         )
-        live = list(rows)
+        live, last = list(rows), list(texts)  # (each row's latest model turn, as text)
         for turn in range(1, self.max_turns):
             going = []
             for i in live:
                 g = i // n
-                reply = self.interaction(texts[i], turn, answers[g], prompts[g], **fields[g])
+                reply = self.interaction(texts[i], turn, answers[g], prompts[g], last[i], **fields[g])
                 if reply is not None:
                     ids = self.tok(reply, add_special_tokens=False)["input_ids"]
                     length = len(heads[i]) + sum(len(p[0]) for p in parts[i]) + len(ids) + self.max_new_tokens
@@ -734,6 +734,7 @@ class HFRollout(RolloutBase):
             for j, i in enumerate(going):
                 take(i, nxt, j)
                 texts[i] += more[j]
+                last[i] = more[j]
             live = going
         out = self._transcripts(heads, parts, pad)
         out["turns"] = torch.tensor([sum(p[2] for p in row) for row in parts])  # the model's turns, [B]
