@@ -891,3 +891,49 @@ def test_an_interaction_function_reads_each_records_fields_on_the_objects_path(c
         assert f" {hint}1:" in row["completion"] and f" {hint}2:" in row["completion"], row
     assert all(f" {'xy'[int(p.split('+')[0]) % 2]}2:" in text for p, text, _ in evaluated)
     assert len(tried) == 4 and all(" z1:" in r["completion"] and " z2:" in r["completion"] for r in tried)
+
+
+def final_answer(completion: str, answer: str) -> float:
+    """A tool-use reward: 1.0 if what the transcript says after the tool's last result is the answer."""
+    return 1.0 if completion.rsplit(";", 1)[-1].strip() == answer else 0.0
+
+
+def test_grpo_learns_to_call_the_calculator_right_on_workers(cluster, tmp_path):
+    """Agentic RL with a tool on workers: two-digit products the tiny model cannot compute, a ``calculator``
+    interaction on the rollout ranks, and a warm start from a teacher that calls it wrong (``calc(a+b)``) 65 %
+    of the time and copies its result after. Held-out greedy accuracy: 0.0 after the warm start, the model
+    calling the wrong expression; seeded, 60 GRPO steps on two data-parallel ranks take it to 0.99 (threshold
+    0.8), the reward rewarding only the final answer."""
+    import random
+
+    from rlnb.models import build_tiny_lm
+
+    problems = [(a, b) for a in range(10, 40) for b in range(10, 40)]
+    random.Random(0).shuffle(problems)
+    records = [{"question": f"{a}*{b}=", "answer": str(a * b)} for a, b in problems[:800]]
+    model = str(build_tiny_lm(tmp_path / "tiny", hidden_size=64, num_layers=2, num_heads=4, seed=0))
+    rollout = rlnb.HFRollout.launch(
+        cluster, "0-1", model_path=model, max_new_tokens=12, max_turns=2, interaction="calculator"
+    )
+    actor = rlnb.LMActor.launch(cluster, "0-1", model_path=model, group_size=8, lr=2e-4)
+    with GRPOLoop(
+        rollout=rollout, actor=actor, reward=final_answer, prompts=records, prompts_per_step=16, eval_size=100,
+        runner={"tensorboard": False, "eval_interval": 0}, run_dir=tmp_path / "run",
+    ) as loop:  # fmt: skip
+        train = [tuple(map(int, p.prompt[:-1].split("*"))) for p in loop.task.train]
+        # the warm start: the call (right or wrong), then the answer after the tool's result
+        calls = [f"{a}*{b}=" for a, b in train]
+        copies = [f"{a}*{b}=calc({a}*{b})<eos> = {a * b};" for a, b in train]
+        right = [f"calc({a}*{b})" for a, b in train] + [str(a * b) for a, b in train]
+        wrong = [f"calc({a}+{b})" for a, b in train] + [str(a * b) for a, b in train]
+        actor.sft(calls + copies, right, 300, 32, 3e-3, wrong, 0.65).result()
+        before = loop.evaluate()["eval/accuracy"]
+        wrong_calls = sum("+" in text for _, text, _ in loop.last_samples)
+        loop.run(60, progress=False)
+        after = loop.evaluate()["eval/accuracy"]
+        samples = loop.last_samples
+    assert before <= 0.2 and wrong_calls >= 6, (before, wrong_calls)  # it calls calc(a+b)
+    assert after >= 0.8, after
+    for prompt, text, answer in samples:  # each through the tool: the call, its result, the answer copied
+        if final_answer(text, answer):
+            assert text == f"calc({prompt[:-1]}) = {answer};{answer}", text
