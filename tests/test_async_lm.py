@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from rlnb.errors import ComponentError, ConfigError
+from rlnb.errors import ComponentError, ConfigError, RemoteError
 from rlnb.loop import GRPOLoop
 from tests.conftest import assert_metrics_documented, kill_driver_inside_a_step
 
@@ -308,6 +308,21 @@ def test_async_grpo_built_from_objects(cluster, tmp_path):
     rollout = HFRollout.launch(cluster, "0", model_path=model, max_new_tokens=3)
     with pytest.raises(ConfigError, match="needs rollout and actor on different slots"):
         GRPOLoop(rollout=rollout, actor=together, reward="arithmetic", prompts=records, prompts_per_step=4)
+    multi_turn = HFRollout.launch(
+        cluster, "0", model_path=model, max_new_tokens=3, max_turns=2, interaction="arithmetic_retry"
+    )
+    actor = LMActor.launch(cluster, "1", model_path=model, group_size=4, max_staleness=1)
+    with pytest.raises(
+        ConfigError, match=r"max_staleness=1: multi-turn rollouts \(max_turns=2\) are synchronous"
+    ):
+        GRPOLoop(rollout=multi_turn, actor=actor, reward="arithmetic", prompts=records, prompts_per_step=4)
+    # called directly (a new group: the loop refused shut down the groups it was given)
+    multi_turn = HFRollout.launch(
+        cluster, "0", model_path=model, max_new_tokens=3, max_turns=2, interaction="arithmetic_retry"
+    )
+    with pytest.raises(RemoteError, match="max_turns=2: multi-turn rollouts are synchronous"):
+        multi_turn.stream([(0, "1+1=", "2")], 4, 1, 1, 1, None, "w", None, "b", "reward").result()
+    multi_turn.shutdown()
 
 
 def test_decoupled_ppo_trains_asynchronous_grpo_with_its_behaviour_weight_cap(cluster, tmp_path):

@@ -800,6 +800,12 @@ class HFRollout(RolloutBase):
         under ``batch_key`` (or ``shards`` parts); groups still unfinished stay in the pool for the next
         call, and in this rank's checkpoint.
         """
+        if self.max_turns > 1:  # (the loop refuses this before anything starts; a direct call, here)
+            raise ConfigError(
+                f"max_turns={self.max_turns}: multi-turn rollouts are synchronous; asynchronous generation takes "
+                "one turn per completion",
+                "max_turns",
+            )
         t0 = time.perf_counter()
         self._admit(problems, n)
         swaps, tokens, chunks = 0, 0, 0

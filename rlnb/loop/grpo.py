@@ -191,6 +191,13 @@ class GRPOLoop(LoopBase):
                 "rlnb.components.HFRollout and override what you change",
                 rollout.name, rollout.cls.__name__, "stream",
             )  # fmt: skip
+        turns = (getattr(rollout, "_launch_spec", None) or {}).get("kwargs") or {}
+        if self.recipe.rollout.max_turns > 1 or turns.get("max_turns", 1) > 1:
+            raise ConfigError(
+                f"{key}={n}: multi-turn rollouts (max_turns={max(self.recipe.rollout.max_turns, turns.get('max_turns', 1))}) "
+                "are synchronous; asynchronous generation takes one turn per completion. Set one of them off",
+                key,
+            )
         self._check_async_apart("{'rollout,reward': 0, actor: 1}")
         if tuple(p["reward"]) != tuple(p["rollout"]):
             raise ConfigError(
