@@ -196,6 +196,7 @@ def test_completions_share_their_prompts_prefill_on_a_worker_with_the_same_token
         stats = rollout.generation_stats().result(60)[0]
         assert stats == {
             "drop_finished": True, "shared_prefills": int(share), "prefill_fallback": None, "decode_fallback": None,
+            "turns_cut": 0,
         }  # fmt: skip
         rollout.shutdown()
     shared, alone = batches[True], batches[False]
@@ -355,6 +356,7 @@ def test_a_model_whose_cache_cannot_be_shared_prefills_per_completion_and_says_w
         "shared_prefills": 0,
         "prefill_fallback": "NotImplementedError: this cache cannot be repeated",
         "decode_fallback": None,
+        "turns_cut": 0,
     }
     warned = [r.getMessage() for r in caplog.records if "prefilled once per completion" in r.getMessage()]
     assert warned == [
