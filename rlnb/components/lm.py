@@ -708,10 +708,7 @@ class HFRollout(RolloutBase):
             take(i, batch, i)
         answers = answers or [""] * len(prompts)
         fields = fields or [{}] * len(prompts)
-        # a transcript whose next turn would not fit in the model's positions ends before that reply
-        limit = getattr(
-            getattr(getattr(self, "model", None), "config", None), "max_position_embeddings", None
-        )
+        limit = self._context_limit()  # a transcript whose next turn would not fit ends before that reply
         live, last = list(rows), list(texts)  # (each row's latest model turn, as text)
         for turn in range(1, self.max_turns):
             going = []
@@ -739,6 +736,10 @@ class HFRollout(RolloutBase):
         out = self._transcripts(heads, parts, pad)
         out["turns"] = torch.tensor([sum(p[2] for p in row) for row in parts])  # the model's turns, [B]
         return out, texts
+
+    def _context_limit(self) -> int | None:
+        """The model's positions (``max_position_embeddings``), or ``None`` where not known."""
+        return getattr(getattr(getattr(self, "model", None), "config", None), "max_position_embeddings", None)
 
     @staticmethod
     def _transcripts(heads: list[list[int]], parts: list[list[tuple]], pad: int) -> dict:
@@ -1021,6 +1022,13 @@ class VLLMRollout(HFRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.top_k = top_k
         self.seed, self.calls, self.version, self.batch, self.offloaded = seed, 0, 0, None, False
+
+    def _context_limit(self) -> int | None:
+        """vLLM's ``max_model_len``."""
+        try:
+            return int(self.llm.llm_engine.model_config.max_model_len)
+        except Exception:  # (another vLLM's layout: no limit known)
+            return None
 
     def load_weights(self, state_dict: dict, version: int) -> int:
         from rlnb.runtime import shm
