@@ -55,7 +55,7 @@ def recipe_reference() -> str:
 
 
 def algorithm_reference() -> str:
-    """Markdown: every registered advantage, policy loss and reward with its docstring."""
+    """Markdown: every registered advantage, policy loss, reward and interaction with its docstring."""
     from rlnb.algorithms import ADVANTAGES, POLICY_LOSSES, REWARDS, kl_penalty
     from rlnb.algorithms.contract import EMBODIED, LM
 
@@ -89,6 +89,34 @@ def algorithm_reference() -> str:
                     "",
                 ]
             )
+    from rlnb.algorithms.interactions import INTERACTION_INPUTS, INTERACTIONS
+
+    lines.extend(
+        [
+            "## Interactions",
+            "",
+            "What answers the model between its turns (`rollout.max_turns` >= 2, `rollout.interaction`); see",
+            "*Multi-turn rollouts* in Concepts.",
+            "",
+        ]
+    )
+    for name in INTERACTIONS.names():
+        entry = INTERACTIONS.entry(name)
+        sig = str(inspect.signature(entry.fn)).replace("*", "\\*")
+        served = "LM (GRPO)" if entry.serves(INTERACTION_INPUTS, LM.layout) else "no loop"
+        meta = f"Needs: {', '.join(sorted(entry.needs)) or '(nothing)'}. Served by: {served}."
+        lines.extend(
+            [
+                f"### `{name}`",
+                "",
+                f"`{entry.fn.__name__}{sig}`",
+                "",
+                meta,
+                "",
+                inspect.getdoc(entry.fn) or "",
+                "",
+            ]
+        )
     lines.extend(
         [
             "## KL estimators",

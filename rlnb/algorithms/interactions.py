@@ -86,6 +86,10 @@ def tool_calls(tools: dict, result: str = " = {result};") -> Callable[[str], str
         return result.format(result=value)
 
     run_tools.__name__ = "tool_calls"
+    run_tools.__doc__ = (
+        f"Runs the tool the model called last in its latest turn ({', '.join(f'``{t}(...)``' for t in tools)}) and "
+        f"answers {result!r} with its result; a turn that calls none is the final answer (:func:`tool_calls`)."
+    )
     return run_tools
 
 
