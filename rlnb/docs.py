@@ -54,10 +54,34 @@ def recipe_reference() -> str:
     return "\n".join(lines)
 
 
+def _entry_section(reg, name: str, loops: list[str]) -> list[str]:
+    """Markdown lines of one registry entry: its name, signature, contract (``loops``: the loops serving it),
+    other names and docstring."""
+    entry = reg.entry(name)
+    sig = str(inspect.signature(entry.fn)).replace("*", "\\*")
+    meta = (
+        f"Needs: {', '.join(sorted(entry.needs)) or '(nothing)'}. Served by: {', '.join(loops) or 'no loop'}."
+    )
+    aliases = reg.aliases(name)
+    if aliases:
+        meta += f" Also named: {', '.join(aliases)}."
+    return [
+        f"### `{name}`",
+        "",
+        f"`{entry.fn.__name__}{sig}`",
+        "",
+        meta,
+        "",
+        inspect.getdoc(entry.fn) or "",
+        "",
+    ]
+
+
 def algorithm_reference() -> str:
     """Markdown: every registered advantage, policy loss, reward and interaction with its docstring."""
-    from rlnb.algorithms import ADVANTAGES, POLICY_LOSSES, REWARDS, kl_penalty
+    from rlnb.algorithms import ADVANTAGES, INTERACTIONS, POLICY_LOSSES, REWARDS, kl_penalty
     from rlnb.algorithms.contract import EMBODIED, LM
+    from rlnb.algorithms.interactions import INTERACTION_INPUTS
 
     lines = [
         "# Algorithm reference",
@@ -71,26 +95,8 @@ def algorithm_reference() -> str:
         lines.extend([f"## {title}", ""])
         for name in reg.names():
             entry = reg.entry(name)
-            sig = str(inspect.signature(entry.fn)).replace("*", "\\*")
             loops = [c.name for c in (EMBODIED, LM) if entry.serves(getattr(c, kinds[reg.kind]), c.layout)]
-            aliases = reg.aliases(name)
-            meta = f"Needs: {', '.join(sorted(entry.needs)) or '(nothing)'}. Served by: {', '.join(loops) or 'no loop'}."
-            if aliases:
-                meta += f" Also named: {', '.join(aliases)}."
-            lines.extend(
-                [
-                    f"### `{name}`",
-                    "",
-                    f"`{entry.fn.__name__}{sig}`",
-                    "",
-                    meta,
-                    "",
-                    inspect.getdoc(entry.fn) or "",
-                    "",
-                ]
-            )
-    from rlnb.algorithms.interactions import INTERACTION_INPUTS, INTERACTIONS
-
+            lines.extend(_entry_section(reg, name, loops))
     lines.extend(
         [
             "## Interactions",
@@ -101,22 +107,8 @@ def algorithm_reference() -> str:
         ]
     )
     for name in INTERACTIONS.names():
-        entry = INTERACTIONS.entry(name)
-        sig = str(inspect.signature(entry.fn)).replace("*", "\\*")
-        served = "LM (GRPO)" if entry.serves(INTERACTION_INPUTS, LM.layout) else "no loop"
-        meta = f"Needs: {', '.join(sorted(entry.needs)) or '(nothing)'}. Served by: {served}."
-        lines.extend(
-            [
-                f"### `{name}`",
-                "",
-                f"`{entry.fn.__name__}{sig}`",
-                "",
-                meta,
-                "",
-                inspect.getdoc(entry.fn) or "",
-                "",
-            ]
-        )
+        served = INTERACTIONS.entry(name).serves(INTERACTION_INPUTS, LM.layout)
+        lines.extend(_entry_section(INTERACTIONS, name, [LM.name] if served else []))
     lines.extend(
         [
             "## KL estimators",
