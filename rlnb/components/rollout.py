@@ -381,40 +381,29 @@ class PolicyRollout(RolloutBase):
             fused, generator = self._fused_act.into, self.generator
             taken = np.empty((steps, n, 1), np.int64)  # [T, n, 1]: multinomial's own shape
             taken_rows, obs_rows = torch.from_numpy(taken).unbind(0), torch.from_numpy(obs_buf).unbind(0)
-            for t in range(steps):
-                obs_buf[t] = o
-                t0 = perf_counter()
-                logprob, value = fused(obs_rows[t], generator, taken_rows[t])
-                inference_s += perf_counter() - t0
-                logprobs.append(logprob)
-                values.append(value)
-                out = env_step(0, taken[t, :, 0])
-                rewards[t] = out["reward"]
-                dones[t] = out["done"]
-                if out["final_obs"] is not None:  # (Env.step gives them only for truncated episodes)
-                    inference_s += bootstrap(rewards[t], out)
-                o = out["obs"]
-            traj.acted[0] = (
-                torch.from_numpy(taken).squeeze(-1),
-                logprobs,
-                values,
-            )  # (a whole column, [T, n])
-            obs[0] = o
-            return inference_s
         for t in range(steps):
             obs_buf[t] = o
             t0 = perf_counter()
-            actions, logprob, value = act(o)
+            if into:
+                logprob, value = fused(obs_rows[t], generator, taken_rows[t])
+            else:
+                actions, logprob, value = act(o)
             inference_s += perf_counter() - t0
-            actions_taken.append(actions)
             logprobs.append(logprob)
             values.append(value)
-            out = env_step(0, env_actions(actions))
+            if into:
+                to_env = taken[t, :, 0]
+            else:
+                actions_taken.append(actions)
+                to_env = env_actions(actions)
+            out = env_step(0, to_env)
             rewards[t] = out["reward"]
             dones[t] = out["done"]
             if out["final_obs"] is not None:  # (Env.step gives them only for truncated episodes)
                 inference_s += bootstrap(rewards[t], out)
             o = out["obs"]
+        if into:  # (the actions' column written whole, [T, n])
+            traj.acted[0] = (torch.from_numpy(taken).squeeze(-1), logprobs, values)
         obs[0] = o
         return inference_s
 
