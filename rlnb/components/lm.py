@@ -77,6 +77,12 @@ def _pad_left(rows: list[list[int]], pad: int) -> torch.Tensor:
     return torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
 
 
+def _pad_right(rows: list[list], pad) -> torch.Tensor:
+    """``rows`` right-padded with ``pad`` to the longest: ``[B, W]`` (the dtype of ``pad``'s kind)."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+
+
 def _micro_batches(n: int, size: int):
     for start in range(0, n, size):
         yield slice(start, min(n, start + size))
@@ -747,24 +753,16 @@ class HFRollout(RolloutBase):
         mask and log-probs on the model's own tokens only, the attention mask on every real token."""
         prompt = _pad_left(heads, pad)
         ids = [[t for p in row for t in p[0]] for row in parts]
-        width = max(len(r) for r in ids)
         own = [[int(p[2]) for p in row for _ in p[0]] for row in parts]
         logp = [[x for p in row for x in p[1]] for row in parts]
-        fill = [width - len(r) for r in ids]
         zeros = torch.zeros(len(ids), prompt.shape[1])
         return {
-            "input_ids": torch.cat([prompt, torch.tensor([r + [pad] * f for r, f in zip(ids, fill)])], 1),
+            "input_ids": torch.cat([prompt, _pad_right(ids, pad)], 1),
             "attention_mask": torch.cat(
-                [
-                    torch.tensor([[0] * (prompt.shape[1] - len(h)) + [1] * len(h) for h in heads]),
-                    torch.tensor([[1] * len(r) + [0] * f for r, f in zip(ids, fill)]),
-                ],
-                1,
+                [_pad_left([[1] * len(h) for h in heads], 0), _pad_right([[1] * len(r) for r in ids], 0)], 1
             ),
-            "response_mask": torch.cat(
-                [zeros.long(), torch.tensor([r + [0] * f for r, f in zip(own, fill)])], 1
-            ),
-            "logprobs": torch.cat([zeros, torch.tensor([r + [0.0] * f for r, f in zip(logp, fill)])], 1),
+            "response_mask": torch.cat([zeros.long(), _pad_right(own, 0)], 1),
+            "logprobs": torch.cat([zeros, _pad_right(logp, 0.0)], 1),
         }
 
     def sample_completions(
@@ -1082,10 +1080,9 @@ class VLLMRollout(HFRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
                 logps.append([lp[t].logprob for lp, t in zip(o.logprobs, ids)])
                 texts.append(o.text)
         prompt = _pad_left(prompt_rows, self.tok.pad_token_id)
-        width = max(len(r) for r in rows)
-        resp = torch.tensor([r + [self.tok.pad_token_id] * (width - len(r)) for r in rows])
-        resp_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-        logp = torch.tensor([lp + [0.0] * (width - len(lp)) for lp in logps])
+        resp = _pad_right(rows, self.tok.pad_token_id)
+        resp_mask = _pad_right([[1] * len(r) for r in rows], 0)
+        logp = _pad_right(logps, 0.0)
         zeros = torch.zeros(len(rows), prompt.shape[1], dtype=torch.long)
         return {
             "input_ids": torch.cat([prompt, resp], dim=1),
