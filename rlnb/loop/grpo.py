@@ -510,10 +510,11 @@ class GRPOLoop(LoopBase):
         elif is_conversation(prompt):  # objects path: through the rollout's tokenizer
             prompt = self._template([prompt])[0]
         rollout = self.groups["rollout"]
-        # a rollout whose sample_completions() takes them (HFRollout's) gets the answer and fields, which a
-        # multi-turn rollout's interaction reads
-        full = len(inspect.signature(rollout.cls.sample_completions).parameters) > 3
-        args = (prompt, size, answer, fields) if full else (prompt, size)
+        args = (
+            (prompt, size, answer, fields)
+            if _takes_more(rollout, "sample_completions", 2)
+            else (prompt, size)
+        )
         texts = rollout.on(0).sample_completions(*args).result()[0]
         scored = (
             self.groups["reward"].on(0).score_terms(texts, [answer] * size, [prompt] * size, [fields] * size)
@@ -635,9 +636,7 @@ class GRPOLoop(LoopBase):
         self._sync_rollout()  # evaluate the current weights
         problems = self.task.held_out[:size]
         rollout = self.groups["rollout"]
-        # a rollout whose complete() takes them (HFRollout's) gets each problem's answer and fields, which a
-        # multi-turn rollout's interaction reads
-        full = len(inspect.signature(rollout.cls.complete).parameters) > 2
+        full = _takes_more(rollout, "complete", 1)
         texts = [
             t
             for part in rollout.call_each(
@@ -728,6 +727,13 @@ class GRPOLoop(LoopBase):
             if evals
             else f"step {self.step}"
         )
+
+
+def _takes_more(rollout: Group, method: str, given: int) -> bool:
+    """Whether the rollout class's ``method`` takes more than the ``given`` arguments: HFRollout's ``complete``
+    and ``sample_completions`` also take the answers and records' fields a multi-turn rollout's interaction reads;
+    a rollout class of one's own written to the earlier signatures is called as it was."""
+    return len(inspect.signature(getattr(rollout.cls, method)).parameters) - 1 > given  # (- 1: self)
 
 
 def _shard(items: list, n: int) -> list[list]:
