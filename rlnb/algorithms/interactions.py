@@ -20,7 +20,7 @@ Example:
     >>> retry = get_interaction("arithmetic_retry")
     >>> retry(completion="12", answer="11", turn=1)
     ' no. '
-    >>> retry(completion="11", answer="11", turn=1) is None
+    >>> retry(completion="12 no. 11", last_turn="11", answer="11", turn=2) is None
     True
 """
 
@@ -47,11 +47,10 @@ INTERACTION_INPUTS = frozenset({"completion", "last_turn", "turn", "answer", "pr
 
 
 @register_interaction("arithmetic_retry")
-def arithmetic_retry(completion: str, answer: str, turn: int) -> str | None:
+def arithmetic_retry(last_turn: str, answer: str) -> str | None:
     """The arithmetic task with retries: a turn whose answer is right ends the episode; a wrong one is told
     `` no. `` and the model answers again after it (a reward then reads the transcript's last answer)."""
-    last = completion.rsplit(" no. ", 1)[-1]
-    return None if arithmetic_reward(last, answer) >= 1.0 else " no. "
+    return None if arithmetic_reward(last_turn, answer) >= 1.0 else " no. "
 
 
 def tool_calls(tools: dict, result: str = " = {result};") -> Callable[[str], str | None]:
