@@ -274,9 +274,8 @@ class PPOActor(ActorBase):
             loss_fn or policy_loss or self.algo.policy_loss,
         )
         self.batch: dict | None = None
-        self._explained: tuple | None = (
-            None  # (batch, Var[returns], Var[returns - values]) of compute_advantages()
-        )
+        # (batch, Var[returns], Var[returns - values]) of compute_advantages(): train()'s explained variance
+        self._explained: tuple | None = None
         self.policy = None
         self.step_compiler: StepCompiler | None = None
         self.fused_steps = 0  # minibatches trained through the hand-derived step (actor.fused_step)
@@ -418,12 +417,8 @@ class PPOActor(ActorBase):
         # so a step sees (ranks x mb_size) samples, as one rank would with the whole batch
         mb_size = max(1, n // algo.num_minibatches)
         history: list[dict] = []  # each minibatch's metrics
-        epochs_run, compute_s, perf_counter, train_minibatch = (
-            0,
-            0.0,
-            time.perf_counter,
-            self._train_minibatch,
-        )
+        epochs_run, compute_s = 0, 0.0
+        perf_counter, train_minibatch = time.perf_counter, self._train_minibatch
         for _ in range(algo.update_epochs):
             # one minibatch of the whole batch: every term is a mean over samples, so no shuffle
             perm = None if mb_size == n else torch.randperm(n, generator=self.generator)
