@@ -98,12 +98,15 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
     from playwright.sync_api import sync_playwright
 
     port = _free_port()
+    # served from a copy in the test's directory: the kernel runs there, and its loop's run directory with it
+    notebook = tmp_path / NOTEBOOK.name
+    shutil.copy(NOTEBOOK, notebook)
     # the server's and its kernel's output go to a file, read on failure (a pipe nobody reads fills up and
     # stops whoever writes to it next: the kernel, mid-run)
     log_path = tmp_path / "voila.log"
     log = open(log_path, "wb")  # noqa: SIM115 (closed in finally, after the server stopped)
     voila = subprocess.Popen(
-        [sys.executable, "-m", "voila", str(NOTEBOOK), "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1",
+        [sys.executable, "-m", "voila", str(notebook), "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1",
          "--Voila.tornado_settings={'headers': {'Content-Security-Policy': ''}}"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
