@@ -2,6 +2,7 @@
 
 import copy
 import json
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -295,11 +296,18 @@ def test_a_failure_inside_the_chain_stops_it_before_the_update(cluster, tmp_path
         assert loop.step == 1 and loop.groups["actor"].steps_taken().result() == [1]
 
 
-def test_a_run_ahead_stops_where_the_driver_would_and_leaves_the_workers_in_step(cluster, tmp_path):
-    """run() lets the worker start the next step before the driver asks for it (runner.run_ahead), and stops
-    at the very step it stops at without: the worker checks runner.stop_return on the step's episodes before
-    going on. An error between two steps (here a listener of the metrics) still takes the step running ahead,
-    so that the loop's step count and the actor's agree."""
+def test_a_run_ahead_stops_where_the_driver_would_and_leaves_the_workers_in_step(
+    cluster, tmp_path, monkeypatch
+):
+    """run() lets the worker start the next steps before the driver asks for them (runner.run_ahead), in
+    blocks taken with one request each, and stops at the very step it stops at without: the worker checks
+    runner.stop_return on each step's episodes before going on. An error between two steps (here a listener of
+    the metrics) still takes the steps run ahead, so that the loop's step count and the actor's agree."""
+    import rlnb.loop.embodied as embodied
+
+    requests = []
+    take = embodied.take_run_ahead
+    monkeypatch.setattr(embodied, "take_run_ahead", lambda run, **kw: requests.append(run) or take(run, **kw))
     ends = {}
     for run_ahead in (True, False):
         with collocated_loop(
@@ -312,6 +320,14 @@ def test_a_run_ahead_stops_where_the_driver_would_and_leaves_the_workers_in_step
             assert loop.groups["actor"].steps_taken().result() == [loop.step]
             ends[run_ahead] = (loop.step, loop.steps_ahead)
     assert ends[True][0] == ends[False][0] < 40 and ends[True][1] > 0 and ends[False][1] == 0
+    # steps of a few ms: the steps run ahead came in blocks, far fewer requests than steps
+    assert 0 < len(requests) <= ends[True][1] / 2 and max(len(r.chains) for r in requests) > 2
+
+    requests.clear()  # a driver slower than the worker (a listener taking 40 ms a step) paces the blocks
+    with collocated_loop(cluster, tmp_path / "paced", steps=16, update_epochs=1) as loop:
+        loop.logger.add_listener(lambda record: time.sleep(0.04))
+        loop.run(progress=False)
+    assert requests and max(len(r.chains) for r in requests) <= 3  # ~0.1 s of steps at its pace
 
     with collocated_loop(
         cluster, tmp_path / "error", actor_cls=StepShowingActor, steps=10, update_epochs=1
@@ -324,8 +340,9 @@ def test_a_run_ahead_stops_where_the_driver_would_and_leaves_the_workers_in_step
         loop.logger.add_listener(fail_at_step_3)
         with pytest.raises(RuntimeError, match="a listener failed"):
             loop.run(progress=False)
-        assert loop.step == 4 and loop.groups["actor"].steps_taken().result() == [4]
-        assert [r["step"] for r in loop.history] == [1, 2, 3, 4]
+        taken = loop.step  # step 4 at least: it ran ahead of step 3's end, with those of its block
+        assert taken >= 4 and loop.groups["actor"].steps_taken().result() == [taken]
+        assert [r["step"] for r in loop.history] == list(range(1, taken + 1)) and not loop._taken
 
 
 class HeadResettingActor(StepShowingActor):

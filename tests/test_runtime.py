@@ -411,6 +411,50 @@ def test_a_chain_run_ahead_starts_once_its_reply_is_sent_and_is_taken_later(clus
             g.shutdown()
 
 
+def _seen_below(values: list, seen: list, limit: int) -> bool:
+    """A `then` rule that keeps state in its arguments: the values it was shown, until ``limit`` of them."""
+    seen.append(values[0])
+    return len(seen) < limit
+
+
+def test_a_block_of_chains_runs_ahead_with_no_request_between_them(cluster):
+    """RunAhead(more=...): the worker runs the chains one after another without waiting for the driver, as
+    long as every call succeeded and the rule holds after each (its arguments, one tuple on the worker, keep
+    what it saw); take_run_ahead returns a ChainResult per chain that ran, with one request; take_ahead, which
+    expects one chain, refuses a block, naming take_run_ahead."""
+    from rlnb.runtime.group import RunAhead, chain, take_ahead, take_run_ahead
+
+    tally = rlnb.Group.launch(Tally, cluster, "0", name="tally")
+    try:
+        nap = [(tally, "nap", (0.2,))]
+        run = RunAhead(nap, more=[nap, nap])
+        t0 = time.perf_counter()
+        assert chain(nap, then=run).ahead and time.perf_counter() - t0 < 0.5
+        block = take_run_ahead(run)
+        assert len(block) == 3 and not block[-1].ahead and time.perf_counter() - t0 > 0.75
+        assert all(0 <= done.idle_s < 0.1 for done in block)  # each started as the one before ended
+        assert [done.duration_s > 0.19 for done in block] == [True] * 3
+
+        record = [(tally, "record", ("ahead",))]
+        run = RunAhead(record, _seen_below, ([], 3), more=[record] * 4)
+        assert chain([(tally, "record", ("a",))], then=run).ahead  # the rule saw 1
+        assert [done[0].result() for done in take_run_ahead(run)] == [2, 3]  # it saw 2, then 3: stop
+
+        run = RunAhead(record, more=[[(tally, "fail", ("no",))], record])
+        chain(record, then=run)
+        first, failed = take_run_ahead(run)  # the chain after the failure did not run
+        assert first[0].result() == 5 and not failed.ahead
+        with pytest.raises(rlnb.RemoteError, match="ValueError: no"):
+            failed[0].result()
+        assert len(tally.seen().result()[0]) == 5
+
+        chain(record, then=RunAhead(record, more=[record]))
+        with pytest.raises(ValueError, match="ran 2 chains ahead.*take_run_ahead"):
+            take_ahead(record)
+    finally:
+        tally.shutdown()
+
+
 def test_a_chain_run_ahead_needs_direct_calls(cluster, monkeypatch):
     from rlnb.runtime.group import RunAhead, chain
 

@@ -53,8 +53,9 @@ class RunnerConfig:
     """After a lost worker, rebuild the components and resume from the last checkpoint up to this many times."""
     run_ahead: bool = True
     """Where a whole step runs on one worker (env, rollout and actor collocated on one slot, synchronous), let
-    the worker start the next step of ``run`` as soon as it has answered one, while the driver logs it; a stop,
-    pause or steering asked for meanwhile then lands a step later. ``false``: every step waits for the driver."""
+    the worker run the next steps of ``run`` (about 0.1 s of them) as soon as it has answered one, while the
+    driver logs it; a stop, pause or steering asked for meanwhile then lands after those steps. ``false``:
+    every step waits for the driver."""
     tensorboard: bool = True
     """Also write TensorBoard event files when ``tensorboard`` is installed."""
     wandb_project: str | None = None

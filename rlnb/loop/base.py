@@ -455,11 +455,16 @@ class LoopBase:
     def _must_drain(self) -> bool:
         """Whether the step being taken ends where nothing may be in flight: a checkpoint or an evaluation
         of ``run()``, or its last step (so checkpoints resume exactly and nothing runs on unused)."""
-        r, next_step = self.recipe.runner, self.step + 1
+        return self._drains_at(self.step + 1)
+
+    def _drains_at(self, step: int) -> bool:
+        """Whether step ``step`` (a step number: the steps done once it is) ends where nothing may be in
+        flight (see :meth:`_must_drain`)."""
+        r = self.recipe.runner
         return bool(
-            (r.save_interval and next_step % r.save_interval == 0)
-            or (r.eval_interval and next_step % r.eval_interval == 0)
-            or (self._run_target is not None and next_step >= self._run_target)
+            (r.save_interval and step % r.save_interval == 0)
+            or (r.eval_interval and step % r.eval_interval == 0)
+            or (self._run_target is not None and step >= self._run_target)
         )
 
     # ------------------------------------------------------------------ shared phases
@@ -624,8 +629,8 @@ class LoopBase:
         log.info("step %d trains with %s", self.step + 1, changes)
 
     def pause(self) -> None:
-        """Hold a running ``run()`` at the next step boundary until :meth:`unpause` (or :meth:`stop`); a step
-        the worker already runs ahead (``runner.run_ahead``) is finished first."""
+        """Hold a running ``run()`` at the next step boundary until :meth:`unpause` (or :meth:`stop`); the
+        steps the worker already runs ahead (``runner.run_ahead``, about 0.1 s of them) are finished first."""
         self._running.clear()
 
     def unpause(self) -> None:
@@ -638,7 +643,7 @@ class LoopBase:
 
     def request_save(self) -> None:
         """Have ``run()`` write a checkpoint at the end of the step in progress (the dashboard's "save now"), or
-        of the step after it if the worker already runs that one ahead (``runner.run_ahead``)."""
+        of the last step the worker already runs ahead (``runner.run_ahead``, about 0.1 s of them)."""
         self._save_requested = True
 
     def _wait_while_paused(self) -> None:
@@ -754,7 +759,7 @@ class LoopBase:
         target = self._run_target = self.step + steps
         try:
             while self.step < target:
-                if not self._ahead:  # (a step the worker runs ahead is taken first: it is under way)
+                if not self._ahead:  # (steps the worker runs ahead are taken first: they are under way)
                     self._wait_while_paused()
                     if self._stop:
                         break
@@ -800,20 +805,19 @@ class LoopBase:
         return records
 
     def _take_ahead_after_error(self) -> None:
-        """``run()`` is ending on an error or an interrupt while a step runs ahead on the worker: take and log
-        it, so that the loop's step count and the workers' agree (a failure here is logged, not raised: the
+        """``run()`` is ending on an error or an interrupt while steps run ahead on the worker: take and log
+        them, so that the loop's step count and the workers' agree (a failure here is logged, not raised: the
         first error is the one to see)."""
         self._run_target = None  # (nothing further runs ahead)
-        try:
-            self.step_once()
-        except Exception as e:
-            log.warning(
-                "the step running ahead on the worker could not be taken: %s: %s", type(e).__name__, e
-            )
+        while self._ahead:
+            try:
+                self.step_once()
+            except Exception as e:
+                log.warning("a step run ahead on the worker could not be taken: %s: %s", type(e).__name__, e)
 
     def stop(self) -> None:
-        """Ask a running ``run()`` to stop at the next step boundary (after the step the worker already runs
-        ahead, if any: ``runner.run_ahead``)."""
+        """Ask a running ``run()`` to stop at the next step boundary (after the steps the worker already runs
+        ahead, if any: ``runner.run_ahead``, about 0.1 s of them)."""
         self._stop = True
 
     @property

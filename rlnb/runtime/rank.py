@@ -146,7 +146,7 @@ class RankHost:
         self.obj = None
         self.init_error: dict | None = None
         self._after_reply = None  # the chain to run ahead once the current reply is sent (see chain)
-        self._ahead: tuple | None = None  # (replies, idle_s, duration) of the chain run ahead, until taken
+        self._ahead: list | None = None  # (replies, idle_s, duration) of each chain run ahead, until taken
         self._chain_end = 0.0  # when the last chain ended (perf_counter)
         tune_malloc()
         os.environ.update(
@@ -189,33 +189,35 @@ class RankHost:
     def chain(self, calls: list[tuple[str, int, str, tuple, dict]], then: tuple | None = None):
         """Run ``calls``, each ``(component, rank, method, args, kwargs)`` of this driver session in this
         worker process, one after another in one request, as separate calls would run them; stop at the
-        first that fails. Returns ``("ok", (replies, ahead, idle_s), duration)``: each call's ``(status,
-        value, duration_s)``, the failed one last (the calls after it did not run); whether ``then`` runs
-        ahead (see :meth:`take_ahead`); ``idle_s`` is ``None`` (it is for a chain run ahead).
+        first that fails. Returns ``("ok", ([(replies, None, duration)], ahead), duration)``: each call's
+        ``(status, value, duration_s)``, the failed one last (the calls after it did not run), and whether
+        ``then`` runs ahead (see :meth:`take_ahead`).
 
-        ``then``: ``(calls, proceed, args)``: once this reply is sent, run ``calls`` as a chain at once,
-        without waiting for the driver, if every call here succeeded and ``proceed`` is ``None`` or
-        ``proceed([each call's value], *args)`` is true."""
+        ``then``: ``(chains, proceed, args)``: once this reply is sent, run each of ``chains`` (lists of calls)
+        at once, one after another, without waiting for the driver, as long as every call so far succeeded and
+        ``proceed`` is ``None`` or ``proceed([each call's value], *args)`` is true after each chain, this one
+        first. ``args`` is the same tuple at each of these calls, so a rule can keep what it saw in it."""
         if self._ahead is not None:  # a driver that went away mid-step (interrupted) never took them
             direct.log.warning("%s[%s]: dropped the replies of a chain run ahead that were never taken",
                                self.info.component, self.info.rank)  # fmt: skip
             self._ahead = None
         replies, duration = self._run_chain(calls)
-        return ("ok", (replies, self._then(then, replies), None), duration)
+        return ("ok", ([(replies, None, duration)], self._then(then, [replies])), duration)
 
     def take_ahead(self, then: tuple | None = None):
-        """The replies of the chain the last :meth:`chain` (or ``take_ahead``) ran ahead, as
-        ``("ok", (replies, ahead, idle_s), duration)``: ``idle_s`` is how long this worker waited between the
-        chain before it and this one (sending a reply, a driver that was late). ``then``: as for :meth:`chain`,
-        on these replies."""
+        """The replies of the chains the last :meth:`chain` (or ``take_ahead``) ran ahead, as
+        ``("ok", ([(replies, idle_s, duration), ...], ahead), duration)``, a triple per chain that ran:
+        ``idle_s`` is how long this worker spent between the chain before it and this one (sending a reply, a
+        driver that was late). ``then``: as for :meth:`chain`, after these chains."""
         if self._ahead is None:
             err = RuntimeError(
                 f"{self.info.component}[{self.info.rank}] ran no chain ahead (a chain's `then` did not "
                 "proceed, or its replies were taken already)"
             )
             return ("err", pack_exception(err), 0.0)
-        (replies, idle_s, duration), self._ahead = self._ahead, None
-        return ("ok", (replies, self._then(then, replies), idle_s), duration)
+        block, self._ahead = self._ahead, None
+        ahead = self._then(then, [replies for replies, _, _ in block])
+        return ("ok", (block, ahead), sum(duration for _, _, duration in block))
 
     def pop_after_reply(self):
         """What to run on this rank's thread once the reply of the request just served is sent (the
@@ -238,28 +240,26 @@ class RankHost:
         self._chain_end = time.perf_counter()
         return replies, self._chain_end - t0
 
-    def _then(self, then: tuple | None, replies: list) -> bool:
-        """Whether ``then`` (see :meth:`chain`) runs ahead after ``replies``; if so, it is set to run once
-        the reply is sent."""
-        if then is None or any(r[0] != "ok" for r in replies):
+    def _then(self, then: tuple | None, chains_replies: list[list]) -> bool:
+        """Whether ``then`` (see :meth:`chain`) runs ahead after the chains that gave ``chains_replies``; if
+        so, it is set to run once the reply is sent."""
+        if then is None:
             return False
-        calls, proceed, args = then
-        if proceed is not None:
-            try:
-                if not proceed([r[1] for r in replies], *args):
-                    return False
-            except Exception as e:  # (the loop's own rule: a bug, not the user's) run nothing ahead
-                direct.log.warning(
-                    "a chain's `then` rule failed (%s: %s); nothing runs ahead", type(e).__name__, e
-                )
-                return False
-        self._after_reply = functools.partial(self._run_ahead, calls)
+        chains, proceed, args = then
+        if not all(_goes_on(proceed, args, replies) for replies in chains_replies):
+            return False
+        self._after_reply = functools.partial(self._run_ahead, chains, proceed, args)
         return True
 
-    def _run_ahead(self, calls) -> None:
-        idle_s = time.perf_counter() - self._chain_end
-        replies, duration = self._run_chain(calls)
-        self._ahead = (replies, idle_s, duration)
+    def _run_ahead(self, chains: list, proceed, args: tuple) -> None:
+        block = []
+        for calls in chains:
+            if block and not _goes_on(proceed, args, block[-1][0]):
+                break
+            idle_s = time.perf_counter() - self._chain_end
+            replies, duration = self._run_chain(calls)
+            block.append((replies, idle_s, duration))
+        self._ahead = block
 
     # ---- checkpoints: each rank writes/reads its own component state (big state stays on workers)
     def save_state(self, path: str):
@@ -319,6 +319,20 @@ class RankHost:
             del _HOSTS[key]
         self._stores.clear()
         return ("ok", None, 0.0)
+
+
+def _goes_on(proceed, args: tuple, replies: list) -> bool:
+    """After a chain that gave ``replies``: whether a chain may run ahead after it (see
+    :meth:`RankHost.chain`). Every call succeeded, and ``proceed`` says so."""
+    if any(r[0] != "ok" for r in replies):
+        return False
+    if proceed is None:
+        return True
+    try:
+        return bool(proceed([r[1] for r in replies], *args))
+    except Exception as e:  # (the loop's own rule: a bug, not the user's) run nothing ahead
+        direct.log.warning("a chain's `then` rule failed (%s: %s); nothing runs ahead", type(e).__name__, e)
+        return False
 
 
 def _save_state(obj, path: str) -> int:
