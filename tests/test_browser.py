@@ -99,6 +99,7 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
 
     port = _free_port()
     # served from a copy in the test's directory: the kernel runs there, and its loop's run directory with it
+    beside = set(NOTEBOOK.parent.iterdir())
     notebook = tmp_path / NOTEBOOK.name
     shutil.copy(NOTEBOOK, notebook)
     # the server's and its kernel's output go to a file, read on failure (a pipe nobody reads fills up and
@@ -157,6 +158,9 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
     finally:
         _stop(voila)
         log.close()
+    assert (
+        set(NOTEBOOK.parent.iterdir()) == beside
+    )  # nothing left beside the notebook (its run is in tmp_path)
 
 
 @pytest.mark.skipif(
