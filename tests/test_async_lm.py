@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from rlnb.config import load_recipe
 from rlnb.errors import ComponentError, ConfigError, RemoteError
 from rlnb.loop import GRPOLoop
 from tests.conftest import assert_metrics_documented, kill_driver_inside_a_step
@@ -308,21 +309,88 @@ def test_async_grpo_built_from_objects(cluster, tmp_path):
     rollout = HFRollout.launch(cluster, "0", model_path=model, max_new_tokens=3)
     with pytest.raises(ConfigError, match="needs rollout and actor on different slots"):
         GRPOLoop(rollout=rollout, actor=together, reward="arithmetic", prompts=records, prompts_per_step=4)
-    multi_turn = HFRollout.launch(
-        cluster, "0", model_path=model, max_new_tokens=3, max_turns=2, interaction="arithmetic_retry"
-    )
+
+    class WholeCompletions(HFRollout):  # a rollout with its own engine, as vLLM's: no chunks of tokens
+        CHUNKED_GENERATION = False
+
+    engine = WholeCompletions.launch(cluster, "0", model_path=model, max_new_tokens=3)
     actor = LMActor.launch(cluster, "1", model_path=model, group_size=4, max_staleness=1)
-    with pytest.raises(
-        ConfigError, match=r"max_staleness=1: multi-turn rollouts \(max_turns=2\) are synchronous"
-    ):
-        GRPOLoop(rollout=multi_turn, actor=actor, reward="arithmetic", prompts=records, prompts_per_step=4)
-    # called directly (a new group: the loop refused shut down the groups it was given)
-    multi_turn = HFRollout.launch(
-        cluster, "0", model_path=model, max_new_tokens=3, max_turns=2, interaction="arithmetic_retry"
+    with pytest.raises(ConfigError, match="max_staleness=1: WholeCompletions generates whole completions"):
+        GRPOLoop(rollout=engine, actor=actor, reward="arithmetic", prompts=records, prompts_per_step=4)
+    engine = WholeCompletions.launch(cluster, "0", model_path=model, max_new_tokens=3)  # called directly
+    with pytest.raises(RemoteError, match="WholeCompletions generates whole completions"):
+        engine.stream([(0, "1+1=", "2")], 4, 1, 1, 1, None, "w", None, "b", "reward").result()
+    engine.shutdown()
+    with pytest.raises(ConfigError, match="rollout.backend: vllm generates whole completions"):
+        load_recipe("grpo_arith", ["rollout.backend=vllm", "algorithm.max_staleness=1"])
+
+
+def last_answer(completion: str, answer: str) -> float:
+    """A multi-turn arithmetic reward: 1.0 if the transcript's last answer (after its last `` no. ``) is right."""
+    from rlnb.algorithms.rewards import arithmetic_reward
+
+    return arithmetic_reward(completion.rsplit(" no. ", 1)[-1], answer)
+
+
+def test_asynchronous_multi_turn_rollouts_go_on_across_chunks_and_weight_updates_on_workers(
+    cluster, tmp_path, monkeypatch
+):
+    """``algorithm.max_staleness=1`` with ``rollout.max_turns=3`` (``arithmetic_retry``), one token a chunk:
+    a transcript's next turn starts in the chunk after its last ended, beside the others' tokens, across
+    weight updates. The replies are context, out of the response mask, with no log-prob and version -1: with
+    a learning rate of 1e-12 (each version the same weights, to a part in 1e12) the actor's log-probs match
+    the sampler's on every model token (ratio 1, approx_kl ~0). Rewards score the transcript, a right first
+    answer ends it, and ``rollout/turns_mean`` counts the model's turns."""
+    import re
+
+    from rlnb.algorithms.rewards import REWARDS, register_reward
+    from rlnb.models import load_lm
+
+    monkeypatch.setattr(REWARDS, "_items", dict(REWARDS._items))
+    register_reward("last_answer")(last_answer)
+    overrides = [*SMALL, f"actor.model_path={tmp_path / 'model'}", "actor.sft_steps=40", "runner.steps=4",
+                 "algorithm.max_staleness=1", "rollout.chunk_tokens=1", "rollout.max_turns=3",
+                 "rollout.interaction=arithmetic_retry", "reward.name=last_answer", "actor.lr=1e-12"]  # fmt: skip
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        records = loop.run(progress=False)
+        rows = [row for g in range(loop.recipe.data.prompts_per_step) for row in loop.sample_group(g)]
+        batch = loop.groups["rollout"].on(0).take_batch().result()[0]
+    assert max(r["rollout/staleness_max"] for r in records) == 1  # generated across weight updates
+    assert all(abs(r["train/ratio_mean"] - 1) < 1e-4 and abs(r["train/approx_kl"]) < 1e-6 for r in records)
+    turns = [r["rollout/turns_mean"] for r in records]
+    assert all(1 < t < 3 for t in turns), turns
+    replies = [row["completion"].count(" no. ") for row in rows]
+    assert 0 in replies and max(replies) >= 1
+    for row, n in zip(rows, replies):
+        a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", row["prompt"]).groups())
+        assert row["reward"] == last_answer(row["completion"], str(a + b))
+        if n < 2:  # the transcript ended early: its last answer was right
+            assert row["reward"] == 1.0
+    # a batch still generated: the replies' tokens attended to, out of the mask, version -1 as the prompt's
+    mask, attended, versions = (
+        batch["response_mask"].bool(),
+        batch["attention_mask"].bool(),
+        batch["versions"],
     )
-    with pytest.raises(RemoteError, match="max_turns=2: multi-turn rollouts are synchronous"):
-        multi_turn.stream([(0, "1+1=", "2")], 4, 1, 1, 1, None, "w", None, "b", "reward").result()
-    multi_turn.shutdown()
+    assert (
+        (versions[~mask] == -1).all()
+        and (versions[mask] >= 0).all()
+        and (batch["logprobs"][~mask] == 0).all()
+    )
+    _, tok = load_lm(str(tmp_path / "model"))
+    start = int(mask.any(0).nonzero()[0])  # the first response column
+    for i, text in enumerate(batch["texts"]):
+        n = text.count(" no. ")
+        replies = attended[i, start:] & ~mask[i, start:]
+        assert (
+            tok.decode(batch["input_ids"][i, start:][replies]) == " no. " * n and batch["turns"][i] == n + 1
+        )
+        assert (
+            tok.decode(batch["input_ids"][i, start:][attended[i, start:]], skip_special_tokens=True) == text
+        )
+    # conversations that went on through a weight update: their model tokens were made by two versions
+    went_on = [i for i in range(len(mask)) if batch["turns"][i] > 1]
+    assert any(len(set(versions[i][mask[i]].tolist())) > 1 for i in went_on)
 
 
 def test_decoupled_ppo_trains_asynchronous_grpo_with_its_behaviour_weight_cap(cluster, tmp_path):

@@ -827,8 +827,6 @@ def test_a_multi_turn_run_answers_again_after_a_wrong_answer_and_trains_on_the_m
         ("grpo_arith", ["rollout.interaction=arithmetic_retry"], "rollout.interaction: it answers between"),
         ("grpo_arith", ["rollout.max_turns=2", "rollout.interaction=arithmetic_retyr"],
          "rollout.interaction: unknown interaction 'arithmetic_retyr'.*Did you mean 'arithmetic_retry'"),
-        ("grpo_arith", ["rollout.max_turns=2", "rollout.interaction=arithmetic_retry", "algorithm.max_staleness=1"],
-         "rollout.max_turns: multi-turn rollouts are synchronous"),
         ("ppo_cartpole", ["rollout.max_turns=2", "rollout.interaction=arithmetic_retry"],
          "rollout.max_turns: turns of an LM's conversation"),
     ],

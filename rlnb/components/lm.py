@@ -280,6 +280,9 @@ class HFRollout(RolloutBase):
     share_prompt_prefill, shared_prefills, prefill_fallback = False, 0, None
     drop_finished, decode_fallback = False, None
     KEEP_CACHE_ACROSS_CHUNKS = True  # asynchronous mode: a chunk goes on from the last one's KV cache
+    CHUNKED_GENERATION = (
+        True  # asynchronous mode: stream() generates chunks of tokens (not with vLLM's engine)
+    )
     _carried: tuple | None = None
     max_turns, interaction = 1, None  # one turn, unless told (a subclass with its own __init__ too)
     turns_cut = 0  # transcripts ended because their next turn would not fit in the model's positions
@@ -798,12 +801,17 @@ class HFRollout(RolloutBase):
         finished groups, oldest first, are scored by the collocated ``reward`` and put in ``batches``
         under ``batch_key`` (or ``shards`` parts); groups still unfinished stay in the pool for the next
         call, and in this rank's checkpoint.
+
+        With ``max_turns > 1``, a sequence whose turn ends (EOS, or ``max_new_tokens`` of that turn) gets the
+        interaction's reply at once and its next turn goes on in the next chunks, beside the other sequences'
+        tokens, across weight updates as any other: a long conversation does not hold up the batch's others.
+        The replies are context, out of the response mask, with no log-prob and version -1, as the prompt.
         """
-        if self.max_turns > 1:  # (the loop refuses this before anything starts; a direct call, here)
+        if not self.CHUNKED_GENERATION:  # (the loop refuses this before anything starts; a direct call, here)
             raise ConfigError(
-                f"max_turns={self.max_turns}: multi-turn rollouts are synchronous; asynchronous generation takes "
-                "one turn per completion",
-                "max_turns",
+                f"{type(self).__name__} generates whole completions (its own engine): asynchronous generation "
+                "takes new weights between chunks of tokens, with HFRollout's own decoding",
+                "max_staleness",
             )
         t0 = time.perf_counter()
         self._admit(problems, n)
@@ -845,13 +853,17 @@ class HFRollout(RolloutBase):
             "response_len_mean": float(self.batch["response_mask"].sum(-1).float().mean()),
             "truncated_frac": float(self.batch["truncated"].float().mean()),
             "staleness": [train_version - g["start"] for g in taken],
-            "interrupted": sum(len(set(s["versions"])) > 1 for g in taken for s in g["seqs"]),
+            "interrupted": sum(
+                len({v for v in s["versions"] if v >= 0}) > 1 for g in taken for s in g["seqs"]
+            ),
             "serials": [g["serial"] for g in taken],
             "swaps": swaps,
             "chunks": chunks,
             "pool": len(self.pool),
             "version": self.version,
         }
+        if "turns" in self.batch:  # multi-turn: the model's turns per transcript
+            summary["turns_mean"] = float(self.batch["turns"].float().mean())
         b = self.batch
         scored = local_peer(reward, self.rank).score_terms(
             b["texts"], b["answers"], b["prompts"], b["fields"]
@@ -866,6 +878,9 @@ class HFRollout(RolloutBase):
         ``n`` empty sequences each."""
         for serial, prompt, answer, *fields in problems:
             seqs = [{"ids": [], "logprobs": [], "versions": [], "done": False} for _ in range(n)]
+            if self._multi_turn():  # (each turn's own tokens, the transcript's text, where this turn starts)
+                for s in seqs:
+                    s.update(own=[], text="", turn=1, turn_start=0)
             ids = prompt_ids(self.tok, prompt)
             self.pool.append(
                 {"serial": serial, "prompt": prompt, "answer": answer, "fields": fields[0] if fields else {},
@@ -881,7 +896,7 @@ class HFRollout(RolloutBase):
         them again; or by ``generate`` with ``drop_finished=False``, prefilling every chunk."""
         self.onload()
         rows = [(g, s) for g in self.pool for s in g["seqs"] if not s["done"]]
-        budget = [self.max_new_tokens - len(s["ids"]) for _, s in rows]
+        budget = [self.max_new_tokens - len(s["ids"]) + s.get("turn_start", 0) for _, s in rows]
         seed, steps = self.seed * 1_000_003 + self.calls, min(chunk_tokens, max(budget))
         self.calls += 1
         carried, self._carried = self._carried, None
@@ -918,14 +933,20 @@ class HFRollout(RolloutBase):
             if g["start"] is None:
                 g["start"] = self.version
             toks, lps = toks[:left], lps[:left]
-            if self.tok.eos_token_id in toks:  # keep up to and including the first EOS
+            ended = self.tok.eos_token_id in toks
+            if ended:  # keep up to and including the first EOS
                 cut = toks.index(self.tok.eos_token_id) + 1
-                toks, lps, s["done"] = toks[:cut], lps[:cut], True
+                toks, lps = toks[:cut], lps[:cut]
             s["ids"] += toks
             s["logprobs"] += lps
             s["versions"] += [self.version] * len(toks)
-            s["done"] = s["done"] or len(s["ids"]) >= self.max_new_tokens
             made += len(toks)
+            if "own" in s:  # multi-turn: the turn over, the interaction answers or the transcript ends
+                s["own"] += [1] * len(toks)
+                if ended or len(toks) >= left:
+                    self._next_turn(g, s)
+            else:
+                s["done"] = ended or len(s["ids"]) >= self.max_new_tokens
         if going is not None:  # the rows still running (not done) go on from this chunk's KV cache
             running = [rows[i][1] for i in going.rows.tolist()]
             if all(not seq["done"] for seq in running):
@@ -948,14 +969,20 @@ class HFRollout(RolloutBase):
         def right(key, fill, dtype):  # [B, R], right-padded
             return torch.tensor([s[key] + [fill] * (width - len(s[key])) for _, s in seqs], dtype=dtype)
 
-        resp_mask = torch.tensor([[1] * len(s["ids"]) + [0] * (width - len(s["ids"])) for _, s in seqs])
+        multi_turn = all("own" in s for _, s in seqs)
+        attended = torch.tensor([[1] * len(s["ids"]) + [0] * (width - len(s["ids"])) for _, s in seqs])
+        resp_mask = right("own", 0, torch.long) if multi_turn else attended
         zeros = torch.zeros_like(prompt)
-        texts = self.tok.batch_decode([s["ids"] for _, s in seqs], skip_special_tokens=True)
+        if multi_turn:
+            texts = [s["text"] for _, s in seqs]
+        else:
+            texts = self.tok.batch_decode([s["ids"] for _, s in seqs], skip_special_tokens=True)
         n = len(taken[0]["seqs"])
+        extra = {"turns": torch.tensor([s["turn"] for _, s in seqs])} if multi_turn else {}
         return {
             "input_ids": torch.cat([prompt, right("ids", pad, torch.long)], dim=1),
             "attention_mask": torch.cat(
-                [_pad_left([[1] * len(g["prompt_ids"]) for g, _ in seqs], 0), resp_mask], 1
+                [_pad_left([[1] * len(g["prompt_ids"]) for g, _ in seqs], 0), attended], 1
             ),
             "response_mask": torch.cat([zeros, resp_mask], dim=1),
             "logprobs": torch.cat([zeros.float(), right("logprobs", 0.0, torch.float32)], dim=1),
@@ -966,7 +993,42 @@ class HFRollout(RolloutBase):
             "fields": [g.get("fields", {}) for g, _ in seqs],
             "texts": texts,
             "version": min(g["start"] for g in taken),
+            **extra,
         }
+
+    def _multi_turn(self) -> bool:
+        return self.max_turns > 1 and self.interaction is not None
+
+    def _next_turn(self, g: dict, s: dict) -> None:
+        """Asynchronous multi-turn: sequence ``s`` of group ``g`` ended a turn. The interaction answers its
+        transcript, and the reply's tokens follow as context for the next turn; or the transcript is done: at
+        ``max_turns``, when the interaction ends it, or when the next turn would not fit the model's positions
+        (as :meth:`_generate_turns` decides, turn by turn)."""
+        last = self.tok.decode(s["ids"][s["turn_start"] :], skip_special_tokens=True)
+        s["text"] += last
+        if s["turn"] >= self.max_turns:
+            s["done"] = True
+            return
+        reply = self.interaction(s["text"], s["turn"], g["answer"], g["prompt"], last, **g.get("fields", {}))
+        if reply is None:
+            s["done"] = True
+            return
+        ids = self.tok(reply, add_special_tokens=False)["input_ids"]
+        limit = self._context_limit()
+        if (
+            limit is not None
+            and len(g["prompt_ids"]) + len(s["ids"]) + len(ids) + self.max_new_tokens > limit
+        ):
+            self.turns_cut += 1
+            s["done"] = True
+            return
+        s["ids"] += ids
+        s["logprobs"] += [0.0] * len(ids)
+        s["versions"] += [-1] * len(ids)
+        s["own"] += [0] * len(ids)
+        s["text"] += reply
+        s["turn"] += 1
+        s["turn_start"] = len(s["ids"])
 
     def state_dict(self) -> dict:
         return {"calls": self.calls, "version": self.version, "pool": self.pool}
@@ -997,7 +1059,10 @@ class VLLMRollout(HFRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
     engine starts with ``enable_sleep_mode=True``: :meth:`offload` puts it to sleep (level 1: weights to
     CPU memory, KV cache freed) while a collocated actor trains. vLLM runs its engine in a child process,
     which needs a non-daemonic Dask worker (the embedded cluster's are; see :class:`rlnb.Cluster`).
+    Synchronous mode only: asynchronous generation's chunks (:meth:`HFRollout.stream`) are rlnb's own decoding.
     """
+
+    CHUNKED_GENERATION = False
 
     def __init__(
         self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,

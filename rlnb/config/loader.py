@@ -401,6 +401,12 @@ def validate(recipe: Recipe) -> list[str]:
         "an integer >= 1",
         ro.max_turns,
     )
+    if ro.backend == "vllm" and isinstance(a.max_staleness, int) and a.max_staleness > 0:
+        errs.append(
+            f"rollout.backend: vllm generates whole completions in its engine, and asynchronous generation "
+            f"(algorithm.max_staleness={a.max_staleness}) takes new weights between chunks of tokens, with rlnb's "
+            "own decoding; use rollout.backend=hf, or algorithm.max_staleness=0"
+        )
     if isinstance(ro.max_turns, int) and ro.max_turns >= 2:
         if ro.backend == "policy":
             errs.append(
@@ -410,11 +416,6 @@ def validate(recipe: Recipe) -> list[str]:
             errs.append(
                 f"rollout.interaction: with rollout.max_turns={ro.max_turns} something must answer between the "
                 f"model's turns; registered interactions: {', '.join(INTERACTIONS.names())}"
-            )
-        if isinstance(a.max_staleness, int) and a.max_staleness > 0:
-            errs.append(
-                f"rollout.max_turns: multi-turn rollouts are synchronous; with algorithm.max_staleness="
-                f"{a.max_staleness} completions are generated in chunks across weight updates. Set one of them off"
             )
     elif ro.interaction is not None:
         errs.append(

@@ -234,7 +234,9 @@ class RolloutConfig:
     """LM RL: turns the model takes per completion at most (multi-turn rollouts, as veRL's and AReaL's agents).
     After each turn but the last, ``interaction`` answers the transcript so far (a tool's output, a user's
     follow-up) or ends the episode, and the model's next turn reads the whole transcript. Only the model's own
-    tokens are trained on; rewards score the whole transcript after the prompt. Synchronous mode only."""
+    tokens are trained on; rewards score the whole transcript after the prompt. In asynchronous mode
+    (``algorithm.max_staleness``), a conversation's next turn goes on in the next chunks, across weight
+    updates."""
     interaction: str | None = None
     """LM RL, with ``max_turns`` >= 2: a registered interaction (``arithmetic_retry``; a notebook's own through
     ``rlnb.algorithms.interactions.register_interaction``, or a function given to ``HFRollout(interaction=...)``)."""

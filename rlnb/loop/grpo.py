@@ -191,11 +191,11 @@ class GRPOLoop(LoopBase):
                 "rlnb.components.HFRollout and override what you change",
                 rollout.name, rollout.cls.__name__, "stream",
             )  # fmt: skip
-        turns = (getattr(rollout, "_launch_spec", None) or {}).get("kwargs") or {}
-        if self.recipe.rollout.max_turns > 1 or turns.get("max_turns", 1) > 1:
+        if rollout is not None and not getattr(rollout.cls, "CHUNKED_GENERATION", True):
             raise ConfigError(
-                f"{key}={n}: multi-turn rollouts (max_turns={max(self.recipe.rollout.max_turns, turns.get('max_turns', 1))}) "
-                "are synchronous; asynchronous generation takes one turn per completion. Set one of them off",
+                f"{key}={n}: {rollout.cls.__name__} generates whole completions (its own engine), and asynchronous "
+                "generation takes new weights between chunks of tokens; use rlnb.components.HFRollout "
+                "(rollout.backend=hf), or max_staleness=0",
                 key,
             )
         self._check_async_apart("{'rollout,reward': 0, actor: 1}")
