@@ -935,3 +935,60 @@ def test_grpo_learns_to_call_the_calculator_right_on_workers(cluster, tmp_path):
     for prompt, text, answer in samples:  # each through the tool: the call, its result, the answer copied
         if final_answer(text, answer):
             assert text == f"calc({prompt[:-1]}) = {answer};{answer}", text
+
+
+def test_the_calculator_recipe_warm_starts_on_tool_transcripts_and_grpo_learns_the_right_call_on_workers(
+    cluster, tmp_path
+):
+    """``grpo_calculator``: the warm start's rows are each problem's conversation turn by turn, the calculator
+    replying between them as in training (``data.sft_turns``); the imperfect teacher's call is ``calc(a+b)`` on
+    65 % of the first turns and the second turn copies the right result. Held-out greedy accuracy: 0.0 after
+    the warm start (it calls the wrong expression), at least 0.8 after the recipe's 60 steps (runs here: 1.0)."""
+    overrides = [
+        f"actor.model_path={tmp_path / 'model'}",
+        "runner.tensorboard=false",
+        "runner.eval_interval=0",
+    ]
+    with GRPOLoop.from_recipe(
+        "grpo_calculator", overrides, cluster=cluster, run_dir=tmp_path / "run"
+    ) as loop:
+        contexts, targets, wrong_contexts, wrong_targets = loop._turn_demonstrations()
+        n = len(loop.task.train)
+        assert len(contexts) == len(wrong_contexts) == 2 * n
+        (first, call), (after, answer) = zip(contexts[:2], targets[:2])
+        a, b = map(int, first[:-1].split("*"))
+        assert call == f"calc({a}*{b})" and answer == str(a * b)
+        assert after == [first, call, f" = {a * b};"]  # the calculator's own reply, as in training
+        assert wrong_targets[0] == f"calc({a}+{b})" and (wrong_contexts[1], wrong_targets[1]) == (
+            after,
+            answer,
+        )
+        loop.sft()
+        before = loop.evaluate()["eval/accuracy"]
+        shown = loop.last_samples  # (the first few of the evaluation's transcripts)
+        wrong_calls = sum(f"calc({p[:-1].replace('*', '+')})" in text for p, text, _ in shown)
+        loop.run(progress=False)
+        after = loop.evaluate()["eval/accuracy"]
+        samples = loop.last_samples
+    assert before <= 0.2 and wrong_calls >= len(shown) / 2, (before, wrong_calls, len(shown))
+    assert after >= 0.8, after
+    right = [(p, t, a) for p, t, a in samples if t.rsplit(";", 1)[-1] == a]
+    assert all(t == f"calc({p[:-1]}) = {a};{a}" for p, t, a in right)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.sft_turns=['calc({expresion})', '{answer}']"],
+         r"data.sft_turns: 'calc\({expresion}\)' names {expresion}; .*Did you mean 'expression'"),
+        (["data.sft_noise_turns=['calc({a}+{b})']"],
+         r"data.sft_noise_turns: expected a list of 2 format strings or nulls"),
+        (["data.sft_noise_turns=null"], r"data.sft_noise: 0.65 of a multi-turn warm start's demonstrations"),
+        (["rollout.max_turns=1", "rollout.interaction=null"], r"data.sft_turns: 2 turns, and the rollout takes"),
+        (["data.min_operand=40"], r"data.min_operand: expected an integer from 0 to data.max_operand \(39\), got 40"),
+        (["data.sft_turns=null"], r"data.sft_noise_turns: the imperfect teacher's turns need data.sft_turns"),
+    ],
+)  # fmt: skip
+def test_the_calculator_recipes_warm_start_settings_are_checked_naming_the_key(overrides, message):
+    with pytest.raises(rlnb.ConfigError, match=message):
+        rlnb.config.load_recipe("grpo_calculator", overrides)

@@ -242,6 +242,20 @@ def arithmetic_reward(completion: str, answer: str) -> float:
     return 1.0 if m is not None and int(m.group(1)) == int(answer) else 0.0
 
 
+@register_reward("final_answer")
+def final_answer_reward(completion: str, answer: str) -> float:
+    """1.0 if a tool-using transcript's final answer is the reference exactly: what follows the last tool result
+    (after its last ``;``, where :func:`rlnb.algorithms.interactions.tool_calls`' reply ``" = {result};"`` ends);
+    a transcript with no tool result is its own final answer. A right answer the model did not give last, or
+    a tool's result left uncopied, scores 0.
+
+    Example:
+        >>> final_answer_reward("calc(12*13) = 156;156", "156"), final_answer_reward("calc(12*13) = 156;", "156")
+        (1.0, 0.0)
+    """
+    return 1.0 if completion.rsplit(";", 1)[-1].strip() == answer.strip() else 0.0
+
+
 @register_reward("format")
 def format_reward(completion: str, answer: str, pattern: str = r"\\boxed\{[^{}]+\}|####\s*\S+") -> float:
     """1.0 if the completion contains the required answer format (default: ``\\boxed{..}`` or ``#### x``)."""

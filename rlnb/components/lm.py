@@ -1262,26 +1262,40 @@ class LMActor(ActorBase):
         return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
 
     # ------------------------------------------------------------------ SFT
-    def _sft_rows(self, prompts: list[str], answers: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+    def _sft_rows(self, prompts: list, answers: list[str]) -> tuple[list[list[int]], list[list[int]]]:
         """Token ids of ``prompt + answer + EOS`` per problem, and which of them are the answer's (1) to learn."""
-        enc = [prompt_ids(self.tok, p) for p in prompts]
+        enc = [self._context_ids(p) for p in prompts]
         # the answer goes on the prompt's tokens with no special token of its own: a Llama tokenizer would start
         # it with a second <bos>, and the warm start would teach one after every prompt
         tgt = [self.tok(a, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id] for a in answers]
         return [p + a for p, a in zip(enc, tgt)], [[0] * len(p) + [1] * len(a) for p, a in zip(enc, tgt)]
 
+    def _context_ids(self, prompt: str | list[str]) -> list[int]:
+        """A warm-start row's context: a prompt's ids, or a transcript so far, ``[prompt, turn, reply, turn,
+        reply, ...]``, each of the model's turns followed by EOS, as a multi-turn rollout makes it."""
+        if isinstance(prompt, str):
+            return prompt_ids(self.tok, prompt)
+        ids = prompt_ids(self.tok, prompt[0])
+        for i, piece in enumerate(prompt[1:]):
+            ids += self.tok(piece, add_special_tokens=False)["input_ids"]
+            if i % 2 == 0:  # the model's turn ends with EOS, the interaction's reply follows it
+                ids.append(self.tok.eos_token_id)
+        return ids
+
     def sft(
-        self, prompts: list[str], answers: list[str], steps: int, batch_size: int, lr: float,
-        wrong_answers: list[str] | None = None, wrong_prob: float = 0.0,
+        self, prompts: list, answers: list[str], steps: int, batch_size: int, lr: float,
+        wrong_answers: list[str] | None = None, wrong_prob: float = 0.0, wrong_prompts: list | None = None,
     ) -> list[float]:  # fmt: skip
-        """Supervised warm start: cross-entropy on the answer tokens (and EOS) of ``prompt + answer``.
+        """Supervised warm start: cross-entropy on the answer tokens (and EOS) of ``prompt + answer``. A prompt
+        may be a transcript so far, ``[prompt, turn, reply, ...]`` (a multi-turn warm start: one row per turn).
 
         With ``wrong_answers``, each time a problem is drawn its answer is replaced by the wrong one
-        with probability ``wrong_prob``: an imperfect teacher, wrong on every problem now and then.
+        with probability ``wrong_prob``: an imperfect teacher, wrong on every problem now and then
+        (``wrong_prompts``: its own contexts of them, where they differ).
         """
         rows, marks = self._sft_rows(prompts, answers)
         if wrong_answers is not None:
-            wrong_rows, wrong_marks = self._sft_rows(prompts, wrong_answers)
+            wrong_rows, wrong_marks = self._sft_rows(wrong_prompts or prompts, wrong_answers)
             rows, marks = rows + wrong_rows, marks + wrong_marks
         ids = _pad_left(rows, self.tok.pad_token_id)
         attn = _pad_left([[1] * len(r) for r in rows], 0)

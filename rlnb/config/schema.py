@@ -302,7 +302,9 @@ class DataConfig:
     """Local data file (question/answer layout, GSM8K-style ``#### answer``); its other columns are fields a reward
     may read by name (``def passes(completion, tests)``)."""
     max_operand: int = 20
-    """Arithmetic: operands from 0 to this (difficulty)."""
+    """Arithmetic: operands from ``min_operand`` to this (difficulty)."""
+    min_operand: int = 0
+    """Arithmetic: the smallest operand (``10`` with ``max_operand: 99``: two-digit operands only)."""
     ops: str = "+"
     """Arithmetic: operators to use, from ``+-*``."""
     held_out_frac: float = 0.2
@@ -312,7 +314,18 @@ class DataConfig:
     eval_size: int = 200
     """Held-out problems per evaluation."""
     sft_noise: float = 0.0
-    """Fraction of warm-start answers made deliberately wrong (off by one): an imperfect teacher for RL to beat."""
+    """Fraction of warm-start answers made deliberately wrong (off by one, or ``sft_noise_turns``): an imperfect
+    teacher for RL to beat."""
+    sft_turns: list[str] | None = None
+    """A multi-turn warm start (with ``rollout.max_turns``): the teacher's turns for each problem, format strings
+    over ``{expression}`` (the prompt without its ``=``), ``{answer}``, ``{a}``, ``{op}``, ``{b}`` (arithmetic) and
+    the record's fields; between two of them ``rollout.interaction`` replies, as it will in training, and the
+    warm start learns each turn after the transcript before it. E.g. ``["calc({expression})", "{answer}"]``:
+    call the calculator, then give its result."""
+    sft_noise_turns: list[str | None] | None = None
+    """With ``sft_turns`` and ``sft_noise``: the imperfect teacher's turns, each used instead of the right one on
+    that fraction of the demonstrations of that turn (after its own transcript so far); ``null``: that turn as
+    ``sft_turns`` has it. E.g. ``["calc({a}+{b})", null]``: a wrong call, then the result copied."""
     question_key: str = "question"
     """File data: the question column."""
     answer_key: str = "answer"

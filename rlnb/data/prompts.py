@@ -49,10 +49,11 @@ class ArithmeticTask:
     """``a+b=`` with a held-out split of operand pairs never seen in training.
 
     Args:
-        max_operand: operands are drawn from ``0..max_operand`` (difficulty).
+        max_operand: operands are drawn from ``min_operand..max_operand`` (difficulty).
         ops: operators, from ``+``, ``-`` and ``*``.
         held_out_frac: fraction of all operand pairs kept for evaluation.
         seed: the split and the sampling order.
+        min_operand: the smallest operand.
 
     Example:
         >>> task = ArithmeticTask(max_operand=9, seed=0)
@@ -60,10 +61,22 @@ class ArithmeticTask:
         (True, True)
     """
 
-    def __init__(self, max_operand: int = 20, ops: str = "+", held_out_frac: float = 0.2, seed: int = 0):
+    def __init__(
+        self,
+        max_operand: int = 20,
+        ops: str = "+",
+        held_out_frac: float = 0.2,
+        seed: int = 0,
+        min_operand: int = 0,
+    ):
         if max_operand < 1:
             raise ConfigError(
                 f"data.max_operand: expected an integer >= 1, got {max_operand}", "data.max_operand"
+            )
+        if not 0 <= min_operand <= max_operand:
+            raise ConfigError(
+                f"data.min_operand: expected an integer from 0 to data.max_operand ({max_operand}), got {min_operand}",
+                "data.min_operand",
             )
         bad = set(ops) - set("+-*")
         if not ops or bad:
@@ -71,8 +84,8 @@ class ArithmeticTask:
         problems = [
             Problem(f"{a}{op}{b}=", str(eval(f"{a}{op}{b}")))
             for op in ops
-            for a in range(max_operand + 1)
-            for b in range(max_operand + 1)
+            for a in range(min_operand, max_operand + 1)
+            for b in range(min_operand, max_operand + 1)
         ]
         random.Random(seed).shuffle(problems)
         n_eval = max(1, int(len(problems) * held_out_frac))

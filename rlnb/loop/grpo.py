@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import random
+import re
 import time
 from pathlib import Path
 
 from rlnb.algorithms.contract import LM, check_algorithm
-from rlnb.algorithms.interactions import check_interaction
+from rlnb.algorithms.interactions import SafeInteraction, check_interaction
 from rlnb.algorithms.rewards import recipe_rewards
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
 from rlnb.config.schema import DataConfig, Recipe, RolloutConfig
@@ -32,6 +33,41 @@ from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementErro
 from rlnb.loop.base import LoopBase, count_or_default, objects_recipe
 from rlnb.models.lm import build_tiny_lm, is_hub_id, load_tokenizer, resolve_model
 from rlnb.runtime.group import Group
+
+_ARITHMETIC = re.compile(r"(-?\d+)([+*-])(-?\d+)=")
+
+
+def _conversation(problem: Problem, turns: list[str], reply, key: str) -> list[tuple]:
+    """A warm start's conversation of ``problem``: each turn of ``turns`` (format strings over the problem's
+    names, see ``data.sft_turns``) after the transcript before it, ``reply`` (the interaction) answering between
+    two; as ``(context, turn)`` rows, a context being the prompt or ``[prompt, turn, reply, ...]``."""
+    names = {**problem.fields, "expression": problem.prompt.removesuffix("="), "answer": problem.answer}
+    arithmetic = _ARITHMETIC.fullmatch(problem.prompt) if isinstance(problem.prompt, str) else None
+    if arithmetic:
+        names.update(zip(("a", "op", "b"), arithmetic.groups()))
+    pieces, transcript, rows = [problem.prompt], "", []
+    for k, template in enumerate(turns):
+        try:
+            text = template.format(**names)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(
+                f"{key}: {template!r} cannot be written for the problem {problem.prompt!r} ({type(e).__name__}: {e}); "
+                f"its names: {', '.join('{' + n + '}' for n in names)}",
+                key,
+            ) from None
+        rows.append((list(pieces) if k else problem.prompt, text))
+        if k + 1 < len(turns):
+            transcript += text
+            answer = reply(transcript, k + 1, problem.answer, problem.prompt, text, **problem.fields)
+            if answer is None:
+                raise ConfigError(
+                    f"{key}: the interaction ended the warm start's conversation of {problem.prompt!r} after its turn "
+                    f"{k + 1} ({text!r}), and {len(turns)} turns were given",
+                    key,
+                )
+            transcript += answer
+            pieces += [text, answer]
+    return rows
 
 
 class _FileTask:
@@ -250,7 +286,7 @@ class GRPOLoop(LoopBase):
             )
         self.model_path = resolve_model(path, "actor.model_path")  # before any worker starts
         if d.task == "arithmetic":
-            self.task = ArithmeticTask(d.max_operand, d.ops, d.held_out_frac, seed=recipe.seed)
+            self.task = ArithmeticTask(d.max_operand, d.ops, d.held_out_frac, recipe.seed, d.min_operand)
         else:
             self.task = _FileTask(
                 load_qa_file(d.path, d.question_key, d.answer_key), d.held_out_frac, recipe.seed
@@ -345,6 +381,30 @@ class GRPOLoop(LoopBase):
             self._admitted = list(state["admitted"])
             self.trained_problems = [list(x) for x in state["trained_problems"]]
 
+    def _turn_demonstrations(self) -> tuple[list, list, list | None, list | None]:
+        """``data.sft_turns``: the warm start's rows, ``(contexts, targets)``, one per turn of each training
+        problem's conversation, the interaction replying between turns as in training; and the imperfect
+        teacher's (``data.sft_noise_turns``: its own conversation's row where it has a turn, else the right one),
+        or ``None``."""
+        d, ro = self.recipe.data, self.recipe.rollout
+        reply = None
+        if len(d.sft_turns) > 1:
+            fields = common_fields(self.task.train, self.task.held_out)
+            reply = SafeInteraction(check_interaction(ro.interaction, fields))
+        noisy = d.sft_noise_turns if d.sft_noise else None
+        rows, wrong_rows = [], []
+        for problem in self.task.train:
+            right = _conversation(problem, d.sft_turns, reply, "data.sft_turns")
+            rows += right
+            if noisy is not None:
+                turns = [n if n is not None else t for n, t in zip(noisy, d.sft_turns)]
+                theirs = _conversation(problem, turns, reply, "data.sft_noise_turns")
+                wrong_rows += [t if n is not None else r for n, t, r in zip(noisy, theirs, right)]
+        contexts, targets = [c for c, _ in rows], [t for _, t in rows]
+        if noisy is None:
+            return contexts, targets, None, None
+        return contexts, targets, [c for c, _ in wrong_rows], [t for _, t in wrong_rows]
+
     def _save_extra(self, directory: Path) -> None:
         self.groups["actor"].on(0).export_hf(str(directory / "hf")).result()
 
@@ -354,18 +414,29 @@ class GRPOLoop(LoopBase):
         t0 = time.perf_counter()
         recipe = self.recipe
         steps = recipe.actor.sft_steps if steps is None else steps
-        prompts = [p.prompt for p in self.task.train]
-        answers = [p.answer for p in self.task.train]
-        # data.sft_noise > 0: an imperfect teacher, off by one on a fraction of its demonstrations
-        wrong = (
-            [str(int(a) + 1) if a.lstrip("-").isdigit() else a for a in answers]
-            if recipe.data.sft_noise
-            else None
-        )
+        wrong_prompts = None
+        if recipe.data.sft_turns:  # a multi-turn warm start: a row per turn of each problem's conversation
+            prompts, answers, wrong_prompts, wrong = self._turn_demonstrations()
+        else:
+            prompts = [p.prompt for p in self.task.train]
+            answers = [p.answer for p in self.task.train]
+            # data.sft_noise > 0: an imperfect teacher, off by one on a fraction of its demonstrations
+            wrong = (
+                [str(int(a) + 1) if a.lstrip("-").isdigit() else a for a in answers]
+                if recipe.data.sft_noise
+                else None
+            )
         actor = self.groups["actor"]
         per_rank = max(1, recipe.actor.sft_batch_size // actor.world_size)
         losses = actor.sft(
-            prompts, answers, steps, per_rank, recipe.actor.sft_lr, wrong, recipe.data.sft_noise
+            prompts,
+            answers,
+            steps,
+            per_rank,
+            recipe.actor.sft_lr,
+            wrong,
+            recipe.data.sft_noise,
+            wrong_prompts,
         ).result()[0]
         actor.on(0).export_hf(str(self.run_dir / "sft_model")).result()
         self.sft_done = True
