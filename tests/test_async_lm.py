@@ -249,10 +249,14 @@ def test_a_stream_waits_for_the_weights_its_problems_were_admitted_at(cluster, t
             thing.close() if hasattr(thing, "put") else thing.shutdown()
 
 
-def test_a_killed_async_grpo_run_resumes_without_training_a_problem_twice_or_skipping_one(cluster, tmp_path):
-    """AReaL #1388. The groups still generating at a checkpoint are in the rollout ranks' checkpoints."""
+@pytest.mark.parametrize("turns", [[], ["rollout.max_turns=3", "rollout.interaction=arithmetic_retry"]])
+def test_a_killed_async_grpo_run_resumes_without_training_a_problem_twice_or_skipping_one(
+    cluster, tmp_path, turns
+):
+    """AReaL #1388. The groups still generating at a checkpoint are in the rollout ranks' checkpoints; with
+    multi-turn rollouts, their conversations mid-way too (each sequence's turns, replies and own tokens)."""
     base = [*SMALL, f"actor.model_path={tmp_path / 'model'}", "actor.sft_steps=20", "runner.steps=12",
-            "runner.save_interval=4", "algorithm.max_staleness=2", "rollout.chunk_tokens=1"]  # fmt: skip
+            "runner.save_interval=4", "algorithm.max_staleness=2", "rollout.chunk_tokens=1", *turns]  # fmt: skip
     cut = tmp_path / "cut"
     saved, step, phase = kill_driver_inside_a_step(
         cluster, "GRPOLoop", "grpo_arith", base, cut, 4, timeout_s=180
@@ -262,6 +266,11 @@ def test_a_killed_async_grpo_run_resumes_without_training_a_problem_twice_or_ski
         assert loop.step == saved and len(loop.trained_problems) == saved
         pool_at_resume = _pool(loop)
         assert pool_at_resume, "the checkpoint holds the groups that were still generating"
+        if turns:  # conversations mid-way: their sequences' own-token masks and turns came back with them
+            seqs = [
+                s for g in loop.groups["rollout"].on(0).state_dict().result()[0]["pool"] for s in g["seqs"]
+            ]
+            assert all(len(s["own"]) == len(s["ids"]) and s["turn"] >= 1 for s in seqs)
         loop.run(progress=False)
         assert loop.step == 12
         trained = [s for step in loop.trained_problems for s in step]
