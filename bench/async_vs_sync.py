@@ -18,6 +18,11 @@ synchronous data-parallel on both slots (the recipe's placement), and asynchrono
 ``longtail``: the same settings on a task whose completions vary from 2 to 41 tokens (repeat a digit
 ``k`` times, ``k`` heavy-tailed): 30 GRPO steps each, tokens/s and wall-clock per step, where a
 synchronous batch waits for its longest completion.
+
+``multiturn``: the same settings on ``grpo_arith`` with up to three turns (``arithmetic_retry``: a wrong answer
+is told `` no. `` and the model answers again), rewarded on the transcript's last answer: 30 GRPO steps each,
+where a synchronous batch waits for its longest conversation, turn after turn, and an asynchronous one
+starts each conversation's next turn in the next chunk.
 """
 
 from __future__ import annotations
@@ -133,7 +138,10 @@ def report(
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--part", nargs="+", default=["ppo", "grpo", "longtail"], choices=["ppo", "grpo", "longtail"]
+        "--part",
+        nargs="+",
+        default=["ppo", "grpo", "longtail", "multiturn"],
+        choices=["ppo", "grpo", "longtail", "multiturn"],
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--target", type=float, default=0.8, help="grpo: held-out accuracy to reach")
@@ -165,6 +173,27 @@ def main():
             report(results, "sync, apart", "sync, data-parallel", [
                 ("steps", "steps", 6), ("s/step", "s_per_step", 7), ("tokens/s", "tokens_per_s", 9), ("acc end", "accuracy", 8),
                 ("train ms", "train_ms", 8), ("adv ms", "advantages_ms", 7), ("computed", "computed", 8)])  # fmt: skip
+        if "multiturn" in args.part:
+            from rlnb.algorithms.rewards import register_reward
+
+            register_reward("last_answer")(last_answer)  # (travels to the workers by value)
+            turns = ["rollout.max_turns=3", "rollout.interaction=arithmetic_retry", "reward.name=last_answer",
+                     "actor.sft_steps=100"]  # fmt: skip
+            results = {name: [] for name in LM_SETTINGS}
+            for seed in args.seeds:
+                for name, overrides in LM_SETTINGS.items():
+                    results[name].append(grpo_run(cluster, [*turns, *overrides], seed, work / "mt", None, 30))
+            print("\nmulti-turn (up to 3 turns, arithmetic_retry), 30 GRPO steps (wall excludes SFT)")
+            report(results, "sync, apart", "sync, data-parallel", [
+                ("steps", "steps", 6), ("s/step", "s_per_step", 7), ("tokens/s", "tokens_per_s", 9), ("acc end", "accuracy", 8),
+                ("train ms", "train_ms", 8), ("computed", "computed", 8)])  # fmt: skip
+
+
+def last_answer(completion: str, answer: str) -> float:
+    """The multi-turn part's reward: 1.0 if the transcript's last answer (after its last `` no. ``) is right."""
+    from rlnb.algorithms.rewards import arithmetic_reward
+
+    return arithmetic_reward(completion.rsplit(" no. ", 1)[-1], answer)
 
 
 def ppo(cluster, seeds: list[int]) -> None:
