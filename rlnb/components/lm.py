@@ -280,9 +280,8 @@ class HFRollout(RolloutBase):
     share_prompt_prefill, shared_prefills, prefill_fallback = False, 0, None
     drop_finished, decode_fallback = False, None
     KEEP_CACHE_ACROSS_CHUNKS = True  # asynchronous mode: a chunk goes on from the last one's KV cache
-    CHUNKED_GENERATION = (
-        True  # asynchronous mode: stream() generates chunks of tokens (not with vLLM's engine)
-    )
+    # asynchronous mode: stream() generates chunks of tokens (a subclass with an engine of its own, as vLLM's, cannot)
+    CHUNKED_GENERATION = True
     _carried: tuple | None = None
     max_turns, interaction = 1, None  # one turn, unless told (a subclass with its own __init__ too)
     turns_cut = 0  # transcripts ended because their next turn would not fit in the model's positions

@@ -428,16 +428,8 @@ class GRPOLoop(LoopBase):
             )
         actor = self.groups["actor"]
         per_rank = max(1, recipe.actor.sft_batch_size // actor.world_size)
-        losses = actor.sft(
-            prompts,
-            answers,
-            steps,
-            per_rank,
-            recipe.actor.sft_lr,
-            wrong,
-            recipe.data.sft_noise,
-            wrong_prompts,
-        ).result()[0]
+        noise, lr = recipe.data.sft_noise, recipe.actor.sft_lr
+        losses = actor.sft(prompts, answers, steps, per_rank, lr, wrong, noise, wrong_prompts).result()[0]
         actor.on(0).export_hf(str(self.run_dir / "sft_model")).result()
         self.sft_done = True
         out = {
