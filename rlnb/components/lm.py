@@ -280,7 +280,7 @@ class HFRollout(RolloutBase):
     share_prompt_prefill, shared_prefills, prefill_fallback = False, 0, None
     drop_finished, decode_fallback = False, None
     KEEP_CACHE_ACROSS_CHUNKS = True  # asynchronous mode: a chunk goes on from the last one's KV cache
-    # asynchronous mode: stream() generates chunks of tokens (a subclass with an engine of its own, as vLLM's, cannot)
+    # asynchronous mode: stream() generates chunks of tokens (a subclass with its own engine, as vLLM, cannot)
     CHUNKED_GENERATION = True
     _carried: tuple | None = None
     max_turns, interaction = 1, None  # one turn, unless told (a subclass with its own __init__ too)
