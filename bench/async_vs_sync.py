@@ -151,10 +151,7 @@ def main():
         if "ppo" in args.part:
             ppo(cluster, args.seeds)
         if "grpo" in args.part:
-            results = {name: [] for name in LM_SETTINGS}
-            for seed in args.seeds:
-                for name, overrides in LM_SETTINGS.items():
-                    results[name].append(grpo_run(cluster, overrides, seed, work, args.target, 200))
+            results = lm_comparison(cluster, args.seeds, [], work, args.target, 200)
             print(
                 f"\ngrpo_arith to held-out accuracy {args.target} (after SFT; wall excludes SFT and evaluation)"
             )
@@ -165,10 +162,7 @@ def main():
             data = long_tail_file(work / "long_tail.jsonl")
             task = ["data.task=file", f"data.path={data}", "rollout.max_new_tokens=48", "data.eval_size=50",
                     "actor.sft_steps=300", "data.sft_noise=0"]  # fmt: skip
-            results = {name: [] for name in LM_SETTINGS}
-            for seed in args.seeds:
-                for name, overrides in LM_SETTINGS.items():
-                    results[name].append(grpo_run(cluster, [*task, *overrides], seed, work / "lt", None, 30))
+            results = lm_comparison(cluster, args.seeds, task, work / "lt", None, 30)
             print("\nlong-tail completions (2-41 tokens), 30 GRPO steps (wall excludes SFT)")
             report(results, "sync, apart", "sync, data-parallel", [
                 ("steps", "steps", 6), ("s/step", "s_per_step", 7), ("tokens/s", "tokens_per_s", 9), ("acc end", "accuracy", 8),
@@ -179,14 +173,23 @@ def main():
             register_reward("last_answer")(last_answer)  # (travels to the workers by value)
             turns = ["rollout.max_turns=3", "rollout.interaction=arithmetic_retry", "reward.name=last_answer",
                      "actor.sft_steps=100"]  # fmt: skip
-            results = {name: [] for name in LM_SETTINGS}
-            for seed in args.seeds:
-                for name, overrides in LM_SETTINGS.items():
-                    results[name].append(grpo_run(cluster, [*turns, *overrides], seed, work / "mt", None, 30))
+            results = lm_comparison(cluster, args.seeds, turns, work / "mt", None, 30)
             print("\nmulti-turn (up to 3 turns, arithmetic_retry), 30 GRPO steps (wall excludes SFT)")
             report(results, "sync, apart", "sync, data-parallel", [
                 ("steps", "steps", 6), ("s/step", "s_per_step", 7), ("tokens/s", "tokens_per_s", 9), ("acc end", "accuracy", 8),
                 ("train ms", "train_ms", 8), ("computed", "computed", 8)])  # fmt: skip
+
+
+def lm_comparison(
+    cluster, seeds: list[int], task: list[str], work: Path, target: float | None, steps: int
+) -> dict[str, list[dict]]:
+    """:func:`grpo_run` of each of ``LM_SETTINGS`` with the ``task``'s overrides, the settings interleaved seed by
+    seed (a slow minute of the VM falls on all of them alike)."""
+    results = {name: [] for name in LM_SETTINGS}
+    for seed in seeds:
+        for name, overrides in LM_SETTINGS.items():
+            results[name].append(grpo_run(cluster, [*task, *overrides], seed, work, target, steps))
+    return results
 
 
 def last_answer(completion: str, answer: str) -> float:
