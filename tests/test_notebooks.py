@@ -23,7 +23,8 @@ CHECKS = {
     "01_quickstart": '{"return": loop.episode_stats()["episode_return_mean"], "exported": episode_return}',
     "02_grpo_arithmetic": '{"first": float(acc["eval/accuracy"].iloc[0]), "last": float(acc["eval/accuracy"].iloc[-1]), '
     '"logged_steps": sorted(set(logged["step"].tolist())), '
-    '"turns": float(retry.history[-1]["rollout/turns_mean"]), "tool_first": tool_first, "tool_last": tool_last}',
+    '"turns": float(retry.history[-1]["rollout/turns_mean"]), "tool_first": tool_first, "tool_last": tool_last, '
+    '"models_left": __import__("os").path.exists(model_dir)}',
     "04_custom_algorithm": '{"return": final_return}',
     "06_build_your_own": '{"return": final_return, "eval": evaluation["eval/return_mean"]}',
 }
@@ -75,6 +76,7 @@ def test_notebook_runs_and_does_what_it_says(path):
         assert found["logged_steps"] == [30, 60, 90, 120], found  # runner.completions_interval=30
         assert 1 < found["turns"] <= 2, found  # some first answers wrong, answered again (max_turns=2)
         assert found["tool_first"] <= 0.2 and found["tool_last"] >= 0.8, found  # GRPO found the right call
+        assert not found["models_left"], found  # the models it built went with its temporary directory
     elif path.stem == "04_custom_algorithm":
         assert found["return"] >= 300, found
     elif path.stem == "06_build_your_own":
