@@ -18,7 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev$(GPU_EXTRAS)]"
-	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	# (ipykernel stages the spec in a temporary directory it leaves behind, empty: staged in one removed here)
+	t=$$(mktemp -d) && TMPDIR=$$t $(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null; \
+		s=$$?; rm -rf "$$t"; exit $$s
 	touch $@
 
 demo: setup
