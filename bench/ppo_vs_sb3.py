@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import statistics
 import subprocess
 import sys
@@ -119,8 +120,16 @@ def main():
     ap.add_argument("--seeds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    # SB3 makes a log directory in /tmp for each model (empty, with verbose=0) and leaves it: here, in one
+    # removed at the end (its scripts' processes inherit the setting)
+    with tempfile.TemporaryDirectory() as sb3_logs:
+        os.environ["SB3_LOGDIR"] = sb3_logs
+        compare(args.seeds)
+
+
+def compare(seeds: int) -> None:
     sb3, ours = [], []
-    for seed in range(1, args.seeds + 1):
+    for seed in range(1, seeds + 1):
         t, n = sb3_time_to_solve(seed)
         sb3.append((t, n))
         print(f"seed {seed}: SB3  {t:6.2f} s  {n:6d} env steps  ({n / t:7.0f} steps/s)", flush=True)
@@ -139,7 +148,7 @@ def main():
         f"median env steps/s: SB3 {statistics.median(n / t for t, n in sb3):.0f}, rlnb {statistics.median(n / t for t, n, *_ in ours):.0f}"
     )
     print(f"rlnb start-up (cluster + components, median): {statistics.median(s for *_, s, _ in ours):.2f} s")
-    whole = [end_to_end(seed) for seed in range(1, args.seeds + 1)]
+    whole = [end_to_end(seed) for seed in range(1, seeds + 1)]
     sb3_e, ours_e = statistics.median(w[0] for w in whole), statistics.median(w[1] for w in whole)
     print(
         f"end to end, fresh process each (imports, start-up, training, exit), median: SB3 script {sb3_e:.2f} s, "

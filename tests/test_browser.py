@@ -61,6 +61,23 @@ def _chromium(p):
     )  # fmt: skip
 
 
+def _kernel_env(tmp_path) -> dict:
+    """The server's environment, its kernels' temporary files in ``tmp_path``: a kernel that started child
+    processes is shut down by SIGTERM (ipykernel waits on multiprocessing's resource tracker, which ignores
+    it, past jupyter_client's deadline), so its exit handlers never remove multiprocessing's temporary
+    directory."""
+    import os
+
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+
+
+def _multiprocessing_files() -> set:
+    import tempfile
+
+    return set(Path(tempfile.gettempdir()).glob("pymp-*"))
+
+
 def _stop(server: subprocess.Popen) -> None:
     server.terminate()
     try:
@@ -99,7 +116,7 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
 
     port = _free_port()
     # served from a copy in the test's directory: the kernel runs there, and its loop's run directory with it
-    beside = set(NOTEBOOK.parent.iterdir())
+    beside, multiprocessing_files = set(NOTEBOOK.parent.iterdir()), _multiprocessing_files()
     notebook = tmp_path / NOTEBOOK.name
     shutil.copy(NOTEBOOK, notebook)
     # the server's and its kernel's output go to a file, read on failure (a pipe nobody reads fills up and
@@ -109,7 +126,7 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
     voila = subprocess.Popen(
         [sys.executable, "-m", "voila", str(notebook), "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1",
          "--Voila.tornado_settings={'headers': {'Content-Security-Policy': ''}}"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=_kernel_env(tmp_path),
     )  # fmt: skip
     try:
         with sync_playwright() as p:
@@ -161,6 +178,7 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
     assert (
         set(NOTEBOOK.parent.iterdir()) == beside
     )  # nothing left beside the notebook (its run is in tmp_path)
+    assert _multiprocessing_files() <= multiprocessing_files  # the kernel's went with tmp_path
 
 
 @pytest.mark.skipif(
@@ -174,7 +192,7 @@ def test_dashboard_curves_stream_in_jupyterlab(tmp_path):
 
     shutil.copy(NOTEBOOK, tmp_path / NOTEBOOK.name)
     port = _free_port()
-    env = {**__import__("os").environ, "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+    env = {**_kernel_env(tmp_path), "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
            "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "ws")}  # fmt: skip
     lab = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",

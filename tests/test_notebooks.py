@@ -41,12 +41,21 @@ def _execute(path: Path) -> tuple[dict, object]:
 
 
 def _execute_in_kernel(path: Path) -> tuple[dict, object]:
+    import os
+    import tempfile
+
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     )
     found = {}
-    with client.setup_kernel():
+    # the kernel's temporary files in a directory removed after it: a kernel that started child processes is
+    # shut down by SIGTERM (ipykernel waits on multiprocessing's resource tracker, which ignores it, past
+    # jupyter_client's deadline), so its exit handlers never remove multiprocessing's temporary directory
+    with (
+        tempfile.TemporaryDirectory() as kernel_tmp,
+        client.setup_kernel(env={**os.environ, "TMPDIR": kernel_tmp}),
+    ):
         for index, cell in enumerate(nb.cells):
             client.execute_cell(cell, index)
         expression = CHECKS.get(path.stem)
@@ -64,7 +73,12 @@ def _execute_in_kernel(path: Path) -> tuple[dict, object]:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_and_does_what_it_says(path):
+    import tempfile
+
+    tmp = Path(tempfile.gettempdir())
+    before = set(tmp.glob("pymp-*"))
     found, nb = _execute(path)
+    assert set(tmp.glob("pymp-*")) <= before  # the kernel's multiprocessing files went with its own directory
     assert not any(
         o.get("output_type") == "error" for c in nb.cells if c.cell_type == "code" for o in c.outputs
     )

@@ -7,6 +7,7 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -315,15 +316,19 @@ def test_killed_driver_resumes_with_identical_metrics(tmp_path):
 
     cut = tmp_path / "cut"
     kill_at = random.randint(3, 7)  # any step: the design makes every point safe
+    # (a killed driver cannot remove its temporary files, multiprocessing's among them: they go in tmp_path)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    multiprocessing_files = set(Path(tempfile.gettempdir()).glob("pymp-*"))
     proc = subprocess.Popen(
         [*RLNB, "run", *args, "--run-dir", str(cut), "--no-progress"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
     )  # fmt: skip
     try:
         _wait_for_records(cut, kill_at, proc)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # driver and its workers, mid-step
         proc.wait(timeout=30)
+    assert set(Path(tempfile.gettempdir()).glob("pymp-*")) <= multiprocessing_files
     r = _run(["run", *args, "runner.resume=auto", "--run-dir", str(cut), "--no-progress"])
     assert r.returncode == 0, r.stderr
     resumed = numbers([x for x in read_metrics(cut) if "train/policy_loss" in x])
