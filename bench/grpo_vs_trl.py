@@ -146,9 +146,11 @@ def trl_ddp_run(
         script.write_text(
             TRL_DDP.format(bench=bench, path=model_path, steps=steps, seed=seed, prefix=prefix, warm=warm)
         )
+        # (torchrun leaves its torchelastic_* directory in the temporary directory: here, in this one)
+        env = {**__import__("os").environ, "TMPDIR": d}
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
-            capture_output=True, text=True, timeout=1800,
+            capture_output=True, text=True, timeout=1800, env=env,
         )  # fmt: skip
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
