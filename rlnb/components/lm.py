@@ -698,7 +698,7 @@ class HFRollout(RolloutBase):
         again). The batch holds each whole transcript after its prompt, the interaction's tokens in context
         (attended to) but out of the response mask, with no log-prob; ``texts`` are the transcripts."""
         batch, texts = self._generate(prompts, n, greedy)
-        if self.max_turns <= 1 or self.interaction is None:
+        if not self._multi_turn():
             return batch, texts
         pad, start = self.tok.pad_token_id, first_response_column(batch["response_mask"])
         rows = range(len(texts))
@@ -716,7 +716,6 @@ class HFRollout(RolloutBase):
             take(i, batch, i)
         answers = answers or [""] * len(prompts)
         fields = fields or [{}] * len(prompts)
-        limit = self._context_limit()  # a transcript whose next turn would not fit ends before that reply
         live, last = list(rows), list(texts)  # (each row's latest model turn, as text)
         for turn in range(1, self.max_turns):
             going = []
@@ -724,10 +723,8 @@ class HFRollout(RolloutBase):
                 g = i // n
                 reply = self.interaction(texts[i], turn, answers[g], prompts[g], last[i], **fields[g])
                 if reply is not None:
-                    ids = self.tok(reply, add_special_tokens=False)["input_ids"]
-                    length = len(heads[i]) + sum(len(p[0]) for p in parts[i]) + len(ids) + self.max_new_tokens
-                    if limit is not None and length > limit:
-                        self.turns_cut += 1
+                    ids = self._reply_ids(reply, len(heads[i]) + sum(len(p[0]) for p in parts[i]))
+                    if ids is None:
                         continue
                     parts[i].append((ids, [0.0] * len(ids), False))
                     texts[i] += reply
@@ -744,6 +741,17 @@ class HFRollout(RolloutBase):
         out = self._transcripts(heads, parts, pad)
         out["turns"] = torch.tensor([sum(p[2] for p in row) for row in parts])  # the model's turns, [B]
         return out, texts
+
+    def _reply_ids(self, reply: str, length: int) -> list[int] | None:
+        """The interaction's ``reply`` as the token ids that follow a transcript of ``length`` tokens (its prompt's
+        included); or ``None``, counted in ``turns_cut``, where the model's next turn after it would not fit in
+        the model's positions: the transcript then ends before that reply (in both modes, turn by turn)."""
+        ids = self.tok(reply, add_special_tokens=False)["input_ids"]
+        limit = self._context_limit()
+        if limit is not None and length + len(ids) + self.max_new_tokens > limit:
+            self.turns_cut += 1
+            return None
+        return ids
 
     def _context_limit(self) -> int | None:
         """The model's positions (``max_position_embeddings``), or ``None`` where not known."""
@@ -1002,23 +1010,15 @@ class HFRollout(RolloutBase):
         """Asynchronous multi-turn: sequence ``s`` of group ``g`` ended a turn. The interaction answers its
         transcript, and the reply's tokens follow as context for the next turn; or the transcript is done: at
         ``max_turns``, when the interaction ends it, or when the next turn would not fit the model's positions
-        (as :meth:`_generate_turns` decides, turn by turn)."""
+        (:meth:`_reply_ids`, as in :meth:`_generate_turns`)."""
         last = self.tok.decode(s["ids"][s["turn_start"] :], skip_special_tokens=True)
         s["text"] += last
         if s["turn"] >= self.max_turns:
             s["done"] = True
             return
         reply = self.interaction(s["text"], s["turn"], g["answer"], g["prompt"], last, **g.get("fields", {}))
-        if reply is None:
-            s["done"] = True
-            return
-        ids = self.tok(reply, add_special_tokens=False)["input_ids"]
-        limit = self._context_limit()
-        if (
-            limit is not None
-            and len(g["prompt_ids"]) + len(s["ids"]) + len(ids) + self.max_new_tokens > limit
-        ):
-            self.turns_cut += 1
+        ids = None if reply is None else self._reply_ids(reply, len(g["prompt_ids"]) + len(s["ids"]))
+        if ids is None:
             s["done"] = True
             return
         s["ids"] += ids
