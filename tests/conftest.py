@@ -147,6 +147,13 @@ def pytest_sessionfinish(session, exitstatus):
             continue
 
 
+def last_answer(completion: str, answer: str) -> float:
+    """A multi-turn arithmetic reward: 1.0 if the transcript's last answer (after its last `` no. ``) is right."""
+    from rlnb.algorithms.rewards import arithmetic_reward
+
+    return arithmetic_reward(completion.rsplit(" no. ", 1)[-1], answer)
+
+
 def collocated_loop(
     cluster, run_dir, rollout_cls=None, actor_cls=None, steps=2, steps_per_rollout=16, **actor
 ):

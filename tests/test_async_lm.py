@@ -10,7 +10,7 @@ import torch
 from rlnb.config import load_recipe
 from rlnb.errors import ComponentError, ConfigError, RemoteError
 from rlnb.loop import GRPOLoop
-from tests.conftest import assert_metrics_documented, kill_driver_inside_a_step
+from tests.conftest import assert_metrics_documented, kill_driver_inside_a_step, last_answer
 
 APART = "cluster.component_placement={'rollout,reward': 0, actor: 1}"
 SMALL = [
@@ -332,13 +332,6 @@ def test_async_grpo_built_from_objects(cluster, tmp_path):
     engine.shutdown()
     with pytest.raises(ConfigError, match="rollout.backend: vllm generates whole completions"):
         load_recipe("grpo_arith", ["rollout.backend=vllm", "algorithm.max_staleness=1"])
-
-
-def last_answer(completion: str, answer: str) -> float:
-    """A multi-turn arithmetic reward: 1.0 if the transcript's last answer (after its last `` no. ``) is right."""
-    from rlnb.algorithms.rewards import arithmetic_reward
-
-    return arithmetic_reward(completion.rsplit(" no. ", 1)[-1], answer)
 
 
 def test_asynchronous_multi_turn_rollouts_go_on_across_chunks_and_weight_updates_on_workers(

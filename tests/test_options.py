@@ -10,6 +10,7 @@ import pytest
 
 import rlnb
 from rlnb.loop import GRPOLoop, Loop, complete_checkpoints
+from tests.conftest import last_answer
 from tests.test_lm import GRPO_SMALL
 
 RLNB = [sys.executable, "-m", "rlnb.cli"]
@@ -765,13 +766,6 @@ def test_conversational_records_from_objects_use_the_rollouts_template(cluster, 
         )
         record = loop.step_once()
     assert math.isfinite(record["train/loss"])
-
-
-def last_answer(completion: str, answer: str) -> float:
-    """A multi-turn arithmetic reward: 1.0 if the transcript's last answer (after its last `` no. ``) is right."""
-    from rlnb.algorithms.rewards import arithmetic_reward
-
-    return arithmetic_reward(completion.rsplit(" no. ", 1)[-1], answer)
 
 
 def test_a_multi_turn_run_answers_again_after_a_wrong_answer_and_trains_on_the_models_turns_on_workers(
