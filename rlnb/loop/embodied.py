@@ -419,7 +419,7 @@ class Loop(LoopBase):
         steps = max(1, min(RUN_AHEAD_MAX_STEPS, int(RUN_AHEAD_S / last_s))) if last_s else 1
         return next((i + 1 for i in range(steps) if self._drains_at(first + i)), steps)
 
-    def _may_run_ahead(self, taking: int = 1) -> bool:
+    def _may_run_ahead(self, taking: int) -> bool:
         """Whether the worker may start the steps after the ``taking`` it is asked for before the driver asks
         (see :meth:`step_once`): only inside ``run()``, where ``run()`` would go on to them at once."""
         return bool(
