@@ -55,6 +55,9 @@ GLOSSARY: dict[str, str] = {
     "advantages/kl_mean": "REINFORCE++ with a KL penalty: mean per-token KL to the reference policy in the returns.",
     "advantages/return_mean": "Mean return target (value targets for PPO; per-token returns for REINFORCE++).",
     "advantages/logprob_drift": "Mean |log-prob now - behaviour log-prob| over response tokens: how far the actor moved from the policy that sampled. Over the sequences the update computes; absent when it computes none (every group scored alike).",
+    # memory
+    "memory/actor_state_bytes": "LM actor: bytes of parameters, gradients and optimizer state one actor rank holds (its local shards); actor.dtype=bfloat16 keeps them float32 (master weights) and saves activations instead.",
+    "memory/cuda_peak_bytes": "LM actor on a GPU: the actor process's peak GPU allocation over the step (a collocated rollout's too).",
     # train
     "train/loss": "Total loss of the last update (policy + value + entropy terms, KL when on).",
     "train/policy_loss": "Clipped surrogate loss (pg_loss), averaged over minibatches.",

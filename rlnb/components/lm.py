@@ -32,6 +32,7 @@ from rlnb.config.schema import ActorConfig
 from rlnb.data.prompts import template_prompts
 from rlnb.errors import ConfigError
 from rlnb.models.lm import (
+    DTYPES,
     encode_prompts,
     first_response_column,
     hf_quiet,
@@ -61,6 +62,9 @@ CPU_LENGTH_BUCKETS = 4
 # HFRollout's decoding drops the sequences that have ended once they are 1/8 of its batch: dropping copies
 # the KV cache (~1/5 of a decoding step's time on CPU at the GRPO bench's sizes), so not every step
 DROP_ENDED_SHARE = 8
+# rollout.static_cache: prompts are left-padded to a multiple of this many tokens, so that a run's batches
+# take a few shapes (each new shape compiles generate's decoding step again)
+STATIC_PROMPT_MULTIPLE = 32
 
 
 def _adamw(model: torch.nn.Module, lr: float, device: torch.device) -> torch.optim.AdamW:
@@ -226,6 +230,14 @@ def _join_batches(parts: list[dict], pad_token_id: int) -> dict:
     return out
 
 
+def check_dtype(dtype: str, key: str = "dtype") -> str:
+    """``dtype`` if it names a precision an LM component takes (:data:`rlnb.models.lm.DTYPES`), else a
+    :class:`ConfigError` naming ``key``."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"{key}: expected one of {sorted(DTYPES)}, got {dtype!r}", key)
+    return dtype
+
+
 def _same(a: list, b: list) -> bool:
     """Whether two lists hold the same objects in the same order."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
@@ -273,12 +285,23 @@ class HFRollout(RolloutBase):
             are trained on.
         interaction: a registered interaction's name or a function: ``(completion, turn, answer, prompt,
             fields...) -> str | None``, the text that follows the model's turn, or ``None`` to end there.
+        dtype: ``float32`` or ``bfloat16``: the precision the model is held and run in (the actor's
+            ``dtype``; weights synced from a float32 actor are cast as they load).
+        static_cache: sample with ``generate`` on a static KV cache, its decoding step compiled on a GPU
+            (CUDA graphs); prompts left-padded to a multiple of ``STATIC_PROMPT_MULTIPLE`` tokens so that a
+            run compiles a few shapes. Ended rows are computed to the end and each completion prefills its
+            prompt. Synchronous generation only (asynchronous chunks decode with rlnb's loop).
+
+    Example:
+        >>> rollout = HFRollout(path, max_new_tokens=16, dtype="bfloat16")  # doctest: +SKIP
+        >>> rollout.generate(["1+2="], ["3"], n=4)["response_len_mean"]  # doctest: +SKIP
     """
 
     launch = launcher("rollout")
     # what generation_stats() reports for a subclass with its own engine (vLLM caches prefixes itself)
     share_prompt_prefill, shared_prefills, prefill_fallback = False, 0, None
     drop_finished, decode_fallback = False, None
+    static_cache, dtype = False, "float32"  # (a subclass with its own engine and __init__ uses neither)
     KEEP_CACHE_ACROSS_CHUNKS = True  # asynchronous mode: a chunk goes on from the last one's KV cache
     # asynchronous mode: stream() generates chunks of tokens (a subclass with its own engine, as vLLM, cannot)
     CHUNKED_GENERATION = True
@@ -308,9 +331,10 @@ class HFRollout(RolloutBase):
         self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
         device: str = "auto", torch_threads: int = 1, rank_info: RankInfo | None = None,
         share_prompt_prefill: bool = True, drop_finished: bool = True, top_k: int = 0, max_turns: int = 1,
-        interaction=None,
+        interaction=None, dtype: str = "float32", static_cache: bool = False,
     ):  # fmt: skip
         rank_info = rank_info or current_rank()  # subclasses need not pass it on
+        self.dtype, self.static_cache = check_dtype(dtype), bool(static_cache)
         self.max_turns = max_turns
         self.interaction = SafeInteraction(interaction) if interaction is not None else None
         torch.set_num_threads(torch_threads)
@@ -322,7 +346,7 @@ class HFRollout(RolloutBase):
         self.rank = rank_info.rank if rank_info else 0
         self.device = resolve_device(device, rank_info)
         self.model_path = model_path
-        self.model, self.tok = load_lm(model_path, self.device)
+        self.model, self.tok = load_lm(model_path, self.device, dtype=self.dtype)
         self.model.eval().requires_grad_(False)
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.top_k = top_k
@@ -361,6 +385,7 @@ class HFRollout(RolloutBase):
         return {
             "device": str(self.device),
             "model_device": next(self.model.parameters()).device.type,
+            "model_dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
             "offloaded": self.offloaded,
             "cuda_allocated_bytes": torch.cuda.memory_allocated(self.device) if cuda else 0,
         }
@@ -378,8 +403,8 @@ class HFRollout(RolloutBase):
                 torch.manual_seed(seed)
             return sampler(enc, n, greedy)
 
-        sampled = None
-        if self.drop_finished and self.decode_fallback is None:
+        sampled = seeded(self._static_generate) if self.static_cache else None
+        if sampled is None and self.drop_finished and self.decode_fallback is None:
             prefills = self.shared_prefills
             try:
                 sampled = seeded(self._decode)
@@ -408,15 +433,19 @@ class HFRollout(RolloutBase):
             "logprobs": torch.cat([zeros.float(), logp], dim=1).cpu(),
         }, texts
 
-    def _hf_generate(self, enc, n: int, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``transformers``' ``generate``: sequences ``[B*n, P+R]`` and the sampled tokens' log-probs ``[B*n, R]``."""
-        sampling = dict(
+    def _sampling(self, greedy: bool) -> dict:
+        """``generate``'s sampling arguments, returning the scores the log-probs are computed from."""
+        return dict(
             do_sample=not greedy, temperature=self.temperature if not greedy else None,
             top_p=self.top_p if not greedy else None, top_k=(self.top_k or None) if not greedy else None,
             max_new_tokens=self.max_new_tokens,
             pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
             return_dict_in_generate=True, output_scores=True,
         )  # fmt: skip
+
+    def _hf_generate(self, enc, n: int, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``transformers``' ``generate``: sequences ``[B*n, P+R]`` and the sampled tokens' log-probs ``[B*n, R]``."""
+        sampling = self._sampling(greedy)
         cache = self._shared_prompt_cache(enc, n)
         if cache is not None:  # every completion starts from its prompt's cache: only its last token is left
             out = self.model.generate(
@@ -431,6 +460,21 @@ class HFRollout(RolloutBase):
         return out.sequences, self.model.compute_transition_scores(
             out.sequences, out.scores, normalize_logits=True
         )
+
+    def _static_generate(self, enc, n: int, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`_hf_generate`, on a static KV cache (``rollout.static_cache``; on a GPU ``generate`` compiles
+        its decoding step): prompts left-padded to a multiple of ``STATIC_PROMPT_MULTIPLE`` columns, which
+        are taken off again, so a batch's sequences are ``[B*n, P+R]`` as from the other samplers."""
+        ids, attn = enc["input_ids"], enc["attention_mask"]
+        pad = -ids.shape[1] % STATIC_PROMPT_MULTIPLE
+        ids = torch.cat([ids.new_full((len(ids), pad), self.tok.pad_token_id), ids], dim=1)
+        attn = torch.cat([attn.new_zeros((len(attn), pad)), attn], dim=1)
+        out = self.model.generate(
+            input_ids=ids.repeat_interleave(n, 0), attention_mask=attn.repeat_interleave(n, 0),
+            cache_implementation="static", **self._sampling(greedy),
+        )  # fmt: skip
+        logp = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+        return out.sequences[:, pad:], logp
 
     def _decode(self, enc, n: int, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """rlnb's decoding loop: as :meth:`_hf_generate`, but a sequence that has ended leaves the batch
@@ -1181,6 +1225,9 @@ class LMActor(ActorBase):
             no KL term in the loss: the same gradients, and the optimizer steps as before. The loss's metrics
             are then over the rows computed. Off while the step is compiled. ``train()`` reports
             ``rows_computed_frac``.
+        dtype: ``float32``, or ``bfloat16``: forward and backward under bf16 autocast, with float32 master
+            weights, gradients and AdamW state; log-probs, the loss and the KL in float32. The reference model
+            is held in bf16, and the weights go to the rollout in bf16 (``policy_state``).
         **settings: any field of ``AlgorithmConfig`` by name (``group_size=8``, ``kl_coef=0.01``...).
 
     Advantages and losses get every input of :data:`rlnb.algorithms.contract.LM` they accept. The
@@ -1205,10 +1252,11 @@ class LMActor(ActorBase):
         max_grad_norm: float = 1.0, seed: int = 0, device: str = "auto", torch_threads: int = 1,
         advantage_fn=None, loss_fn=None, rank_info: RankInfo | None = None, *, advantage=None, policy_loss=None,
         anneal_lr: bool = False, share_prompt_forward: bool = True, length_buckets: int | None = None,
-        skip_zero_advantage: bool = True, **settings,
+        skip_zero_advantage: bool = True, dtype: str = "float32", **settings,
     ):  # fmt: skip
         rank_info = rank_info or current_rank()  # subclasses need not pass it on
         torch.set_num_threads(torch_threads)
+        self.dtype = check_dtype(dtype)
         self.share_prompt_forward = share_prompt_forward
         self.skip_zero_advantage = skip_zero_advantage
         self.shared_forwards = 0  # micro-batches whose prompts went through the model once per prompt
@@ -1234,7 +1282,7 @@ class LMActor(ActorBase):
         self.model = self.policy
         self.ref = None
         if self.algo.kl_coef > 0:
-            self.ref = load_lm(model_path, self.device)[0].eval().requires_grad_(False)
+            self.ref = load_lm(model_path, self.device, dtype=self.dtype)[0].eval().requires_grad_(False)
         self.lr, self.micro_batch_size, self.temperature = lr, micro_batch_size, temperature
         self.anneal_lr, self.total_steps = anneal_lr, 1
         self.max_grad_norm = max_grad_norm
@@ -1257,8 +1305,36 @@ class LMActor(ActorBase):
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """Weights for the rollout: a detached copy on the actor's device (on a GPU they reach the rollout
-        by CUDA IPC on one node, with no host round trip)."""
-        return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+        by CUDA IPC on one node, with no host round trip), in bf16 when the actor computes in bf16."""
+        cast = DTYPES[self.dtype]
+        return {
+            k: v.detach().to(cast, copy=True) if v.is_floating_point() else v.detach().clone()
+            for k, v in self.policy.state_dict().items()
+        }
+
+    def _precision(self):
+        """The context the model's forward runs in: bf16 autocast for ``dtype="bfloat16"`` (the weights stay
+        float32), else nothing."""
+        if self.dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.dtype])
+
+    def memory_stats(self) -> dict:
+        """``memory/actor_state_bytes``: the bytes of parameters, gradients and optimizer state this rank holds
+        (its local shards); on a GPU, ``memory/cuda_peak_bytes``: this process's peak allocation since the last
+        call (which resets it), the rollout's too when it shares the process."""
+        tensors = [
+            *self.policy.parameters(),
+            *(p.grad for p in self.policy.parameters() if p.grad is not None),
+        ]
+        tensors += [
+            t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)
+        ]
+        out = {"memory/actor_state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
+        if self.device.type == "cuda":
+            out["memory/cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return out
 
     # ------------------------------------------------------------------ SFT
     def _sft_rows(self, prompts: list, answers: list[str]) -> tuple[list[list[int]], list[list[int]]]:
@@ -1312,7 +1388,8 @@ class LMActor(ActorBase):
                 attn[idx].to(self.device),
                 target[idx].to(self.device),
             )
-            logp = token_logprobs(self.model, b_ids, b_attn)  # (b, L)
+            with self._precision():
+                logp = token_logprobs(self.model, b_ids, b_attn)  # (b, L), float32
             loss = -masked_mean(logp, b_tgt)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -1348,7 +1425,9 @@ class LMActor(ActorBase):
         out = []
         for sl in _micro_batches(b["input_ids"].shape[0], self.micro_batch_size):
             ids, attn = b["input_ids"][sl].to(self.device), b["attention_mask"][sl].to(self.device)
-            out.append(self._token_logprobs(model, ids, attn, b["response_mask"][sl].to(self.device)).cpu())
+            with self._precision():
+                logp = self._token_logprobs(model, ids, attn, b["response_mask"][sl].to(self.device))
+            out.append(logp.float().cpu())
         return torch.cat(out)
 
     def _token_logprobs(self, model, ids, attn, response_mask) -> torch.Tensor:
@@ -1504,7 +1583,7 @@ class LMActor(ActorBase):
                 break  # early stop, as in the embodied actor: the policy moved far enough this step
         self.step += 1
         out = {k: v / max(1, count) for k, v in sums.items()}
-        out.update(epochs=epochs_run, lr=self.optimizer.param_groups[0]["lr"])
+        out.update(epochs=epochs_run, lr=self.optimizer.param_groups[0]["lr"], **self.memory_stats())
         if self.step_compiler is not None:
             out.update(self.step_compiler.report())  # compile time, once, apart from training time
         return out
@@ -1590,7 +1669,10 @@ class LMActor(ActorBase):
         """Forward and loss of one micro-batch (tensors ``[m, L]``): what ``actor.compile`` compiles, its
         backward with it."""
         algo, mask = self.algo, micro_batch["mask"]
-        logp = self._token_logprobs(self.model, micro_batch["input_ids"], micro_batch["attention_mask"], mask)
+        with self._precision():  # (log-probs come out in float32 either way)
+            logp = self._token_logprobs(
+                self.model, micro_batch["input_ids"], micro_batch["attention_mask"], mask
+            )
         # the policy before this update as the actor computes it (decoupled PPO's proximal one)
         prox = logp.detach() if micro_batch["old_logprobs"] is None else micro_batch["old_logprobs"]
         behaviour = micro_batch["behaviour_logprobs"]

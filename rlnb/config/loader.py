@@ -415,6 +415,11 @@ def validate(recipe: Recipe) -> list[str]:
             f"(algorithm.max_staleness={a.max_staleness}) takes new weights between chunks of tokens, with rlnb's "
             "own decoding; use rollout.backend=hf, or algorithm.max_staleness=0"
         )
+    if ro.static_cache is True and ro.backend != "hf":
+        errs.append(
+            f"rollout.static_cache: a static KV cache for the hf backend's generate; rollout.backend={ro.backend} "
+            "does not use it (vLLM manages its own cache); set rollout.static_cache=false"
+        )
     if isinstance(ro.max_turns, int) and ro.max_turns >= 2:
         if ro.backend == "policy":
             errs.append(

@@ -206,6 +206,12 @@ class ActorConfig:
     length_buckets: int | None = None
     """LM RL: the most passes a micro-batch's sequences take, grouped by where they end, so that padding is
     not computed (the same log-probs and gradients); ``null``: 4 on CPU, 1 on a GPU."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """LM RL: the precision of the model's compute. ``bfloat16``: the actor's forward and backward run under bf16
+    autocast with float32 master weights, gradients and optimizer state, log-probs and the loss in float32; the
+    rollout holds its model in bf16 (half the memory and the bytes read per decoded token), the reference model
+    for the KL too. Metrics ``memory/actor_state_bytes`` and, on a GPU, ``memory/cuda_peak_bytes`` show what
+    it saves."""
 
 
 @dataclass
@@ -240,6 +246,13 @@ class RolloutConfig:
     interaction: str | None = None
     """LM RL, with ``max_turns`` >= 2: a registered interaction (``arithmetic_retry``; a notebook's own through
     ``rlnb.algorithms.interactions.register_interaction``, or a function given to ``HFRollout(interaction=...)``)."""
+    static_cache: bool = False
+    """LM RL, ``hf`` backend: sample with ``transformers``' ``generate`` on a static KV cache, whose decoding step
+    is compiled on a GPU (``torch.compile``, CUDA graphs: one launch a token instead of one a kernel). Pays for
+    models large enough to repay its compile (each new batch shape compiles; prompts are left-padded to a
+    multiple of 32 tokens to bound them); ended sequences are computed to the end, as ``generate`` does, and
+    each prompt is prefilled per completion. Synchronous generation only (asynchronous chunks decode with
+    rlnb's loop)."""
     chunk_tokens: int = 8
     """LM RL, asynchronous mode (``algorithm.max_staleness >= 1``): tokens generated between two checks
     for new weights; a generation spanning a weight update goes on with the new ones (partial rollouts)."""

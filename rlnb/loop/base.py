@@ -832,7 +832,8 @@ class LoopBase:
         self._pending[f"time/{name}_s"] = dt
         for k, v in out.items():
             if v is not None and k != "version" and isinstance(v, (int, float)):
-                self._pending[f"{name}/{k}"] = v
+                # memory/... keys are the process's, whichever phase reports them
+                self._pending[k if k.startswith("memory/") else f"{name}/{k}"] = v
         out["time_s"] = dt
         return out
 
@@ -844,7 +845,7 @@ class LoopBase:
         p = self._pending
         record = {**record, "time/step_s": sum(v for k, v in p.items() if k.startswith("time/"))}
         for k, v in p.items():
-            if k.startswith(("train/", "time/", "advantages/", "steer/")):
+            if k.startswith(("train/", "time/", "advantages/", "steer/", "memory/")):
                 record[k] = v
         self._pending = {}
         return self.logger.log(self.step, record)

@@ -312,7 +312,10 @@ class GRPOLoop(LoopBase):
         rollout_cls, extra = (
             (VLLMRollout, {"gpu_memory_utilization": ro.gpu_memory_utilization})
             if ro.backend == "vllm"
-            else (HFRollout, {"drop_finished": ro.drop_finished})
+            else (
+                HFRollout,
+                {"drop_finished": ro.drop_finished, "dtype": r.actor.dtype, "static_cache": ro.static_cache},
+            )
         )
         fields = common_fields(self.task.train, self.task.held_out)
         if ro.max_turns > 1:  # the entry travels by value: one registered in a notebook cell works too
@@ -330,7 +333,7 @@ class GRPOLoop(LoopBase):
             max_grad_norm=r.algorithm.max_grad_norm, seed=r.seed, device=r.actor.device,
             torch_threads=r.actor.torch_threads, advantage=advantage, policy_loss=loss, anneal_lr=r.actor.anneal_lr,
             compile=r.actor.compile, skip_zero_advantage=r.actor.skip_zero_advantage,
-            length_buckets=r.actor.length_buckets,
+            length_buckets=r.actor.length_buckets, dtype=r.actor.dtype,
         )  # fmt: skip
         self.groups["reward"] = RewardWorker.launch(
             cl,

@@ -215,9 +215,18 @@ def resolve_model(path: str | Path, key: str = "actor.model_path") -> str:
     return str(local)
 
 
-def load_lm(path: str | Path, device: str | torch.device = "cpu", key: str = "actor.model_path"):
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The precisions an LM component takes (``actor.dtype``), by name."""
+
+
+def load_lm(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    key: str = "actor.model_path",
+    dtype: str = "float32",
+):
     """``(model, tokenizer)`` from a local ``save_pretrained`` directory or a hub id (``from_pretrained``),
-    with a clear error naming ``key`` when neither is there."""
+    with a clear error naming ``key`` when neither is there; weights in ``dtype`` (a name of :data:`DTYPES`)."""
     from transformers import AutoModelForCausalLM
 
     ref = resolve_model(path, key)
@@ -226,7 +235,7 @@ def load_lm(path: str | Path, device: str | torch.device = "cpu", key: str = "ac
     if tok.pad_token_id is None:  # many hub tokenizers have none; generation and batching need one
         tok.pad_token = tok.eos_token
     with hf_quiet():
-        model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).to(device)
+        model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPES[dtype]).to(device)
     return model, tok
 
 
