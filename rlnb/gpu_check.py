@@ -3,27 +3,13 @@
 Each check prints one ``PASS``/``FAIL``/``SKIP`` line with its time and what it measured; the run ends
 with a JSON report (``--report``, default ``gpu-check.json``) and exits 1 if any check failed.
 
-Checks, in order:
-
-1. ``environment``: torch, CUDA, the GPUs, and which optional packages are importable.
-2. ``algorithms_on_cuda``: every registered advantage and policy loss on CUDA inputs gives CUDA outputs
-   equal to the CPU's (device-correct algorithm code).
-3. ``cluster``: the embedded cluster is dask-cuda's ``LocalCUDACluster`` with one slot per GPU; an
-   NCCL all-reduce over every slot.
-4. ``ppo_cartpole_cuda``: PPO CartPole with actor and rollout on ``cuda``, to the solve threshold.
-5. ``ppo_cartpole_cuda_compiled``: the same with ``actor.compile=true``.
-6. ``ppo_gpu_env_obs_stay_on_gpu``: PPO on a simulator computed on the GPU (``rlnb/TorchCartPole-v1``
-   with ``device: cuda``, standing in for ManiSkill): observations stay on the GPU from env to actor.
-7. ``grpo_tiny_lm_cuda``: GRPO on the locally built tiny LM, HF generation on the GPU, actor and
-   rollout collocated: the rollout offloads its model while the actor trains and onloads to generate.
-8. ``cuda_ipc_channel``: a CUDA tensor through a channel between two worker processes on one node
-   arrives without a host round trip (the consumer sees the producer's later writes).
-9. ``weight_sync_cuda_disaggregated``: PPO with actor and rollout in two worker processes on GPUs;
-   weights travel GPU to GPU (CUDA IPC on one node) and the policy learns.
-10. ``nccl_broadcast_two_groups``: a state-dict broadcast over NCCL between two groups (with one GPU:
-   two processes on the same device, if NCCL allows it; if not, the line says so).
-11. ``vllm_rollout`` and 12. ``maniskill_pickcube``: where the packages are importable; else skipped
-    with the reason.
+The checks run in the order of ``CHECKS`` (``--dry-run`` prints it); each function's docstring says what
+it checks. In short: the environment; algorithm code on CUDA; the embedded ``LocalCUDACluster`` with NCCL;
+PPO on the GPU (eager, compiled, a simulator on the GPU); GRPO on the GPU (one turn, multi-turn, shared
+prompt prefill, asynchronous chunks, a reward model); CUDA IPC channels and weight sync between processes;
+NCCL between two groups; a remote cluster started with ``dask scheduler`` and ``dask cuda worker``; GRPO in
+bf16; the static-cache compiled decode (:mod:`rlnb.gpu_check_scale`); vLLM and ManiSkill where installed. A
+check that cannot run on the machine says why in its ``SKIP`` line.
 
 Usage:
     python -m rlnb.gpu_check [--dry-run] [--only NAME ...] [--report PATH]
@@ -46,6 +32,12 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from rlnb.gpu_check_scale import (  # checks toward real model sizes and deployments
+    check_lm_bf16_cuda,
+    check_remote_dask_cuda_scheduler,
+    check_static_cache_decode_cuda,
+)
 
 
 class Skip(Exception):
@@ -247,11 +239,25 @@ def _worker_start_probe() -> dict:
     return {"preloaded": preloaded, "device": f"{x.device} {torch.cuda.get_device_name()}"}
 
 
-def _ppo(work: Path, name: str, compile_: bool, cluster=None, placement=None, steps=None, extra=()) -> dict:
+def _ppo(
+    work: Path,
+    name: str,
+    compile_: bool,
+    cluster=None,
+    placement=None,
+    steps=None,
+    extra=(),
+    device: str = "cuda",
+) -> dict:
     import rlnb
     from rlnb.config import load_recipe
 
-    overrides = ["actor.device=cuda", "rollout.device=cuda", f"actor.compile={str(compile_).lower()}", *extra]
+    overrides = [
+        f"actor.device={device}",
+        f"rollout.device={device}",
+        f"actor.compile={str(compile_).lower()}",
+        *extra,
+    ]
     if steps:
         overrides += [f"runner.steps={steps}", "runner.stop_return=null"]
     recipe = load_recipe("ppo_cartpole", overrides)
@@ -730,6 +736,9 @@ CHECKS = [
     ("cuda_ipc_channel", check_cuda_ipc_channel),
     ("weight_sync_cuda_disaggregated", check_weight_sync_cuda_disaggregated),
     ("nccl_broadcast_two_groups", check_nccl_broadcast_two_groups),
+    ("remote_dask_cuda_scheduler", check_remote_dask_cuda_scheduler),
+    ("lm_bf16_cuda", check_lm_bf16_cuda),
+    ("static_cache_decode_cuda", check_static_cache_decode_cuda),
     ("vllm_rollout", check_vllm_rollout),
     ("maniskill_pickcube", check_maniskill_pickcube),
 ]

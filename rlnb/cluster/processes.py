@@ -31,6 +31,8 @@ class DaskProcesses:
         host: the interface everything listens on (loopback by default: nothing reachable from outside).
         timeout_s: how long the scheduler may take to start.
         env: extra environment variables for the processes (e.g. ``DASK_DISTRIBUTED__WORKER__DAEMON=False``).
+        gpu: start each worker as ``dask cuda worker`` (dask-cuda: one worker process per GPU of this
+            machine, each seeing its own as ``cuda:0``) instead of ``dask worker``.
 
     Attributes:
         address: the scheduler's address (``tcp://127.0.0.1:PORT``), once started.
@@ -43,24 +45,28 @@ class DaskProcesses:
         host: str = "127.0.0.1",
         timeout_s: float = 60.0,
         env: dict[str, str] | None = None,
+        gpu: bool = False,
     ):
         self.workers = {f"w{i}": {} for i in range(workers)} if isinstance(workers, int) else dict(workers)
-        self.host, self.timeout_s = host, timeout_s
+        self.host, self.timeout_s, self.gpu = host, timeout_s, gpu
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.address: str | None = None
         self.log_dir: Path | None = None
         self.processes: list[subprocess.Popen] = []
 
     @staticmethod
-    def _dask() -> str:
+    def _dask() -> list[str]:
+        """The ``dask`` command: this Python's script, else the one on ``PATH``, else ``python -m dask`` (packages
+        installed with ``pip --target`` bring no scripts; their subcommands are still found)."""
         here = Path(sys.executable).with_name("dask")
-        return str(here) if here.exists() else (shutil.which("dask") or "dask")
+        found = str(here) if here.exists() else shutil.which("dask")
+        return [found] if found else [sys.executable, "-m", "dask"]
 
     def _spawn(self, name: str, args: list[str]) -> Path:
         log = self.log_dir / f"{name}.log"
         with log.open("w") as out:
             self.processes.append(
-                subprocess.Popen([self._dask(), *args], stdout=out, stderr=subprocess.STDOUT, env=self.env)
+                subprocess.Popen([*self._dask(), *args], stdout=out, stderr=subprocess.STDOUT, env=self.env)
             )
         return log
 
@@ -83,7 +89,11 @@ class DaskProcesses:
             else:
                 time.sleep(0.1)
         for name, resources in self.workers.items():
-            args = ["worker", self.address, "--nthreads", "1", "--nworkers", "1", "--no-dashboard"]
+            args = (
+                ["cuda", "worker", self.address, "--nthreads", "1", "--no-dashboard"]
+                if self.gpu
+                else ["worker", self.address, "--nthreads", "1", "--nworkers", "1", "--no-dashboard"]
+            )
             args += ["--host", self.host, "--name", name]
             if resources:
                 args += ["--resources", ",".join(f"{k}={v}" for k, v in resources.items())]

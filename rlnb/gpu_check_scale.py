@@ -1,0 +1,146 @@
+"""``make gpu-check``'s checks of the paths toward real model sizes and real deployments.
+
+- ``remote_dask_cuda_scheduler``: ``dask scheduler`` and ``dask cuda worker`` started from the command line,
+  ``rlnb.Cluster("tcp://...")`` by address, a PPO and a GRPO run on it with the GPU as the slot.
+- ``lm_bf16_cuda``: GRPO with ``actor.dtype=bfloat16`` (bf16 autocast over float32 master weights, the rollout
+  model in bf16) lifts held-out accuracy as the float32 run does, and logs ``memory/*``.
+- ``static_cache_decode_cuda``: ``rollout.static_cache`` (``generate`` on a static KV cache, its decoding step
+  compiled) samples the tokens and log-probs of rlnb's decoding loop, and how many tokens/s each makes.
+
+Each takes ``device`` so that the tests run it on CPU too (``dask worker`` instead of ``dask cuda worker``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _grpo(work: Path, name: str, device: str, overrides=(), cluster=None):
+    """A ``grpo_arith`` loop on ``device``, actor, rollout and reward collocated on slot 0."""
+    import rlnb
+    from rlnb.config import load_recipe
+
+    recipe = load_recipe(
+        "grpo_arith",
+        [f"actor.device={device}", f"rollout.device={device}", f"actor.model_path={work / 'tiny-arith-qwen2'}",
+         "runner.save_interval=0", *overrides],
+    )  # fmt: skip
+    recipe.cluster.component_placement = {"actor,rollout,reward": "0"}
+    return rlnb.GRPOLoop.from_recipe(recipe, cluster=cluster, run_dir=work / name)
+
+
+def check_remote_dask_cuda_scheduler(work: Path, device: str = "cuda") -> dict:
+    """A cluster as users deploy one: ``dask scheduler`` and ``dask cuda worker`` (``dask worker`` on CPU) from
+    the command line, non-daemonic workers, ``rlnb.Cluster(address)``; PPO CartPole and GRPO on its slot."""
+    import rlnb
+    from rlnb.cluster import DaskProcesses
+    from rlnb.gpu_check import _ppo
+
+    gpu = device == "cuda"
+    env = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
+    t0 = time.perf_counter()
+    procs = DaskProcesses(1, timeout_s=120, env=env, gpu=gpu)
+    with procs, rlnb.Cluster(procs.address, min_slots=1, timeout_s=120) as cluster:  # (procs started first)
+        up_s = time.perf_counter() - t0
+        slots = [f"{s.device} {s.gpu_name}".strip() for s in cluster.slots]
+        if cluster.embedded or (gpu and not all(s.device.startswith("cuda") for s in cluster.slots)):
+            raise RuntimeError(f"expected the command-line workers' GPU slots, got {slots}")
+        ppo = _ppo(work, "remote_ppo", False, cluster=cluster, steps=20, device=device)
+        loop = _grpo(work, "remote_grpo", device, ["runner.steps=10", "runner.eval_interval=0"], cluster)
+        try:
+            loop.run(progress=False)
+            last = loop.history[-1]
+        finally:
+            loop.close()
+        grpo = {
+            "steps": loop.step,
+            "loss": last.get("train/loss"),
+            "actor_state_bytes": last.get("memory/actor_state_bytes"),
+            "cuda_peak_bytes": last.get("memory/cuda_peak_bytes"),
+        }
+    if loop.step != 10 or grpo["actor_state_bytes"] is None or (gpu and not grpo["cuda_peak_bytes"]):
+        raise RuntimeError(f"GRPO on the command-line cluster: {grpo}")
+    return {"address": procs.address, "worker": "dask cuda worker" if gpu else "dask worker",
+            "slots": slots, "up_s": round(up_s, 1), "ppo": ppo, "grpo": grpo}  # fmt: skip
+
+
+def check_lm_bf16_cuda(work: Path, device: str = "cuda", steps: int = 150, lift: float = 0.1) -> dict:
+    """GRPO with ``actor.dtype=bfloat16``: the rollout holds its model in bf16, the actor's state stays float32
+    and is logged, and held-out accuracy rises by ``lift`` over the warm start (as ``grpo_tiny_lm_cuda`` asks of
+    float32)."""
+    loop = _grpo(work, "grpo_bf16", device, [f"runner.steps={steps}", "actor.dtype=bfloat16"])
+    try:
+        loop.run(progress=False)
+        rollout = loop.groups["rollout"].memory_stats().result()[0]
+        evals = [r["eval/accuracy"] for r in loop.history if "eval/accuracy" in r]
+        last = loop.history[-1]
+        out = {
+            "steps": loop.step,
+            "accuracy_after_sft": evals[0],
+            "accuracy_final": evals[-1],
+            "rollout_model_dtype": rollout["model_dtype"],
+            "actor_state_bytes": last.get("memory/actor_state_bytes"),
+            "cuda_peak_bytes": last.get("memory/cuda_peak_bytes"),
+            "first_ratio_mean": next(r["train/ratio_mean"] for r in loop.history if "train/ratio_mean" in r),
+        }
+    finally:
+        loop.close()
+    if rollout["model_dtype"] != "bfloat16" or out["actor_state_bytes"] is None:
+        raise RuntimeError(f"the rollout model is not bf16, or memory is not logged: {out}")
+    if device == "cuda" and not out["cuda_peak_bytes"]:
+        raise RuntimeError(f"memory/cuda_peak_bytes not logged on the GPU: {out}")
+    if out["accuracy_final"] < out["accuracy_after_sft"] + lift:
+        raise RuntimeError(f"bf16 GRPO did not lift held-out accuracy by {lift} over the warm start: {out}")
+    return out
+
+
+def _tokens_per_s(rollout, prompts: list[str], n: int, device: str) -> tuple[float, dict]:
+    """Tokens generated a second by ``rollout`` for ``n`` completions of each prompt (the second of two calls,
+    the first warming up or compiling), and that call's batch."""
+    for _ in range(2):
+        _sync(device)
+        t0 = time.perf_counter()
+        batch, _ = rollout._generate(prompts, n, greedy=False)
+        _sync(device)
+        seconds = time.perf_counter() - t0
+    return float(batch["response_mask"].sum()) / seconds, batch
+
+
+def check_static_cache_decode_cuda(
+    work: Path, device: str = "cuda", hidden: int = 512, layers: int = 8
+) -> dict:
+    """``rollout.static_cache`` against rlnb's decoding loop on one model: greedy float32 completions are the same
+    tokens with the same log-probs (compiled kernels round differently: a row may part at a near tie, so 95 %
+    of rows must match); then sampled bf16 tokens/s of each, 16 prompts x 8, up to 64 new tokens."""
+    from rlnb.components.lm import HFRollout
+    from rlnb.models.lm import build_tiny_lm
+
+    path = str(
+        build_tiny_lm(work / "tiny-static", hidden_size=hidden, num_layers=layers, num_heads=8, seed=0)
+    )
+    prompts = [f"{a}+{a * 7 % 50}=" for a in range(16)]
+    greedy = {}
+    for static in (False, True):
+        rollout = HFRollout(path, max_new_tokens=32, seed=0, device=device, static_cache=static)
+        rollout._generate(prompts, 1, greedy=True)  # (compiles)
+        greedy[static] = rollout._generate(prompts, 1, greedy=True)[0]
+    same = (greedy[True]["input_ids"] == greedy[False]["input_ids"]).all(1)
+    drift = (greedy[True]["logprobs"] - greedy[False]["logprobs"])[same].abs().max()
+    out = {"same_rows": f"{int(same.sum())}/{len(same)}", "logprob_max_diff": float(drift)}
+    speed = {}
+    for name, kwargs in (("loop", {}), ("static", {"static_cache": True})):
+        rollout = HFRollout(path, max_new_tokens=64, seed=0, device=device, dtype="bfloat16", **kwargs)
+        speed[name], _ = _tokens_per_s(rollout, prompts, 8, device)
+        out[f"tokens_per_s_{name}_bf16"] = round(speed[name])
+    out["static_over_loop"] = round(speed["static"] / speed["loop"], 2)
+    if float(same.float().mean()) < 0.95 or drift > 1e-3:
+        raise RuntimeError(f"the static-cache decode sampled other tokens or log-probs than the loop: {out}")
+    return out
