@@ -1,0 +1,120 @@
+"""Generated tokens a second of the HF rollout's samplers, beside the memory-bandwidth floor measured in the same run.
+
+Run: ``.venv/bin/python bench/rollout_throughput.py [--sizes 256x4 512x8] [--sequences 128] [--new-tokens 64]``
+(prints a table; not a timed test). On a GPU: ``--sizes 1024x24 2048x24`` (0.4B and 1.6B with the tiny-LM
+factory's character vocabulary).
+
+For each model size (``HIDDENxLAYERS``, built locally) and sampler, ``HFRollout`` samples ``--sequences``
+completions (``--sequences / 8`` prompts x 8) of up to ``--new-tokens`` tokens, twice; the second call is
+timed (the first warms up, or compiles). Samplers:
+
+- ``loop``: rlnb's decoding loop (ended rows leave the batch), in float32 and bf16 (``--dtypes``);
+- ``generate``: ``transformers``' ``generate`` (``rollout.drop_finished=false``);
+- ``static``: ``generate`` on a static KV cache, its decoding step compiled on a GPU (``rollout.static_cache``).
+
+The floor: a decoding step reads every weight once and makes one token per sequence, so ``sequences x
+bandwidth / weight bytes`` tokens a second at most, with the bandwidth of a large copy measured here (bytes
+read plus written, over its time). The table gives each sampler's tokens/s and its share of that floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rlnb.components.lm import HFRollout
+from rlnb.models.lm import DTYPES, build_tiny_lm
+
+SAMPLERS = {
+    "loop": {},
+    "generate": {"drop_finished": False},
+    "static": {"static_cache": True},
+}
+
+
+def bandwidth_bytes_per_s(device: str, mib: int) -> float:
+    """A copy of ``mib`` MiB: bytes read plus written over the best of 5 (its memory bandwidth)."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() / best
+
+
+def count_params(path: str) -> int:
+    """The parameters of the model at ``path``, built on the meta device (nothing allocated)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return sum(p.numel() for p in model.parameters())
+
+
+def tokens_per_s(path: str, device: str, dtype: str, sampler: str, sequences: int, new_tokens: int) -> float:
+    """Tokens a second of the second of two calls (``response_mask`` counts what was generated)."""
+    rollout = HFRollout(
+        path, max_new_tokens=new_tokens, seed=0, device=device, dtype=dtype, **SAMPLERS[sampler]
+    )
+    prompts = [f"{a}+{(a * 7) % 50}=" for a in range(max(1, sequences // 8))]
+    for _ in range(2):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        batch, _ = rollout._generate(prompts, sequences // len(prompts), greedy=False)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    del rollout
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return float(batch["response_mask"].sum()) / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--sizes", nargs="+", default=["256x4", "512x8"], help="HIDDENxLAYERS models to build"
+    )
+    parser.add_argument("--sequences", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--samplers", nargs="+", default=None, help=f"of {list(SAMPLERS)} (default: all on a GPU, "
+                        "loop and generate on CPU, where nothing is compiled)")  # fmt: skip
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    samplers = args.samplers or (list(SAMPLERS) if args.device == "cuda" else ["loop", "generate"])
+    name = (
+        torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {torch.get_num_threads()} thread(s)"
+    )
+    bandwidth = bandwidth_bytes_per_s(args.device, 1024 if args.device == "cuda" else 256)
+    print(f"{name}: copy bandwidth {bandwidth / 1e9:.0f} GB/s; {args.sequences} sequences, up to {args.new_tokens} "
+          "new tokens, the second of two calls timed")  # fmt: skip
+    print("| model | params | sampler | dtype | tokens/s | floor tokens/s | share of floor |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="rlnb-bench-") as tmp:
+        for size in args.sizes:
+            hidden, layers = (int(x) for x in size.split("x"))
+            path = str(build_tiny_lm(Path(tmp) / size, hidden_size=hidden, num_layers=layers,
+                                     num_heads=max(1, hidden // 64), max_positions=256, seed=0))  # fmt: skip
+            params = count_params(path)
+            for dtype in args.dtypes:
+                for sampler in samplers:
+                    got = tokens_per_s(path, args.device, dtype, sampler, args.sequences, args.new_tokens)
+                    floor = args.sequences * bandwidth / (params * DTYPES[dtype].itemsize)
+                    print(f"| {size} | {params / 1e6:.0f} M | {sampler} | {dtype} | {got:,.0f} | {floor:,.0f} | "
+                          f"{got / floor:.1%} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
