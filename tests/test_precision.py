@@ -62,6 +62,8 @@ def test_dtype_and_static_cache_refused_where_they_cannot_work(lm):
         HFRollout(lm, dtype="half")
     with pytest.raises(RecipeError, match="actor.dtype"):
         load_recipe("grpo_arith", ["actor.dtype=float16"])
+    with pytest.raises(RecipeError, match="rollout.dtype"):
+        load_recipe("grpo_arith", ["rollout.dtype=half"])
     with pytest.raises(RecipeError, match="rollout.static_cache: a static KV cache for the hf backend"):
         load_recipe("grpo_arith", ["rollout.backend=vllm", "rollout.static_cache=true"])
 

@@ -49,6 +49,9 @@ SWEEP = {
     "actor.tiny_lm.arch": (GRPO, []),
     "actor.skip_zero_advantage": (GRPO, []),
     "rollout.drop_finished": (GRPO, []),
+    "actor.dtype": (GRPO, []),
+    "rollout.dtype": (GRPO, []),
+    "rollout.static_cache": (GRPO, []),
     "rollout.backend": (None, []),  # policy -> PPO, hf and vllm -> GRPO
     "rollout.device": (PPO, []),
     "rollout.weight_sync": (PPO, ["cluster.component_placement={'env,rollout': 0, actor: 1}"]),

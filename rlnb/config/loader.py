@@ -415,6 +415,16 @@ def validate(recipe: Recipe) -> list[str]:
             f"(algorithm.max_staleness={a.max_staleness}) takes new weights between chunks of tokens, with rlnb's "
             "own decoding; use rollout.backend=hf, or algorithm.max_staleness=0"
         )
+    if ro.backend == "policy" and recipe.actor.dtype != "float32":  # (an embodied run would ignore it)
+        errs.append(
+            f"actor.dtype: {recipe.actor.dtype} compute is for LM actors (rollout.backend hf or vllm); an "
+            "embodied policy trains in float32; set actor.dtype=float32"
+        )
+    if ro.dtype != "auto" and ro.backend != "hf":
+        errs.append(
+            f"rollout.dtype: the precision of the hf backend's model; rollout.backend={ro.backend} does not use it; "
+            "leave rollout.dtype=auto"
+        )
     if ro.static_cache is True and ro.backend != "hf":
         errs.append(
             f"rollout.static_cache: a static KV cache for the hf backend's generate; rollout.backend={ro.backend} "

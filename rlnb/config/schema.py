@@ -246,6 +246,8 @@ class RolloutConfig:
     interaction: str | None = None
     """LM RL, with ``max_turns`` >= 2: a registered interaction (``arithmetic_retry``; a notebook's own through
     ``rlnb.algorithms.interactions.register_interaction``, or a function given to ``HFRollout(interaction=...)``)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """LM RL, ``hf`` backend: the precision the rollout holds and runs its model in; ``auto``: ``actor.dtype``."""
     static_cache: bool = False
     """LM RL, ``hf`` backend: sample with ``transformers``' ``generate`` on a static KV cache, whose decoding step
     is compiled on a GPU (``torch.compile``, CUDA graphs: one launch a token instead of one a kernel). Pays for

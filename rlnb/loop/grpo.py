@@ -314,7 +314,11 @@ class GRPOLoop(LoopBase):
             if ro.backend == "vllm"
             else (
                 HFRollout,
-                {"drop_finished": ro.drop_finished, "dtype": r.actor.dtype, "static_cache": ro.static_cache},
+                {
+                    "drop_finished": ro.drop_finished,
+                    "dtype": r.actor.dtype if ro.dtype == "auto" else ro.dtype,
+                    "static_cache": ro.static_cache,
+                },
             )
         )
         fields = common_fields(self.task.train, self.task.held_out)
