@@ -25,6 +25,9 @@ import torch
 from rlnb.components.lm import LMActor
 from rlnb.models.lm import DTYPES, build_tiny_lm
 
+# the components set their own thread count (one a slot); the benches keep the process's, as the peaks use
+THREADS = torch.get_num_threads()
+
 
 def matmul_flops_per_s(device: str, dtype: torch.dtype) -> float:
     """The best of 5 square matmuls (8192 on a GPU, 1024 on CPU): FLOPs a second."""
@@ -59,7 +62,7 @@ def grpo_batch(sequences: int, prompt: int, response: int, vocab: int, pad: int)
 
 def one(path: str, device: str, dtype: str, args) -> dict:
     actor = LMActor(path, device=device, dtype=dtype, micro_batch_size=args.micro_batch, group_size=8,
-                    update_epochs=1, num_minibatches=1, lr=1e-5)  # fmt: skip
+                    update_epochs=1, num_minibatches=1, lr=1e-5, torch_threads=THREADS)  # fmt: skip
     params = sum(p.numel() for p in actor.policy.parameters())
     batch = grpo_batch(
         args.sequences, args.prompt_tokens, args.response_tokens, len(actor.tok), actor.tok.pad_token_id

@@ -29,6 +29,9 @@ import torch
 from rlnb.components.lm import HFRollout
 from rlnb.models.lm import DTYPES, build_tiny_lm
 
+# the components set their own thread count (one a slot); the benches keep the process's, as the peaks use
+THREADS = torch.get_num_threads()
+
 SAMPLERS = {
     "loop": {},
     "generate": {"drop_finished": False},
@@ -64,7 +67,13 @@ def count_params(path: str) -> int:
 def tokens_per_s(path: str, device: str, dtype: str, sampler: str, sequences: int, new_tokens: int) -> float:
     """Tokens a second of the second of two calls (``response_mask`` counts what was generated)."""
     rollout = HFRollout(
-        path, max_new_tokens=new_tokens, seed=0, device=device, dtype=dtype, **SAMPLERS[sampler]
+        path,
+        max_new_tokens=new_tokens,
+        seed=0,
+        device=device,
+        dtype=dtype,
+        torch_threads=THREADS,
+        **SAMPLERS[sampler],
     )
     prompts = [f"{a}+{(a * 7) % 50}=" for a in range(max(1, sequences // 8))]
     for _ in range(2):
