@@ -16,14 +16,13 @@ parameters, gradients and optimizer state (``memory/actor_state_bytes``) and, on
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from _scaled import scaled_models
 
 from rlnb.components.lm import LMActor
-from rlnb.models.lm import DTYPES, build_tiny_lm
+from rlnb.models.lm import DTYPES
 
 # the components set their own thread count (one a slot); the benches keep the process's, as the peaks use
 THREADS = torch.get_num_threads()
@@ -110,18 +109,14 @@ def main() -> None:
     print("| model | params | dtype | update s | tokens/s | TFLOP/s | of bf16 peak | of its dtype's peak "
           "| state / rank | GPU peak |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
-    with tempfile.TemporaryDirectory(prefix="rlnb-bench-") as tmp:
-        for size in args.sizes:
-            hidden, layers = (int(x) for x in size.split("x"))
-            path = str(build_tiny_lm(Path(tmp) / size, hidden_size=hidden, num_layers=layers,
-                                     num_heads=max(1, hidden // 64), max_positions=256, seed=0))  # fmt: skip
-            for dtype in args.dtypes:
-                r = one(path, args.device, dtype, args)
-                gpu = f"{r['peak_bytes'] / 2**30:.1f} GiB" if r["peak_bytes"] else "-"
-                print(f"| {size} | {r['params'] / 1e6:.0f} M | {dtype} | {r['update_s']:.3f} | "
-                      f"{r['tokens_per_s']:,.0f} | {r['flops_per_s'] / 1e12:.2f} | "
-                      f"{r['flops_per_s'] / peak['bfloat16']:.1%} | {r['flops_per_s'] / peak[dtype]:.1%} | "
-                      f"{r['state_bytes'] / 2**30:.2f} GiB | {gpu} |", flush=True)  # fmt: skip
+    for size, path in scaled_models(args.sizes):
+        for dtype in args.dtypes:
+            r = one(path, args.device, dtype, args)
+            gpu = f"{r['peak_bytes'] / 2**30:.1f} GiB" if r["peak_bytes"] else "-"
+            print(f"| {size} | {r['params'] / 1e6:.0f} M | {dtype} | {r['update_s']:.3f} | "
+                  f"{r['tokens_per_s']:,.0f} | {r['flops_per_s'] / 1e12:.2f} | "
+                  f"{r['flops_per_s'] / peak['bfloat16']:.1%} | {r['flops_per_s'] / peak[dtype]:.1%} | "
+                  f"{r['state_bytes'] / 2**30:.2f} GiB | {gpu} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

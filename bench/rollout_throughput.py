@@ -20,14 +20,13 @@ read plus written, over its time). The table gives each sampler's tokens/s and i
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from _scaled import scaled_models
 
 from rlnb.components.lm import HFRollout
-from rlnb.models.lm import DTYPES, build_tiny_lm
+from rlnb.models.lm import DTYPES
 
 # the components set their own thread count (one a slot); the benches keep the process's, as the peaks use
 THREADS = torch.get_num_threads()
@@ -111,18 +110,14 @@ def main() -> None:
           "new tokens, the second of two calls timed")  # fmt: skip
     print("| model | params | sampler | dtype | tokens/s | floor tokens/s | share of floor |")
     print("|---|---|---|---|---|---|---|")
-    with tempfile.TemporaryDirectory(prefix="rlnb-bench-") as tmp:
-        for size in args.sizes:
-            hidden, layers = (int(x) for x in size.split("x"))
-            path = str(build_tiny_lm(Path(tmp) / size, hidden_size=hidden, num_layers=layers,
-                                     num_heads=max(1, hidden // 64), max_positions=256, seed=0))  # fmt: skip
-            params = count_params(path)
-            for dtype in args.dtypes:
-                for sampler in samplers:
-                    got = tokens_per_s(path, args.device, dtype, sampler, args.sequences, args.new_tokens)
-                    floor = args.sequences * bandwidth / (params * DTYPES[dtype].itemsize)
-                    print(f"| {size} | {params / 1e6:.0f} M | {sampler} | {dtype} | {got:,.0f} | {floor:,.0f} | "
-                          f"{got / floor:.1%} |", flush=True)  # fmt: skip
+    for size, path in scaled_models(args.sizes):
+        params = count_params(path)
+        for dtype in args.dtypes:
+            for sampler in samplers:
+                got = tokens_per_s(path, args.device, dtype, sampler, args.sequences, args.new_tokens)
+                floor = args.sequences * bandwidth / (params * DTYPES[dtype].itemsize)
+                print(f"| {size} | {params / 1e6:.0f} M | {sampler} | {dtype} | {got:,.0f} | {floor:,.0f} | "
+                      f"{got / floor:.1%} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
