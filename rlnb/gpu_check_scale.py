@@ -23,6 +23,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _last_training_record(history: list[dict]) -> dict:
+    """The last record of a training step (a run's last record may be its final evaluation's)."""
+    return next(r for r in reversed(history) if "train/loss" in r)
+
+
 def _grpo(work: Path, name: str, device: str, overrides=(), cluster=None):
     """A ``grpo_arith`` loop on ``device``, actor, rollout and reward collocated on slot 0."""
     import rlnb
@@ -57,7 +62,7 @@ def check_remote_dask_cuda_scheduler(work: Path, device: str = "cuda") -> dict:
         loop = _grpo(work, "remote_grpo", device, ["runner.steps=10", "runner.eval_interval=0"], cluster)
         try:
             loop.run(progress=False)
-            last = loop.history[-1]
+            last = _last_training_record(loop.history)
         finally:
             loop.close()
         grpo = {
@@ -87,9 +92,7 @@ def check_lm_bf16_cuda(
         loop.run(progress=False)
         rollout = loop.groups["rollout"].memory_stats().result()[0]
         evals = [r["eval/accuracy"] for r in loop.history if "eval/accuracy" in r]
-        last = [r for r in loop.history if "memory/actor_state_bytes" in r][
-            -1
-        ]  # (not the final evaluation's)
+        last = _last_training_record(loop.history)
         out = {
             "steps": loop.step,
             "accuracy_after_sft": evals[0],
@@ -116,7 +119,7 @@ def check_lm_bf16_cuda(
     return out
 
 
-def _tokens_per_s(rollout, prompts: list[str], n: int, device: str) -> tuple[float, dict]:
+def tokens_per_s(rollout, prompts: list[str], n: int, device: str) -> tuple[float, dict]:
     """Tokens generated a second by ``rollout`` for ``n`` completions of each prompt (the second of two calls,
     the first warming up or compiling), and that call's batch."""
     for _ in range(2):
@@ -152,7 +155,7 @@ def check_static_cache_decode_cuda(
     speed = {}
     for name, kwargs in (("loop", {}), ("static", {"static_cache": True})):
         rollout = HFRollout(path, max_new_tokens=64, seed=0, device=device, dtype="bfloat16", **kwargs)
-        speed[name], _ = _tokens_per_s(rollout, prompts, 8, device)
+        speed[name], _ = tokens_per_s(rollout, prompts, 8, device)
         out[f"tokens_per_s_{name}_bf16"] = round(speed[name])
     out["static_over_loop"] = round(speed["static"] / speed["loop"], 2)
     if float(same.float().mean()) < 0.95 or drift > 1e-3:

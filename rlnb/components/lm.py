@@ -1427,7 +1427,7 @@ class LMActor(ActorBase):
             ids, attn = b["input_ids"][sl].to(self.device), b["attention_mask"][sl].to(self.device)
             with self._precision():
                 logp = self._token_logprobs(model, ids, attn, b["response_mask"][sl].to(self.device))
-            out.append(logp.float().cpu())
+            out.append(logp.cpu())
         return torch.cat(out)
 
     def _token_logprobs(self, model, ids, attn, response_mask) -> torch.Tensor:
