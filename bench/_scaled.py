@@ -1,12 +1,30 @@
-"""What the model-size benches share: the tiny-LM factory's models scaled up, built in a temporary directory."""
+"""What the model-size benches share: the tiny-LM factory's models scaled up, built in a temporary directory, and
+the best time of a GPU or CPU operation."""
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import torch
+
 from rlnb.models.lm import build_tiny_lm
+
+
+def best_seconds(device: str, fn: Callable[[], object], repeats: int = 5) -> float:
+    """The shortest of ``repeats`` runs of ``fn``, waiting for the GPU's work to end on ``cuda``."""
+    best = float("inf")
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def scaled_models(sizes: list[str]) -> Iterator[tuple[str, str]]:

@@ -19,7 +19,7 @@ import argparse
 import time
 
 import torch
-from _scaled import scaled_models
+from _scaled import best_seconds, scaled_models
 
 from rlnb.components.lm import LMActor
 from rlnb.models.lm import DTYPES
@@ -32,19 +32,10 @@ def matmul_flops_per_s(device: str, dtype: torch.dtype) -> float:
     """The best of 5 square matmuls (8192 on a GPU, 1024 on CPU): FLOPs a second."""
     n = 8192 if device == "cuda" else 1024
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    best = float("inf")
-    for _ in range(5):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a @ b
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    return 2 * n**3 / best_seconds(device, lambda: a @ b)
 
 
-def grpo_batch(sequences: int, prompt: int, response: int, vocab: int, pad: int) -> dict:
+def grpo_batch(sequences: int, prompt: int, response: int, vocab: int) -> dict:
     """A rollout batch of random tokens: ``[B, P+R]`` with every response token in the mask."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, vocab, (sequences, prompt + response), generator=g)
@@ -63,9 +54,7 @@ def one(path: str, device: str, dtype: str, args) -> dict:
     actor = LMActor(path, device=device, dtype=dtype, micro_batch_size=args.micro_batch, group_size=8,
                     update_epochs=1, num_minibatches=1, lr=1e-5, torch_threads=THREADS)  # fmt: skip
     params = sum(p.numel() for p in actor.policy.parameters())
-    batch = grpo_batch(
-        args.sequences, args.prompt_tokens, args.response_tokens, len(actor.tok), actor.tok.pad_token_id
-    )
+    batch = grpo_batch(args.sequences, args.prompt_tokens, args.response_tokens, len(actor.tok))
     for _ in range(2):
         actor.set_batch([batch])
         actor.compute_advantages()

@@ -20,12 +20,12 @@ read plus written, over its time). The table gives each sampler's tokens/s and i
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-from _scaled import scaled_models
+from _scaled import best_seconds, scaled_models
 
 from rlnb.components.lm import HFRollout
+from rlnb.gpu_check_scale import tokens_per_s
 from rlnb.models.lm import DTYPES
 
 # the components set their own thread count (one a slot); the benches keep the process's, as the peaks use
@@ -42,16 +42,7 @@ def bandwidth_bytes_per_s(device: str, mib: int) -> float:
     """A copy of ``mib`` MiB: bytes read plus written over the best of 5 (its memory bandwidth)."""
     src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.numel() / best
+    return 2 * src.numel() / best_seconds(device, lambda: dst.copy_(src))
 
 
 def count_params(path: str) -> int:
@@ -63,30 +54,18 @@ def count_params(path: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def tokens_per_s(path: str, device: str, dtype: str, sampler: str, sequences: int, new_tokens: int) -> float:
-    """Tokens a second of the second of two calls (``response_mask`` counts what was generated)."""
-    rollout = HFRollout(
-        path,
-        max_new_tokens=new_tokens,
-        seed=0,
-        device=device,
-        dtype=dtype,
-        torch_threads=THREADS,
-        **SAMPLERS[sampler],
-    )
+def sampler_tokens_per_s(
+    path: str, device: str, dtype: str, sampler: str, sequences: int, new_tokens: int
+) -> float:
+    """Tokens a second of ``sampler``: the second of two calls (``response_mask`` counts what was generated)."""
+    rollout = HFRollout(path, max_new_tokens=new_tokens, seed=0, device=device, dtype=dtype, torch_threads=THREADS,
+                        **SAMPLERS[sampler])  # fmt: skip
     prompts = [f"{a}+{(a * 7) % 50}=" for a in range(max(1, sequences // 8))]
-    for _ in range(2):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        batch, _ = rollout._generate(prompts, sequences // len(prompts), greedy=False)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
+    got, _ = tokens_per_s(rollout, prompts, sequences // len(prompts), device)
     del rollout
     if device == "cuda":
         torch.cuda.empty_cache()
-    return float(batch["response_mask"].sum()) / seconds
+    return got
 
 
 def main() -> None:
@@ -114,7 +93,7 @@ def main() -> None:
         params = count_params(path)
         for dtype in args.dtypes:
             for sampler in samplers:
-                got = tokens_per_s(path, args.device, dtype, sampler, args.sequences, args.new_tokens)
+                got = sampler_tokens_per_s(path, args.device, dtype, sampler, args.sequences, args.new_tokens)
                 floor = args.sequences * bandwidth / (params * DTYPES[dtype].itemsize)
                 print(f"| {size} | {params / 1e6:.0f} M | {sampler} | {dtype} | {got:,.0f} | {floor:,.0f} | "
                       f"{got / floor:.1%} |", flush=True)  # fmt: skip
