@@ -302,12 +302,21 @@ def test_async_grpo_built_from_objects(cluster, tmp_path):
         assert stale[0] == 0 and max(stale) <= 1, stale
         assert loop.rollout_status()["max_staleness"] == 1
 
-    class Plain:  # the methods a synchronous loop calls, no stream()
-        pass
+    from rlnb.components.lm import LMRollout
 
-    for name in GRPOLoop.ROLE_METHODS["rollout"]:
-        setattr(Plain, name, getattr(HFRollout, name))
-    Plain.__init__ = HFRollout.__init__
+    class Plain(LMRollout):  # a synchronous rollout of one's own engine (here an HF one inside): no stream()
+        def __init__(self, model_path, max_new_tokens, rank_info=None):
+            super().__init__(max_new_tokens, rank_info=rank_info)
+            self.engine = HFRollout(model_path, max_new_tokens, rank_info=rank_info)
+            self.tok = self.engine.tok
+
+        def _generate(self, prompts, n, greedy):
+            return self.engine._generate(prompts, n, greedy)
+
+        def load_weights(self, state_dict, version):
+            self.version = self.engine.load_weights(state_dict, version)
+            return self.version
+
     from rlnb import launch
 
     plain = launch(Plain, cluster, "0", model_path=model, max_new_tokens=3)

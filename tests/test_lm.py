@@ -1052,3 +1052,34 @@ def test_a_tiny_models_tokenizer_loads_as_it_was_saved(tmp_path, arch):
     ids = tok("a b\nc", add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == "a b\nc" and len(ids) == 5
     assert (tok("1+1=")["input_ids"][0] == tok.bos_token_id) == (arch == "llama")  # Llama's habit kept
+
+
+def test_the_lm_actors_settings_have_one_source_and_the_recorded_recipe_is_what_trained(
+    cluster, tiny_lm, tmp_path
+):
+    """Objects path: ``algorithm={"max_grad_norm": 0.3}`` is the norm the actor clips to (it clipped to its own
+    argument's default, 1.0, and the recipe said 0.5), and the run's ``recipe.yaml`` records it, the actor's
+    ``lr`` and its model, not the schema's defaults."""
+    actor = LMActor(tiny_lm, {"max_grad_norm": 0.3, "group_size": 4}, lr=5e-3, micro_batch_size=8, seed=0)
+    assert actor.max_grad_norm == 0.3 and actor.describe()["actor"].lr == 5e-3
+    ro = HFRollout(tiny_lm, max_new_tokens=3, seed=1)
+    ro.generate(["1+1=", "2+2="], ["2", "4"], n=4)
+    ro.set_rewards([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    actor.set_batch([ro.take_batch()])
+    metrics = actor.train()
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in actor.policy.parameters()]))
+    assert metrics["grad_norm"] > 0.3 and float(clipped) == pytest.approx(0.3, rel=1e-3), metrics["grad_norm"]
+
+    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(4)]
+    rollout = HFRollout.launch(cluster, "0", model_path=tiny_lm, max_new_tokens=3)
+    remote = LMActor.launch(
+        cluster, "1", model_path=tiny_lm, algorithm={"max_grad_norm": 0.3}, lr=5e-3, group_size=4
+    )
+    with GRPOLoop(
+        rollout=rollout, actor=remote, reward="arithmetic", prompts=records, prompts_per_step=2, run_dir=tmp_path / "run"
+    ) as loop:  # fmt: skip
+        loop.step_once()
+        assert loop.recipe.algorithm.max_grad_norm == 0.3
+    recorded = load_recipe(str(tmp_path / "run" / "recipe.yaml"))
+    assert recorded.algorithm.max_grad_norm == 0.3 and recorded.actor.lr == 5e-3
+    assert recorded.actor.model_path == tiny_lm and recorded.actor.anneal_lr is False

@@ -76,6 +76,7 @@ class ActorBase:
 
     CONTRACT = EMBODIED  # what this actor offers the algorithm registries
     DEFAULT_ALGORITHM: dict = {}  # AlgorithmConfig fields that differ for this actor when none is given
+    DEFAULT_ACTOR: dict = {}  # ActorConfig fields likewise
     # DDP sends rank 0's buffers (e.g. normalisation statistics) to every rank at each forward: one
     # collective per call, so every rank must call the model as many times a step
     DDP_BROADCAST_BUFFERS = True
@@ -86,6 +87,13 @@ class ActorBase:
         if isinstance(algorithm, AlgorithmConfig):
             return algorithm
         return AlgorithmConfig(**{**cls.DEFAULT_ALGORITHM, **(algorithm or {})})
+
+    @classmethod
+    def actor_config(cls, actor) -> ActorConfig:
+        """``actor`` (an :class:`ActorConfig`, a dict or ``None``) as a config, with this actor's defaults."""
+        if isinstance(actor, ActorConfig):
+            return actor
+        return ActorConfig(**{**cls.DEFAULT_ACTOR, **(actor or {})})
 
     @classmethod
     def prepare_launch(cls, kwargs: dict) -> dict:
@@ -123,6 +131,7 @@ class ActorBase:
             "advantage": self.advantage.name,
             "policy_loss": self.loss.name,
             "algorithm": dataclasses.asdict(self.algo),
+            "actor": self.cfg,
         }
 
     def compile_stats(self) -> dict:
@@ -140,10 +149,7 @@ class ActorBase:
         between steps; the loop checks the values first. Returns the values now in force."""
         for key, value in values.items():
             if key == "lr":
-                if getattr(self, "cfg", None) is not None:
-                    self.cfg = dataclasses.replace(self.cfg, lr=value)
-                if hasattr(self, "lr"):
-                    self.lr = value
+                self.cfg = dataclasses.replace(self.cfg, lr=value)
                 for group in self.optimizer.param_groups:
                     group["lr"] = value
             else:

@@ -1,0 +1,441 @@
+"""The LM actor: GRPO/PPO-clip updates of a causal LM (micro-batched, rows without a learning signal left out,
+each distinct prompt computed once), an optional KL to a frozen reference, and HF export. The supervised
+warm start is :mod:`.sft`."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+
+import torch
+
+from rlnb.algorithms import kl_penalty
+from rlnb.algorithms.contract import LM, check_algorithm
+from rlnb.algorithms.losses import masked_mean
+from rlnb.components.actor import ActorBase, with_settings
+from rlnb.components.compile import StepCompiler
+from rlnb.components.launch import launcher
+from rlnb.components.lm.forward import CPU_LENGTH_BUCKETS, Forward
+from rlnb.components.lm.layout import check_dtype, join_batches, micro_batches
+from rlnb.components.lm.sft import WarmStart, adamw
+from rlnb.components.optim import ClipAndStep
+from rlnb.components.rollout import resolve_device
+from rlnb.errors import ConfigError
+from rlnb.models.lm import DTYPES, hf_quiet, load_lm
+from rlnb.runtime.rank import RankInfo, current_rank
+from rlnb.seeding import rank_seed
+
+
+class LMActor(Forward, WarmStart, ActorBase):
+    """Trains a causal LM: SFT warm start, then GRPO/PPO-clip updates with an optional KL to a frozen reference.
+
+    Args:
+        model_path: a ``save_pretrained`` directory (the reference model loads from it too).
+        algorithm: :class:`rlnb.config.AlgorithmConfig` or a dict of its fields (advantage, loss, group_size,
+            kl_coef, max_grad_norm...); given as a dict, over this actor's defaults (``max_grad_norm=1.0``).
+        actor: :class:`rlnb.config.ActorConfig` or a dict of its fields (lr, micro_batch_size, dtype...); given
+            as a dict, over this actor's defaults (``lr=1e-3``, ``anneal_lr=False``). The named arguments below
+            and ``**settings`` override both; whatever trains is what :meth:`describe` reports and a loop
+            records in ``recipe.yaml``.
+        lr: AdamW learning rate; micro_batch_size: sequences per forward/backward.
+        max_grad_norm: the norm gradients are clipped to (``algorithm.max_grad_norm``).
+        anneal_lr: decay the learning rate linearly to 0 over the run's steps (a loop sets them).
+        temperature: the rollout's sampling temperature (log-probs are of the same distribution).
+        advantage, policy_loss: registered names or functions; override ``algorithm``'s.
+        share_prompt_forward: compute each distinct prompt once per micro-batch, for all its completions,
+            in the update and in log-prob recomputes (:func:`rlnb.models.lm.shared_prompt_logprobs`: the
+            same log-probs and gradients), where it pays: always on CPU, on a GPU when the shared prompts
+            hold at least half the micro-batch's tokens (``GPU_MIN_SHARED_FRACTION``). Off while the step
+            is compiled; a model whose cache cannot be shared this way trains per sequence, said once.
+        length_buckets: the most passes a micro-batch's rows take, grouped by where they end, each cut at
+            its longest row, so that padding is not computed (:func:`rlnb.models.lm.length_buckets`: the
+            same log-probs and gradients). ``None``: 4 on CPU, 1 (one pass) on a GPU. Off while the step
+            is compiled.
+        skip_zero_advantage: leave rows whose advantages are all 0 (a GRPO group whose completions all
+            scored alike) out of the update's forward and backward, and out of the old log-probs' recompute,
+            where the loss adds exactly 0 for them (``zero_at_zero_advantage``, e.g. ``ppo``) and there is
+            no KL term in the loss: the same gradients, and the optimizer steps as before. The loss's metrics
+            are then over the rows computed. Off while the step is compiled. ``train()`` reports
+            ``rows_computed_frac``.
+        dtype: ``float32``, or ``bfloat16``: forward and backward under bf16 autocast, with float32 master
+            weights, gradients and AdamW state; log-probs, the loss and the KL in float32. The reference model
+            is held in bf16, and the weights go to the rollout in bf16 (``policy_state``).
+        **settings: any field of ``ActorConfig`` or ``AlgorithmConfig`` by name (``group_size=8``, ``kl_coef=0.01``...).
+
+    Advantages and losses get every input of :data:`rlnb.algorithms.contract.LM` they accept. The
+    ``old_logprobs`` a loss gets are the actor's own recomputation of the sampling policy when the
+    batch was sampled with the actor's current weights; a batch sampled by older weights (asynchronous
+    mode) gets the rollout's behaviour log-probs, which only the sampler knows, so the ratio corrects
+    for the staleness. A loss that also takes ``prox_logprobs`` (decoupled PPO) gets the behaviour
+    log-probs as ``old_logprobs`` and the recomputation as ``prox_logprobs``. An advantage that takes ``kl``
+    (REINFORCE++) puts the KL to the reference in its returns; otherwise, with ``kl_coef > 0``, the KL
+    is a loss term.
+    """
+
+    launch = launcher("actor")
+    CONTRACT = LM
+    DEFAULT_ALGORITHM = {"advantage": "grpo", "policy_loss": "ppo", "max_grad_norm": 1.0}
+    DEFAULT_ACTOR = {"lr": 1e-3, "anneal_lr": False}
+    # ranks call the model a different number of times a micro-batch (length buckets follow each rank's
+    # own rows), so no per-call buffer broadcast; a causal LM's buffers (rotary frequencies) are constants
+    DDP_BROADCAST_BUFFERS = False
+
+    def __init__(
+        self, model_path: str, algorithm=None, lr: float | None = None, micro_batch_size: int | None = None,
+        temperature: float = 1.0, max_grad_norm: float | None = None, seed: int = 0, device: str | None = None,
+        torch_threads: int | None = None, advantage_fn=None, loss_fn=None, rank_info: RankInfo | None = None, *,
+        actor=None, advantage=None, policy_loss=None, anneal_lr: bool | None = None, share_prompt_forward: bool = True,
+        length_buckets: int | None = None, skip_zero_advantage: bool | None = None, dtype: str | None = None,
+        **settings,
+    ):  # fmt: skip
+        rank_info = rank_info or current_rank()  # subclasses need not pass it on
+        # one source of truth: every setting lands in the actor's two config sections (what describe() reports
+        # and a loop records), the named arguments and **settings over `actor` and `algorithm`
+        named = dict(
+            lr=lr, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, device=device,
+            torch_threads=torch_threads, anneal_lr=anneal_lr, length_buckets=length_buckets,
+            skip_zero_advantage=skip_zero_advantage, dtype=dtype,
+        )  # fmt: skip
+        settings = {**{k: v for k, v in named.items() if v is not None}, **settings}
+        self.cfg, self.algo = with_settings(
+            self.actor_config(actor), self.algorithm_config(algorithm), settings, "actor"
+        )
+        self.cfg = dataclasses.replace(self.cfg, model_path=str(model_path))  # (recorded as what trained)
+        cfg = self.cfg
+        torch.set_num_threads(cfg.torch_threads)
+        self.dtype = check_dtype(cfg.dtype, "actor.dtype")
+        self.share_prompt_forward = share_prompt_forward
+        self.skip_zero_advantage = cfg.skip_zero_advantage
+        self.shared_forwards = 0  # micro-batches whose prompts went through the model once per prompt
+        self.prompt_forward_fallback: str | None = None  # why prompts stopped being shared, if they did
+        self.rank = rank_info.rank if rank_info else 0
+        self.world_size = rank_info.world_size if rank_info else 1
+        self.device = resolve_device(cfg.device, rank_info)
+        buckets = cfg.length_buckets
+        if buckets is not None and (isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1):
+            raise ConfigError(
+                f"length_buckets: expected a whole number >= 1 (1: one pass over the batch's width) or None "
+                f"(automatic); got {buckets!r}",
+                "length_buckets",
+            )
+        # passes a micro-batch's rows take, grouped by length (padding left out); one on a GPU, which
+        # computes a padded position nearly for free next to a pass's fixed cost
+        self.length_buckets = buckets or (1 if self.device.type == "cuda" else CPU_LENGTH_BUCKETS)
+        torch.manual_seed(seed)
+        self.policy, self.tok = load_lm(model_path, self.device)
+        self.model = self.policy
+        self.ref = None
+        if self.algo.kl_coef > 0:
+            self.ref = load_lm(model_path, self.device, dtype=self.dtype)[0].eval().requires_grad_(False)
+        self.micro_batch_size, self.temperature, self.total_steps = cfg.micro_batch_size, temperature, 1
+        self.optimizer = adamw(self.policy, cfg.lr, self.device)
+        self.clip_and_step = ClipAndStep(self.optimizer)  # clip_grad_norm_ + step(), minus their Python
+        self.generator = torch.Generator().manual_seed(rank_seed(seed, self.rank, "actor"))
+        self.advantage, self.loss = check_algorithm(
+            self.CONTRACT,
+            advantage_fn or advantage or self.algo.advantage,
+            loss_fn or policy_loss or self.algo.policy_loss,
+        )
+        # where the KL to the reference goes: into the returns (an advantage taking `kl`) or the loss
+        self.kl_in_advantage = self.ref is not None and (
+            self.advantage.accepts is None or "kl" in self.advantage.accepts
+        )
+        self.step = 0
+        self.batch: dict | None = None
+        # actor.compile (compile=...): the micro-batch objective, forward, loss and backward, compiled
+        self.step_compiler = StepCompiler.for_device(cfg.compile, self.device, "actor")
+
+    @property
+    def max_grad_norm(self) -> float:
+        """The norm gradients are clipped to: ``algorithm.max_grad_norm``."""
+        return self.algo.max_grad_norm
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """Weights for the rollout: a detached copy on the actor's device (on a GPU they reach the rollout
+        by CUDA IPC on one node, with no host round trip), in bf16 when the actor computes in bf16."""
+        cast = DTYPES[self.dtype]
+        return {
+            k: v.detach().to(cast, copy=True) if v.is_floating_point() else v.detach().clone()
+            for k, v in self.policy.state_dict().items()
+        }
+
+    def memory_stats(self) -> dict:
+        """``memory/actor_state_bytes``: the bytes of parameters, gradients and optimizer state this rank holds
+        (its local shards); on a GPU, ``memory/cuda_peak_bytes``: this process's peak allocation since the last
+        call (which resets it), the rollout's too when it shares the process."""
+        tensors = [
+            *self.policy.parameters(),
+            *(p.grad for p in self.policy.parameters() if p.grad is not None),
+        ]
+        tensors += [
+            t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)
+        ]
+        out = {"memory/actor_state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
+        if self.device.type == "cuda":
+            out["memory/cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return out
+
+    def set_batch(self, batches: list[dict]) -> dict:
+        """This rank's batch: the rollout batches given, joined (left-padded to a common width), of their
+        columns the update reads, and (where every batch has them) ``truncated`` (mask_truncated_completions)
+        and each reward's scores apart (``reward_terms``, for ``sample_group``)."""
+        optional = [k for k in ("truncated", "reward_terms", "reward_names") if all(k in b for b in batches)]
+        keys = ("input_ids", "attention_mask", "response_mask", "logprobs", "rewards", "version", *optional)
+        batch = join_batches([{k: b[k] for k in keys} for b in batches], self.tok.pad_token_id)
+        self.batch = batch
+        return {"sequences": int(batch["rewards"].numel()), "version": batch["version"]}
+
+    def sample_group(self, group: int = 0) -> list[dict]:
+        """One prompt's ``group_size`` completions in this rank's batch, decoded: ``prompt``, ``completion``,
+        ``reward``, the sampling ``logprob`` of the completion and, once :meth:`compute_advantages` ran, its
+        ``advantage`` (mean over its tokens)."""
+        b = self.batch
+        if b is None:
+            return []
+        rows = []
+        size = self.algo.group_size
+        groups = -(-b["input_ids"].shape[0] // size)
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < groups:
+            raise IndexError(f"sample_group: expected a group in 0-{groups - 1} of this batch, got {group!r}")
+        columns = torch.arange(b["input_ids"].shape[1])
+        for i in range(group * size, min((group + 1) * size, b["input_ids"].shape[0])):
+            response = b["response_mask"][i].bool()
+            # after the prompt: the completion, or a multi-turn transcript (the interaction's replies between
+            # the model's turns are attended to, out of the response mask)
+            after = columns >= (int(response.nonzero()[0]) if response.any() else len(columns))
+            attended = b["attention_mask"][i].bool()
+            prompt = attended & ~after
+            row = {
+                "prompt": self.tok.decode(b["input_ids"][i][prompt], skip_special_tokens=True),
+                # what the model was given, special tokens included (a chat template's turns and <bos>)
+                "prompt_tokens": self.tok.decode(b["input_ids"][i][prompt]),
+                "completion": self.tok.decode(b["input_ids"][i][attended & after], skip_special_tokens=True),
+                "reward": float(b["rewards"][i]),
+                "logprob": float(b["logprobs"][i][response].sum()),
+            }
+            if "truncated" in b:  # cut at max_new_tokens without ending
+                row["truncated"] = bool(b["truncated"][i])
+            if "reward_terms" in b:  # several rewards: each one's score
+                row["rewards"] = dict(zip(b["reward_names"], b["reward_terms"][i].tolist()))
+            if "advantages" in b:
+                row["advantage"] = float(b["advantages"][i][response].mean()) if response.any() else 0.0
+            rows.append(row)
+        return rows
+
+    def compute_advantages(self) -> dict:
+        """Group advantages, reference log-probs (if KL) and, unless the batch is trained in one on-policy
+        pass, the old log-probs recomputed by the actor (only for the rows the update computes)."""
+        batch, algo = self.batch, self.algo
+        # One on-policy pass over the batch: the old log-probs are the current ones, detached in the
+        # loss (as TRL does), so the recompute is skipped. Otherwise recompute them with the actor.
+        batch["stale"] = batch["version"] != self.step  # sampled by older weights (asynchronous mode)
+        single_pass = algo.update_epochs == 1 and algo.num_minibatches == 1 and not batch["stale"]
+        batch["old_logprobs"] = None
+        if self.ref is not None:
+            batch["ref_logprobs"] = self._logprobs(self.ref, batch)
+        mask = batch["response_mask"].float()
+        offered = {
+            "rewards": batch["rewards"], "response_mask": mask, "group_size": algo.group_size, "scale": algo.scale,
+            "kl_coef": algo.kl_coef, "gamma": algo.gamma,
+        }  # fmt: skip
+        if self.kl_in_advantage:  # the KL needs the current log-probs first: the old ones, if kept
+            current = self._logprobs(self.policy, batch)
+            batch["old_logprobs"] = None if single_pass else current
+            offered["kl"] = kl_penalty(current, batch["ref_logprobs"], algo.kl_estimator) * mask  # [B, L]
+        adv, _ = self.advantage(**offered)
+        if isinstance(adv, torch.Tensor) and adv.shape == batch["rewards"].shape:
+            adv = adv[:, None] * mask  # per-sequence advantages, broadcast over response tokens
+        if not isinstance(adv, torch.Tensor) or adv.shape != mask.shape:
+            got = tuple(adv.shape) if isinstance(adv, torch.Tensor) else type(adv).__name__
+            raise ConfigError(
+                f"algorithm.advantage {self.advantage.name!r}: expected advantages of shape {tuple(mask.shape)} "
+                f"([B, L], like response_mask) or {tuple(batch['rewards'].shape)} ([B]); got {got}",
+                "algorithm.advantage",
+            )
+        batch["advantages"] = adv
+        # the tokens the loss counts: every response token, or (mask_truncated_completions) those of the
+        # completions that ended
+        batch["loss_mask"] = batch["response_mask"]
+        if algo.mask_truncated_completions and batch.get("truncated") is not None:
+            batch["loss_mask"] = batch["response_mask"] * ~batch["truncated"][:, None]
+        out = {
+            "advantage_abs_mean": float(masked_mean(adv.abs(), mask)),
+            # sequences with no learning signal (a group whose completions all scored alike)
+            "zero_advantage_frac": float(adv.eq(0).all(dim=1).float().mean()),
+        }
+        if "kl" in offered:  # the KL to the reference went into the advantage's returns (REINFORCE++)
+            out["kl_mean"] = float(masked_mean(offered["kl"], mask))
+        if not single_pass:
+            rows, weight = self._rows_to_compute(torch.arange(len(adv)))  # the rows the update will compute
+            if not weight:  # none: a stand-in row at weight 0 trains at ratio 1, without old log-probs
+                return out
+            if batch["old_logprobs"] is None:
+                batch["old_logprobs"] = self._logprobs(self.policy, batch, rows)  # [B, L], 0 on rows left out
+            # how far the sampler's log-probs are from the actor's, over those rows
+            drift = (batch["old_logprobs"][rows] - batch["logprobs"][rows]).abs()
+            out["logprob_drift"] = float(masked_mean(drift, mask[rows]))
+        return out
+
+    def train(self) -> dict:
+        """``update_epochs`` x ``num_minibatches`` updates, micro-batched with gradient accumulation."""
+        batch, algo = self.batch, self.algo
+        if "advantages" not in batch:
+            self.compute_advantages()
+        if self.cfg.anneal_lr:  # linear decay to 0 over the run (the loop sets total_steps)
+            frac = max(0.0, 1.0 - self.step / self.total_steps)
+            for g in self.optimizer.param_groups:
+                g["lr"] = frac * self.cfg.lr
+        n = batch["input_ids"].shape[0]
+        mb = max(1, n // algo.num_minibatches)
+        sums: dict[str, float] = {}
+        count, epochs_run = 0, 0
+        for _ in range(algo.update_epochs):
+            perm = torch.randperm(n, generator=self.generator)
+            for start in range(0, n - mb + 1, mb):
+                metrics = self._update(perm[start : start + mb])
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+            epochs_run += 1
+            kl = metrics.get("approx_kl")
+            if algo.target_kl is not None and kl is not None and self._mean_over_ranks(kl) > algo.target_kl:
+                break  # early stop, as in the embodied actor: the policy moved far enough this step
+        self.step += 1
+        out = {k: v / max(1, count) for k, v in sums.items()}
+        out.update(epochs=epochs_run, lr=self.optimizer.param_groups[0]["lr"], **self.memory_stats())
+        if self.step_compiler is not None:
+            out.update(self.step_compiler.report())  # compile time, once, apart from training time
+        return out
+
+    def _update(self, idx: torch.Tensor) -> dict:
+        batch, algo = self.batch, self.algo
+        idx = idx.sort().values  # a group's rows side by side: micro-batches share their prompts' forward
+        mask_key = "loss_mask" if "loss_mask" in batch else "response_mask"  # (advantages set by hand)
+        mask_all = batch[mask_key][idx].float()
+        total_tokens, total_seqs = mask_all.sum().clamp(min=1), len(idx)
+        rows, weight = self._rows_to_compute(idx)
+        if self.clip_and_step.optimizer is not self.optimizer:  # a subclass replaced the optimizer
+            self.clip_and_step = ClipAndStep(self.optimizer)
+        self.clip_and_step.zero_grad()
+        sums: dict[str, float] = {}
+        micro = list(micro_batches(len(rows), self.micro_batch_size))
+        # the ratio is to the behaviour policy when the batch is stale or the loss is decoupled
+        behaviour = "prox_logprobs" in self.loss.needs or batch["stale"]
+        kl_in_loss = self.ref is not None and not self.kl_in_advantage
+        computed_share = 0.0
+        for i, sl in enumerate(micro):
+            j = rows[sl]
+
+            def take(key, rows=j):
+                return None if batch.get(key) is None else batch[key][rows].to(self.device)
+
+            micro_batch = {
+                "input_ids": take("input_ids"), "attention_mask": take("attention_mask"),
+                "mask": take(mask_key).float(), "advantages": take("advantages"),
+                # None: one on-policy pass, the current ones; also for a stand-in row at weight 0, whose
+                # metrics then say (ratio 1) that the policy did not move
+                "old_logprobs": take("old_logprobs") if weight else None,
+                "behaviour_logprobs": take("logprobs") if behaviour and weight else None,
+                "ref_logprobs": take("ref_logprobs") if kl_in_loss else None,
+            }  # fmt: skip
+            if self.step_compiler is not None and not self.step_compiler.ready:
+                self.step_compiler.warm_up(self._objective, micro_batch, self.policy)
+            objective = self.step_compiler.fn if self.step_compiler is not None else self._objective
+            mask = micro_batch["mask"]
+            sync = self.world_size > 1 and i < len(micro) - 1
+            with self.model.no_sync() if sync else contextlib.nullcontext():
+                loss, m = objective(micro_batch)
+                # each micro-batch's share of the minibatch mean (tokens for token-mean, sequences otherwise)
+                share = float(mask.sum() / total_tokens if algo.agg == "token-mean" else len(j) / total_seqs)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite loss {float(loss)} at training step {self.step}")
+                (loss * (share * weight)).backward()
+            computed_share += share
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * share
+            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * share * weight
+        # the loss is the whole minibatch's (rows left out add 0); the loss's other metrics are means over
+        # the rows computed (in one on-policy pass, ratio-based ones are the same for every row)
+        metrics = {k: v if k == "loss" else v / max(computed_share, 1e-12) for k, v in sums.items()}
+        grad_norm = self.clip_and_step(self.max_grad_norm)
+        metrics["grad_norm"] = float(grad_norm) if math.isfinite(float(grad_norm)) else float("nan")
+        metrics["rows_computed_frac"] = len(rows) * weight / max(1, len(idx))
+        return metrics
+
+    def _rows_to_compute(self, idx: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The rows of ``idx`` the update computes, and the weight of their loss (1, or 0 for a stand-in).
+
+        Rows whose advantages are all 0 add exactly 0 to the loss and its gradient when the loss says so
+        (``zero_at_zero_advantage``: PPO's clipped surrogate, whatever the ratio) and nothing else enters it
+        (no KL term), so they are left out: a GRPO group whose completions all scored alike costs no forward
+        or backward, nor an old log-prob recompute. The loss's metrics (``clip_frac``, ``approx_kl``...) are
+        then over the rows computed (in one on-policy pass the ratio is 1 on every row, so they are the same).
+        With no row left, one goes through with weight 0: DDP's all-reduce needs every rank's backward, and
+        the optimizer steps on zero gradients as it would have (weight decay, momentum).
+        """
+        batch = self.batch
+        if not (
+            self.skip_zero_advantage
+            and self.loss.zero_at_zero_advantage
+            and (self.ref is None or self.kl_in_advantage)  # no KL term in the loss
+            and self.step_compiler is None  # a compiled step would recompile for every row count
+        ):
+            return idx, 1.0
+        rows = idx[batch["advantages"][idx].ne(0).any(dim=1)]
+        return (rows, 1.0) if len(rows) else (idx[:1], 0.0)
+
+    def _objective(self, micro_batch: dict) -> tuple[torch.Tensor, dict]:
+        """Forward and loss of one micro-batch (tensors ``[m, L]``): what ``actor.compile`` compiles, its
+        backward with it."""
+        algo, mask = self.algo, micro_batch["mask"]
+        with self._precision():  # (log-probs come out in float32 either way)
+            logp = self._token_logprobs(
+                self.model, micro_batch["input_ids"], micro_batch["attention_mask"], mask
+            )
+        # the policy before this update as the actor computes it (decoupled PPO's proximal one)
+        prox = logp.detach() if micro_batch["old_logprobs"] is None else micro_batch["old_logprobs"]
+        behaviour = micro_batch["behaviour_logprobs"]
+        loss, metrics = self.loss(
+            logprobs=logp, old_logprobs=prox if behaviour is None else behaviour, prox_logprobs=prox,
+            advantages=micro_batch["advantages"], mask=mask, clip_coef=algo.clip_coef,
+            clip_coef_high=algo.clip_coef_high, dual_clip=algo.dual_clip, agg=algo.agg,
+            behave_weight_cap=algo.behave_weight_cap,
+        )  # fmt: skip
+        if micro_batch["ref_logprobs"] is not None:
+            kl = masked_mean(kl_penalty(logp, micro_batch["ref_logprobs"], algo.kl_estimator), mask)
+            loss = loss + algo.kl_coef * kl
+            metrics = {**metrics, "kl": kl.detach()}
+        return loss, metrics
+
+    def export_hf(self, path: str) -> str:
+        """Write the current model and its tokenizer in Hugging Face format (``save_pretrained``) to the directory
+        ``path`` on this worker, atomically: into a temporary directory beside it, then renamed (a directory
+        already there is replaced)."""
+        import shutil
+        import uuid
+        from pathlib import Path
+
+        final = Path(path)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:6]}")
+        try:
+            with hf_quiet():
+                self.policy.save_pretrained(tmp)
+                self.tok.save_pretrained(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return str(final)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "ref": self.ref.state_dict() if self.ref is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if self.ref is not None and state["ref"] is not None:
+            self.ref.load_state_dict(state["ref"])

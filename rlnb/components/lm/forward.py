@@ -1,0 +1,88 @@
+"""How the LM actor computes log-probs: micro-batched, under its precision (bf16 autocast or float32), each
+distinct prompt once for its completions where that pays, rows grouped by length so padding is not computed.
+Every path returns float32 log-probs ``[B, L]`` (exact at response positions, all a loss or a KL reads)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from rlnb.components.lm.layout import micro_batches
+from rlnb.models.lm import DTYPES, first_response_column, shared_prompt_logprobs, token_logprobs
+
+log = logging.getLogger("rlnb")
+
+# On a GPU, computing shared prompts once pays only when they are much of the batch (a second forward's kernel
+# launches cost more than a short prompt's repeats); on CPU it pays at every size. Figures: docs/gpu.md.
+GPU_MIN_SHARED_FRACTION = 0.5
+# On CPU a micro-batch's rows go through in up to this many passes grouped by where they end, each cut at
+# its longest row (rlnb.models.lm.length_buckets): a padded position costs as much as a real one there.
+CPU_LENGTH_BUCKETS = 4
+
+
+class Forward:
+    """A mixin of :class:`rlnb.components.LMActor` (it holds ``dtype``, ``device``, ``temperature``,
+    ``micro_batch_size``, ``share_prompt_forward``, ``length_buckets`` and ``step_compiler``)."""
+
+    def _precision(self):
+        """The context the model's forward runs in: bf16 autocast for ``dtype="bfloat16"`` (the weights stay
+        float32), else nothing."""
+        if self.dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.dtype])
+
+    @torch.no_grad()
+    def _logprobs(self, model, b: dict, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, L]`` log-probs of the batch under ``model``; with ``rows``, of those rows only (0 elsewhere)."""
+        if rows is not None and len(rows) < b["input_ids"].shape[0]:
+            part = self._logprobs(
+                model, {k: b[k][rows] for k in ("input_ids", "attention_mask", "response_mask")}
+            )
+            out = torch.zeros(b["input_ids"].shape, dtype=part.dtype)
+            out[rows] = part
+            return out
+        out = []
+        for sl in micro_batches(b["input_ids"].shape[0], self.micro_batch_size):
+            ids, attn = b["input_ids"][sl].to(self.device), b["attention_mask"][sl].to(self.device)
+            with self._precision():
+                logp = self._token_logprobs(model, ids, attn, b["response_mask"][sl].to(self.device))
+            out.append(logp.cpu())
+        return torch.cat(out)
+
+    def _token_logprobs(self, model, ids, attn, response_mask) -> torch.Tensor:
+        """``[m, L]`` log-probs, each distinct prompt computed once where it can be (exact at response
+        positions, which are all a loss or a KL reads)."""
+        if self.step_compiler is not None:  # compiled: one graph, with no data-dependent column or cache
+            return token_logprobs(model, ids, attn, self.temperature)
+        if self.share_prompt_forward and self.prompt_forward_fallback is None:
+            try:
+                least = GPU_MIN_SHARED_FRACTION if self.device.type == "cuda" else 0.0
+                logp = shared_prompt_logprobs(
+                    model, ids, attn, response_mask, self.temperature, least, self.length_buckets
+                )
+            except Exception as e:  # an architecture whose cache is not a plain per-layer key/value cache
+                self.prompt_forward_fallback = f"{type(e).__name__}: {e}"[:300]
+                log.warning(
+                    "actor[%d]: each sequence's prompt goes through the model on its own; sharing prompts "
+                    "failed (%s)", self.rank, self.prompt_forward_fallback,
+                )  # fmt: skip
+            else:
+                if logp is not None:
+                    self.shared_forwards += 1
+                    return logp
+        # logits only from the first response column
+        first = first_response_column(response_mask)
+        return token_logprobs(model, ids, attn, self.temperature, first, self.length_buckets)
+
+    def forward_stats(self) -> dict:
+        """How this rank computes its update: the most length buckets a micro-batch takes, whether rows with
+        no advantage are left out, micro-batches whose prompts went through the model once per distinct
+        prompt, and why sharing stopped, if it did."""
+        return {
+            "length_buckets": self.length_buckets,
+            "skip_zero_advantage": self.skip_zero_advantage,
+            "shared_forwards": self.shared_forwards,
+            "prompt_forward_fallback": self.prompt_forward_fallback,
+        }

@@ -1,0 +1,92 @@
+"""The LM batch layout and the helpers that cut, pad and join batches in it.
+
+A rollout batch (B = prompts x group_size sequences, L = prompt + response tokens; prompts left-padded,
+responses right after them, right-padded)::
+
+    input_ids [B, L]  attention_mask [B, L]  response_mask [B, L] (1 on the model's own tokens incl. EOS)
+    logprobs [B, L]   (behaviour log-probs on response tokens, 0 elsewhere)
+    versions [B, L]   (asynchronous mode: the policy version of each token, -1 on context)
+    rewards [B]       group_index [B]   truncated [B]   reward_terms [B, K] (named by reward_names)
+    texts, answers, prompts, fields: one entry per sequence
+    version           (the oldest policy version that generated it)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlnb.errors import ConfigError
+from rlnb.models.lm import DTYPES
+
+
+def pad_left(rows: list[list[int]], pad: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
+
+
+def pad_right(rows: list[list], pad) -> torch.Tensor:
+    """``rows`` right-padded with ``pad`` to the longest: ``[B, W]`` (the dtype of ``pad``'s kind)."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+
+
+def micro_batches(n: int, size: int):
+    for start in range(0, n, size):
+        yield slice(start, min(n, start + size))
+
+
+# a batch's [B, W] columns, left-padded to a common width when batches are put together, and their padding
+WIDE_COLUMNS = {"attention_mask": 0, "response_mask": 0, "logprobs": 0.0, "versions": -1}
+
+
+def batch_rows(batch: dict, rows: torch.Tensor) -> dict:
+    """The rows ``rows`` (a bool mask or indices over ``B``) of a rollout batch: its tensors and per-sequence
+    lists; the rest (``version``, ``reward_names``) as it is."""
+    n = len(batch["texts"])
+    index = rows.nonzero().squeeze(1).tolist() if rows.dtype == torch.bool else rows.tolist()
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n:
+            out[key] = value[index]
+        elif isinstance(value, list) and len(value) == n:
+            out[key] = [value[i] for i in index]
+        else:
+            out[key] = value
+    return out
+
+
+def join_batches(parts: list[dict], pad_token_id: int) -> dict:
+    """Rollout batches as one: ``[B, W]`` columns left-padded to the widest (as an actor joins its ranks'
+    batches), the rest concatenated; ``version`` the oldest."""
+    width = max(p["input_ids"].shape[1] for p in parts)
+
+    def left(t: torch.Tensor, value) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (width - t.shape[1], 0), value=value)
+
+    out = {}
+    for key, value in parts[0].items():
+        if key == "input_ids" or key in WIDE_COLUMNS:
+            pad = pad_token_id if key == "input_ids" else WIDE_COLUMNS[key]
+            out[key] = torch.cat([left(p[key], pad) for p in parts])
+        elif isinstance(value, torch.Tensor) and value.dim():
+            out[key] = torch.cat([p[key] for p in parts])
+        elif isinstance(value, list):
+            out[key] = [x for p in parts for x in p[key]]
+        elif key == "version":
+            out[key] = min(p[key] for p in parts)
+        else:
+            out[key] = value
+    return out
+
+
+def check_dtype(dtype: str, key: str = "dtype") -> str:
+    """``dtype`` if it names a precision an LM component takes (:data:`rlnb.models.lm.DTYPES`), else a
+    :class:`ConfigError` naming ``key``."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"{key}: expected one of {sorted(DTYPES)}, got {dtype!r}", key)
+    return dtype
+
+
+def same_objects(a: list, b: list) -> bool:
+    """Whether two lists hold the same objects in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))

@@ -1,0 +1,88 @@
+"""The LM actor's supervised warm start: cross-entropy on the answer tokens (and EOS) of ``prompt + answer``."""
+
+from __future__ import annotations
+
+import torch
+
+from rlnb.algorithms.losses import masked_mean
+from rlnb.components.lm.layout import pad_left
+from rlnb.components.optim import build_optimizer
+from rlnb.models.lm import prompt_ids, token_logprobs
+
+
+def adamw(model: torch.nn.Module, lr: float, device: torch.device) -> torch.optim.AdamW:
+    """AdamW, fused where torch has the kernel (CPU, CUDA): one kernel for all parameters, where the
+    default runs a few per parameter tensor (4 ms against 14 ms a step for a 4 M-parameter model on a CPU core)."""
+    fused = device.type in ("cpu", "cuda") and all(p.is_floating_point() for p in model.parameters())
+    return build_optimizer(
+        torch.optim.AdamW, model.parameters(), lr=lr, weight_decay=0.0, fused=fused or None
+    )
+
+
+class WarmStart:
+    """A mixin of :class:`rlnb.components.LMActor` (it holds ``policy``, ``tok``, ``device``, ``generator``,
+    ``max_grad_norm``, ``ref`` and its precision context ``_precision``)."""
+
+    def _sft_rows(self, prompts: list, answers: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+        """Token ids of ``prompt + answer + EOS`` per problem, and which of them are the answer's (1) to learn."""
+        enc = [self._context_ids(p) for p in prompts]
+        # the answer goes on the prompt's tokens with no special token of its own: a Llama tokenizer would start
+        # it with a second <bos>, and the warm start would teach one after every prompt
+        tgt = [self.tok(a, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id] for a in answers]
+        return [p + a for p, a in zip(enc, tgt)], [[0] * len(p) + [1] * len(a) for p, a in zip(enc, tgt)]
+
+    def _context_ids(self, prompt: str | list[str]) -> list[int]:
+        """A warm-start row's context: a prompt's ids, or a transcript so far, ``[prompt, turn, reply, turn,
+        reply, ...]``, each of the model's turns followed by EOS, as a multi-turn rollout makes it."""
+        if isinstance(prompt, str):
+            return prompt_ids(self.tok, prompt)
+        ids = prompt_ids(self.tok, prompt[0])
+        for i, piece in enumerate(prompt[1:]):
+            ids += self.tok(piece, add_special_tokens=False)["input_ids"]
+            if i % 2 == 0:  # the model's turn ends with EOS, the interaction's reply follows it
+                ids.append(self.tok.eos_token_id)
+        return ids
+
+    def sft(
+        self, prompts: list, answers: list[str], steps: int, batch_size: int, lr: float,
+        wrong_answers: list[str] | None = None, wrong_prob: float = 0.0, wrong_prompts: list | None = None,
+    ) -> list[float]:  # fmt: skip
+        """Supervised warm start: cross-entropy on the answer tokens (and EOS) of ``prompt + answer``. A prompt
+        may be a transcript so far, ``[prompt, turn, reply, ...]`` (a multi-turn warm start: one row per turn).
+
+        With ``wrong_answers``, each time a problem is drawn its answer is replaced by the wrong one
+        with probability ``wrong_prob``: an imperfect teacher, wrong on every problem now and then
+        (``wrong_prompts``: its own contexts of them, where they differ).
+        """
+        rows, marks = self._sft_rows(prompts, answers)
+        if wrong_answers is not None:
+            wrong_rows, wrong_marks = self._sft_rows(wrong_prompts or prompts, wrong_answers)
+            rows, marks = rows + wrong_rows, marks + wrong_marks
+        ids = pad_left(rows, self.tok.pad_token_id)
+        attn = pad_left([[1] * len(r) for r in rows], 0)
+        target = pad_left(marks, 0)
+        n = len(prompts)
+        opt = adamw(self.policy, lr, self.device)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / max(1, steps))
+        losses = []
+        for _ in range(steps):
+            idx = torch.randint(0, n, (batch_size,), generator=self.generator)
+            if wrong_answers is not None:  # the wrong variant of a problem sits at index + n
+                idx = idx + n * (torch.rand(batch_size, generator=self.generator) < wrong_prob).long()
+            b_ids, b_attn, b_tgt = (
+                ids[idx].to(self.device),
+                attn[idx].to(self.device),
+                target[idx].to(self.device),
+            )
+            with self._precision():
+                logp = token_logprobs(self.model, b_ids, b_attn)  # (b, L), float32
+            loss = -masked_mean(logp, b_tgt)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+        if self.ref is not None:  # the reference is the warm-started model
+            self.ref.load_state_dict(self.policy.state_dict())
+        return losses
