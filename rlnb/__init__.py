@@ -26,6 +26,21 @@ from rlnb.errors import (
 
 __version__ = "0.1.0"
 
+
+def _widget(name: str):
+    def show(*args, **kwargs):
+        from rlnb import widgets  # (ipywidgets and friends: imported when a view is first shown)
+
+        return getattr(widgets, name)(*args, **kwargs)
+
+    show.__name__ = name
+    return show
+
+
+VIEWS = {"dashboard_for": _widget("dashboard_for"), "show_dashboard": _widget("show_dashboard")}
+"""The notebook views a loop shows (``loop.dashboard()``, ``loop.run(live=True)``): the widget layer's, wired here
+so that the loop never imports it. Replace an entry to show another front end."""
+
 # the runtime, components and loops import torch (~2.5 s here): loaded on first use, so `import rlnb` (and
 # the CLI) stays quick, and an embedded cluster's workers start importing it while the driver does too
 _LAZY = {

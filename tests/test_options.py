@@ -10,6 +10,7 @@ import pytest
 
 import rlnb
 from rlnb.loop import GRPOLoop, Loop, complete_checkpoints
+from rlnb.loop.grpo_data import turn_demonstrations
 from tests.conftest import last_answer
 from tests.test_lm import GRPO_SMALL
 
@@ -946,7 +947,7 @@ def test_the_calculator_recipe_warm_starts_on_tool_transcripts_and_grpo_learns_t
     with GRPOLoop.from_recipe(
         "grpo_calculator", overrides, cluster=cluster, run_dir=tmp_path / "run"
     ) as loop:
-        contexts, targets, wrong_contexts, wrong_targets = loop._turn_demonstrations()
+        contexts, targets, wrong_contexts, wrong_targets = turn_demonstrations(loop.task, loop.recipe)
         n = len(loop.task.train)
         assert len(contexts) == len(wrong_contexts) == 2 * n
         (first, call), (after, answer) = zip(contexts[:2], targets[:2])

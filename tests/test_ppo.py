@@ -303,11 +303,11 @@ def test_a_run_ahead_stops_where_the_driver_would_and_leaves_the_workers_in_step
     blocks taken with one request each, and stops at the very step it stops at without: the worker checks
     runner.stop_return on each step's episodes before going on. An error between two steps (here a listener of
     the metrics) still takes the steps run ahead, so that the loop's step count and the actor's agree."""
-    import rlnb.loop.embodied as embodied
+    import rlnb.loop.chained as chained
 
     requests = []
-    take = embodied.take_run_ahead
-    monkeypatch.setattr(embodied, "take_run_ahead", lambda run, **kw: requests.append(run) or take(run, **kw))
+    take = chained.take_run_ahead
+    monkeypatch.setattr(chained, "take_run_ahead", lambda run, **kw: requests.append(run) or take(run, **kw))
     ends = {}
     for run_ahead in (True, False):
         with collocated_loop(

@@ -9,14 +9,11 @@ Example (one phase per notebook cell):
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import random
-import re
 import time
 from pathlib import Path
 
 from rlnb.algorithms.contract import LM, check_algorithm
-from rlnb.algorithms.interactions import SafeInteraction, check_interaction
+from rlnb.algorithms.interactions import check_interaction
 from rlnb.algorithms.rewards import recipe_rewards
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
 from rlnb.config.schema import DataConfig, Recipe, RolloutConfig
@@ -25,79 +22,35 @@ from rlnb.data.prompts import (
     Problem,
     chat_prompts,
     common_fields,
-    is_conversation,
     load_qa_file,
     problems_from_records,
 )
 from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementError
-from rlnb.loop.base import LoopBase, count_or_default, objects_recipe
+from rlnb.loop.asynchronous import GRPOAsynchronous
+from rlnb.loop.base import LoopBase, objects_recipe
+from rlnb.loop.grpo_data import FileTask, shard, turn_demonstrations
+from rlnb.loop.grpo_eval import GRPOEvaluation
+from rlnb.loop.runner import Callback
 from rlnb.models.lm import build_tiny_lm, is_hub_id, load_tokenizer, resolve_model
 from rlnb.runtime.group import Group
-
-_ARITHMETIC = re.compile(r"(-?\d+)([+*-])(-?\d+)=")
-
-
-def _conversation(problem: Problem, turns: list[str], reply, key: str) -> list[tuple]:
-    """A warm start's conversation of ``problem``: each turn of ``turns`` (format strings over the problem's
-    names, see ``data.sft_turns``) after the transcript before it, ``reply`` (the interaction) answering between
-    two; as ``(context, turn)`` rows, a context being the prompt or ``[prompt, turn, reply, ...]``."""
-    names = {**problem.fields, "expression": problem.prompt.removesuffix("="), "answer": problem.answer}
-    arithmetic = _ARITHMETIC.fullmatch(problem.prompt) if isinstance(problem.prompt, str) else None
-    if arithmetic:
-        names.update(zip(("a", "op", "b"), arithmetic.groups()))
-    pieces, transcript, rows = [problem.prompt], "", []
-    for k, template in enumerate(turns):
-        try:
-            text = template.format(**names)
-        except (KeyError, IndexError, ValueError) as e:
-            raise ConfigError(
-                f"{key}: {template!r} cannot be written for the problem {problem.prompt!r} ({type(e).__name__}: {e}); "
-                f"its names: {', '.join('{' + n + '}' for n in names)}",
-                key,
-            ) from None
-        rows.append((list(pieces) if k else problem.prompt, text))
-        if k + 1 < len(turns):
-            transcript += text
-            answer = reply(transcript, k + 1, problem.answer, problem.prompt, text, **problem.fields)
-            if answer is None:
-                raise ConfigError(
-                    f"{key}: the interaction ended the warm start's conversation of {problem.prompt!r} after its turn "
-                    f"{k + 1} ({text!r}), and {len(turns)} turns were given",
-                    key,
-                )
-            transcript += answer
-            pieces += [text, answer]
-    return rows
-
-
-class _FileTask:
-    """Problems from a local file, split like :class:`ArithmeticTask` (same sampling interface)."""
-
-    def __init__(self, problems: list[Problem], held_out_frac: float, seed: int):
-        problems = list(problems)
-        random.Random(seed).shuffle(problems)
-        n_eval = max(1, int(len(problems) * held_out_frac))
-        self.held_out, self.train = problems[:n_eval], problems[n_eval:]
-        self.position = 0
-
-    def sample(self, n: int) -> list[Problem]:
-        out = [self.train[(self.position + i) % len(self.train)] for i in range(n)]
-        self.position += n
-        return out
-
-    def state_dict(self) -> dict:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.position = state["position"]
-
 
 # what asynchronous mode logs per step, besides the synchronous metrics
 ASYNC_METRICS = ("staleness_mean", "staleness_max", "interrupted_frac", "weight_swaps", "overlap_frac")
 DYNAMIC_SAMPLING_METRICS = ("sampling_rounds", "signal_frac", "informative_frac")
 
 
-class GRPOLoop(LoopBase):
+class WarmStartFirst(Callback):
+    """Before a run's first step: the SFT warm start (``actor.sft_steps``, unless done) and ``eval/accuracy``
+    at step 0, the baseline GRPO's gain is read against."""
+
+    def on_run_start(self, loop: GRPOLoop, steps: int) -> None:
+        if loop.step == 0 and not loop.sft_done:
+            if loop.recipe.actor.sft_steps > 0:
+                loop.sft()
+            loop.evaluate()
+
+
+class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
     """GRPO for language models, phase by phase: ``sft()``, then ``sync_weights()`` -> ``rollout()``
     (generate + reward) -> ``advantages()`` -> ``train()``; ``evaluate()`` reports held-out accuracy.
 
@@ -213,42 +166,6 @@ class GRPOLoop(LoopBase):
                 "data.prompts_per_step",
             )
 
-    def _check_async(self) -> None:
-        """Asynchronous mode needs rollout apart from the actor (it generates while the actor trains) and
-        the reward next to the rollout (each finished group is scored where it is made)."""
-        n, p = self.max_staleness, self.placement
-        if not n:
-            return
-        key = "algorithm.max_staleness"
-        rollout = self.groups.get("rollout")
-        if rollout is not None and not callable(getattr(rollout.cls, "stream", None)):
-            raise ComponentError(
-                f"lacks method stream, which asynchronous generation ({key}={n}) calls; subclass the built-in "
-                "rlnb.components.HFRollout and override what you change",
-                rollout.name, rollout.cls.__name__, "stream",
-            )  # fmt: skip
-        if rollout is not None and not getattr(rollout.cls, "CHUNKED_GENERATION", True):
-            raise ConfigError(
-                f"{key}={n}: {rollout.cls.__name__} generates whole completions (its own engine), and asynchronous "
-                "generation takes new weights between chunks of tokens; use rlnb.components.HFRollout "
-                "(rollout.backend=hf), or max_staleness=0",
-                key,
-            )
-        self._check_async_apart("{'rollout,reward': 0, actor: 1}")
-        if tuple(p["reward"]) != tuple(p["rollout"]):
-            raise ConfigError(
-                f"{key}={n} scores each group where it is generated: place the reward on the rollout's slots "
-                f"{list(p['rollout'])} (it is on {list(p['reward'])}), e.g. component_placement="
-                "{'rollout,reward': 0, actor: 1}",
-                key,
-            )
-        if self.recipe.rollout.backend != "hf":
-            raise ConfigError(
-                f"{key}={n}: interruptible generation runs on rollout.backend=hf; "
-                f"{self.recipe.rollout.backend!r} is synchronous only for now (use 0)",
-                key,
-            )
-
     def _check_cluster(self) -> None:
         if self.recipe.rollout.backend == "vllm":
             if not all(self.cluster.slots[s].device.startswith("cuda") for s in self.placement["rollout"]):
@@ -271,7 +188,7 @@ class GRPOLoop(LoopBase):
             if any(not isinstance(p.prompt, str) for p in problems):  # conversations: the rollout's template
                 texts = self._template([p.prompt for p in problems])
                 problems = [dataclasses.replace(p, prompt=t) for t, p in zip(texts, problems)]
-            self.task = _FileTask(problems, d.held_out_frac, recipe.seed)
+            self.task = FileTask(problems, d.held_out_frac, recipe.seed)
             return
         path = recipe.actor.model_path
         # build_if_missing applies to local paths only: a hub id loads through from_pretrained or fails
@@ -288,7 +205,7 @@ class GRPOLoop(LoopBase):
         if d.task == "arithmetic":
             self.task = ArithmeticTask(d.max_operand, d.ops, d.held_out_frac, recipe.seed, d.min_operand)
         else:
-            self.task = _FileTask(
+            self.task = FileTask(
                 load_qa_file(d.path, d.question_key, d.answer_key), d.held_out_frac, recipe.seed
             )
         conversations = [p for p in self.task.train + self.task.held_out if not isinstance(p.prompt, str)]
@@ -332,12 +249,8 @@ class GRPOLoop(LoopBase):
         # registry entries resolved here travel by value: ones registered in a notebook cell work too
         advantage, loss = check_algorithm(LM, r.algorithm.advantage, r.algorithm.policy_loss)
         self.groups["actor"] = LMActor.launch(
-            cl, p["actor"], call_timeout_s=timeout, model_path=self.model_path, algorithm=r.algorithm,
-            lr=r.actor.lr, micro_batch_size=r.actor.micro_batch_size, temperature=ro.temperature,
-            max_grad_norm=r.algorithm.max_grad_norm, seed=r.seed, device=r.actor.device,
-            torch_threads=r.actor.torch_threads, advantage=advantage, policy_loss=loss, anneal_lr=r.actor.anneal_lr,
-            compile=r.actor.compile, skip_zero_advantage=r.actor.skip_zero_advantage,
-            length_buckets=r.actor.length_buckets, dtype=r.actor.dtype,
+            cl, p["actor"], call_timeout_s=timeout, model_path=self.model_path, actor=r.actor, algorithm=r.algorithm,
+            temperature=ro.temperature, seed=r.seed, advantage=advantage, policy_loss=loss,
         )  # fmt: skip
         self.groups["reward"] = RewardWorker.launch(
             cl,
@@ -388,30 +301,6 @@ class GRPOLoop(LoopBase):
             self._admitted = list(state["admitted"])
             self.trained_problems = [list(x) for x in state["trained_problems"]]
 
-    def _turn_demonstrations(self) -> tuple[list, list, list | None, list | None]:
-        """``data.sft_turns``: the warm start's rows, ``(contexts, targets)``, one per turn of each training
-        problem's conversation, the interaction replying between turns as in training; and the imperfect
-        teacher's (``data.sft_noise_turns``: its own conversation's row where it has a turn, else the right one),
-        or ``None``."""
-        d, ro = self.recipe.data, self.recipe.rollout
-        reply = None
-        if len(d.sft_turns) > 1:
-            fields = common_fields(self.task.train, self.task.held_out)
-            reply = SafeInteraction(check_interaction(ro.interaction, fields))
-        noisy = d.sft_noise_turns if d.sft_noise else None
-        rows, wrong_rows = [], []
-        for problem in self.task.train:
-            right = _conversation(problem, d.sft_turns, reply, "data.sft_turns")
-            rows += right
-            if noisy is not None:
-                turns = [n if n is not None else t for n, t in zip(noisy, d.sft_turns)]
-                theirs = _conversation(problem, turns, reply, "data.sft_noise_turns")
-                wrong_rows += [t if n is not None else r for n, t, r in zip(noisy, theirs, right)]
-        contexts, targets = [c for c, _ in rows], [t for _, t in rows]
-        if noisy is None:
-            return contexts, targets, None, None
-        return contexts, targets, [c for c, _ in wrong_rows], [t for _, t in wrong_rows]
-
     def _save_extra(self, directory: Path) -> None:
         self.groups["actor"].on(0).export_hf(str(directory / "hf")).result()
 
@@ -423,7 +312,7 @@ class GRPOLoop(LoopBase):
         steps = recipe.actor.sft_steps if steps is None else steps
         wrong_prompts = None
         if recipe.data.sft_turns:  # a multi-turn warm start: a row per turn of each problem's conversation
-            prompts, answers, wrong_prompts, wrong = self._turn_demonstrations()
+            prompts, answers, wrong_prompts, wrong = turn_demonstrations(self.task, self.recipe)
         else:
             prompts = [p.prompt for p in self.task.train]
             answers = [p.answer for p in self.task.train]
@@ -479,7 +368,7 @@ class GRPOLoop(LoopBase):
         # any: only then (a rollout class of one's own may take neither)
         with_fields = any(p.fields for p in problems)
         calls = []
-        for s in _shard(problems, rollout.world_size):
+        for s in shard(problems, rollout.world_size):
             args = ([p.prompt for p in s], [p.answer for p in s], G)
             if self.reward_local or with_fields:
                 args += (reward.name if self.reward_local else None,)
@@ -555,193 +444,6 @@ class GRPOLoop(LoopBase):
             out[f"reward_term/{name}"] = sum(s["reward_terms"][name] * s["sequences"] for s in summaries) / n
         return self._phase("rollout", t0, out)
 
-    # ------------------------------------------------------------------ looking inside
-    def sample_group(self, group: int = 0) -> list[dict]:
-        """One prompt's group of completions in the batch actor rank 0 trains on: prompt, completion,
-        reward, sampling log-prob and, after :meth:`advantages`, the normalised advantage of each."""
-        return self.groups["actor"].on(0).sample_group(group).result()[0]
-
-    def try_prompt(self, prompt: str, answer: str, **fields) -> list[dict]:
-        """``group_size`` completions of ``prompt`` sampled with the rollout's current weights, scored by the
-        reward and normalised by the advantage as a training batch would be; nothing in the run changes.
-        Call it before and after training to see what GRPO did to one prompt. With ``data.chat_template``, the
-        prompt is a question, given as the training prompts are (a user turn of the chat template). ``fields``:
-        the record's other fields a reward reads (``tests=[...]``)."""
-        import torch
-
-        from rlnb.algorithms import ADVANTAGES
-
-        algorithm = self.recipe.algorithm
-        size = algorithm.group_size
-        if self._chat is not None:
-            prompt = chat_prompts([Problem(prompt, answer)], self._chat, self.recipe.data.system_prompt)[
-                0
-            ].prompt
-        elif is_conversation(prompt):  # objects path: through the rollout's tokenizer
-            prompt = self._template([prompt])[0]
-        rollout = self.groups["rollout"]
-        args = (
-            (prompt, size, answer, fields)
-            if _takes_more(rollout, "sample_completions", 2)
-            else (prompt, size)
-        )
-        texts = rollout.on(0).sample_completions(*args).result()[0]
-        scored = (
-            self.groups["reward"].on(0).score_terms(texts, [answer] * size, [prompt] * size, [fields] * size)
-        ).result()[0]
-        rewards, terms = scored["rewards"], scored["terms"]
-        offered = {"rewards": torch.tensor(rewards, dtype=torch.float32), "group_size": size}
-        offered.update(scale=algorithm.scale, gamma=algorithm.gamma, kl_coef=0.0)
-        advantages = ADVANTAGES.entry(algorithm.advantage)(**offered)
-        advantages = advantages[0] if isinstance(advantages, tuple) else advantages
-        rows = [
-            {"completion": t, "reward": r, "advantage": float(a)}
-            for t, r, a in zip(texts, rewards, advantages)
-        ]
-        if len(terms) > 1:  # several rewards: each one's score
-            for i, row in enumerate(rows):
-                row["rewards"] = {name: scores[i] for name, scores in terms.items()}
-        return rows
-
-    # ------------------------------------------------------------------ asynchronous RL
-    def sync_weights(self) -> dict:
-        """Actor -> rollout weights. In asynchronous mode the actor publishes them without waiting: the
-        rollout ranks take them at their next chunk boundary, mid-generation."""
-        if not self.max_staleness:
-            return super().sync_weights()
-        t0 = time.perf_counter()
-        if self._in_flight is not None and self._rollout_version != self.step:
-            self._publish()
-        return self._phase("sync", t0, {"version": self.step})
-
-    def _settle_in_flight(self) -> None:
-        """Let the generation in flight finish: it ends once its batch is done and the actor's newest
-        version reached the rollout ranks, so that version is published first."""
-        if self._in_flight is not None and self._rollout_version != self.step:
-            self._publish()
-        super()._settle_in_flight()
-
-    def _publish(self) -> None:
-        rollout, ch = self.groups["rollout"], self.channels["weights"]
-        self.groups["actor"].on(0).publish_weights(ch, [f"w{r}" for r in rollout.ranks], self.step).result()
-        self._rollout_version = self.step
-
-    def _rollout_async(self, t0: float) -> dict:
-        if self._in_flight is None:  # an empty pipeline (first step, after a checkpoint or evaluation)
-            if self._rollout_version != self.step:
-                self._sync_rollout()
-            self._in_flight = [self._start_stream(self.step)]
-        elif self._rollout_version != self.step:
-            self._publish()  # sync_weights() was skipped: the ranks wait for this version
-        t_wait = time.perf_counter()
-        summaries = self._in_flight[0].result()
-        wait_s = time.perf_counter() - t_wait
-        self._in_flight = None
-        self._take_batches(self._batch_keys()[1])
-        if not self._must_drain():
-            self._in_flight = [self._start_stream(self.step + 1)]
-        staleness = [s for summary in summaries for s in summary["staleness"]]
-        self.trained_problems.append(sorted(x for summary in summaries for x in summary["serials"]))
-        generate_s = max(s["generate_s"] for s in summaries)
-        extra = {
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": max(staleness),
-            "interrupted_frac": sum(s["interrupted"] for s in summaries)
-            / sum(s["sequences"] for s in summaries),
-            "weight_swaps": sum(s["swaps"] for s in summaries),
-            "pool_groups": sum(s["pool"] for s in summaries),
-            "wait_s": wait_s,
-            "overlap_frac": max(0.0, 1.0 - wait_s / generate_s) if generate_s > 0 else 0.0,
-            "in_flight": int(self._in_flight is not None),
-        }
-        return self._rollout_summary(t0, summaries, extra)
-
-    def _start_stream(self, train_version: int):
-        """Admit problems to each rollout rank (AReaL's admission control) and start generating the batch
-        trained at ``train_version``; the batch goes to the actor ranks through the batch channel."""
-        r, rollout = self.recipe, self.groups["rollout"]
-        per_rank = r.data.prompts_per_step // rollout.world_size
-        limit = self._admission_limit()
-        puts, _ = self._batch_keys()
-        calls = []
-        for k in rollout.ranks:
-            new = max(0, limit - self._admitted[k])
-            first = self.task.position
-            problems = [
-                (first + i, p.prompt, p.answer, p.fields) for i, p in enumerate(self.task.sample(new))
-            ]
-            self._admitted[k] += new
-            key, shards = puts[k]
-            calls.append(
-                (problems, r.algorithm.group_size, train_version, per_rank, self.max_staleness,
-                 self.channels["weights"], f"w{k}", self.channels["batches"], key, self.groups["reward"].name,
-                 shards, r.rollout.chunk_tokens)
-            )  # fmt: skip
-        return rollout.call_each("stream", calls)
-
-    def _admission_limit(self) -> int:
-        """AReaL's admission control: by version ``v`` (the newest sent is ``self.step``) a rollout rank
-        admits at most ``(N + v + 1) x`` its share of ``data.prompts_per_step`` problems."""
-        per_rank = self.recipe.data.prompts_per_step // len(self._admitted)
-        return (self.max_staleness + self.step + 1) * per_rank
-
-    def rollout_status(self) -> dict:
-        """What is in flight and how stale (see :meth:`LoopBase.rollout_status`), and how many groups each
-        rollout rank has admitted against the limit."""
-        return {
-            **super().rollout_status(),
-            "admitted": list(self._admitted),
-            "admission_limit": self._admission_limit(),
-        }
-
-    def evaluate(self, size: int | None = None) -> dict:
-        """Greedy answers to held-out problems, scored by the reward: logs ``eval/accuracy``.
-
-        In asynchronous mode it first lets the generation in flight finish (its batch is kept for the
-        next :meth:`rollout`); the groups still in the pools go on with the current weights after it. ``size``:
-        how many held-out problems (default ``data.eval_size``)."""
-        size = count_or_default(size, "size", self.recipe.data.eval_size)
-        t0 = time.perf_counter()
-        self._settle_in_flight()
-        self._sync_rollout()  # evaluate the current weights
-        problems = self.task.held_out[:size]
-        rollout = self.groups["rollout"]
-        full = _takes_more(rollout, "complete", 1)
-        texts = [
-            t
-            for part in rollout.call_each(
-                "complete",
-                [
-                    ([p.prompt for p in s], [p.answer for p in s], [p.fields for p in s])
-                    if full
-                    else ([p.prompt for p in s],)
-                    for s in _shard(problems, rollout.world_size)
-                ],
-            ).result()
-            for t in part
-        ]
-        scored = (
-            self.groups["reward"]
-            .on(0)
-            .score_terms(
-                texts,
-                [p.answer for p in problems],
-                [p.prompt for p in problems],
-                [p.fields for p in problems],
-            )
-            .result()[0]
-        )
-        scores, first = scored["rewards"], next(iter(scored["terms"].values()))
-        record = {
-            "eval/accuracy": sum(1.0 for s in first if s >= 1.0) / len(first),
-            "eval/reward_mean": sum(scores) / len(scores),
-            "eval/size": len(scores),
-            "time/eval_s": time.perf_counter() - t0,
-        }
-        self.logger.log(self.step, record)
-        self.last_samples = [(p.prompt, t, p.answer) for p, t in zip(problems[:8], texts[:8])]
-        return record
-
     def export(self, path=None) -> Path:
         """Write the trained model and its tokenizer in Hugging Face format (``save_pretrained``) to the directory
         ``path`` (default ``<run_dir>/model``), atomically, for ``transformers``' ``from_pretrained`` or vLLM.
@@ -754,13 +456,10 @@ class GRPOLoop(LoopBase):
         path = Path(path) if path is not None else self.run_dir / "model"
         return Path(self.groups["actor"].on(0).export_hf(str(path.absolute())).result()[0])
 
-    def _run_steps(self, steps: int, progress: bool) -> list[dict]:
-        """The whole pipeline: SFT (if ``actor.sft_steps`` and not done), ``eval/accuracy`` at step 0, then GRPO."""
-        if self.step == 0 and not self.sft_done:
-            if self.recipe.actor.sft_steps > 0:
-                self.sft()
-            self.evaluate()
-        return super()._run_steps(steps, progress)
+    def _default_callbacks(self) -> list[Callback]:
+        """The whole pipeline: SFT (if ``actor.sft_steps`` and not done) and ``eval/accuracy`` at step 0, then
+        GRPO's steps with evaluation and checkpoints."""
+        return [WarmStartFirst(), *super()._default_callbacks()]
 
     # ------------------------------------------------------------------ metrics
     def _log_step(self, train_out: dict) -> None:
@@ -797,15 +496,3 @@ class GRPOLoop(LoopBase):
             if evals
             else f"step {self.step}"
         )
-
-
-def _takes_more(rollout: Group, method: str, given: int) -> bool:
-    """Whether the rollout class's ``method`` takes more than the ``given`` arguments: HFRollout's ``complete``
-    and ``sample_completions`` also take the answers and records' fields a multi-turn rollout's interaction reads;
-    a rollout class of one's own written to the earlier signatures is called as it was."""
-    return len(inspect.signature(getattr(rollout.cls, method)).parameters) - 1 > given  # (- 1: self)
-
-
-def _shard(items: list, n: int) -> list[list]:
-    size = -(-len(items) // n)
-    return [items[i * size : (i + 1) * size] for i in range(n)]

@@ -42,7 +42,7 @@ class Dashboard(w.VBox):
 
     It observes a :class:`DashboardModel` (fed by the loop's metric stream). With ``controls`` (the loop),
     a row of controls steers the run at step boundaries: pause/resume, stop, save now, and ``lr``,
-    ``ent_coef``, ``clip_coef`` (:meth:`rlnb.loop.base.LoopBase.set_hyperparameters`).
+    ``ent_coef``, ``clip_coef`` (:meth:`rlnb.loop.steering.Steering.set_hyperparameters`).
 
     Curves: ``"live"`` (default) streams every step into interactive bqplot figures (zoom, pan, hover;
     :class:`rlnb.widgets.curves.LiveCurves`); ``"png"`` redraws a static image every ``plot_every`` updates,
@@ -127,7 +127,7 @@ class Dashboard(w.VBox):
 
     def _control_row(self, loop) -> w.HBox:
         """Stop, pause/resume, save now, and hyperparameters applied at the next step boundary."""
-        from rlnb.loop.base import STEERABLE
+        from rlnb.loop.steering import STEERABLE
 
         self.pause_button = w.ToggleButton(description="pause", value=False, tooltip="hold at the next step")
         self.stop_button = w.Button(description="stop", tooltip="end the run at the next step boundary")

@@ -1,0 +1,220 @@
+"""Asynchronous RL (AReaL-style), both loops: rollout runs ahead of training by at most
+``algorithm.max_staleness`` policy versions. What is in flight is drained where nothing may be (a checkpoint, an
+evaluation, the end of ``run()``). :class:`Asynchronous` is what both loops share; :class:`GRPOAsynchronous`
+streams LM generation through weight updates (partial rollouts, admission control);
+:class:`EmbodiedAsynchronous` collects the next rollout while the actor trains."""
+
+from __future__ import annotations
+
+import time
+
+from rlnb.errors import ComponentError, ConfigError
+
+
+class Asynchronous:
+    """A mixin of :class:`rlnb.loop.base.LoopBase`: ``_in_flight`` holds the rollout work running ahead (``None``:
+    none), ``_rollout_version`` the newest policy version the rollout ranks have."""
+
+    _in_flight: list | None = None
+    _rollout_version: int | None = None
+
+    @property
+    def max_staleness(self) -> int:
+        """``algorithm.max_staleness``: how many policy versions rollout may run ahead (0: synchronous)."""
+        return self.recipe.algorithm.max_staleness
+
+    def _settle_in_flight(self) -> None:
+        """Let the rollout work in flight finish (its batch still goes to the next ``rollout()``)."""
+        for pending in self._in_flight or ():
+            pending.wait()
+
+    def _sync_rollout(self) -> None:
+        """Actor -> rollout weights now (waiting for them to load), remembered as the rollout's version."""
+        self._sync()
+        self._rollout_version = self.step
+
+    def _check_async_apart(self, example: str) -> None:
+        """Asynchronous mode needs rollout and actor on different slots; ``example`` is a placement that works."""
+        shared = sorted(set(self.placement["rollout"]) & set(self.placement["actor"]))
+        if self.max_staleness and shared:
+            raise ConfigError(
+                f"algorithm.max_staleness={self.max_staleness} needs rollout and actor on different slots: a "
+                f"worker runs one call at a time, so rollout cannot run ahead of training on shared slot(s) "
+                f"{shared}. Place them apart (component_placement={example}) or use 0",
+                "algorithm.max_staleness",
+            )
+
+    def rollout_status(self) -> dict:
+        """What is in flight and how stale: the newest policy version sent to the rollout ranks, the
+        actor's, and whether rollout work is running ahead now."""
+        return {
+            "max_staleness": self.max_staleness,
+            "actor_version": self.step,
+            "rollout_version": self._rollout_version,
+            "in_flight": self._in_flight is not None,
+        }
+
+    def _must_drain(self) -> bool:
+        """Whether the step being taken ends where nothing may be in flight: a checkpoint or an evaluation
+        of ``run()``, or its last step (so checkpoints resume exactly and nothing runs on unused)."""
+        return self._drains_at(self.step + 1)
+
+    def _drains_at(self, step: int) -> bool:
+        """Whether step ``step`` (a step number: the steps done once it is) ends where nothing may be in
+        flight (see :meth:`_must_drain`)."""
+        r = self.recipe.runner
+        return bool(
+            (r.save_interval and step % r.save_interval == 0)
+            or (r.eval_interval and step % r.eval_interval == 0)
+            or (self._run_target is not None and step >= self._run_target)
+        )
+
+
+class GRPOAsynchronous:
+    """A mixin of :class:`rlnb.loop.grpo.GRPOLoop`: its rollout ranks generate the next batch a chunk of tokens at
+    a time (:meth:`rlnb.components.HFRollout.stream`) while the actor trains, taking new weights between chunks."""
+
+    def _check_async(self) -> None:
+        """Asynchronous mode needs rollout apart from the actor (it generates while the actor trains) and
+        the reward next to the rollout (each finished group is scored where it is made)."""
+        n, p = self.max_staleness, self.placement
+        if not n:
+            return
+        key = "algorithm.max_staleness"
+        rollout = self.groups.get("rollout")
+        if rollout is not None and not callable(getattr(rollout.cls, "stream", None)):
+            raise ComponentError(
+                f"lacks method stream, which asynchronous generation ({key}={n}) calls; subclass the built-in "
+                "rlnb.components.HFRollout and override what you change",
+                rollout.name, rollout.cls.__name__, "stream",
+            )  # fmt: skip
+        if rollout is not None and not getattr(rollout.cls, "CHUNKED_GENERATION", True):
+            raise ConfigError(
+                f"{key}={n}: {rollout.cls.__name__} generates whole completions (its own engine), and asynchronous "
+                "generation takes new weights between chunks of tokens; use rlnb.components.HFRollout "
+                "(rollout.backend=hf), or max_staleness=0",
+                key,
+            )
+        self._check_async_apart("{'rollout,reward': 0, actor: 1}")
+        if tuple(p["reward"]) != tuple(p["rollout"]):
+            raise ConfigError(
+                f"{key}={n} scores each group where it is generated: place the reward on the rollout's slots "
+                f"{list(p['rollout'])} (it is on {list(p['reward'])}), e.g. component_placement="
+                "{'rollout,reward': 0, actor: 1}",
+                key,
+            )
+
+    def sync_weights(self) -> dict:
+        """Actor -> rollout weights. In asynchronous mode the actor publishes them without waiting: the
+        rollout ranks take them at their next chunk boundary, mid-generation."""
+        if not self.max_staleness:
+            return super().sync_weights()
+        t0 = time.perf_counter()
+        if self._in_flight is not None and self._rollout_version != self.step:
+            self._publish()
+        return self._phase("sync", t0, {"version": self.step})
+
+    def _settle_in_flight(self) -> None:
+        """Let the generation in flight finish: it ends once its batch is done and the actor's newest
+        version reached the rollout ranks, so that version is published first."""
+        if self._in_flight is not None and self._rollout_version != self.step:
+            self._publish()
+        super()._settle_in_flight()
+
+    def _publish(self) -> None:
+        rollout, ch = self.groups["rollout"], self.channels["weights"]
+        self.groups["actor"].on(0).publish_weights(ch, [f"w{r}" for r in rollout.ranks], self.step).result()
+        self._rollout_version = self.step
+
+    def _rollout_async(self, t0: float) -> dict:
+        if self._in_flight is None:  # an empty pipeline (first step, after a checkpoint or evaluation)
+            if self._rollout_version != self.step:
+                self._sync_rollout()
+            self._in_flight = [self._start_stream(self.step)]
+        elif self._rollout_version != self.step:
+            self._publish()  # sync_weights() was skipped: the ranks wait for this version
+        t_wait = time.perf_counter()
+        summaries = self._in_flight[0].result()
+        wait_s = time.perf_counter() - t_wait
+        self._in_flight = None
+        self._take_batches(self._batch_keys()[1])
+        if not self._must_drain():
+            self._in_flight = [self._start_stream(self.step + 1)]
+        staleness = [s for summary in summaries for s in summary["staleness"]]
+        self.trained_problems.append(sorted(x for summary in summaries for x in summary["serials"]))
+        generate_s = max(s["generate_s"] for s in summaries)
+        extra = {
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": max(staleness),
+            "interrupted_frac": sum(s["interrupted"] for s in summaries)
+            / sum(s["sequences"] for s in summaries),
+            "weight_swaps": sum(s["swaps"] for s in summaries),
+            "pool_groups": sum(s["pool"] for s in summaries),
+            "wait_s": wait_s,
+            "overlap_frac": max(0.0, 1.0 - wait_s / generate_s) if generate_s > 0 else 0.0,
+            "in_flight": int(self._in_flight is not None),
+        }
+        return self._rollout_summary(t0, summaries, extra)
+
+    def _start_stream(self, train_version: int):
+        """Admit problems to each rollout rank (AReaL's admission control) and start generating the batch
+        trained at ``train_version``; the batch goes to the actor ranks through the batch channel."""
+        r, rollout = self.recipe, self.groups["rollout"]
+        per_rank = r.data.prompts_per_step // rollout.world_size
+        limit = self._admission_limit()
+        puts, _ = self._batch_keys()
+        calls = []
+        for k in rollout.ranks:
+            new = max(0, limit - self._admitted[k])
+            first = self.task.position
+            problems = [
+                (first + i, p.prompt, p.answer, p.fields) for i, p in enumerate(self.task.sample(new))
+            ]
+            self._admitted[k] += new
+            key, shards = puts[k]
+            calls.append(
+                (problems, r.algorithm.group_size, train_version, per_rank, self.max_staleness,
+                 self.channels["weights"], f"w{k}", self.channels["batches"], key, self.groups["reward"].name,
+                 shards, r.rollout.chunk_tokens)
+            )  # fmt: skip
+        return rollout.call_each("stream", calls)
+
+    def _admission_limit(self) -> int:
+        """AReaL's admission control: by version ``v`` (the newest sent is ``self.step``) a rollout rank
+        admits at most ``(N + v + 1) x`` its share of ``data.prompts_per_step`` problems."""
+        per_rank = self.recipe.data.prompts_per_step // len(self._admitted)
+        return (self.max_staleness + self.step + 1) * per_rank
+
+    def rollout_status(self) -> dict:
+        """What is in flight and how stale (see :meth:`LoopBase.rollout_status`), and how many groups each
+        rollout rank has admitted against the limit."""
+        return {
+            **super().rollout_status(),
+            "admitted": list(self._admitted),
+            "admission_limit": self._admission_limit(),
+        }
+
+
+class EmbodiedAsynchronous:
+    """A mixin of :class:`rlnb.loop.embodied.Loop`: the next rollout is collected, with the policy version it
+    had, while the actor trains on this one."""
+
+    def sync_weights(self) -> dict:
+        """Actor -> rollout weights. In asynchronous mode the loop sends them itself when admission needs
+        them; calling this waits for the collection in flight (kept for the next :meth:`rollout`) first."""
+        if not self.max_staleness:
+            return super().sync_weights()
+        t0 = time.perf_counter()
+        self._settle_in_flight()
+        if self._in_flight is None:
+            self._sync_rollout()
+        return self._phase("sync", t0, {"version": self._rollout_version})
+
+    def rollout_status(self) -> dict:
+        """What is in flight and how stale (see :meth:`LoopBase.rollout_status`), and how many versions
+        behind the next batch will be."""
+        version = self._rollout_version
+        return {
+            **super().rollout_status(),
+            "next_batch_staleness": None if version is None else self.step - version,
+        }

@@ -1,0 +1,107 @@
+"""The GRPO loop's data: the problems it trains and evaluates on (an arithmetic task made procedurally, or a local
+file of questions and answers, split into training and held-out problems), and the warm start's demonstrations,
+multi-turn conversations included."""
+
+from __future__ import annotations
+
+import inspect
+import random
+import re
+
+from rlnb.algorithms.interactions import SafeInteraction, check_interaction
+from rlnb.data.prompts import Problem, common_fields
+from rlnb.errors import ConfigError
+
+_ARITHMETIC = re.compile(r"(-?\d+)([+*-])(-?\d+)=")
+
+
+def conversation(problem: Problem, turns: list[str], reply, key: str) -> list[tuple]:
+    """A warm start's conversation of ``problem``: each turn of ``turns`` (format strings over the problem's
+    names, see ``data.sft_turns``) after the transcript before it, ``reply`` (the interaction) answering between
+    two; as ``(context, turn)`` rows, a context being the prompt or ``[prompt, turn, reply, ...]``."""
+    names = {**problem.fields, "expression": problem.prompt.removesuffix("="), "answer": problem.answer}
+    arithmetic = _ARITHMETIC.fullmatch(problem.prompt) if isinstance(problem.prompt, str) else None
+    if arithmetic:
+        names.update(zip(("a", "op", "b"), arithmetic.groups()))
+    pieces, transcript, rows = [problem.prompt], "", []
+    for k, template in enumerate(turns):
+        try:
+            text = template.format(**names)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(
+                f"{key}: {template!r} cannot be written for the problem {problem.prompt!r} ({type(e).__name__}: {e}); "
+                f"its names: {', '.join('{' + n + '}' for n in names)}",
+                key,
+            ) from None
+        rows.append((list(pieces) if k else problem.prompt, text))
+        if k + 1 < len(turns):
+            transcript += text
+            answer = reply(transcript, k + 1, problem.answer, problem.prompt, text, **problem.fields)
+            if answer is None:
+                raise ConfigError(
+                    f"{key}: the interaction ended the warm start's conversation of {problem.prompt!r} after its turn "
+                    f"{k + 1} ({text!r}), and {len(turns)} turns were given",
+                    key,
+                )
+            transcript += answer
+            pieces += [text, answer]
+    return rows
+
+
+class FileTask:
+    """Problems from a local file, split like :class:`ArithmeticTask` (same sampling interface)."""
+
+    def __init__(self, problems: list[Problem], held_out_frac: float, seed: int):
+        problems = list(problems)
+        random.Random(seed).shuffle(problems)
+        n_eval = max(1, int(len(problems) * held_out_frac))
+        self.held_out, self.train = problems[:n_eval], problems[n_eval:]
+        self.position = 0
+
+    def sample(self, n: int) -> list[Problem]:
+        out = [self.train[(self.position + i) % len(self.train)] for i in range(n)]
+        self.position += n
+        return out
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def turn_demonstrations(task, recipe) -> tuple[list, list, list | None, list | None]:
+    """``data.sft_turns``: the warm start's rows, ``(contexts, targets)``, one per turn of each training
+    problem's conversation, the interaction replying between turns as in training; and the imperfect
+    teacher's (``data.sft_noise_turns``: its own conversation's row where it has a turn, else the right one),
+    or ``None``."""
+    d, ro = recipe.data, recipe.rollout
+    reply = None
+    if len(d.sft_turns) > 1:
+        fields = common_fields(task.train, task.held_out)
+        reply = SafeInteraction(check_interaction(ro.interaction, fields))
+    noisy = d.sft_noise_turns if d.sft_noise else None
+    rows, wrong_rows = [], []
+    for problem in task.train:
+        right = conversation(problem, d.sft_turns, reply, "data.sft_turns")
+        rows += right
+        if noisy is not None:
+            turns = [n if n is not None else t for n, t in zip(noisy, d.sft_turns)]
+            theirs = conversation(problem, turns, reply, "data.sft_noise_turns")
+            wrong_rows += [t if n is not None else r for n, t, r in zip(noisy, theirs, right)]
+    contexts, targets = [c for c, _ in rows], [t for _, t in rows]
+    if noisy is None:
+        return contexts, targets, None, None
+    return contexts, targets, [c for c, _ in wrong_rows], [t for _, t in wrong_rows]
+
+
+def takes_more(rollout, method: str, given: int) -> bool:
+    """Whether the rollout class's ``method`` takes more than the ``given`` arguments: HFRollout's ``complete``
+    and ``sample_completions`` also take the answers and records' fields a multi-turn rollout's interaction reads;
+    a rollout class of one's own written to the earlier signatures is called as it was."""
+    return len(inspect.signature(getattr(rollout.cls, method)).parameters) - 1 > given  # (- 1: self)
+
+
+def shard(items: list, n: int) -> list[list]:
+    size = -(-len(items) // n)
+    return [items[i * size : (i + 1) * size] for i in range(n)]

@@ -1,0 +1,116 @@
+"""The links between actor and rollout: how weights reach the rollout ranks (in-process when collocated, a
+channel, or a broadcast over a process group) and how batches reach the actor ranks (in-process or a channel,
+split when there are more actor than rollout ranks). Chosen once per loop from the placement."""
+
+from __future__ import annotations
+
+from rlnb.errors import ComponentError, ConfigError, PlacementError
+from rlnb.runtime.channel import Channel
+from rlnb.runtime.group import init_collective
+
+WEIGHT_SYNC_GROUP = "rlnb-weight-sync"  # the process group of rollout.weight_sync=broadcast
+
+
+class Links:
+    """A mixin of :class:`rlnb.loop.base.LoopBase` (it holds ``groups``, ``channels``, ``placement``)."""
+
+    def _launch_links(self) -> None:
+        """Channels (and the weight-sync process group) for whatever is not collocated between actor and
+        rollout."""
+        p = self.placement
+        self.batch_local = p["rollout"] == p["actor"]  # batches and weights move in-process
+        self.weight_sync = "local" if self.batch_local else self._weight_sync_route()
+        if not self.batch_local:
+            timeout = self.groups["actor"].call_timeout_s
+            self.channels["batches"] = Channel.create(
+                self.cluster, "batches", slot=p["actor"][0], timeout_s=timeout
+            )
+            if self.weight_sync == "broadcast":
+                actor, rollout = self.groups["actor"], self.groups["rollout"]
+                for group, method in ((actor, "broadcast_weights"), (rollout, "receive_weights")):
+                    if not callable(getattr(group.cls, method, None)):
+                        raise ComponentError(
+                            f"lacks method {method}, which rollout.weight_sync=broadcast calls; subclass "
+                            "the built-in component or use rollout.weight_sync=channel",
+                            group.name, group.cls.__name__, method,
+                        )  # fmt: skip
+                init_collective([actor.on(0), rollout], name=WEIGHT_SYNC_GROUP, timeout_s=timeout)
+            else:
+                self.channels["weights"] = Channel.create(
+                    self.cluster, "weights", slot=p["rollout"][0], timeout_s=timeout
+                )
+
+    def _weight_sync_route(self) -> str:
+        """``channel`` or ``broadcast`` for rollout ranks apart from the actor (``rollout.weight_sync``)."""
+        choice, p, slots = self.recipe.rollout.weight_sync, self.placement, self.cluster.slots
+        if choice == "channel":
+            return "channel"
+        rollout = [slots[s] for s in p["rollout"]]
+        actor0 = slots[p["actor"][0]]
+        if choice == "auto":
+            on_gpus = all(s.device.startswith("cuda") for s in [actor0, *rollout])
+            elsewhere = all(s.node != actor0.node for s in rollout)
+            return "broadcast" if on_gpus and elsewhere and not self.max_staleness else "channel"
+        if self.max_staleness:
+            raise ConfigError(
+                f"rollout.weight_sync=broadcast is a collective both sides enter at once, which asynchronous "
+                f"mode (algorithm.max_staleness={self.max_staleness}) cannot do: the rollout takes weights "
+                "between chunks while it generates. Use channel or auto",
+                "rollout.weight_sync",
+            )
+        shared = sorted(s.rank for s in rollout if s.address == actor0.address)
+        if shared:
+            raise PlacementError(
+                f"rollout.weight_sync=broadcast needs every rollout rank in another worker than actor rank 0 "
+                f"(a process group has one rank per worker); rollout slot(s) {shared} share its worker. "
+                "Use channel or auto, or place them apart",
+                "rollout.weight_sync",
+            )
+        return "broadcast"
+
+    def _sync(self) -> None:
+        actor, rollout = self.groups["actor"], self.groups["rollout"]
+        if self.batch_local:
+            rollout.call_each(
+                "load_from_local_actor", [(actor.name, r, self.step) for r in rollout.ranks]
+            ).result()
+        elif self.weight_sync == "broadcast":  # one collective: both sides enter it at once
+            receiving = rollout.receive_weights(self.step, WEIGHT_SYNC_GROUP)
+            actor.on(0).broadcast_weights(self.step, WEIGHT_SYNC_GROUP).result()
+            receiving.result()
+        else:
+            ch = self.channels["weights"]
+            keys = [f"w{r}" for r in rollout.ranks]
+            # publish first (unbounded channel: never blocks), then load: a rollout rank sharing actor
+            # rank 0's worker would otherwise hold its actor thread waiting for weights not yet sent
+            actor.on(0).publish_weights(ch, keys, self.step).result()
+            rollout.call_each("load_from_channel", [(ch, k) for k in keys]).result()
+
+    def _hand_batches(self) -> list[dict]:
+        """Rollout rank ``k``'s batch goes to actor rank ``k % actor ranks`` (in-process when collocated);
+        with more actor than rollout ranks, it is split over several. Returns each actor rank's intake."""
+        rollout, actor = self.groups["rollout"], self.groups["actor"]
+        if self.batch_local:
+            return actor.call_each("take_local_batches", [(rollout.name, [a]) for a in actor.ranks]).result()
+        ch = self.channels["batches"]
+        puts, takes = self._batch_keys()
+        sent = rollout.call_each("put_batch", [(ch, key, shards) for key, shards in puts])
+        # puts never block (the channel is unbounded), so a rank sharing a worker with one of the
+        # other group's ranks cannot hold that worker's actor thread while waiting for it
+        sent.result()
+        return self._take_batches(takes)
+
+    def _batch_keys(self) -> tuple[list[tuple[str, int]], list[list[str]]]:
+        """The channel hand-off: per rollout rank ``(key, shards)`` it puts under, and per actor rank the
+        keys it takes. With more actor than rollout ranks each batch is split (RLinf's hybrid)."""
+        rollout, actor = self.groups["rollout"], self.groups["actor"]
+        n_act, n_roll = actor.world_size, rollout.world_size
+        if n_act > n_roll:
+            m = n_act // n_roll
+            return [(f"b{k}", m) for k in rollout.ranks], [[f"b{a // m}.{a % m}"] for a in actor.ranks]
+        takes = [[f"b{k}" for k in rollout.ranks if k % n_act == a] for a in actor.ranks]
+        return [(f"b{k}", 1) for k in rollout.ranks], takes
+
+    def _take_batches(self, takes: list[list[str]]) -> list[dict]:
+        ch, actor = self.channels["batches"], self.groups["actor"]
+        return actor.call_each("take_channel_batches", [(ch, k) for k in takes]).result()
