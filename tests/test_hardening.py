@@ -12,7 +12,7 @@ import torch
 
 import rlnb
 from rlnb.errors import RemoteTimeoutError
-from rlnb.runtime import direct
+from rlnb.runtime import direct, wire
 from rlnb.testing import Echo
 
 
@@ -94,7 +94,7 @@ def test_an_oversized_header_is_refused_before_anything_is_allocated(one_slot, m
     try:
         sock = link.connect()
         # a request whose header announces a 1 GiB pickle, and then nothing
-        sock.sendall(direct._REQ.pack(link.key.encode(), b"call") + direct._HEAD.pack(0, 1 << 30))
+        sock.sendall(direct._REQ.pack(link.key.encode(), b"call") + wire._HEAD.pack(0, 1 << 30))
         sock.settimeout(10)
         payload, buffers = direct.recv_message(sock)  # the worker says why...
         status, value, _ = direct.loads(payload, buffers)

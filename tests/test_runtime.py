@@ -341,7 +341,7 @@ class Tally(Echo):
 
 
 def test_a_chain_runs_its_calls_in_order_in_one_request_and_stops_at_the_first_failure(cluster):
-    from rlnb.runtime.group import chain
+    from rlnb.runtime.chain import chain
 
     first = rlnb.Group.launch(Tally, cluster, "0", name="first")
     second = rlnb.Group.launch(Tally, cluster, "0", name="second")
@@ -382,7 +382,7 @@ def test_a_chain_run_ahead_starts_once_its_reply_is_sent_and_is_taken_later(clus
     """``then``: the worker answers the chain, then runs the next one at once, without a request; take_ahead
     returns its replies (and how long the worker waited before it). A rule on the worker, a failure, or
     nothing to take each stop it, with a clear error where there is nothing."""
-    from rlnb.runtime.group import RunAhead, chain, take_ahead
+    from rlnb.runtime.chain import RunAhead, chain, take_ahead
 
     first = rlnb.Group.launch(Tally, cluster, "0", name="first")
     second = rlnb.Group.launch(Tally, cluster, "0", name="second")
@@ -422,7 +422,7 @@ def test_a_block_of_chains_runs_ahead_with_no_request_between_them(cluster):
     long as every call succeeded and the rule holds after each (its arguments, one tuple on the worker, keep
     what it saw); take_run_ahead returns a ChainResult per chain that ran, with one request; take_ahead, which
     expects one chain, refuses a block, naming take_run_ahead."""
-    from rlnb.runtime.group import RunAhead, chain, take_ahead, take_run_ahead
+    from rlnb.runtime.chain import RunAhead, chain, take_ahead, take_run_ahead
 
     tally = rlnb.Group.launch(Tally, cluster, "0", name="tally")
     try:
@@ -456,7 +456,7 @@ def test_a_block_of_chains_runs_ahead_with_no_request_between_them(cluster):
 
 
 def test_a_chain_run_ahead_needs_direct_calls(cluster, monkeypatch):
-    from rlnb.runtime.group import RunAhead, chain
+    from rlnb.runtime.chain import RunAhead, chain
 
     monkeypatch.setenv("RLNB_DIRECT_CALLS", "0")
     tally = rlnb.Group.launch(Tally, cluster, "0", name="tally")
@@ -474,7 +474,7 @@ def test_calls_on_other_components_are_answered_between_chains_run_ahead(cluster
     component of that worker waits for the chain under way, not for the run to end."""
     import threading
 
-    from rlnb.runtime.group import RunAhead, chain, take_ahead
+    from rlnb.runtime.chain import RunAhead, chain, take_ahead
 
     busy = rlnb.Group.launch(Tally, cluster, "0", name="busy")
     other = rlnb.Group.launch(Tally, cluster, "0", name="other")
@@ -513,7 +513,7 @@ def test_the_driver_waits_for_a_chain_that_runs_ahead_as_a_batch_thread(cluster)
     chain's wait is left alone."""
     import threading
 
-    from rlnb.runtime.group import RunAhead, chain, take_ahead
+    from rlnb.runtime.chain import RunAhead, chain, take_ahead
 
     napper = rlnb.Group.launch(Tally, cluster, "0", name="napper")
     tid, phase, seen, done = threading.get_native_id(), [None], {}, threading.Event()
