@@ -78,7 +78,7 @@ def _run(args) -> int:
         prestarted = (
             structure is not None
             and structure.cluster.address is None
-            and _prestart_embedded_workers(structure.rollout.backend in ("hf", "vllm"))
+            and _prestart_embedded_workers(structure.loop == "grpo")
         )
     try:
         recipe = load_recipe(args.recipe, overrides)  # every config error reported here, before any work

@@ -1,13 +1,20 @@
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# this session's own temporary directory: whatever the tests start (workers, kernels, CLI runs) makes its
+# temporary files there, so a check for leftovers looks at what this session made, not at other programs' /tmp
+SESSION_TMP = tempfile.mkdtemp(prefix="rlnbt-")
+os.environ["TMPDIR"] = SESSION_TMP
+tempfile.tempdir = None  # (gettempdir() reads TMPDIR again)
 
 
 def has_cuda() -> bool:
@@ -145,6 +152,7 @@ def pytest_sessionfinish(session, exitstatus):
                 os.unlink(path)
         except OSError:
             continue
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)
 
 
 def last_answer(completion: str, answer: str) -> float:

@@ -53,6 +53,7 @@ SWEEP = {
     "rollout.dtype": (GRPO, []),
     "rollout.static_cache": (GRPO, []),
     "rollout.backend": (None, []),  # policy -> PPO, hf and vllm -> GRPO
+    "loop": (None, []),  # embodied and auto -> PPO, grpo -> GRPO
     "rollout.device": (PPO, []),
     "rollout.weight_sync": (PPO, ["cluster.component_placement={'env,rollout': 0, actor: 1}"]),
     "env.vector_mode": (PPO, []),
@@ -63,6 +64,18 @@ SWEEP = {
     "data.chat_template": (GRPO, []),
 }
 COVERED_ELSEWHERE = {"algorithm.advantage", "algorithm.policy_loss"}
+# the choices refused on this machine (no GPU, no vLLM): each must be refused naming its key before any step;
+# every other choice must train a step
+REFUSED = {
+    ("rollout.backend", "vllm"),  # needs a CUDA GPU on every rollout slot (and the vllm package)
+    ("actor.device", "cuda"),
+    ("rollout.device", "cuda"),
+    ("data.task", "file"),  # data.path=missing.jsonl: refused as missing
+    ("data.task", "arithmetic"),  # with data.path set, which it would ignore
+    ("actor.model.kind", "cnn"),  # CartPole's observations are vectors, not (C, H, W) images
+    ("actor.build_if_missing", False),  # ./model is not there and nothing may build it
+}
+GRPO_CHOICES = {"hf", "vllm", "grpo"}  # of rollout.backend and loop, the choices the GRPO recipe runs
 
 
 def choice_keys(cls=Recipe, prefix="") -> dict[str, list]:
@@ -106,7 +119,7 @@ def test_every_choice_steps_or_is_refused_naming_its_key(cluster, tmp_path, monk
     monkeypatch.chdir(tmp_path)  # data.path=missing.jsonl, model directories
     base, extra = SWEEP[key]
     if base is None:
-        base = PPO if value == "policy" else GRPO
+        base = GRPO if value in GRPO_CHOICES else PPO
     recipe_name, small = base
     overrides = [*small, *COMMON, *extra, f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
     if recipe_name == "grpo_arith":
@@ -117,7 +130,9 @@ def test_every_choice_steps_or_is_refused_naming_its_key(cluster, tmp_path, monk
         with loop_class(recipe).from_recipe(recipe, cluster=cluster, run_dir=tmp_path / "run") as loop:
             record = loop.step_once()
     except RlnbError as e:  # refused: the message names the key
+        assert (key, value) in REFUSED, f"{key}={value} must train a step here, and was refused: {e}"
         assert key in str(e), f"{key}={value} refused without naming the key: {e}"
         return
+    assert (key, value) not in REFUSED, f"{key}={value} must be refused on this machine, and trained"
     loss = record.get("train/loss")
     assert loss is not None and math.isfinite(loss), (key, value, record)

@@ -6,7 +6,10 @@ A recipe is YAML with these sections; every key has a default, so a recipe names
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
+
+from rlnb.errors import ConfigError, did_you_mean
 
 
 @dataclass
@@ -21,6 +24,22 @@ class ClusterConfig:
     """Component (or comma-joined components) -> slots: ``0-1``, ``2,3``, ``all``, ``{node_group: sim, slots: 0-1}``."""
     call_timeout_s: float = 600.0
     """Timeout of every remote call (seconds); a hung or dead worker surfaces as an error after at most this."""
+
+    def check(self, recipe: Recipe) -> list[str]:
+        """A placement given, and a call deadline."""
+        errs: list[str] = []
+        if not isinstance(self.component_placement, dict) or not self.component_placement:
+            errs.append(
+                f"cluster.component_placement: expected a mapping like {{actor: 0}}, got {self.component_placement!r}"
+            )
+        need(
+            errs,
+            lambda: self.call_timeout_s > 0,
+            "cluster.call_timeout_s",
+            "a number > 0",
+            self.call_timeout_s,
+        )
+        return errs
 
 
 @dataclass
@@ -60,6 +79,47 @@ class RunnerConfig:
     """Also write TensorBoard event files when ``tensorboard`` is installed."""
     wandb_project: str | None = None
     """Log to this Weights & Biases project (needs ``wandb``)."""
+
+    def check(self, recipe: Recipe) -> list[str]:
+        """This section's range checks and those it shares with others; every problem, as ``key: ...``."""
+        errs: list[str] = []
+        need(errs, lambda: self.steps >= 0, "runner.steps", "an integer >= 0", self.steps)
+        need(
+            errs,
+            lambda: self.save_interval >= 0,
+            "runner.save_interval",
+            "an integer >= 0",
+            self.save_interval,
+        )
+        need(
+            errs,
+            lambda: self.keep_checkpoints >= 1,
+            "runner.keep_checkpoints",
+            "an integer >= 1",
+            self.keep_checkpoints,
+        )
+        need(errs, lambda: self.completions_interval >= 0, "runner.completions_interval", "an integer >= 0",
+             self.completions_interval)  # fmt: skip
+        if (
+            recipe.loop == "embodied"
+            and isinstance(self.completions_interval, int)
+            and self.completions_interval
+        ):
+            errs.append(
+                f"runner.completions_interval: {self.completions_interval} logs an LM's completions; this recipe "
+                "trains a policy on an env (loop: embodied): look at its batches with loop.sample() instead"
+            )
+        need(
+            errs, lambda: self.max_restarts >= 0, "runner.max_restarts", "an integer >= 0", self.max_restarts
+        )
+        need(
+            errs,
+            lambda: self.eval_episodes >= 1,
+            "runner.eval_episodes",
+            "an integer >= 1",
+            self.eval_episodes,
+        )
+        return errs
 
 
 @dataclass
@@ -129,6 +189,91 @@ class AlgorithmConfig:
     """LM RL: leave completions that reached ``rollout.max_new_tokens`` without ending (no EOS) out of the loss,
     as TRL's ``mask_truncated_completions`` (DAPO's overlong filtering); their rewards still count in their
     group's advantages. ``rollout/truncated_frac`` says how many there are."""
+
+    def check(self, recipe: Recipe) -> list[str]:
+        """This section's range checks, its registered names and whether the loop can serve their combination."""
+        from rlnb.algorithms import ADVANTAGES, POLICY_LOSSES
+
+        a, errs = self, []
+        need(errs, lambda: 0.0 <= a.gamma <= 1.0, "algorithm.gamma", "a number in [0, 1]", a.gamma)
+        need(
+            errs,
+            lambda: 0.0 <= a.gae_lambda <= 1.0,
+            "algorithm.gae_lambda",
+            "a number in [0, 1]",
+            a.gae_lambda,
+        )
+        need(errs, lambda: a.clip_coef > 0, "algorithm.clip_coef", "a number > 0", a.clip_coef)
+        need(errs, lambda: a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", "a number > 1 (or empty)",
+             a.dual_clip)  # fmt: skip
+        need(
+            errs, lambda: a.update_epochs >= 1, "algorithm.update_epochs", "an integer >= 1", a.update_epochs
+        )
+        need(errs, lambda: a.behave_weight_cap is None or a.behave_weight_cap > 1, "algorithm.behave_weight_cap",
+             "a number > 1 (or empty)", a.behave_weight_cap)  # fmt: skip
+        need(errs, lambda: isinstance(a.max_staleness, int) and not isinstance(a.max_staleness, bool)
+             and a.max_staleness >= 0, "algorithm.max_staleness", "an integer >= 0 (0: synchronous)",
+             a.max_staleness)  # fmt: skip
+        need(
+            errs,
+            lambda: a.num_minibatches >= 1,
+            "algorithm.num_minibatches",
+            "an integer >= 1",
+            a.num_minibatches,
+        )
+        need(errs, lambda: a.max_grad_norm > 0, "algorithm.max_grad_norm", "a number > 0", a.max_grad_norm)
+        need(errs, lambda: a.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds", "an integer >= 1",
+             a.max_sampling_rounds)  # fmt: skip
+        asynchronous = isinstance(a.max_staleness, int) and a.max_staleness > 0
+        if a.dynamic_sampling is True and asynchronous:
+            errs.append(
+                f"algorithm.dynamic_sampling: it samples more prompts until a synchronous step's batch has enough "
+                f"groups with a learning signal; with algorithm.max_staleness={a.max_staleness} (asynchronous) groups "
+                "are trained as they finish. Set one of them off"
+            )
+        if a.dynamic_sampling is True and recipe.loop == "embodied":
+            errs.append(
+                "algorithm.dynamic_sampling: it filters an LM's groups of completions; this recipe trains a policy on "
+                "an env"
+            )
+        for key, value, reg in (("algorithm.advantage", a.advantage, ADVANTAGES),
+                                ("algorithm.policy_loss", a.policy_loss, POLICY_LOSSES)):  # fmt: skip
+            if isinstance(value, str) and value not in reg:
+                errs.append(
+                    f"{key}: unknown {reg.kind} {value!r}; registered: {', '.join(reg.names())}."
+                    f"{did_you_mean(value, reg.names())}"
+                )
+        if all(
+            isinstance(v, str) and v in reg
+            for v, reg in ((a.advantage, ADVANTAGES), (a.policy_loss, POLICY_LOSSES))
+        ):
+            from rlnb.algorithms.contract import EMBODIED, LM, check_algorithm
+
+            try:  # a combination the loop cannot serve is refused here, before any worker starts
+                check_algorithm(LM if recipe.loop == "grpo" else EMBODIED, a.advantage, a.policy_loss)
+            except ConfigError as err:
+                errs.append(str(err))
+        if (
+            a.advantage in ("grpo", "rloo", "reinforce_pp_baseline")
+            and isinstance(a.group_size, int)
+            and a.group_size < 2
+        ):
+            errs.append(
+                f"algorithm.group_size: {a.advantage} needs at least 2 samples per prompt, got {a.group_size}"
+            )
+        prompts = recipe.data.prompts_per_step
+        batch = prompts * a.group_size if recipe.loop == "grpo" and isinstance(prompts, int) else 0
+        if (
+            batch
+            and isinstance(a.num_minibatches, int)
+            and a.num_minibatches >= 1
+            and batch % a.num_minibatches
+        ):
+            errs.append(
+                f"algorithm.num_minibatches: {a.num_minibatches} must divide the batch of "
+                f"data.prompts_per_step x algorithm.group_size = {batch} sequences"
+            )
+        return errs
 
 
 @dataclass
@@ -213,6 +358,50 @@ class ActorConfig:
     for the KL too. Metrics ``memory/actor_state_bytes`` and, on a GPU, ``memory/cuda_peak_bytes`` show what
     it saves."""
 
+    def check(self, recipe: Recipe) -> list[str]:
+        """This section's range checks."""
+        errs: list[str] = []
+        need(errs, lambda: self.lr > 0, "actor.lr", "a number > 0", self.lr)
+        need(
+            errs,
+            lambda: self.torch_threads >= 1,
+            "actor.torch_threads",
+            "an integer >= 1",
+            self.torch_threads,
+        )
+        need(errs, lambda: all(h > 0 for h in self.model.hidden_sizes), "actor.model.hidden_sizes", "positive widths",
+             self.model.hidden_sizes)  # fmt: skip
+        if recipe.loop == "embodied" and self.dtype != "float32":  # (an embodied run would ignore it)
+            errs.append(
+                f"actor.dtype: {self.dtype} compute is for LM actors (loop: grpo); an embodied policy trains in "
+                "float32; set actor.dtype=float32"
+            )
+        if recipe.loop == "grpo":
+            errs += self._check_lm()
+        return errs
+
+    def _check_lm(self) -> list[str]:
+        from rlnb.models.lm import is_hub_id
+
+        errs = []
+        if self.model_path is None:
+            errs.append(
+                "actor.model_path: expected a model directory for the LM loop (loop: grpo), got nothing"
+            )
+        elif (
+            not self.build_if_missing
+            and not is_hub_id(self.model_path)
+            and not (Path(self.model_path) / "config.json").exists()
+        ):
+            errs.append(
+                f"actor.model_path: {self.model_path!r} has no config.json (not a save_pretrained directory); "
+                "fix the path or set actor.build_if_missing=true to build a tiny LM there"
+            )
+        return errs + at_least(
+            ("actor.micro_batch_size", self.micro_batch_size, 1), ("actor.sft_steps", self.sft_steps, 0),
+            ("actor.sft_batch_size", self.sft_batch_size, 1), ("actor.length_buckets", self.length_buckets, 1),
+        )  # fmt: skip
+
 
 @dataclass
 class RolloutConfig:
@@ -267,6 +456,61 @@ class RolloutConfig:
     (NCCL on GPUs, gloo on CPU), synchronous mode only; ``auto``: ``broadcast`` when every rollout rank
     is on a GPU of another node than actor rank 0's, else ``channel``."""
 
+    def check(self, recipe: Recipe) -> list[str]:
+        """This section's range checks and which backend each setting belongs to."""
+        from rlnb.algorithms.interactions import INTERACTIONS
+
+        ro, errs = self, []
+        need(errs, lambda: ro.steps_per_rollout >= 1, "rollout.steps_per_rollout", "an integer >= 1",
+             ro.steps_per_rollout)  # fmt: skip
+        need(errs, lambda: isinstance(ro.max_turns, int) and not isinstance(ro.max_turns, bool) and ro.max_turns >= 1,
+             "rollout.max_turns", "an integer >= 1", ro.max_turns)  # fmt: skip
+        staleness = recipe.algorithm.max_staleness
+        if ro.backend in SYNCHRONOUS_BACKENDS and isinstance(staleness, int) and staleness > 0:
+            errs.append(
+                f"rollout.backend: {ro.backend} generates whole completions in its engine, and asynchronous generation "
+                f"(algorithm.max_staleness={staleness}) takes new weights between chunks of tokens, with rlnb's "
+                "own decoding; use rollout.backend=hf, or algorithm.max_staleness=0"
+            )
+        if ro.dtype != "auto" and ro.backend != "hf":
+            errs.append(
+                f"rollout.dtype: the precision of the hf backend's model; rollout.backend={ro.backend} does not use "
+                "it; leave rollout.dtype=auto"
+            )
+        if ro.static_cache is True and ro.backend != "hf":
+            errs.append(
+                f"rollout.static_cache: a static KV cache for the hf backend's generate; rollout.backend={ro.backend} "
+                "does not use it (vLLM manages its own cache); set rollout.static_cache=false"
+            )
+        if isinstance(ro.max_turns, int) and ro.max_turns >= 2:
+            if recipe.loop == "embodied":
+                errs.append(
+                    "rollout.max_turns: turns of an LM's conversation; this recipe trains a policy on an env"
+                )
+            elif ro.interaction is None:
+                errs.append(
+                    f"rollout.interaction: with rollout.max_turns={ro.max_turns} something must answer between the "
+                    f"model's turns; registered interactions: {', '.join(INTERACTIONS.names())}"
+                )
+        elif ro.interaction is not None:
+            errs.append(
+                f"rollout.interaction: it answers between the model's turns, and with rollout.max_turns={ro.max_turns} "
+                "there are none; set rollout.max_turns >= 2, or drop the interaction"
+            )
+        if isinstance(ro.interaction, str) and ro.interaction not in INTERACTIONS:
+            errs.append(
+                f"rollout.interaction: unknown interaction {ro.interaction!r}; registered: "
+                f"{', '.join(INTERACTIONS.names())}.{did_you_mean(ro.interaction, INTERACTIONS.names())}"
+            )
+        if recipe.loop == "grpo":
+            errs += at_least(("rollout.max_new_tokens", ro.max_new_tokens, 1), ("rollout.chunk_tokens", ro.chunk_tokens, 1),
+                             ("rollout.top_k", ro.top_k, 0))  # fmt: skip
+            if isinstance(ro.temperature, float) and ro.temperature <= 0:
+                errs.append(f"rollout.temperature: expected a number > 0, got {ro.temperature!r}")
+            if isinstance(ro.top_p, float) and not 0 < ro.top_p <= 1:
+                errs.append(f"rollout.top_p: expected a number in (0, 1], got {ro.top_p!r}")
+        return errs
+
 
 @dataclass
 class EnvConfig:
@@ -288,6 +532,26 @@ class EnvConfig:
     normalize_reward: bool = False
     """Scale rewards by a running std of discounted returns (continuous control)."""
 
+    def check(self, recipe: Recipe) -> list[str]:
+        """This section's range checks and (embodied loop) that its id is a registered environment."""
+        e, errs = self, []
+        need(errs, lambda: e.num_envs >= 1, "env.num_envs", "an integer >= 1", e.num_envs)
+        need(
+            errs, lambda: e.pipeline_stages >= 1, "env.pipeline_stages", "an integer >= 1", e.pipeline_stages
+        )
+        ints = all(isinstance(x, int) for x in (e.num_envs, e.pipeline_stages))
+        if ints and e.num_envs >= 1 and e.pipeline_stages >= 1 and e.num_envs % e.pipeline_stages:
+            errs.append(
+                f"env.pipeline_stages: {e.pipeline_stages} stages must divide env.num_envs={e.num_envs}"
+            )
+        if recipe.loop == "embodied" and isinstance(e.id, str):
+            from rlnb.config.loader import check_env_id
+
+            err = check_env_id(e.id)
+            if err:
+                errs.append(err)
+        return errs
+
 
 @dataclass
 class RewardConfig:
@@ -305,6 +569,45 @@ class RewardConfig:
     its weight is the last of ``weights``. It loads where the reward component runs."""
     model_batch_size: int = 16
     """Texts per forward of the reward model."""
+
+    def check(self, recipe: Recipe) -> list[str]:
+        """Registered reward names, the reward model's batch size and path, and that the rewards take what the
+        prompts' records have."""
+        from rlnb.algorithms import REWARDS
+
+        errs: list[str] = []
+        if self.model_path is not None:
+            need(errs, lambda: self.model_batch_size >= 1, "reward.model_batch_size", "an integer >= 1",
+                 self.model_batch_size)  # fmt: skip
+            if recipe.loop == "grpo":
+                from rlnb.models.lm import resolve_model
+
+                try:  # before any worker starts: a missing directory, or a hub id not in this machine's cache
+                    resolve_model(self.model_path, "reward.model_path")
+                except ConfigError as err:
+                    errs.append(str(err))
+        several = isinstance(self.name, list)  # rewards summed with reward.weights
+        rewards = self.name if several else [self.name]
+        for i, name in enumerate(rewards):
+            if isinstance(name, str) and name not in REWARDS:
+                key = f"reward.name[{i}]" if several else "reward.name"
+                errs.append(
+                    f"{key}: unknown {REWARDS.kind} {name!r}; registered: {', '.join(REWARDS.names())}."
+                    f"{did_you_mean(name, REWARDS.names())}"
+                )
+        if recipe.loop == "grpo" and all(isinstance(r, str) and r in REWARDS for r in rewards):
+            from rlnb.algorithms.contract import check_rewards
+            from rlnb.algorithms.rewards import recipe_rewards
+
+            # a data file's fields are known once it is read: the loop checks them then
+            fields = () if recipe.data.task == "arithmetic" else None
+            try:
+                check_rewards(
+                    recipe_rewards(self.name, self.model_path, self.model_batch_size), self.weights, fields
+                )
+            except ConfigError as err:
+                errs.append(str(err))
+        return errs
 
 
 @dataclass
@@ -352,11 +655,46 @@ class DataConfig:
     system_prompt: str | None = None
     """With ``chat_template``: a system turn before each question (e.g. the answer format to use)."""
 
+    def check(self, recipe: Recipe) -> list[str]:
+        """This section's range checks, the warm start's turns and (LM loop) where the problems come from."""
+        d, errs = self, []
+        need(errs, lambda: 0.0 <= d.sft_noise <= 1.0, "data.sft_noise", "a number in [0, 1]", d.sft_noise)
+        need(
+            errs,
+            lambda: 0.0 < d.held_out_frac < 1.0,
+            "data.held_out_frac",
+            "a number in (0, 1)",
+            d.held_out_frac,
+        )
+        need(errs, lambda: 0 <= d.min_operand <= d.max_operand, "data.min_operand",
+             f"an integer from 0 to data.max_operand ({d.max_operand})", d.min_operand)  # fmt: skip
+        errs += _sft_turns_errors(d, recipe.rollout)
+        if recipe.loop != "grpo":
+            return errs
+        if d.task == "file" and (d.path is None or not Path(d.path).exists()):
+            errs.append(f"data.path: data.task=file needs an existing .jsonl/.parquet file, got {d.path!r}")
+        if d.system_prompt is not None and not d.chat_template:  # it would be dropped without a word
+            errs.append(
+                f"data.system_prompt: {d.system_prompt!r} is set, but data.chat_template is false, which gives the "
+                "model bare questions; set data.chat_template=true to open each prompt with it"
+            )
+        if d.task == "arithmetic" and d.path is not None:  # it would train on generated problems instead
+            errs.append(
+                f"data.path: {d.path!r} is set, but data.task is 'arithmetic', which generates its problems and "
+                "would ignore the file; set data.task=file to train on it"
+            )
+        errs += at_least(("data.prompts_per_step", d.prompts_per_step, 1), ("data.eval_size", d.eval_size, 1))
+        return errs
+
 
 @dataclass
 class Recipe:
     """A whole recipe."""
 
+    loop: Literal["auto", "embodied", "grpo"] = "auto"
+    """Which loop runs the recipe: ``embodied`` (:class:`rlnb.Loop`: a policy on environments) or ``grpo``
+    (:class:`rlnb.GRPOLoop`: an LM on prompts). ``auto`` (a recipe that does not say) is inferred once from
+    ``rollout.backend`` when the recipe loads, with a message, and recorded in the run's ``recipe.yaml``."""
     seed: int = 1
     """Seed of every RNG (per-rank seeds derive from it)."""
     name: str = "recipe"
@@ -377,3 +715,103 @@ class Recipe:
     """Reward (LM RL)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Data (LM RL)."""
+
+    def check(self) -> list[str]:
+        """Every section's checks (each beside its dataclass), and the loop against its rollout; every problem."""
+        errs: list[str] = []
+        lm_backend = self.rollout.backend in LM_BACKENDS
+        if self.loop == "grpo" and not lm_backend:
+            errs.append(
+                f"rollout.backend: loop: grpo samples an LM (rollout.backend {' or '.join(LM_BACKENDS)}), got "
+                f"{self.rollout.backend!r}"
+            )
+        elif self.loop == "embodied" and lm_backend:
+            errs.append(
+                f"rollout.backend: loop: embodied runs a policy on environments (rollout.backend policy), got "
+                f"{self.rollout.backend!r}; an LM trains with loop: grpo"
+            )
+        for section in (self.runner, self.data, self.algorithm, self.actor, self.rollout, self.env, self.reward,
+                        self.cluster):  # fmt: skip
+            errs += section.check(self)
+        return errs
+
+
+LM_BACKENDS = ("hf", "vllm")  # rollout.backend values of the LM loop
+SYNCHRONOUS_BACKENDS = ("vllm",)  # LM backends that generate whole completions: no asynchronous mode
+
+
+def infer_loop(backend: str) -> str:
+    """The loop a recipe with no ``loop:`` runs, from its ``rollout.backend``."""
+    return "grpo" if backend in LM_BACKENDS else "embodied"
+
+
+def need(errs: list[str], ok, key: str, expected: str, given) -> None:
+    """Add ``key: expected ..., got ...`` to ``errs`` unless ``ok()``; a value of the wrong type was reported when
+    it was converted, so a ``TypeError`` here adds nothing."""
+    try:
+        passed = ok()
+    except TypeError:
+        return
+    if not passed:
+        errs.append(f"{key}: expected {expected}, got {given!r}")
+
+
+def at_least(*checks: tuple[str, object, int]) -> list[str]:
+    """``(key, value, low)``: an error for each whole-number value below its ``low``."""
+    return [f"{key}: expected an integer >= {low}, got {value!r}" for key, value, low in checks
+            if isinstance(value, int) and value < low]  # fmt: skip
+
+
+SFT_TURN_FIELDS = ("expression", "answer", "a", "op", "b")  # data.sft_turns' names for arithmetic problems
+
+
+def _sft_turns_errors(d, ro) -> list[str]:
+    """``data.sft_turns`` and ``data.sft_noise_turns``: format strings over a problem's names, as many turns as
+    the rollout takes, an interaction to reply between them."""
+    import string
+
+    errs = []
+    turns, noisy = d.sft_turns, d.sft_noise_turns
+    if turns is None:
+        if noisy is not None:
+            errs.append(
+                "data.sft_noise_turns: the imperfect teacher's turns need data.sft_turns, the right ones"
+            )
+        return errs
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        return [f"data.sft_turns: expected a non-empty list of format strings, got {turns!r}"]
+    if noisy is None and isinstance(d.sft_noise, (int, float)) and d.sft_noise > 0:
+        errs.append(
+            f"data.sft_noise: {d.sft_noise} of a multi-turn warm start's demonstrations come from an imperfect "
+            "teacher, whose turns data.sft_noise_turns gives (null for a turn it gets right); set it, or sft_noise=0"
+        )
+    if len(turns) > 1 and (not isinstance(ro.max_turns, int) or ro.max_turns < len(turns)):
+        errs.append(
+            f"data.sft_turns: {len(turns)} turns, and the rollout takes rollout.max_turns={ro.max_turns}; set it to "
+            f"{len(turns)} or more"
+        )
+    if noisy is not None and (
+        not isinstance(noisy, list)
+        or len(noisy) != len(turns)
+        or not all(t is None or isinstance(t, str) for t in noisy)
+    ):
+        errs.append(
+            f"data.sft_noise_turns: expected a list of {len(turns)} format strings or nulls (one per data.sft_turns "
+            f"entry), got {noisy!r}"
+        )
+        noisy = None
+    for key, texts in (("data.sft_turns", turns), ("data.sft_noise_turns", noisy or [])):
+        for text in (t for t in texts if t is not None):
+            try:
+                names = [name for _, name, _, _ in string.Formatter().parse(text) if name is not None]
+            except ValueError as e:
+                errs.append(f"{key}: {text!r} is not a format string ({e})")
+                continue
+            unknown = [n for n in names if n not in SFT_TURN_FIELDS]
+            if d.task == "arithmetic" and unknown:
+                hint = did_you_mean(unknown[0], SFT_TURN_FIELDS)
+                errs.append(
+                    f"{key}: {text!r} names {{{unknown[0]}}}; an arithmetic problem has "
+                    f"{', '.join('{' + n + '}' for n in SFT_TURN_FIELDS)}.{hint}"
+                )
+    return errs

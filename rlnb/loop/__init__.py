@@ -9,8 +9,8 @@ from rlnb.loop.steering import STEERABLE
 
 
 def loop_class(recipe) -> type[LoopBase]:
-    """The loop a recipe runs: :class:`GRPOLoop` for LM rollouts (``hf``/``vllm``), else :class:`Loop`."""
-    return GRPOLoop if recipe.rollout.backend in ("hf", "vllm") else Loop
+    """The loop a recipe runs (its ``loop:``): :class:`GRPOLoop` for ``grpo``, :class:`Loop` for ``embodied``."""
+    return GRPOLoop if recipe.loop == "grpo" else Loop
 
 
 __all__ = [

@@ -96,7 +96,11 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
                     "recipe",
                 )
             recipe = objects_recipe(
-                name, seed, runner, rollout=RolloutConfig(steps_per_rollout=steps_per_rollout)
+                name,
+                seed,
+                runner,
+                loop="embodied",
+                rollout=RolloutConfig(steps_per_rollout=steps_per_rollout),
             )
             super().__init__(recipe, None, run_dir, components=components)
         elif any(c is not None for c in components.values()):

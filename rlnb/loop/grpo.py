@@ -144,7 +144,7 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
             )
         data = DataConfig(prompts_per_step=prompts_per_step, eval_size=eval_size, held_out_frac=held_out_frac)
         rollout_config = RolloutConfig(backend="hf", chunk_tokens=chunk_tokens)
-        recipe = objects_recipe(name, seed, runner, data=data, rollout=rollout_config)
+        recipe = objects_recipe(name, seed, runner, loop="grpo", data=data, rollout=rollout_config)
         try:
             super().__init__(
                 recipe, None, run_dir, components={"rollout": rollout, "actor": actor, "reward": reward}
