@@ -41,7 +41,7 @@ VIEWS = {"dashboard_for": _widget("dashboard_for"), "show_dashboard": _widget("s
 """The notebook views a loop shows (``loop.dashboard()``, ``loop.run(live=True)``): the widget layer's, wired here
 so that the loop never imports it. Replace an entry to show another front end."""
 
-# the runtime, components and loops import torch (~2.5 s here): loaded on first use, so `import rlnb` (and
+# the runtime, components and loops import torch (seconds): loaded on first use, so `import rlnb` (and
 # the CLI) stays quick, and an embedded cluster's workers start importing it while the driver does too
 _LAZY = {
     **dict.fromkeys(

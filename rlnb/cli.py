@@ -69,7 +69,7 @@ def _run(args) -> int:
         overrides.append(f"runner.run_dir={args.run_dir}")
     prestarted = False
     if not args.print_config:
-        # an embedded cluster's workers (CPU or GPU) fork from a server that imports torch (~5 s of a core here):
+        # an embedded cluster's workers (CPU or GPU) fork from a server that imports torch (seconds of a core):
         # started now, it does that while this process imports torch for the recipe's checks
         try:
             structure = load_recipe(args.recipe, overrides, check=False)

@@ -204,7 +204,7 @@ class MetricLogger:
 
     def _append(self, line: str) -> None:
         """Append ``line`` to ``metrics.jsonl``, kept open between records (opening it for each record cost
-        ~40 µs a step); line-buffered, so each record is in the file once written (a killed run leaves at
+        a measurable share of a fast step); line-buffered, so each record is in the file once written (a killed run leaves at
         most a torn last line, which :func:`read_metrics` drops)."""
         with self._file_lock:  # (a background run logs from its own thread)
             if self._file is None:

@@ -46,8 +46,8 @@ def gae(rewards, values, dones, last_values, gamma: float = 0.99, gae_lambda: fl
     deltas = rewards + gamma * next_values * nonterminal - values  # [T, N]
     decay = gamma * gae_lambda * nonterminal  # [T, N]
     advantages = torch.zeros_like(rewards, dtype=torch.float32)
-    # adv[t] = delta[t] + decay[t] * adv[t + 1], backwards in time; on CPU over numpy rows (a few µs a step
-    # less than torch's: ppo_cartpole's 32 steps took 0.5 ms), the same float32 operations
+    # adv[t] = delta[t] + decay[t] * adv[t + 1], backwards in time; on CPU over numpy rows (less dispatch a
+    # step than torch's), the same float32 operations
     plain = deltas.device.type == "cpu" and not (deltas.requires_grad or advantages.requires_grad)
     adv, delta, k = (x.numpy() for x in (advantages, deltas, decay)) if plain else (advantages, deltas, decay)
     if not len(adv):

@@ -262,13 +262,12 @@ def default_cpu_slots() -> int:
 
 # Dask settings an embedded cluster changes, where the dask config holds Dask's default: key -> (default, ours)
 EMBEDDED_DASK_CONFIG = {
-    # Dask's profiler: each sample walks the running call's stack twice while holding the GIL (~0.1-0.2 ms);
-    # every 10 ms, that took ~1 % of a worker's time (2 ms of a 200 ms collection of 1024 envs). The Dask
-    # dashboard's profile still fills in, ten times more slowly.
+    # Dask's profiler: each sample walks the running call's stack twice while holding the GIL, every 10 ms a
+    # share of a worker's time (docs/benchmarks.md). The Dask dashboard's profile still fills in, more slowly.
     "distributed.worker.profile.interval": ("10ms", "100ms"),
     # the event loop's health check: every 20 ms it woke each worker's event loop thread, which took the GIL
-    # from the component's thread 50 times a second (~0.1 % of the recipe's step, more where waking a thread
-    # costs more); a loop blocked past distributed.admin.tick.limit (3 s) is still reported
+    # from the component's thread 50 times a second; a loop blocked past distributed.admin.tick.limit is still
+    # reported
     "distributed.admin.tick.interval": ("20ms", "200ms"),
 }
 
@@ -428,7 +427,7 @@ class Cluster:
         # workers fork from a server that imported torch, gymnasium and rlnb once: a second cluster in
         # the same driver starts in a fraction of a second, and the first one's components bind at once.
         # GPU workers too: the server never touches CUDA, and each worker's CUDA_VISIBLE_DEVICES is set
-        # before its first CUDA call (on an H100 machine, 14.6 s -> 11.7 s to a first step).
+        # before its first CUDA call (docs/gpu.md has the time to a first step).
         fork_workers_from_preloaded_server()
         if n_gpus > 0:
             from dask_cuda import LocalCUDACluster  # GPU-only path: one worker per GPU

@@ -1,8 +1,9 @@
 """A hand-derived PPO train step for the built-in MLP actor-critic: forward, loss and gradients without autograd.
 
-A ``ppo_cartpole`` minibatch (256 samples through two 64 x 64 tanh MLPs) costs ~750 µs on a CPU core through
-autograd, of which ~250 µs is matrix multiplication: the rest is dispatch, the autograd graph and its engine,
-one small kernel at a time. :class:`FusedPPOStep` computes the same loss, metrics and gradients in ~400 µs: the
+A ``ppo_cartpole`` minibatch (256 samples through two 64 x 64 tanh MLPs) through autograd on a CPU core is
+mostly not matrix multiplication: it is dispatch, the autograd graph and its engine, one small kernel at a time.
+:class:`FusedPPOStep` computes the same loss, metrics and gradients in about half the time
+(``docs/benchmarks.md``): the
 forward keeps what the backward needs, and the backward is written out, layer by layer, from the loss's own
 derivative (CleanRL's PPO loss, :func:`rlnb.algorithms.losses.ppo_clip_value_entropy`, including its tie
 rules: where ``torch.max`` or ``clamp`` would split or stop the gradient, so does this).
@@ -75,7 +76,7 @@ def _trunks(policy: ActorCritic):
 
 def _walk(module: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]:
     """``list(module.modules())`` and ``list(module.parameters())``, in their order, without their generators
-    (~6 µs instead of ~30 for the built-in policy: these checks run at every update and collection)."""
+    (a fraction of their cost for the built-in policy: these checks run at every update and collection)."""
     modules, params, seen, seen_params = [], [], set(), set()
 
     # pre-order, each module and parameter once, as torch's modules() walks
@@ -97,7 +98,7 @@ def _walk(module: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]:
 def _walk_again(policy: nn.Module, previous) -> tuple[tuple, int]:
     """``(_walk(policy), structure_version())``; ``previous.walked`` stands for the walk where ``previous`` (a
     :class:`FusedAct` or :class:`FusedPPOStep`, or None) was made for this very module and no module, parameter or
-    buffer was registered in this process since (~1 µs instead of ~6-12 at every collection and update)."""
+    buffer was registered in this process since (at every collection and update)."""
     structure = structure_version()
     if previous is not None and previous.structure == structure and previous.walked[0][0] is policy:
         return previous.walked, structure
@@ -230,8 +231,8 @@ def fused_ppo_step(
 ) -> tuple[FusedPPOStep | None, str | None]:
     """``(step, None)`` where the fused step can stand in for autograd, else ``(None, why)`` (:func:`unfit`'s
     checks, in its order). ``previous``, a step made for these very modules and parameters, is used again: what
-    it holds still applies, and its hooks were checked already unless a hook was registered since (~5 µs of
-    checks at each update instead of ~60)."""
+    it holds still applies, and its hooks were checked already unless a hook was registered since (these checks
+    run at each update)."""
     why = _unfit_as_called(policy, model, loss_fn, compiled)
     if why is not None:
         return None, why
@@ -391,7 +392,7 @@ class FusedPPOStep:
 class FusedAct:
     """``ActorCritic.act`` of the built-in MLP policy with discrete actions, without module calls: the same
     kernels on the same values, so the same actions, log-probs and values bit for bit, and the same draws from
-    the generator (~40 µs instead of ~65 µs for 8 CartPole observations on a CPU core).
+    the generator, with less dispatch (``docs/benchmarks.md``).
 
     Made by :func:`fused_act` at the start of a collection, where nothing can register a hook or unfreeze the
     policy until it ends, and used again by the next collection if the policy still fits.

@@ -1,14 +1,14 @@
 """The end of a train step, gradient clipping and the Adam update, at the cost of its kernels.
 
 For the small policies of embodied RL a whole train step takes well under a millisecond on a CPU core,
-and ``clip_grad_norm_(module.parameters(), ...)`` followed by ``Adam(fused=True).step()`` spent ~110 µs
-of it in Python: walking the modules for their parameters, grouping tensors by device, hooks and
-profiling wrappers, around kernels that take ~15 µs. :class:`ClipAndStep` calls the same kernels
+and ``clip_grad_norm_(module.parameters(), ...)`` followed by ``Adam(fused=True).step()`` spent most of its
+time in Python: walking the modules for their parameters, grouping tensors by device, hooks and profiling
+wrappers, around kernels several times faster (figures: ``docs/benchmarks.md``). :class:`ClipAndStep` calls the same kernels
 (``torch._foreach_norm``, ``torch._foreach_mul_``, ``torch._fused_adam_``) on lists it keeps, so the
 result is bit for bit what torch's own functions give, and falls back to them wherever its conditions do
 not hold (another optimizer, hooks, several devices...). It creates Adam's state itself on the first step, as
-``Adam._init_group`` does for a fused group: torch's first ``step()`` would import ``torch._dynamo`` (~1 s
-on this machine), which nothing else in an embodied run needs. :func:`build_optimizer` builds the optimizer without that
+``Adam._init_group`` does for a fused group: torch's first ``step()`` would import ``torch._dynamo`` (a second
+of a core), which nothing else in an embodied run needs. :func:`build_optimizer` builds the optimizer without that
 import either.
 
 Example:

@@ -242,8 +242,8 @@ class PolicyRollout(RolloutBase):
 
     def load_from_local_actor(self, actor: str, rank: int, version: int) -> int:
         """Collocated weight sync. From the built-in actor into this class's own ``load_weights``: one
-        ``torch._foreach_copy_`` over the two modules' tensors (~4 µs against ~120 µs through a cloned
-        ``state_dict`` for a 64 x 64 MLP), the same weights; otherwise :meth:`RolloutBase.load_from_local_actor`."""
+        ``torch._foreach_copy_`` over the two modules' tensors (far cheaper than through a cloned ``state_dict``
+        for a small MLP), the same weights; otherwise :meth:`RolloutBase.load_from_local_actor`."""
         copy_into = getattr(local_peer(actor, rank), "copy_policy_into", None)
         if type(self).load_weights is PolicyRollout.load_weights and copy_into and copy_into(self.policy):
             self.version = version
@@ -362,13 +362,13 @@ class PolicyRollout(RolloutBase):
         self, traj: _Trajectory, steps: int, obs: list, act, env_step, env_actions, into: bool
     ) -> float:
         """:meth:`collect`'s loop for the common case, one stage of host (numpy) observations stepped by
-        :meth:`Env.step` itself: the same records, written straight into their buffers (~1 µs a step less than
-        through :meth:`_Trajectory.act` and :meth:`_record_step`). Returns the seconds of inference.
+        :meth:`Env.step` itself: the same records, written straight into their buffers (a step's Python
+        less than through :meth:`_Trajectory.act` and :meth:`_record_step`). Returns the seconds of inference.
 
         ``into``: the policy is the fused act (:meth:`FusedAct.into`) on the CPU. It then reads each step's
         observations from the batch's buffer and samples the actions into the batch's own, whose rows go to the
         env as they are: the same draws, without a tensor made from each observation and a numpy array from
-        each action (~2 µs a step)."""
+        each action."""
         o = obs[0]
         n = len(o)
         obs_buf = traj.obs[0] = np.empty((steps, *o.shape), o.dtype)

@@ -359,8 +359,7 @@ def length_buckets(
 
     ``ends [B]`` (:func:`token_ends`) -> ``[(rows, end)]``: at most ``max_buckets`` groups minimising the
     token positions computed, ``sum(len(rows) * (end - start))``, plus ``cost_positions`` for each pass
-    (its fixed cost: dispatch, weights read again; on this project's CPU a forward and backward pass of a
-    4 M-parameter model cost ~10 ms plus ~0.29 ms a position, i.e. ~35 positions). ``None`` when one pass
+    (its fixed cost: dispatch, weights read again; measured in positions, ``docs/benchmarks.md``). ``None`` when one pass
     over the whole width is best or ``max_buckets < 2``. veRL removes padding by packing rows (``use_remove_padding``); cutting passes
     at their longest row gets most of that without a variable-length attention kernel.
 

@@ -43,13 +43,11 @@ class Tanh(nn.Module):
     """The MLPs' ``tanh`` activation: ``torch.tanh``, except for big CPU tensors, where it computes
     ``2 * sigmoid(2x) - 1``.
 
-    torch's CPU ``tanh`` kernel runs one element at a time where its ``sigmoid`` is vectorised: on this
-    project's 2-core AVX-512 machine, 35 µs against 4 µs for 256 x 64 floats (one ``ppo_cartpole``
-    minibatch). Forward and backward then take 42 µs instead of 54 at 256 x 64, and 116 µs instead of 327
-    at 2048 x 64; without autograd (a rollout), 14 µs instead of 35 at 256 x 64. The values differ from
+    torch's CPU ``tanh`` kernel runs one element at a time where its ``sigmoid`` is vectorised, several times
+    slower for a ``ppo_cartpole`` minibatch (figures: ``docs/benchmarks.md``). The values differ from
     ``torch.tanh``'s by at most 2e-7 (``torch.tanh``'s own error is 5e-8); the gradient is tanh's, computed
     from the output. Below ``SIGMOID_FROM`` elements (``SIGMOID_WITH_GRAD_FROM`` under autograd, whose
-    Python backward costs ~10 µs) the few small kernels cost more than the one, so ``torch.tanh`` runs.
+    Python backward has its own cost) the few small kernels cost more than the one, so ``torch.tanh`` runs.
     """
 
     SIGMOID_FROM = 8192

@@ -2,7 +2,7 @@
 
 Dask runs every actor method on one thread per worker (its "actor" executor). A direct call used to
 reach that thread from the thread reading its connection and come back the same way: two thread
-wake-ups, about 0.25 ms of a 0.5 ms call on a 2-core VM. :class:`ActorThread` takes the place of
+wake-ups, about half of such a call on a small VM. :class:`ActorThread` takes the place of
 Dask's actor executor (:func:`rlnb._dask.replace_actor_executor`). Its one thread runs what Dask
 submits, as before, and between those it waits on the connections handed to it
 (:meth:`ActorThread.adopt`): a request is read, run and answered on the thread that runs the

@@ -138,8 +138,7 @@ def _waking_without_preempting():
 
     A socket's reply is a "sync" wake-up: the kernel takes the sender for about to sleep and may run the
     woken thread on the sender's CPU, ahead of it. Here the sender goes on with the next step, which then
-    waited for the driver's own work: ~0.2 ms a step, measured as the worker's `send` on a 2-CPU VM, and
-    ~0.02 ms with this. A batch thread never preempts on waking (it runs once a CPU is free for it)."""
+    waited for the driver's own work (``docs/benchmarks.md``). A batch thread never preempts on waking (it runs once a CPU is free for it)."""
     try:  # (a real-time or idle driver thread is left as its user set it)
         batch = os.sched_getscheduler(0) == os.SCHED_OTHER
         if batch:
@@ -216,8 +215,8 @@ def take_run_ahead(
     before it and this one.
 
     A block of several chains taken in one request costs the worker one request's reading and one reply's
-    writing for all of them, instead of one each (~0.1 ms a chain on a 2-CPU VM, its caches cold from the
-    chain's own work).
+    writing for all of them, instead of one each (costly on a small VM, the caches cold from the chain's
+    own work).
 
     Raises:
         RemoteError: nothing ran ahead on that worker (or it was taken already).

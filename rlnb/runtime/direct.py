@@ -1,7 +1,7 @@
 """Direct calls: the driver talks to rank hosts over their own sockets instead of Dask's rpc.
 
-A Dask actor call costs ~1-2 ms on a 2-core VM, most of it in Dask's comm layer and event-loop
-hops. Group calls are the per-step heartbeat of a training loop, so each worker process also runs
+A Dask actor call spends most of its time in Dask's comm layer and event-loop hops (figures:
+``docs/benchmarks.md``). Group calls are the per-step heartbeat of a training loop, so each worker process also runs
 a small :class:`CallServer`. A thread per new connection checks its token and reads its first
 request; a connection to a rank is then handed to the worker's **actor thread**
 (:class:`rlnb.runtime.actor_thread.ActorThread`, which takes the place of Dask's actor executor).
@@ -113,7 +113,7 @@ class CallServer:
         self.sock = _listen(ip, family)
         self.address = (ip, self.sock.getsockname()[1])
         # a driver on this host (and network namespace) connects here instead: a Unix socket in the
-        # abstract namespace (no file to leave behind) saves ~40 us a round trip over TCP loopback
+        # abstract namespace (no file to leave behind) is quicker a round trip than TCP loopback
         self.unix_sock, self.unix_name = _listen_unix()
         self._closing = False
         # rank calls are answered on the worker's actor thread itself where rlnb runs it (no hop)

@@ -441,7 +441,7 @@ class Group:
 @functools.lru_cache(maxsize=1024)
 def _method_help(cls: type, method: str) -> tuple[str, inspect.Signature | None]:
     """The docstring tail and the signature (without ``self``) that ``group.<method>`` shows, worked
-    out once per class and method: ``inspect`` takes ~0.1 ms, as long as a whole group call."""
+    out once per class and method: ``inspect`` takes about as long as a whole group call."""
     target = getattr(cls, method)
     doc = f"returns a GroupResult.\n\n{inspect.getdoc(target) or ''}"
     try:

@@ -154,8 +154,8 @@ def _alive(pid: int) -> bool:
 
 
 class _SegmentPool:
-    """Shared-memory segments a producer process reuses: on this kind of VM a fresh 16 MiB mapping
-    costs ~15 ms of page faults, a copy into an already-faulted segment ~1.8 ms. A reader maps the
+    """Shared-memory segments a producer process reuses: a fresh mapping costs its page faults, several
+    times a copy into an already-faulted segment (``docs/benchmarks.md``). A reader maps the
     segment without copying and clears the header byte once its tensor is freed (see
     :class:`_Lease`); the producer then reuses the segment."""
 

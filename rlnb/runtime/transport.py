@@ -5,9 +5,9 @@ route know how to wait for the first replies among them. :class:`~rlnb.runtime.g
 reads replies through that interface and never asks which route it has.
 
 - :class:`DirectRoute`: the ranks' own call servers (:mod:`rlnb.runtime.direct`), one socket per
-  call in flight. ~0.3 ms per no-op group call here.
+  call in flight; several times cheaper than Dask's rpc (figures: ``README.md``, ``docs/benchmarks.md``).
 - :class:`DaskRoute`: Dask's actor rpc, for workers that offer no direct port (``tls://``, a
-  firewall, ``RLNB_DIRECT_CALLS=0``). ~1.3 ms.
+  firewall, ``RLNB_DIRECT_CALLS=0``).
 
 Both return ``(status, value, duration_s)`` replies; status ``"ok"``, ``"err"`` (a packed
 exception), ``"lost"`` (the worker is gone) or ``"timeout"`` (the request could not be sent in time).

@@ -78,7 +78,7 @@ def _tensor_from_bytes(buf, dtype: str, shape: tuple):
 
 
 def _reduce_tensor(obj):
-    """CPU tensors as raw bytes (torch's own pickling is slow: ~50 us even for a tiny tensor), big
+    """CPU tensors as raw bytes (torch's own pickling is slow even for a tiny tensor), big
     ones out of band; ``None`` (pickle as usual) for anything else, e.g. a tensor that needs grad."""
     torch = sys.modules.get("torch")
     if (
