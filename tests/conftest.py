@@ -1,3 +1,4 @@
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -12,9 +13,46 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # this session's own temporary directory: whatever the tests start (workers, kernels, CLI runs) makes its
 # temporary files there, so a check for leftovers looks at what this session made, not at other programs' /tmp
+# (pytest's own tmp_path directories stay where they were: paths under them must stay short enough for the Unix
+# sockets a test's processes make there)
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
 SESSION_TMP = tempfile.mkdtemp(prefix="rlnbt-")
 os.environ["TMPDIR"] = SESSION_TMP
 tempfile.tempdir = None  # (gettempdir() reads TMPDIR again)
+# removed at exit after multiprocessing's own temporary directory inside it (its finalizer has priority -100)
+multiprocessing.util.Finalize(
+    None, shutil.rmtree, args=(SESSION_TMP,), kwargs={"ignore_errors": True}, exitpriority=-101
+)
+
+
+# the fast subset (`make test-fast`, `pytest -m "not slow"`): everything but these modules and tests, which take
+# ~10 s or more each (whole notebooks, a browser, training runs to a documented threshold, compiling)
+SLOW_MODULES = {"test_browser", "test_notebooks", "test_headlines", "test_sweep", "test_hosts", "test_vllm"}
+SLOW_TESTS = {
+    "test_grpo_learns_to_call_the_calculator_right_on_workers",
+    "test_the_calculator_recipe_warm_starts_on_tool_transcripts_and_grpo_learns_the_right_call_on_workers",
+    "test_the_compiled_step_runs_on_the_worker_and_trains_as_eager_does",
+    "test_the_lm_actor_compiles_its_step_on_the_worker_and_trains_as_eager_does",
+    "test_command_line_cluster_check_runs_ppo_and_grpo",
+    "test_bf16_grpo_learns_on_workers_and_logs_memory",
+    "test_a_hub_id_is_never_replaced_by_a_random_model",
+    "test_rlnb_eval_and_rlnb_export_work_from_a_runs_latest_checkpoint",
+    "test_env_policy_advantage_and_reward_defined_in_main_train_on_workers",
+    "test_async_grpo_generates_through_weight_updates_within_the_bound_and_learns",
+    "test_killed_driver_resumes_with_identical_metrics",
+    "test_grpo_with_a_retry_raises_the_final_answers_reward_on_workers",
+    "test_a_policy_class_from_a_scripts_main_is_exported_with_its_code_and_loads_in_another_process",
+    "test_grpo_through_the_cli_with_two_rewards_shows_rlnb_progress_only",
+    "test_asynchronous_grpo_with_a_retry_raises_the_final_answers_reward_on_workers",
+    "test_a_killed_async_grpo_run_resumes_without_training_a_problem_twice_or_skipping_one",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in SLOW_MODULES or item.originalname in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
 
 
 def has_cuda() -> bool:
@@ -152,7 +190,6 @@ def pytest_sessionfinish(session, exitstatus):
                 os.unlink(path)
         except OSError:
             continue
-    shutil.rmtree(SESSION_TMP, ignore_errors=True)
 
 
 def last_answer(completion: str, answer: str) -> float:

@@ -27,11 +27,10 @@ log = logging.getLogger("rlnb")
 AUTO = {"cpu": False, "cuda": False}
 """``actor.compile: auto`` per device type: off on both, as measured. CPU: ``bench/compile.py`` (see
 ``docs/benchmarks.md``): compile time exceeds what the faster steps save over the bundled recipes' runs.
-CUDA (``make gpu-check`` on an H100, ``docs/gpu.md``): steps 1.20x faster, but PPO CartPole solved in
-15.2 s eager against 28.2 s compiled, 16.0 s of it compiling. Set ``actor.compile: true`` for models big
-enough that a step costs more than kernel launches. For the built-in MLP policy the eager step is the fused one
-(``rlnb.components.fused``, ``actor.fused_step``): 0.49 ms a ``ppo_cartpole`` minibatch on this CPU, against
-0.75 ms compiled; compiling turns it off."""
+CUDA (``make gpu-check``, ``docs/gpu.md``): steps are faster compiled, but a PPO CartPole run solves sooner
+eager, the compile taking most of the compiled run. Set ``actor.compile: true`` for models big enough that a
+step costs more than kernel launches. For the built-in MLP policy the eager step is the fused one
+(``rlnb.components.fused``, ``actor.fused_step``), faster than the compiled one on CPU; compiling turns it off."""
 
 
 def cache_dir() -> str:
@@ -39,12 +38,12 @@ def cache_dir() -> str:
     ``$XDG_CACHE_HOME/rlnb/inductor`` (``~/.cache/rlnb/inductor``), one per user and shared by every
     worker process of the machine."""
     import getpass
-    import tempfile
 
-    # inductor writes its own default (/tmp/torchinductor_<user>) into the variable when it first needs one
-    inductor_default = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") not in (None, "", inductor_default):
-        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    # inductor writes its own default (<temporary directory>/torchinductor_<user>) into the variable when it first
+    # needs one, in whichever process that was and with that process's temporary directory: not the user's choice
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given and os.path.basename(given.rstrip("/")) != f"torchinductor_{getpass.getuser()}":
+        return given
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return str(base / "rlnb" / "inductor")
 
