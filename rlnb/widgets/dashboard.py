@@ -49,7 +49,7 @@ class Dashboard(w.VBox):
     for a front end that cannot load bqplot's JavaScript.
 
     The view is drawn at most every ``render_interval_s`` (0.1 s): drawing sends every curve and table to the
-    page again (~0.6 ms), which at every step of a 15 ms step would slow training by 4 %. What arrives in
+    page again, which at every step of a fast run would slow training measurably. What arrives in
     between is drawn once the interval has passed; a finished run is drawn at once; :meth:`flush` draws now.
     """
 

