@@ -8,6 +8,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import string
@@ -271,6 +272,24 @@ def new_cache(model):
         return DynamicCache()
 
 
+def cache_kwarg(model, cache) -> dict:
+    """The KV ``cache`` as ``model``'s forward (and ``generate``) takes it: ``{"cache": cache}`` where the forward
+    names it so (``transformers`` from 5.24, which deprecates ``past_key_values``), else
+    ``{"past_key_values": cache}``."""
+    return {_cache_name(type(getattr(model, "module", model))): cache}
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_name(cls: type) -> str:
+    import inspect
+
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def logits_kept(model, positions: int) -> dict:
     """``{"logits_to_keep": positions}`` for a model whose forward takes it (``transformers`` causal LMs
     since 4.50: logits of the last ``positions`` positions only), else ``{}`` (all of them)."""
@@ -459,7 +478,7 @@ def shared_prompt_logprobs(
     # only the prefix's cache is used: logits for one position, not all of its own
     model(
         input_ids=input_ids[first, :cut], attention_mask=attention_mask[first, :cut],
-        position_ids=positions[first, :cut], past_key_values=cache, use_cache=True, **logits_kept(model, 1),
+        position_ids=positions[first, :cut], use_cache=True, **cache_kwarg(model, cache), **logits_kept(model, 1),
     )  # fmt: skip
     length = input_ids.shape[1]
     buckets = length_buckets(token_ends(attention_mask, cut + 2), cut, max_buckets)
@@ -488,7 +507,7 @@ def _rest_logprobs(
         input_ids=input_ids[:, cut:end],
         attention_mask=attention_mask[:, :end],
         position_ids=positions[:, cut:end],
-        past_key_values=cache,
         use_cache=True,
+        **cache_kwarg(model, cache),
     ).logits  # (B, end - cut, V)
     return _scored(logits[:, :-1], input_ids[:, :end], cut + 1, temperature)

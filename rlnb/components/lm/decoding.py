@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from rlnb.models.lm import logits_kept, new_cache, positions_from_mask
+from rlnb.models.lm import cache_kwarg, logits_kept, new_cache, positions_from_mask
 
 log = logging.getLogger("rlnb")
 
@@ -63,7 +63,7 @@ class Decoder:
             out = self.model.generate(
                 input_ids=enc["input_ids"].repeat_interleave(n, 0),
                 attention_mask=enc["attention_mask"].repeat_interleave(n, 0),
-                past_key_values=cache,
+                **cache_kwarg(self.model, cache),
                 **sampling,
             )
         else:
@@ -121,7 +121,7 @@ class Decoder:
         for step in range(steps):
             logits = self.model(
                 input_ids=last[:, None], attention_mask=attn, position_ids=position[:, None],
-                past_key_values=cache, use_cache=True,
+                use_cache=True, **cache_kwarg(self.model, cache),
             ).logits[:, -1].float()  # fmt: skip
             token, logp = self._sample(logits, greedy)
             token = torch.where(ended, self.tok.pad_token_id, token)  # an ended row only pads, as in generate
@@ -184,7 +184,7 @@ class Decoder:
         if ids.shape[1] > 1:
             self.model(
                 input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=positions_from_mask(attn[:, :-1]),
-                past_key_values=cache, use_cache=True, **logits_kept(self.model, 1),
+                use_cache=True, **cache_kwarg(self.model, cache), **logits_kept(self.model, 1),
             )  # fmt: skip
         return cache
 
