@@ -678,7 +678,9 @@ def test_an_actor_whose_model_cannot_share_prompts_trains_per_sequence_and_says_
     forward = actor.policy.forward
 
     def no_cache_forward(*a, **kw):
-        if kw.get("past_key_values", kw.get("cache")) is not None:  # as a model whose cache cannot be repeated
+        if (
+            kw.get("past_key_values", kw.get("cache")) is not None
+        ):  # as a model whose cache cannot be repeated
             raise NotImplementedError("this cache cannot be repeated")
         return forward(*a, **kw)
 

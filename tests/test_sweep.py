@@ -52,6 +52,9 @@ SWEEP = {
     "actor.dtype": (GRPO, []),
     "rollout.dtype": (GRPO, []),
     "rollout.static_cache": (GRPO, []),
+    "rollout.vllm.dtype": (GRPO, []),
+    "rollout.vllm.enforce_eager": (GRPO, []),
+    "actor.strategy": (GRPO, []),  # (one actor rank here: the two-rank runs are tests/test_sharding.py)
     "rollout.backend": (None, []),  # policy -> PPO, hf and vllm -> GRPO
     "loop": (None, []),  # embodied and auto -> PPO, grpo -> GRPO
     "rollout.device": (PPO, []),
@@ -74,6 +77,9 @@ REFUSED = {
     ("data.task", "arithmetic"),  # with data.path set, which it would ignore
     ("actor.model.kind", "cnn"),  # CartPole's observations are vectors, not (C, H, W) images
     ("actor.build_if_missing", False),  # ./model is not there and nothing may build it
+    # the vllm engine's settings, with the hf backend: nothing would read them (tests/test_vllm.py runs them)
+    *(("rollout.vllm.dtype", d) for d in ("float32", "bfloat16", "float16")),
+    ("rollout.vllm.enforce_eager", False),
 }
 GRPO_CHOICES = {"hf", "vllm", "grpo"}  # of rollout.backend and loop, the choices the GRPO recipe runs
 

@@ -5,6 +5,7 @@ A recipe is YAML with these sections; every key has a default, so a recipe names
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -351,6 +352,12 @@ class ActorConfig:
     length_buckets: int | None = None
     """LM RL: the most passes a micro-batch's sequences take, grouped by where they end, so that padding is
     not computed (the same log-probs and gradients); ``null``: 4 on CPU, 1 on a GPU."""
+    strategy: Literal["ddp", "fsdp2"] = "ddp"
+    """LM RL, several actor ranks: ``ddp`` (each rank a whole copy of the model, its gradients and AdamW state;
+    gradients all-reduced) or ``fsdp2`` (PyTorch FSDP2, ``fully_shard`` on each decoder layer and the root: each
+    rank holds a shard of all three; gloo on CPU, NCCL on GPUs). With ``fsdp2`` every rank computes its
+    micro-batches in one pass each, every row (``actor.length_buckets`` and ``actor.skip_zero_advantage`` do
+    not apply)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """LM RL: the precision of the model's compute. ``bfloat16``: the actor's forward and backward run under bf16
     autocast with float32 master weights, gradients and optimizer state, log-probs and the loss in float32; the
@@ -371,6 +378,16 @@ class ActorConfig:
         )
         need(errs, lambda: all(h > 0 for h in self.model.hidden_sizes), "actor.model.hidden_sizes", "positive widths",
              self.model.hidden_sizes)  # fmt: skip
+        if recipe.loop == "embodied" and self.strategy != "ddp":
+            errs.append(
+                f"actor.strategy: {self.strategy} shards an LM actor (loop: grpo); an embodied policy trains with "
+                "ddp; set actor.strategy=ddp"
+            )
+        if self.strategy == "fsdp2" and recipe.rollout.weight_sync == "broadcast":
+            errs.append(
+                "actor.strategy: fsdp2 gathers the weights on every actor rank, which rollout.weight_sync=broadcast "
+                "(from actor rank 0 alone) cannot; use rollout.weight_sync=channel or auto"
+            )
         if recipe.loop == "embodied" and self.dtype != "float32":  # (an embodied run would ignore it)
             errs.append(
                 f"actor.dtype: {self.dtype} compute is for LM actors (loop: grpo); an embodied policy trains in "
@@ -495,6 +512,14 @@ class RolloutConfig:
         need(errs, lambda: isinstance(ro.max_turns, int) and not isinstance(ro.max_turns, bool) and ro.max_turns >= 1,
              "rollout.max_turns", "an integer >= 1", ro.max_turns)  # fmt: skip
         errs += ro.vllm.errors()
+        if ro.backend != "vllm":  # settings nothing would read: said, not ignored
+            default = VLLMConfig()
+            for f in dataclasses.fields(VLLMConfig):
+                if getattr(ro.vllm, f.name) != getattr(default, f.name):
+                    errs.append(
+                        f"rollout.vllm.{f.name}: a setting of the vllm backend's engine; rollout.backend={ro.backend} "
+                        "does not use it; leave it out, or set rollout.backend=vllm"
+                    )
         staleness = recipe.algorithm.max_staleness
         if ro.backend in SYNCHRONOUS_BACKENDS and isinstance(staleness, int) and staleness > 0:
             errs.append(

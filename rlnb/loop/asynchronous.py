@@ -123,7 +123,7 @@ class GRPOAsynchronous:
 
     def _publish(self) -> None:
         rollout, ch = self.groups["rollout"], self.channels["weights"]
-        self.groups["actor"].on(0).publish_weights(ch, [f"w{r}" for r in rollout.ranks], self.step).result()
+        self._publish_weights(ch, [f"w{r}" for r in rollout.ranks], self.step)
         self._rollout_version = self.step
 
     def _rollout_async(self, t0: float) -> dict:

@@ -317,7 +317,7 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
             self.trained_problems = [list(x) for x in state["trained_problems"]]
 
     def _save_extra(self, directory: Path) -> None:
-        self.groups["actor"].on(0).export_hf(str(directory / "hf")).result()
+        self._export_actor(str(directory / "hf"))
 
     # ------------------------------------------------------------------ phases
     def sft(self, steps: int | None = None) -> dict:
@@ -341,7 +341,7 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
         per_rank = max(1, recipe.actor.sft_batch_size // actor.world_size)
         noise, lr = recipe.data.sft_noise, recipe.actor.sft_lr
         losses = actor.sft(prompts, answers, steps, per_rank, lr, wrong, noise, wrong_prompts).result()[0]
-        actor.on(0).export_hf(str(self.run_dir / "sft_model")).result()
+        self._export_actor(str(self.run_dir / "sft_model"))
         self.sft_done = True
         out = {
             "loss_first": losses[0] if losses else None,
@@ -469,7 +469,7 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
             >>> model = transformers.AutoModelForCausalLM.from_pretrained(path)       # doctest: +SKIP
         """
         path = Path(path) if path is not None else self.run_dir / "model"
-        return Path(self.groups["actor"].on(0).export_hf(str(path.absolute())).result()[0])
+        return Path(self._export_actor(str(path.absolute())))
 
     def _default_callbacks(self) -> list[Callback]:
         """The whole pipeline: SFT (if ``actor.sft_steps`` and not done) and ``eval/accuracy`` at step 0, then

@@ -50,7 +50,10 @@ class Links:
         if choice == "auto":
             on_gpus = all(s.device.startswith("cuda") for s in [actor0, *rollout])
             elsewhere = all(s.node != actor0.node for s in rollout)
-            return "broadcast" if on_gpus and elsewhere and not self.max_staleness else "channel"
+            sharded = self.recipe.actor.strategy == "fsdp2"  # (its weights are gathered by every actor rank)
+            return (
+                "broadcast" if on_gpus and elsewhere and not self.max_staleness and not sharded else "channel"
+            )
         if self.max_staleness:
             raise ConfigError(
                 f"rollout.weight_sync=broadcast is a collective both sides enter at once, which asynchronous "
@@ -83,7 +86,7 @@ class Links:
             keys = [f"w{r}" for r in rollout.ranks]
             # publish first (unbounded channel: never blocks), then load: a rollout rank sharing actor
             # rank 0's worker would otherwise hold its actor thread waiting for weights not yet sent
-            actor.on(0).publish_weights(ch, keys, self.step).result()
+            self._publish_weights(ch, keys, self.step)
             rollout.call_each("load_from_channel", [(ch, k) for k in keys]).result()
 
     def _hand_batches(self) -> list[dict]:
@@ -114,3 +117,21 @@ class Links:
     def _take_batches(self, takes: list[list[str]]) -> list[dict]:
         ch, actor = self.channels["batches"], self.groups["actor"]
         return actor.call_each("take_channel_batches", [(ch, k) for k in takes]).result()
+
+    def _actor_gathers(self) -> bool:
+        """Whether every actor rank takes part in gathering the whole model (``actor.strategy: fsdp2``)."""
+        return self.recipe.actor.strategy == "fsdp2" and self.groups["actor"].world_size > 1
+
+    def _publish_weights(self, channel, keys: list[str], version: int) -> None:
+        """Actor rank 0 puts its weights under ``keys``; a sharded actor's ranks gather them together first."""
+        actor = self.groups["actor"]
+        if self._actor_gathers():
+            calls = [(channel, keys if r == 0 else [], version) for r in actor.ranks]
+            actor.call_each("publish_weights", calls).result()
+        else:
+            actor.on(0).publish_weights(channel, keys, version).result()
+
+    def _export_actor(self, path: str) -> str:
+        """The actor's model in Hugging Face format at ``path`` (by rank 0; a sharded actor's ranks gather it)."""
+        actor = self.groups["actor"]
+        return (actor if self._actor_gathers() else actor.on(0)).export_hf(path).result()[0]

@@ -4,7 +4,6 @@ warm start is :mod:`.sft`."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -20,6 +19,7 @@ from rlnb.components.launch import launcher
 from rlnb.components.lm.forward import CPU_LENGTH_BUCKETS, Forward
 from rlnb.components.lm.layout import check_dtype, join_batches, micro_batches
 from rlnb.components.lm.sft import WarmStart, adamw
+from rlnb.components.lm.sharding import Sharded, local_part
 from rlnb.components.optim import ClipAndStep
 from rlnb.components.rollout import resolve_device
 from rlnb.errors import ConfigError
@@ -28,7 +28,7 @@ from rlnb.runtime.rank import RankInfo, current_rank
 from rlnb.seeding import rank_seed
 
 
-class LMActor(Forward, WarmStart, ActorBase):
+class LMActor(Sharded, Forward, WarmStart, ActorBase):
     """Trains a causal LM: SFT warm start, then GRPO/PPO-clip updates with an optional KL to a frozen reference.
 
     Args:
@@ -158,8 +158,12 @@ class LMActor(Forward, WarmStart, ActorBase):
         cast = DTYPES[self.dtype]
         return {
             k: v.detach().to(cast, copy=True) if v.is_floating_point() else v.detach().clone()
-            for k, v in self.policy.state_dict().items()
+            for k, v in self.full_state().items()
         }
+
+    def setup_data_parallel(self) -> str:
+        """Data-parallel over the actor's ranks: DDP, or with ``actor.strategy: fsdp2`` FSDP2 (:mod:`.sharding`)."""
+        return self._shard() if self.cfg.strategy == "fsdp2" else super().setup_data_parallel()
 
     def memory_stats(self) -> dict:
         """``memory/actor_state_bytes``: the bytes of parameters, gradients and optimizer state this rank holds
@@ -172,7 +176,8 @@ class LMActor(Forward, WarmStart, ActorBase):
         tensors += [
             t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)
         ]
-        out = {"memory/actor_state_bytes": sum(t.numel() * t.element_size() for t in tensors)}
+        held = (local_part(t) for t in tensors)  # (a sharded rank holds its shards)
+        out = {"memory/actor_state_bytes": sum(t.numel() * t.element_size() for t in held)}
         if self.device.type == "cuda":
             out["memory/cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -317,9 +322,9 @@ class LMActor(Forward, WarmStart, ActorBase):
         mask_all = batch[mask_key][idx].float()
         total_tokens, total_seqs = mask_all.sum().clamp(min=1), len(idx)
         rows, weight = self._rows_to_compute(idx)
-        if self.clip_and_step.optimizer is not self.optimizer:  # a subclass replaced the optimizer
+        if not self.sharded and self.clip_and_step.optimizer is not self.optimizer:  # a subclass replaced it
             self.clip_and_step = ClipAndStep(self.optimizer)
-        self.clip_and_step.zero_grad()
+        self._zero_grad()
         sums: dict[str, float] = {}
         micro = list(micro_batches(len(rows), self.micro_batch_size))
         # the ratio is to the behaviour policy when the batch is stale or the loss is decoupled
@@ -346,7 +351,7 @@ class LMActor(Forward, WarmStart, ActorBase):
             objective = self.step_compiler.fn if self.step_compiler is not None else self._objective
             mask = micro_batch["mask"]
             sync = self.world_size > 1 and i < len(micro) - 1
-            with self.model.no_sync() if sync else contextlib.nullcontext():
+            with self._gradient_sync(not sync):
                 loss, m = objective(micro_batch)
                 # each micro-batch's share of the minibatch mean (tokens for token-mean, sequences otherwise)
                 share = float(mask.sum() / total_tokens if algo.agg == "token-mean" else len(j) / total_seqs)
@@ -360,7 +365,7 @@ class LMActor(Forward, WarmStart, ActorBase):
         # the loss is the whole minibatch's (rows left out add 0); the loss's other metrics are means over
         # the rows computed (in one on-policy pass, ratio-based ones are the same for every row)
         metrics = {k: v if k == "loss" else v / max(computed_share, 1e-12) for k, v in sums.items()}
-        grad_norm = self.clip_and_step(self.max_grad_norm)
+        grad_norm = self._clip_and_step(self.max_grad_norm)
         metrics["grad_norm"] = float(grad_norm) if math.isfinite(float(grad_norm)) else float("nan")
         metrics["rows_computed_frac"] = len(rows) * weight / max(1, len(idx))
         return metrics
@@ -413,17 +418,20 @@ class LMActor(Forward, WarmStart, ActorBase):
     def export_hf(self, path: str) -> str:
         """Write the current model and its tokenizer in Hugging Face format (``save_pretrained``) to the directory
         ``path`` on this worker, atomically: into a temporary directory beside it, then renamed (a directory
-        already there is replaced)."""
+        already there is replaced). A sharded actor's ranks all call it: they gather the model, rank 0 writes."""
         import shutil
         import uuid
         from pathlib import Path
 
+        state = self.full_state()  # (sharded: gathered by every rank together; rank 0 writes)
         final = Path(path)
+        if self.sharded and self.rank != 0:
+            return str(final)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:6]}")
         try:
             with hf_quiet():
-                self.policy.save_pretrained(tmp)
+                self.policy.save_pretrained(tmp, state_dict=state)
                 self.tok.save_pretrained(tmp)
             if final.exists():
                 shutil.rmtree(final)

@@ -13,10 +13,11 @@ from rlnb.models.lm import prompt_ids, token_logprobs
 def adamw(model: torch.nn.Module, lr: float, device: torch.device) -> torch.optim.AdamW:
     """AdamW, fused where torch has the kernel (CPU, CUDA): one kernel for all parameters, where the
     default runs a few per parameter tensor."""
-    fused = device.type in ("cpu", "cuda") and all(p.is_floating_point() for p in model.parameters())
-    return build_optimizer(
-        torch.optim.AdamW, model.parameters(), lr=lr, weight_decay=0.0, fused=fused or None
+    params = list(model.parameters())
+    fused = device.type in ("cpu", "cuda") and all(
+        p.is_floating_point() and not hasattr(p, "full_tensor") for p in params
     )
+    return build_optimizer(torch.optim.AdamW, params, lr=lr, weight_decay=0.0, fused=fused or None)
 
 
 class WarmStart:
@@ -84,5 +85,5 @@ class WarmStart:
             sched.step()
             losses.append(loss.item())
         if self.ref is not None:  # the reference is the warm-started model
-            self.ref.load_state_dict(self.policy.state_dict())
+            self.ref.load_state_dict(self.full_state())
         return losses

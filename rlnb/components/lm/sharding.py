@@ -1,0 +1,89 @@
+"""The LM actor's sharded mode (``actor.strategy: fsdp2``): PyTorch FSDP2 (``fully_shard``) on each decoder layer and
+the root, over a device mesh of the actor's ranks (gloo on CPU, NCCL on GPUs). Each rank holds its shard of the
+parameters, gradients and AdamW state; a forward gathers one layer's parameters at a time. With ``actor.dtype:
+bfloat16`` the gathered parameters are bf16 and gradients are reduced in float32 (FSDP2's ``MixedPrecisionPolicy``),
+the master weights staying float32.
+
+FSDP2's collectives need every rank to run the same forwards and backwards, so a sharded actor computes its
+micro-batches the same way on every rank: one pass each (no length buckets, no shared-prompt forwards) and every
+row (rows without advantage are not left out). Whatever needs the whole model (the rollout's weights, an export)
+is gathered by every rank together: a loop calls those on every actor rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+STRATEGIES = ("ddp", "fsdp2")
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "full_tensor")  # a DTensor
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise): what the rank holds in memory."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a ``transformers`` causal LM (``model.model.layers``), else every direct child."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return list(layers) if layers is not None else list(model.children())
+
+
+class Sharded:
+    """A mixin of :class:`rlnb.components.LMActor` (it holds ``cfg``, ``policy``, ``device``, ``dtype``)."""
+
+    sharded = False  # FSDP2 in force (after setup_data_parallel)
+
+    def _shard(self) -> str:
+        """``fully_shard`` each decoder layer, then the root, over the actor ranks' default process group."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from rlnb.models.lm import DTYPES
+        from rlnb.runtime.rank import process_group
+
+        mesh = DeviceMesh.from_group(process_group("default"), self.device.type)
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[self.dtype], reduce_dtype=torch.float32)
+        for layer in decoder_layers(self.policy):
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(self.policy, mesh=mesh, mp_policy=mp)
+        self.model, self.sharded = self.policy, True
+        # the same work on every rank: FSDP2 gathers each layer's parameters in every forward
+        self.length_buckets, self.share_prompt_forward, self.skip_zero_advantage = 1, False, False
+        # the optimizer over the sharded parameters (its state sharded too); foreach, which DTensors take
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.cfg.lr, weight_decay=0.0)
+        return "fsdp2"
+
+    def _gradient_sync(self, sync_now: bool):
+        """DDP's ``no_sync`` for a micro-batch that is not the last; FSDP2 reduces gradients or not as told."""
+        if self.sharded:
+            self.model.set_requires_gradient_sync(sync_now)
+            return contextlib.nullcontext()
+        return self.model.no_sync() if not sync_now else contextlib.nullcontext()
+
+    def _clip_and_step(self, max_grad_norm: float) -> torch.Tensor:
+        """Clip to a global norm (over every rank's shards when sharded) and step; the norm before clipping."""
+        if not self.sharded:
+            return self.clip_and_step(max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_grad_norm)
+        self.optimizer.step()
+        return norm.full_tensor() if is_sharded(norm) else norm
+
+    def _zero_grad(self) -> None:
+        if self.sharded:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.clip_and_step.zero_grad()
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The model's whole state dict: gathered from every rank's shards when sharded (every actor rank must
+        call it together), else the module's own."""
+        state = self.policy.state_dict()
+        if not self.sharded:
+            return state
+        return {k: v.full_tensor() if is_sharded(v) else v for k, v in state.items()}
