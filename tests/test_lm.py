@@ -1056,3 +1056,27 @@ def test_the_lm_actors_settings_have_one_source_and_the_recorded_recipe_is_what_
     recorded = load_recipe(str(tmp_path / "run" / "recipe.yaml"))
     assert recorded.algorithm.max_grad_norm == 0.3 and recorded.actor.lr == 5e-3
     assert recorded.actor.model_path == tiny_lm and recorded.actor.anneal_lr is False
+
+
+def test_gradient_checkpointing_keeps_fewer_activations_and_trains_the_same(tiny_lm):
+    """actor.gradient_checkpointing: the decoder layers' activations are not kept for the backward (they are
+    computed again there), so far fewer bytes are saved by the update's forward; the weights after it are the same."""
+    weights, saved = {}, {}
+    for on in (False, True):
+        actor = LMActor(
+            tiny_lm, group_size=4, seed=0, micro_batch_size=8, gradient_checkpointing=on, length_buckets=1,
+            share_prompt_forward=False,
+        )  # fmt: skip
+        actor.set_batch(_two_rollout_batches(tiny_lm))
+        actor.compute_advantages()
+        kept = [0]
+
+        def pack(t, kept=kept):  # what autograd keeps from the forward for the backward (outside checkpoints)
+            kept[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            actor.train()
+        saved[on], weights[on] = kept[0], {k: v.clone() for k, v in actor.policy.state_dict().items()}
+    assert saved[True] < 0.7 * saved[False], saved
+    assert all(torch.allclose(weights[True][k], weights[False][k], atol=1e-6) for k in weights[False])

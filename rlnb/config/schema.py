@@ -344,6 +344,11 @@ class ActorConfig:
     """LM RL: learning rate of the warm start."""
     sft_batch_size: int = 64
     """LM RL: sequences per warm-start step (over all actor ranks)."""
+    gradient_checkpointing: bool = False
+    """LM RL: keep only each decoder layer's inputs from the forward and compute the rest again in the backward
+    (``transformers``' gradient checkpointing): the activations' memory of one layer instead of all, for about a
+    third more compute. The same gradients; each sequence's prompt then goes through the model with it (no
+    shared-prompt forward, which needs the KV cache that checkpointing turns off)."""
     skip_zero_advantage: bool = True
     """LM RL: leave sequences whose advantages are all 0 (a group whose completions all scored alike) out of
     the update's forward and backward, and out of the old log-probs' recompute, where they add exactly 0: a
@@ -378,6 +383,11 @@ class ActorConfig:
         )
         need(errs, lambda: all(h > 0 for h in self.model.hidden_sizes), "actor.model.hidden_sizes", "positive widths",
              self.model.hidden_sizes)  # fmt: skip
+        if recipe.loop == "embodied" and self.gradient_checkpointing is True:
+            errs.append(
+                "actor.gradient_checkpointing: recomputes an LM's decoder layers (loop: grpo); an embodied policy "
+                "has none; set it false"
+            )
         if recipe.loop == "embodied" and self.strategy != "ddp":
             errs.append(
                 f"actor.strategy: {self.strategy} shards an LM actor (loop: grpo); an embodied policy trains with "

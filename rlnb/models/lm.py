@@ -272,6 +272,17 @@ def new_cache(model):
         return DynamicCache()
 
 
+def enable_checkpointing(model) -> None:
+    """``transformers``' activation (gradient) checkpointing, non-reentrant (the recomputed forward sees the same
+    autocast and RNG state): ``activation_checkpointing_enable`` from 5.24, ``gradient_checkpointing_enable``
+    before it."""
+    new = getattr(model, "activation_checkpointing_enable", None)
+    if new is not None:
+        new(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def cache_kwarg(model, cache) -> dict:
     """The KV ``cache`` as ``model``'s forward (and ``generate``) takes it: ``{"cache": cache}`` where the forward
     names it so (``transformers`` from 5.24, which deprecates ``past_key_values``), else

@@ -23,7 +23,7 @@ from rlnb.components.lm.sharding import Sharded, local_part
 from rlnb.components.optim import ClipAndStep
 from rlnb.components.rollout import resolve_device
 from rlnb.errors import ConfigError
-from rlnb.models.lm import DTYPES, hf_quiet, load_lm
+from rlnb.models.lm import DTYPES, enable_checkpointing, hf_quiet, load_lm
 from rlnb.runtime.rank import RankInfo, current_rank
 from rlnb.seeding import rank_seed
 
@@ -59,6 +59,8 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
             no KL term in the loss: the same gradients, and the optimizer steps as before. The loss's metrics
             are then over the rows computed. Off while the step is compiled. ``train()`` reports
             ``rows_computed_frac``.
+        gradient_checkpointing: recompute each decoder layer in the backward instead of keeping its activations
+            (``actor.gradient_checkpointing``).
         dtype: ``float32``, or ``bfloat16``: forward and backward under bf16 autocast, with float32 master
             weights, gradients and AdamW state; log-probs, the loss and the KL in float32. The reference model
             is held in bf16, and the weights go to the rollout in bf16 (``policy_state``).
@@ -88,6 +90,7 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         torch_threads: int | None = None, advantage_fn=None, loss_fn=None, rank_info: RankInfo | None = None, *,
         actor=None, advantage=None, policy_loss=None, anneal_lr: bool | None = None, share_prompt_forward: bool = True,
         length_buckets: int | None = None, skip_zero_advantage: bool | None = None, dtype: str | None = None,
+        gradient_checkpointing: bool | None = None,
         **settings,
     ):  # fmt: skip
         rank_info = rank_info or current_rank()  # subclasses need not pass it on
@@ -96,6 +99,7 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         named = dict(
             lr=lr, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm, device=device,
             torch_threads=torch_threads, anneal_lr=anneal_lr, length_buckets=length_buckets,
+            gradient_checkpointing=gradient_checkpointing,
             skip_zero_advantage=skip_zero_advantage, dtype=dtype,
         )  # fmt: skip
         settings = {**{k: v for k, v in named.items() if v is not None}, **settings}
@@ -125,6 +129,12 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         self.length_buckets = buckets or (1 if self.device.type == "cuda" else CPU_LENGTH_BUCKETS)
         torch.manual_seed(seed)
         self.policy, self.tok = load_lm(model_path, self.device)
+        if (
+            cfg.gradient_checkpointing
+        ):  # (non-reentrant: the recomputed forward sees the same autocast and RNG)
+            enable_checkpointing(self.policy)
+            self.policy.train()  # (transformers checkpoints in training mode only; the dropouts of its LMs are 0)
+            self.share_prompt_forward = False  # (its prefix's KV cache is what checkpointing turns off)
         self.model = self.policy
         self.ref = None
         if self.algo.kl_coef > 0:
