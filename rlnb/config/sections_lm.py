@@ -1,0 +1,295 @@
+"""The recipe sections the LM side reads: the rollout (and its vLLM engine), the reward and the data."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from rlnb.config.checks import SYNCHRONOUS_BACKENDS, _sft_turns_errors, at_least, need
+from rlnb.errors import ConfigError, did_you_mean
+
+if TYPE_CHECKING:
+    from rlnb.config.schema import Recipe
+
+
+@dataclass
+class VLLMConfig:
+    """The vLLM engine of ``rollout.backend: vllm`` (``vllm.LLM``'s arguments of the same names)."""
+
+    tensor_parallel_size: int = 1
+    """GPUs one engine shards the model over (tensor parallelism)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The precision the engine holds and runs the model in; ``auto``: the checkpoint's."""
+    max_num_seqs: int = 256
+    """Sequences the engine schedules at once."""
+    gpu_memory_utilization: float = 0.3
+    """Fraction of a GPU's memory for the engine's weights and KV cache (the rest is the collocated actor's)."""
+    enforce_eager: bool = True
+    """Run eager, without CUDA graphs: no capture time at start, slower decoding."""
+    weight_bucket_bytes: int = 256 * 1024 * 1024
+    """Weight sync sends the actor's tensors in buckets of at most this many bytes (a bigger tensor alone), so
+    no process holds a second copy of the model beyond one bucket."""
+
+    def errors(self, prefix: str = "rollout.vllm") -> list[str]:
+        errs: list[str] = []
+        for name in ("tensor_parallel_size", "max_num_seqs", "weight_bucket_bytes"):
+            value = getattr(self, name)
+            need(errs, lambda v=value: isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{prefix}.{name}",
+                 "an integer >= 1", value)  # fmt: skip
+        need(errs, lambda: 0.0 < self.gpu_memory_utilization <= 1.0, f"{prefix}.gpu_memory_utilization",
+             "a number in (0, 1]", self.gpu_memory_utilization)  # fmt: skip
+        return errs
+
+
+@dataclass
+class RolloutConfig:
+    """The inference component that runs the policy."""
+
+    backend: Literal["policy", "hf", "vllm"] = "policy"
+    """``policy`` (MLP/CNN policies), ``hf`` (a transformers causal LM, sampled by rlnb's decoding loop) or ``vllm`` (GPU)."""
+    steps_per_rollout: int = 128
+    """Env steps per env per training step (T)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: the slot's device."""
+    max_new_tokens: int = 8
+    """LM RL: tokens generated per completion at most."""
+    temperature: float = 1.0
+    """LM RL: sampling temperature (the actor's log-probs use the same)."""
+    top_p: float = 1.0
+    """LM RL: nucleus sampling threshold."""
+    top_k: int = 0
+    """LM RL: sample among the ``top_k`` likeliest tokens only (after the temperature, before ``top_p``, as
+    ``transformers`` orders them); ``0``: all."""
+    drop_finished: bool = True
+    """LM RL, ``hf`` backend: completions that ended leave the decoding batch (rlnb's decoding loop, the
+    same tokens as ``generate``); ``false``: sample with ``transformers``' ``generate``."""
+    max_turns: int = 1
+    """LM RL: turns the model takes per completion at most (multi-turn rollouts, as veRL's and AReaL's agents).
+    After each turn but the last, ``interaction`` answers the transcript so far (a tool's output, a user's
+    follow-up) or ends the episode, and the model's next turn reads the whole transcript. Only the model's own
+    tokens are trained on; rewards score the whole transcript after the prompt. In asynchronous mode
+    (``algorithm.max_staleness``), a conversation's next turn goes on in the next chunks, across weight
+    updates."""
+    interaction: str | None = None
+    """LM RL, with ``max_turns`` >= 2: a registered interaction (``arithmetic_retry``; a notebook's own through
+    ``rlnb.algorithms.interactions.register_interaction``, or a function given to ``HFRollout(interaction=...)``)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """LM RL, ``hf`` backend: the precision the rollout holds and runs its model in; ``auto``: ``actor.dtype``."""
+    static_cache: bool = False
+    """LM RL, ``hf`` backend: sample with ``transformers``' ``generate`` on a static KV cache, whose decoding step
+    is compiled on a GPU (``torch.compile``, CUDA graphs: one launch a token instead of one a kernel). Pays for
+    models large enough to repay its compile (each new batch shape compiles; prompts are left-padded to a
+    multiple of 32 tokens to bound them); ended sequences are computed to the end, as ``generate`` does, and
+    each prompt is prefilled per completion. Synchronous generation only (asynchronous chunks decode with
+    rlnb's loop)."""
+    chunk_tokens: int = 8
+    """LM RL, asynchronous mode (``algorithm.max_staleness >= 1``): tokens generated between two checks
+    for new weights; a generation spanning a weight update goes on with the new ones (partial rollouts)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """``rollout.backend: vllm``: the engine's settings."""
+    weight_sync: Literal["auto", "channel", "broadcast"] = "auto"
+    """How the actor's weights reach rollout ranks outside its process (collocated ones copy in-process):
+    ``channel``: worker to worker (CUDA IPC between GPUs of one node, shared memory between CPU
+    workers); ``broadcast``: one collective from actor rank 0 to every rollout rank over a process group
+    (NCCL on GPUs, gloo on CPU), synchronous mode only; ``auto``: ``broadcast`` when every rollout rank
+    is on a GPU of another node than actor rank 0's, else ``channel``."""
+
+    def check(self, recipe: Recipe) -> list[str]:
+        """This section's range checks and which backend each setting belongs to."""
+        from rlnb.algorithms.interactions import INTERACTIONS
+
+        ro, errs = self, []
+        need(errs, lambda: ro.steps_per_rollout >= 1, "rollout.steps_per_rollout", "an integer >= 1",
+             ro.steps_per_rollout)  # fmt: skip
+        need(errs, lambda: isinstance(ro.max_turns, int) and not isinstance(ro.max_turns, bool) and ro.max_turns >= 1,
+             "rollout.max_turns", "an integer >= 1", ro.max_turns)  # fmt: skip
+        errs += ro.vllm.errors()
+        if ro.backend != "vllm":  # settings nothing would read: said, not ignored
+            default = VLLMConfig()
+            for f in dataclasses.fields(VLLMConfig):
+                if getattr(ro.vllm, f.name) != getattr(default, f.name):
+                    errs.append(
+                        f"rollout.vllm.{f.name}: a setting of the vllm backend's engine; rollout.backend={ro.backend} "
+                        "does not use it; leave it out, or set rollout.backend=vllm"
+                    )
+        staleness = recipe.algorithm.max_staleness
+        if ro.backend in SYNCHRONOUS_BACKENDS and isinstance(staleness, int) and staleness > 0:
+            errs.append(
+                f"rollout.backend: {ro.backend} generates whole completions in its engine, and asynchronous generation "
+                f"(algorithm.max_staleness={staleness}) takes new weights between chunks of tokens, with rlnb's "
+                "own decoding; use rollout.backend=hf, or algorithm.max_staleness=0"
+            )
+        if ro.dtype != "auto" and ro.backend != "hf":
+            errs.append(
+                f"rollout.dtype: the precision of the hf backend's model; rollout.backend={ro.backend} does not use "
+                "it; leave rollout.dtype=auto"
+            )
+        if ro.static_cache is True and ro.backend != "hf":
+            errs.append(
+                f"rollout.static_cache: a static KV cache for the hf backend's generate; rollout.backend={ro.backend} "
+                "does not use it (vLLM manages its own cache); set rollout.static_cache=false"
+            )
+        if isinstance(ro.max_turns, int) and ro.max_turns >= 2:
+            if recipe.loop == "embodied":
+                errs.append(
+                    "rollout.max_turns: turns of an LM's conversation; this recipe trains a policy on an env"
+                )
+            elif ro.interaction is None:
+                errs.append(
+                    f"rollout.interaction: with rollout.max_turns={ro.max_turns} something must answer between the "
+                    f"model's turns; registered interactions: {', '.join(INTERACTIONS.names())}"
+                )
+        elif ro.interaction is not None:
+            errs.append(
+                f"rollout.interaction: it answers between the model's turns, and with rollout.max_turns={ro.max_turns} "
+                "there are none; set rollout.max_turns >= 2, or drop the interaction"
+            )
+        if isinstance(ro.interaction, str) and ro.interaction not in INTERACTIONS:
+            errs.append(
+                f"rollout.interaction: unknown interaction {ro.interaction!r}; registered: "
+                f"{', '.join(INTERACTIONS.names())}.{did_you_mean(ro.interaction, INTERACTIONS.names())}"
+            )
+        if recipe.loop == "grpo":
+            errs += at_least(("rollout.max_new_tokens", ro.max_new_tokens, 1), ("rollout.chunk_tokens", ro.chunk_tokens, 1),
+                             ("rollout.top_k", ro.top_k, 0))  # fmt: skip
+            if isinstance(ro.temperature, float) and ro.temperature <= 0:
+                errs.append(f"rollout.temperature: expected a number > 0, got {ro.temperature!r}")
+            if isinstance(ro.top_p, float) and not 0 < ro.top_p <= 1:
+                errs.append(f"rollout.top_p: expected a number in (0, 1], got {ro.top_p!r}")
+        return errs
+
+
+@dataclass
+class RewardConfig:
+    """Reward function (LM RL)."""
+
+    name: str | list[str] = "arithmetic"
+    """Registered reward (``math``, ``arithmetic``, ``format``...), or a list of them summed with ``weights``, as
+    TRL's ``reward_funcs``: each is logged apart (``reward/<name>/mean``), and accuracy counts the first (a
+    score >= 1), so put the correctness reward first."""
+    weights: list[float] | None = None
+    """With a list of rewards: one weight each (default 1.0 each), as TRL's ``reward_weights``."""
+    model_path: str | None = None
+    """A learned reward model (a sequence classifier: local ``save_pretrained`` directory or hub id), scoring
+    prompt + completion as one more reward, ``reward_model``, after those of ``name`` (which may then be ``[]``);
+    its weight is the last of ``weights``. It loads where the reward component runs."""
+    model_batch_size: int = 16
+    """Texts per forward of the reward model."""
+
+    def check(self, recipe: Recipe) -> list[str]:
+        """Registered reward names, the reward model's batch size and path, and that the rewards take what the
+        prompts' records have."""
+        from rlnb.algorithms import REWARDS
+
+        errs: list[str] = []
+        if self.model_path is not None:
+            need(errs, lambda: self.model_batch_size >= 1, "reward.model_batch_size", "an integer >= 1",
+                 self.model_batch_size)  # fmt: skip
+            if recipe.loop == "grpo":
+                from rlnb.models.lm import resolve_model
+
+                try:  # before any worker starts: a missing directory, or a hub id not in this machine's cache
+                    resolve_model(self.model_path, "reward.model_path")
+                except ConfigError as err:
+                    errs.append(str(err))
+        several = isinstance(self.name, list)  # rewards summed with reward.weights
+        rewards = self.name if several else [self.name]
+        for i, name in enumerate(rewards):
+            if isinstance(name, str) and name not in REWARDS:
+                key = f"reward.name[{i}]" if several else "reward.name"
+                errs.append(
+                    f"{key}: unknown {REWARDS.kind} {name!r}; registered: {', '.join(REWARDS.names())}."
+                    f"{did_you_mean(name, REWARDS.names())}"
+                )
+        if recipe.loop == "grpo" and all(isinstance(r, str) and r in REWARDS for r in rewards):
+            from rlnb.algorithms.contract import check_rewards
+            from rlnb.algorithms.rewards import recipe_rewards
+
+            # a data file's fields are known once it is read: the loop checks them then
+            fields = () if recipe.data.task == "arithmetic" else None
+            try:
+                check_rewards(
+                    recipe_rewards(self.name, self.model_path, self.model_batch_size), self.weights, fields
+                )
+            except ConfigError as err:
+                errs.append(str(err))
+        return errs
+
+
+@dataclass
+class DataConfig:
+    """Prompt data (LM RL)."""
+
+    task: Literal["arithmetic", "file"] = "arithmetic"
+    """``arithmetic`` (procedural) or ``file`` (local ``.jsonl``/``.parquet`` at ``path``)."""
+    path: str | None = None
+    """Local data file (question/answer layout, GSM8K-style ``#### answer``); its other columns are fields a reward
+    may read by name (``def passes(completion, tests)``)."""
+    max_operand: int = 20
+    """Arithmetic: operands from ``min_operand`` to this (difficulty)."""
+    min_operand: int = 0
+    """Arithmetic: the smallest operand (``10`` with ``max_operand: 99``: two-digit operands only)."""
+    ops: str = "+"
+    """Arithmetic: operators to use, from ``+-*``."""
+    held_out_frac: float = 0.2
+    """Fraction of problems held out for evaluation."""
+    prompts_per_step: int = 16
+    """Prompts per training step (each sampled ``algorithm.group_size`` times)."""
+    eval_size: int = 200
+    """Held-out problems per evaluation."""
+    sft_noise: float = 0.0
+    """Fraction of warm-start answers made deliberately wrong (off by one, or ``sft_noise_turns``): an imperfect
+    teacher for RL to beat."""
+    sft_turns: list[str] | None = None
+    """A multi-turn warm start (with ``rollout.max_turns``): the teacher's turns for each problem, format strings
+    over ``{expression}`` (the prompt without its ``=``), ``{answer}``, ``{a}``, ``{op}``, ``{b}`` (arithmetic) and
+    the record's fields; between two of them ``rollout.interaction`` replies, as it will in training, and the
+    warm start learns each turn after the transcript before it. E.g. ``["calc({expression})", "{answer}"]``:
+    call the calculator, then give its result."""
+    sft_noise_turns: list[str | None] | None = None
+    """With ``sft_turns`` and ``sft_noise``: the imperfect teacher's turns, each used instead of the right one on
+    that fraction of the demonstrations of that turn (after its own transcript so far); ``null``: that turn as
+    ``sft_turns`` has it. E.g. ``["calc({a}+{b})", null]``: a wrong call, then the result copied."""
+    question_key: str = "question"
+    """File data: the question column."""
+    answer_key: str = "answer"
+    """File data: the answer column (GSM8K-style ``#### 72`` keeps the final answer)."""
+    chat_template: bool = False
+    """Give the model each question as a user turn of its tokenizer's chat template, with the assistant's turn
+    opened (``apply_chat_template(..., add_generation_prompt=True)``), as TRL does with conversational data: for
+    instruct models. The warm start's answers and the rewards' prompts are those of the templated prompts."""
+    system_prompt: str | None = None
+    """With ``chat_template``: a system turn before each question (e.g. the answer format to use)."""
+
+    def check(self, recipe: Recipe) -> list[str]:
+        """This section's range checks, the warm start's turns and (LM loop) where the problems come from."""
+        d, errs = self, []
+        need(errs, lambda: 0.0 <= d.sft_noise <= 1.0, "data.sft_noise", "a number in [0, 1]", d.sft_noise)
+        need(
+            errs,
+            lambda: 0.0 < d.held_out_frac < 1.0,
+            "data.held_out_frac",
+            "a number in (0, 1)",
+            d.held_out_frac,
+        )
+        need(errs, lambda: 0 <= d.min_operand <= d.max_operand, "data.min_operand",
+             f"an integer from 0 to data.max_operand ({d.max_operand})", d.min_operand)  # fmt: skip
+        errs += _sft_turns_errors(d, recipe.rollout)
+        if recipe.loop != "grpo":
+            return errs
+        if d.task == "file" and (d.path is None or not Path(d.path).exists()):
+            errs.append(f"data.path: data.task=file needs an existing .jsonl/.parquet file, got {d.path!r}")
+        if d.system_prompt is not None and not d.chat_template:  # it would be dropped without a word
+            errs.append(
+                f"data.system_prompt: {d.system_prompt!r} is set, but data.chat_template is false, which gives the "
+                "model bare questions; set data.chat_template=true to open each prompt with it"
+            )
+        if d.task == "arithmetic" and d.path is not None:  # it would train on generated problems instead
+            errs.append(
+                f"data.path: {d.path!r} is set, but data.task is 'arithmetic', which generates its problems and "
+                "would ignore the file; set data.task=file to train on it"
+            )
+        errs += at_least(("data.prompts_per_step", d.prompts_per_step, 1), ("data.eval_size", d.eval_size, 1))
+        return errs
