@@ -430,7 +430,7 @@ def test_a_group_dropped_without_shutdown_is_freed_on_its_workers(cluster):
     during = cluster.client.run(_hosts_served)
     assert all(during[a] == before[a] + 1 for a in before)
     for info in g.infos:
-        cluster._unregister(f"{g.name}[{info.rank}]")
+        cluster.unregister_component(f"{g.name}[{info.rank}]")
     del g
     gc.collect()
     deadline = time.monotonic() + 15

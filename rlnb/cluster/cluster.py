@@ -338,6 +338,7 @@ class Cluster:
         self.session = uuid.uuid4().hex[:12]
         self._placed: dict[int, list[str]] = defaultdict(list)
         self._channels: list = []  # closed with the cluster, freeing their shared memory
+        self._done_once: set[str] = set()  # see first_time
         self.address: str
         if address is None:
             warming = _import_in_background("rlnb.loop")  # the driver's own torch import, beside the workers'
@@ -551,11 +552,24 @@ class Cluster:
                 "set device: auto (or cpu), or connect to a cluster with `dask cuda worker`s"
             )
 
-    # ------------------------------------------------------------------ bookkeeping for views
-    def _register(self, slot: int, label: str) -> None:
+    # ------------------------------------------------------------------ bookkeeping for the layers below
+    def first_time(self, key: str) -> bool:
+        """``True`` the first time ``key`` is asked for on this cluster: set-up the runtime does once per cluster
+        (registering its worker plugin) without writing the cluster's attributes."""
+        if key in self._done_once:
+            return False
+        self._done_once.add(key)
+        return True
+
+    def close_with(self, channel) -> None:
+        """Close ``channel`` when this cluster closes (its shared memory freed with it)."""
+        self._channels.append(channel)
+
+    def register_component(self, slot: int, label: str) -> None:
+        """Show ``label`` (a component's rank) on ``slot`` in this cluster's views."""
         self._placed[slot].append(label)
 
-    def _unregister(self, label: str) -> None:
+    def unregister_component(self, label: str) -> None:
         for labels in self._placed.values():
             if label in labels:
                 labels.remove(label)

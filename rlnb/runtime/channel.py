@@ -207,7 +207,7 @@ class Channel:
         server = cluster.bind(fut.result(timeout=60))
         node, offer = _resolve(server.contact(), 60)
         channel = cls(server, name, node, maxsize, timeout_s, offer)
-        cluster._channels.append(channel)
+        cluster.close_with(channel)
         return channel
 
     @staticmethod

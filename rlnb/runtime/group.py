@@ -273,7 +273,7 @@ class Group:
         ready = group._raw("ready", (), {}, group._ranks, label="__init__").result(start_timeout_s)
         group._route = DirectRoute.connect([r["direct"] for r in ready]) or group._dask_route
         for info in infos:
-            cluster._register(info.slot, f"{name}[{info.rank}]")
+            cluster.register_component(info.slot, f"{name}[{info.rank}]")
         return group
 
     def relaunch(self) -> Group:
@@ -416,7 +416,7 @@ class Group:
         with contextlib.suppress(RemoteError):  # a lost worker has nothing left to free
             self._raw("destroy_groups", (), {}, list(range(len(self.infos)))).result(30)
         for info in self.infos:
-            self.cluster._unregister(f"{self.name}[{info.rank}]")
+            self.cluster.unregister_component(f"{self.name}[{info.rank}]")
         self._route.close()
         self._route = self._dask_route = DaskRoute([], self.cluster.client)
         self._closed = True

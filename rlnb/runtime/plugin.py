@@ -66,7 +66,5 @@ class WorkerRuntime(WorkerPlugin):
 def ensure_worker_runtime(cluster) -> None:
     """Register :class:`WorkerRuntime` with the cluster's scheduler (once per :class:`rlnb.Cluster`):
     every current worker sets it up now, every later one (a restarted worker too) when it starts."""
-    if getattr(cluster, "_worker_runtime", False):
-        return
-    cluster.client.register_plugin(WorkerRuntime(ignore_sigint=cluster.embedded), name=NAME)
-    cluster._worker_runtime = True
+    if cluster.first_time("worker_runtime"):
+        cluster.client.register_plugin(WorkerRuntime(ignore_sigint=cluster.embedded), name=NAME)
