@@ -54,11 +54,8 @@ SWEEP = {
     "rollout.static_cache": (GRPO, []),
     "rollout.vllm.dtype": (GRPO, []),
     "rollout.vllm.enforce_eager": (GRPO, []),
-    "actor.strategy": (GRPO, []),
-    "actor.gradient_checkpointing": (
-        GRPO,
-        [],
-    ),  # (one actor rank here: the two-rank runs are tests/test_sharding.py)
+    "actor.strategy": (GRPO, []),  # (one actor rank here: the two-rank runs are tests/test_sharding.py)
+    "actor.gradient_checkpointing": (GRPO, []),
     "rollout.backend": (None, []),  # policy -> PPO, hf and vllm -> GRPO
     "loop": (None, []),  # embodied and auto -> PPO, grpo -> GRPO
     "rollout.device": (PPO, []),

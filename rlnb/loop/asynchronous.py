@@ -173,9 +173,10 @@ class GRPOAsynchronous:
             self._admitted[k] += new
             key, shards = puts[k]
             calls.append(
-                (problems, r.algorithm.group_size, train_version, per_rank, self.max_staleness,
-                 self.channels["weights"], f"w{k}", self.channels["batches"], key, self.groups["reward"].name,
-                 shards, r.rollout.chunk_tokens)
+                dict(problems=problems, n=r.algorithm.group_size, train_version=train_version, groups=per_rank,
+                     max_staleness=self.max_staleness, weights=self.channels["weights"], weights_key=f"w{k}",
+                     batches=self.channels["batches"], batch_key=key, reward=self.groups["reward"].name,
+                     shards=shards, chunk_tokens=r.rollout.chunk_tokens)
             )  # fmt: skip
         return rollout.call_each("stream", calls)
 
