@@ -14,8 +14,20 @@ from rlnb.config.checks import LM_BACKENDS, at_least, infer_loop, need
 from rlnb.config.sections_lm import DataConfig, RewardConfig, RolloutConfig, VLLMConfig
 
 __all__ = [  # (the sections defined in sections_lm are part of the schema too)
-    "ActorConfig", "AlgorithmConfig", "ClusterConfig", "DataConfig", "EnvConfig", "ModelConfig", "Recipe",
-    "RewardConfig", "RolloutConfig", "RunnerConfig", "TinyLMConfig", "VLLMConfig", "infer_loop",
+    "ActorConfig",
+    "AlgorithmConfig",
+    "ClusterConfig",
+    "DataConfig",
+    "EnvConfig",
+    "LoRAConfig",
+    "ModelConfig",
+    "Recipe",
+    "RewardConfig",
+    "RolloutConfig",
+    "RunnerConfig",
+    "TinyLMConfig",
+    "VLLMConfig",
+    "infer_loop",
 ]  # fmt: skip
 from rlnb.errors import ConfigError, did_you_mean
 
@@ -313,6 +325,32 @@ class TinyLMConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters on the LM actor (PEFT): only they train; the KL reference is the model with them off."""
+
+    rank: int = 0
+    """The adapters' rank ``r``; 0: no LoRA, the whole model trains."""
+    alpha: float = 16.0
+    """The adapters' scale ``alpha`` (their update is ``B A * alpha / r``)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """The linear layers (by name, as in the model) that get adapters."""
+
+    def errors(self) -> list[str]:
+        errs: list[str] = []
+        need(errs, lambda: isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 0,
+             "actor.lora.rank", "an integer >= 0 (0: no LoRA)", self.rank)  # fmt: skip
+        need(errs, lambda: self.alpha > 0, "actor.lora.alpha", "a number > 0", self.alpha)
+        need(
+            errs, lambda: 0.0 <= self.dropout < 1.0, "actor.lora.dropout", "a number in [0, 1)", self.dropout
+        )
+        need(errs, lambda: len(self.target_modules) >= 1, "actor.lora.target_modules", "a non-empty list of names",
+             self.target_modules)  # fmt: skip
+        return errs
+
+
+@dataclass
 class ActorConfig:
     """The training component."""
 
@@ -351,6 +389,9 @@ class ActorConfig:
     """LM RL: learning rate of the warm start."""
     sft_batch_size: int = 64
     """LM RL: sequences per warm-start step (over all actor ranks)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LM RL: LoRA adapters (``actor.lora.rank > 0``): only they train and carry optimizer state; the rollout and
+    ``rlnb export`` get the merged weights."""
     gradient_checkpointing: bool = False
     """LM RL: keep only each decoder layer's inputs from the forward and compute the rest again in the backward
     (``transformers``' gradient checkpointing): the activations' memory of one layer instead of all, for about a
@@ -390,6 +431,11 @@ class ActorConfig:
         )
         need(errs, lambda: all(h > 0 for h in self.model.hidden_sizes), "actor.model.hidden_sizes", "positive widths",
              self.model.hidden_sizes)  # fmt: skip
+        errs += self.lora.errors()
+        if recipe.loop == "embodied" and isinstance(self.lora.rank, int) and self.lora.rank > 0:
+            errs.append(
+                "actor.lora.rank: LoRA adapts an LM actor (loop: grpo); set it to 0 for an embodied policy"
+            )
         if recipe.loop == "embodied" and self.gradient_checkpointing is True:
             errs.append(
                 "actor.gradient_checkpointing: recomputes an LM's decoder layers (loop: grpo); an embodied policy "

@@ -283,11 +283,20 @@ def enable_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def base_lm(model):
+    """The ``transformers`` model under rlnb's and others' wrappers: DDP (``.module``), the LoRA reference view
+    (``.lm``), PEFT (``get_base_model()``)."""
+    model = getattr(model, "module", model)
+    model = model.__dict__.get("lm", model)
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
 def cache_kwarg(model, cache) -> dict:
     """The KV ``cache`` as ``model``'s forward (and ``generate``) takes it: ``{"cache": cache}`` where the forward
     names it so (``transformers`` from 5.24, which deprecates ``past_key_values``), else
     ``{"past_key_values": cache}``."""
-    return {_cache_name(type(getattr(model, "module", model))): cache}
+    return {_cache_name(type(base_lm(model))): cache}
 
 
 @functools.lru_cache(maxsize=64)
@@ -306,7 +315,7 @@ def logits_kept(model, positions: int) -> dict:
     since 4.50: logits of the last ``positions`` positions only), else ``{}`` (all of them)."""
     import inspect
 
-    forward = getattr(model, "module", model).forward  # a DDP wrapper's model
+    forward = base_lm(model).forward  # (what a wrapper passes its keywords on to)
     try:
         params = inspect.signature(forward).parameters
     except (TypeError, ValueError):

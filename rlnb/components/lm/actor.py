@@ -18,12 +18,14 @@ from rlnb.components.compile import StepCompiler
 from rlnb.components.launch import launcher
 from rlnb.components.lm.forward import CPU_LENGTH_BUCKETS, Forward
 from rlnb.components.lm.layout import check_dtype, join_batches, micro_batches
+from rlnb.components.lm.lora import AdaptersOff, add_adapters
 from rlnb.components.lm.sft import WarmStart, adamw
 from rlnb.components.lm.sharding import Sharded, local_part
 from rlnb.components.optim import ClipAndStep
 from rlnb.components.rollout import resolve_device
+from rlnb.config.schema import LoRAConfig
 from rlnb.errors import ConfigError
-from rlnb.models.lm import DTYPES, enable_checkpointing, hf_quiet, load_lm
+from rlnb.models.lm import DTYPES, base_lm, enable_checkpointing, hf_quiet, load_lm
 from rlnb.runtime.rank import RankInfo, current_rank
 from rlnb.seeding import rank_seed
 
@@ -59,6 +61,8 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
             no KL term in the loss: the same gradients, and the optimizer steps as before. The loss's metrics
             are then over the rows computed. Off while the step is compiled. ``train()`` reports
             ``rows_computed_frac``.
+        actor={"lora": {"rank": 8}}: LoRA adapters (``actor.lora``, :class:`rlnb.config.LoRAConfig`): only they train;
+            the KL reference is the model with them off; the rollout and :meth:`export_hf` get merged weights.
         gradient_checkpointing: recompute each decoder layer in the backward instead of keeping its activations
             (``actor.gradient_checkpointing``).
         dtype: ``float32``, or ``bfloat16``: forward and backward under bf16 autocast, with float32 master
@@ -106,7 +110,13 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         self.cfg, self.algo = with_settings(
             self.actor_config(actor), self.algorithm_config(algorithm), settings, "actor"
         )
-        self.cfg = dataclasses.replace(self.cfg, model_path=str(model_path))  # (recorded as what trained)
+        lora = self.cfg.lora if isinstance(self.cfg.lora, LoRAConfig) else LoRAConfig(**dict(self.cfg.lora))
+        errors = lora.errors()
+        if errors:
+            raise ConfigError(errors[0], errors[0].split(":")[0])
+        self.cfg = dataclasses.replace(
+            self.cfg, model_path=str(model_path), lora=lora
+        )  # (recorded as what trained)
         cfg = self.cfg
         torch.set_num_threads(cfg.torch_threads)
         self.dtype = check_dtype(cfg.dtype, "actor.dtype")
@@ -129,6 +139,8 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         self.length_buckets = buckets or (1 if self.device.type == "cuda" else CPU_LENGTH_BUCKETS)
         torch.manual_seed(seed)
         self.policy, self.tok = load_lm(model_path, self.device)
+        if cfg.lora.rank > 0:  # (only the adapters train; the reference is the model with them off)
+            self.policy, self.lora = add_adapters(self.policy.requires_grad_(True), cfg.lora), True
         if (
             cfg.gradient_checkpointing
         ):  # (non-reentrant: the recomputed forward sees the same autocast and RNG)
@@ -138,7 +150,11 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         self.model = self.policy
         self.ref = None
         if self.algo.kl_coef > 0:
-            self.ref = load_lm(model_path, self.device, dtype=self.dtype)[0].eval().requires_grad_(False)
+            self.ref = (
+                AdaptersOff(self.policy)
+                if self.lora
+                else load_lm(model_path, self.device, dtype=self.dtype)[0].eval().requires_grad_(False)
+            )
         self.micro_batch_size, self.temperature, self.total_steps = cfg.micro_batch_size, temperature, 1
         self.optimizer = adamw(self.policy, cfg.lr, self.device)
         self.clip_and_step = ClipAndStep(self.optimizer)  # clip_grad_norm_ + step(), minus their Python
@@ -433,7 +449,7 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         import uuid
         from pathlib import Path
 
-        state = self.full_state()  # (sharded: gathered by every rank together; rank 0 writes)
+        state = self.full_state()  # (sharded: gathered by every rank together; LoRA: merged; rank 0 writes)
         final = Path(path)
         if self.sharded and self.rank != 0:
             return str(final)
@@ -441,7 +457,7 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:6]}")
         try:
             with hf_quiet():
-                self.policy.save_pretrained(tmp, state_dict=state)
+                base_lm(self.policy).save_pretrained(tmp, state_dict=state)
                 self.tok.save_pretrained(tmp)
             if final.exists():
                 shutil.rmtree(final)
@@ -449,6 +465,17 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return str(final)
+
+    def export_adapter(self, path: str) -> str:
+        """Write the LoRA adapters alone (PEFT's format: ``adapter_config.json`` and the adapters' weights) to the
+        directory ``path``; the merged model is :meth:`export_hf`'s."""
+        if not self.lora:
+            raise ConfigError(
+                "export_adapter: this actor has no LoRA adapters (actor.lora.rank is 0)", "actor.lora.rank"
+            )
+        with hf_quiet():
+            self.policy.save_pretrained(path)
+        return str(path)
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "ref": self.ref.state_dict() if self.ref is not None else None}

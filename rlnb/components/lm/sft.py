@@ -13,7 +13,7 @@ from rlnb.models.lm import prompt_ids, token_logprobs
 def adamw(model: torch.nn.Module, lr: float, device: torch.device) -> torch.optim.AdamW:
     """AdamW, fused where torch has the kernel (CPU, CUDA): one kernel for all parameters, where the
     default runs a few per parameter tensor."""
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]  # (LoRA: the adapters alone)
     fused = device.type in ("cpu", "cuda") and all(
         p.is_floating_point() and not hasattr(p, "full_tensor") for p in params
     )
@@ -80,7 +80,9 @@ class WarmStart:
             loss = -masked_mean(logp, b_tgt)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in self.policy.parameters() if p.requires_grad], self.max_grad_norm
+            )
             opt.step()
             sched.step()
             losses.append(loss.item())

@@ -30,7 +30,9 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers of a ``transformers`` causal LM (``model.model.layers``), else every direct child."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    from rlnb.models.lm import base_lm
+
+    layers = getattr(getattr(base_lm(model), "model", None), "layers", None)
     return list(layers) if layers is not None else list(model.children())
 
 
@@ -38,6 +40,7 @@ class Sharded:
     """A mixin of :class:`rlnb.components.LMActor` (it holds ``cfg``, ``policy``, ``device``, ``dtype``)."""
 
     sharded = False  # FSDP2 in force (after setup_data_parallel)
+    lora = False  # adapters on the model (actor.lora.rank > 0)
 
     def _shard(self) -> str:
         """``fully_shard`` each decoder layer, then the root, over the actor ranks' default process group."""
@@ -56,7 +59,8 @@ class Sharded:
         # the same work on every rank: FSDP2 gathers each layer's parameters in every forward
         self.length_buckets, self.share_prompt_forward, self.skip_zero_advantage = 1, False, False
         # the optimizer over the sharded parameters (its state sharded too); foreach, which DTensors take
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.cfg.lr, weight_decay=0.0)
+        trained = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=self.cfg.lr, weight_decay=0.0)
         return "fsdp2"
 
     def _gradient_sync(self, sync_now: bool):
@@ -70,7 +74,9 @@ class Sharded:
         """Clip to a global norm (over every rank's shards when sharded) and step; the norm before clipping."""
         if not self.sharded:
             return self.clip_and_step(max_grad_norm)
-        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.policy.parameters() if p.requires_grad], max_grad_norm
+        )
         self.optimizer.step()
         return norm.full_tensor() if is_sharded(norm) else norm
 
@@ -83,7 +89,12 @@ class Sharded:
     def full_state(self) -> dict[str, torch.Tensor]:
         """The model's whole state dict: gathered from every rank's shards when sharded (every actor rank must
         call it together), else the module's own."""
-        state = self.policy.state_dict()
+        if self.lora:  # the adapters merged in, under the base model's names
+            from rlnb.components.lm.lora import merged_state
+
+            state = merged_state(self.policy)
+        else:
+            state = self.policy.state_dict()
         if not self.sharded:
             return state
         return {k: v.full_tensor() if is_sharded(v) else v for k, v in state.items()}

@@ -1,0 +1,74 @@
+"""LoRA for the LM actor (``actor.lora.rank > 0``), through PEFT: low-rank adapters on the chosen linear layers are
+all that trains (and all that carries AdamW state); the base model is frozen. The KL reference is the same model with
+its adapters off, never a second copy. The rollout and an export get the merged weights, ``W + B A * alpha / r``,
+under the base model's own names (computed afresh each time: the base weights are never changed in place)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlnb.errors import ConfigError
+
+
+def add_adapters(model: torch.nn.Module, cfg) -> torch.nn.Module:
+    """``model`` with LoRA adapters (``cfg``: :class:`rlnb.config.LoRAConfig`), only they trainable."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:  # pragma: no cover - peft is a dependency of the lora extra and of dev
+        raise ConfigError(
+            f"actor.lora.rank: LoRA needs the peft package (pip install 'rlnb[lora]'): {e}", "actor.lora.rank"
+        ) from None
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [m for m in cfg.target_modules if m not in present]
+    if missing:
+        raise ConfigError(
+            f"actor.lora.target_modules: {missing} are not modules of this model; its linear layers include "
+            f"{sorted(n for n in present if n.endswith('proj'))}",
+            "actor.lora.target_modules",
+        )
+    config = LoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
+        bias="none",
+    )  # fmt: skip
+    return get_peft_model(model, config)
+
+
+def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's state dict with every adapter merged in (``W + delta``), under the base model's names."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            deltas[f"{name}.weight"] = module.get_delta_weight(module.active_adapters[0])
+    out = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        key = key.replace(".base_layer.", ".")
+        out[key] = value + deltas[key].to(value.dtype) if key in deltas else value
+    return out
+
+
+class AdaptersOff(torch.nn.Module):
+    """The KL reference of a LoRA actor: its model with the adapters disabled (PEFT's ``disable_adapter``), called
+    like a model. Holds no weights of its own: nothing to checkpoint, nothing to load."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.__dict__["lm"] = model  # (not a submodule: its parameters are the actor's, not this one's)
+
+    @property
+    def config(self):
+        return self.lm.config
+
+    def forward(self, **kwargs):
+        with self.lm.disable_adapter():
+            return self.lm(**kwargs)
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return None

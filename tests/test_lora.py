@@ -1,0 +1,85 @@
+"""LoRA on the LM actor (``actor.lora.rank``, PEFT): only the adapters train, the reference is the model with them
+off, the rollout and exports get the merged weights."""
+
+import math
+
+import pytest
+import torch
+
+from rlnb.components.lm import HFRollout, LMActor
+from rlnb.config import RecipeError, load_recipe
+from rlnb.loop import GRPOLoop
+from rlnb.models.lm import build_tiny_lm, load_lm
+from tests.test_lm import GRPO_SMALL, _two_rollout_batches
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory):
+    return str(
+        build_tiny_lm(tmp_path_factory.mktemp("lora") / "tiny", hidden_size=32, num_layers=1, num_heads=2)
+    )
+
+
+def test_only_the_adapters_train_and_the_merged_weights_are_base_plus_their_update(tiny_lm):
+    actor = LMActor(
+        tiny_lm, group_size=4, seed=0, lr=1e-2, actor={"lora": {"rank": 4, "alpha": 8}}, kl_coef=0.1
+    )
+    base = {k: v.clone() for k, v in load_lm(tiny_lm)[0].state_dict().items()}
+    trained = [n for n, p in actor.policy.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_" in n for n in trained)
+    actor.set_batch(_two_rollout_batches(tiny_lm))
+    metrics = actor.train()
+    assert math.isfinite(metrics["loss"])
+    # the optimizer holds state for the adapters alone
+    assert {id(p) for p in actor.optimizer.state} <= {
+        id(p) for p in actor.policy.parameters() if p.requires_grad
+    }
+    merged = actor.policy_state()
+    assert set(merged) == set(base)  # the base model's own names: what an HF rollout loads
+    changed = [k for k in base if not torch.equal(merged[k], base[k])]
+    assert changed and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for k in changed), (
+        changed
+    )
+    frozen = actor.policy.get_base_model().model.embed_tokens.weight
+    assert torch.equal(frozen, base["model.embed_tokens.weight"])  # the base weights never change in place
+    # the KL reference: the same model with the adapters off, i.e. the base model, not a second copy
+    b = actor.batch
+    ref = actor._logprobs(actor.ref, b)
+    plain = HFRollout(tiny_lm)  # (the untouched base)
+    with torch.no_grad():
+        logits = plain.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(2, b["input_ids"][:, 1:, None]).squeeze(2)
+    mask = b["response_mask"][:, 1:].bool()
+    assert torch.allclose(ref[:, 1:][mask], logp[mask], atol=1e-5)
+    assert actor.state_dict()["ref"] == {}  # nothing of its own to checkpoint
+
+
+def test_grpo_with_lora_on_a_worker_feeds_the_rollout_merged_weights_and_exports_both(cluster, tmp_path):
+    overrides = [
+        *GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "actor.lora.rank=8", "actor.lora.alpha=16",
+        "actor.lr=1e-2", "actor.sft_lr=1e-2", "runner.steps=3", "data.prompts_per_step=4", "algorithm.group_size=4",
+        "rollout.max_new_tokens=3", "cluster.component_placement={'actor,rollout,reward': 0}",
+    ]  # fmt: skip
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        records = loop.run(progress=False)
+        state = loop.groups["actor"].on(0).policy_state().result()[0]
+        loop.sync_weights()
+        served = loop.groups["rollout"].on(0).complete(["3+4=", "5+1="]).result()[0]
+        exported = loop.export(tmp_path / "merged")
+        adapter = loop.groups["actor"].on(0).export_adapter(str(tmp_path / "adapter")).result()[0]
+    assert all(math.isfinite(r["train/loss"]) for r in records) and loop.recipe.actor.lora.rank == 8
+    mine = HFRollout(str(tmp_path / "model"), max_new_tokens=3)
+    mine.load_weights(state, 1)
+    assert served == mine.complete(["3+4=", "5+1="])  # the rollout samples from base + adapters
+    merged, _ = load_lm(str(exported))
+    assert all(torch.equal(merged.state_dict()[k], state[k]) for k in state)
+    assert (tmp_path / "adapter" / "adapter_config.json").exists() and adapter
+
+
+def test_lora_misfits_are_refused_naming_the_key(tiny_lm):
+    with pytest.raises(RecipeError, match="actor.lora.rank: expected an integer >= 0"):
+        load_recipe("grpo_arith", ["actor.lora.rank=-1"])
+    with pytest.raises(RecipeError, match="actor.lora.rank: LoRA adapts an LM actor"):
+        load_recipe("ppo_cartpole", ["actor.lora.rank=4"])
+    with pytest.raises(Exception, match="actor.lora.target_modules: \\['qkv'\\] are not modules"):
+        LMActor(tiny_lm, actor={"lora": {"rank": 4, "target_modules": ["qkv"]}})
