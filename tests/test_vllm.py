@@ -33,6 +33,7 @@ if not HAS_VLLM:
 
 else:
     from rlnb.components.lm import HFRollout, VLLMRollout
+    from rlnb.errors import ConfigError
     from rlnb.loop import GRPOLoop
     from rlnb.models.lm import build_tiny_lm, load_lm
     from rlnb.seeding import rank_seed
@@ -88,6 +89,13 @@ else:
         assert not list(
             Path(engine._weights_dir or "/nonexistent").glob("*")
         )  # every bucket read and removed
+
+    def test_a_head_size_vllms_cpu_attention_cannot_run_is_refused_before_the_engine_starts(tmp_path):
+        if DEVICE == "cuda":
+            pytest.skip("the CPU build's head sizes")
+        small = str(build_tiny_lm(tmp_path / "heads16", hidden_size=32, num_layers=1, num_heads=2))
+        with pytest.raises(ConfigError, match="actor.model_path: .* attention heads of size 16"):
+            VLLMRollout(small, device="cpu")
 
     def test_a_multi_turn_transcript_through_vllm_masks_the_interactions_replies(model):
         def hint(completion, turn):

@@ -91,6 +91,27 @@ def _open_bucket(kind: str, payload) -> dict[str, torch.Tensor]:
     raise ValueError(f"rlnb_load_weights: unknown kind {kind!r}")
 
 
+def _check_cpu_head_size(model_path: str) -> None:
+    """vLLM's CPU attention runs a few head sizes only: refuse another before the engine starts (it would fail at
+    its first step), naming what to change."""
+    try:
+        from transformers import AutoConfig
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+    except (ImportError, AttributeError):  # (another vLLM's layout: its engine says it)
+        return
+    config = AutoConfig.from_pretrained(model_path)
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head not in supported:
+        raise ConfigError(
+            f"actor.model_path: {model_path} has attention heads of size {head}, and vLLM's CPU build runs "
+            f"{supported}; a tiny model built here has hidden_size / num_heads of that (e.g. "
+            f"actor.tiny_lm.hidden_size=128 with actor.tiny_lm.num_heads=2), or use rollout.backend=hf",
+            "actor.model_path",
+        )
+
+
 class VLLMRollout(LMRollout):
     """Sampling with ``vllm.LLM`` in the worker; weights are reloaded in place after each sync.
 
@@ -136,6 +157,8 @@ class VLLMRollout(LMRollout):
                 self.rank, current_platform.device_type,
             )  # fmt: skip
         self.tok = load_tokenizer(model_path)
+        if not self.on_gpu:
+            _check_cpu_head_size(model_path)
         c = self.cfg
         self.llm = LLM(
             model=model_path, tokenizer=model_path, seed=self.seed, dtype=c.dtype, enforce_eager=c.enforce_eager,
