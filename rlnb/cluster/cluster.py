@@ -338,7 +338,7 @@ class Cluster:
         self.session = uuid.uuid4().hex[:12]
         self._placed: dict[int, list[str]] = defaultdict(list)
         self._channels: list = []  # closed with the cluster, freeing their shared memory
-        self._done_once: set[str] = set()  # see first_time
+        self._done_once: set[str] = set()  # see once
         self.address: str
         if address is None:
             warming = _import_in_background("rlnb.loop")  # the driver's own torch import, beside the workers'
@@ -553,13 +553,13 @@ class Cluster:
             )
 
     # ------------------------------------------------------------------ bookkeeping for the layers below
-    def first_time(self, key: str) -> bool:
-        """``True`` the first time ``key`` is asked for on this cluster: set-up the runtime does once per cluster
-        (registering its worker plugin) without writing the cluster's attributes."""
-        if key in self._done_once:
-            return False
-        self._done_once.add(key)
-        return True
+    def once(self, key: str, setup) -> None:
+        """Run ``setup()`` the first time ``key`` is asked for on this cluster, and again after a ``setup`` that
+        raised: set-up the runtime does once per cluster (registering its worker plugin) without writing the
+        cluster's attributes."""
+        if key not in self._done_once:
+            setup()
+            self._done_once.add(key)
 
     def close_with(self, channel) -> None:
         """Close ``channel`` when this cluster closes (its shared memory freed with it)."""

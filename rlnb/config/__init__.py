@@ -15,16 +15,13 @@ from rlnb.config.schema import (
     ActorConfig,
     AlgorithmConfig,
     ClusterConfig,
-    DataConfig,
     EnvConfig,
     LoRAConfig,
     ModelConfig,
     Recipe,
-    RewardConfig,
-    RolloutConfig,
     RunnerConfig,
-    VLLMConfig,
 )
+from rlnb.config.sections_lm import DataConfig, RewardConfig, RolloutConfig, VLLMConfig
 
 __all__ = [
     "ActorConfig",

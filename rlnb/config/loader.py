@@ -23,7 +23,8 @@ from typing import Any, Literal
 
 import yaml
 
-from rlnb.config.schema import Recipe, infer_loop
+from rlnb.config.checks import infer_loop
+from rlnb.config.schema import Recipe
 from rlnb.errors import ConfigError, did_you_mean
 
 log = logging.getLogger("rlnb")

@@ -10,25 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rlnb.config.checks import LM_BACKENDS, at_least, infer_loop, need
-from rlnb.config.sections_lm import DataConfig, RewardConfig, RolloutConfig, VLLMConfig
-
-__all__ = [  # (the sections defined in sections_lm are part of the schema too)
-    "ActorConfig",
-    "AlgorithmConfig",
-    "ClusterConfig",
-    "DataConfig",
-    "EnvConfig",
-    "LoRAConfig",
-    "ModelConfig",
-    "Recipe",
-    "RewardConfig",
-    "RolloutConfig",
-    "RunnerConfig",
-    "TinyLMConfig",
-    "VLLMConfig",
-    "infer_loop",
-]  # fmt: skip
+from rlnb.config.checks import LM_BACKENDS, at_least, need
+from rlnb.config.sections_lm import DataConfig, RewardConfig, RolloutConfig
 from rlnb.errors import ConfigError, did_you_mean
 
 

@@ -17,7 +17,8 @@ from rlnb.algorithms.contract import EMBODIED, check_algorithm
 from rlnb.components.actor import PPOActor
 from rlnb.components.env import Env, success_rate
 from rlnb.components.rollout import PolicyRollout
-from rlnb.config.schema import Recipe, RolloutConfig
+from rlnb.config.schema import Recipe
+from rlnb.config.sections_lm import RolloutConfig
 from rlnb.errors import ConfigError, PlacementError
 from rlnb.loop.asynchronous import EmbodiedAsynchronous
 from rlnb.loop.base import LoopBase, count_or_default, objects_recipe

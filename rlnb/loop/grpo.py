@@ -16,7 +16,8 @@ from rlnb.algorithms.contract import LM, check_algorithm
 from rlnb.algorithms.interactions import check_interaction
 from rlnb.algorithms.rewards import recipe_rewards
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
-from rlnb.config.schema import DataConfig, Recipe, RolloutConfig
+from rlnb.config.schema import Recipe
+from rlnb.config.sections_lm import DataConfig, RolloutConfig
 from rlnb.data.prompts import (
     ArithmeticTask,
     Problem,

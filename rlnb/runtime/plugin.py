@@ -66,5 +66,7 @@ class WorkerRuntime(WorkerPlugin):
 def ensure_worker_runtime(cluster) -> None:
     """Register :class:`WorkerRuntime` with the cluster's scheduler (once per :class:`rlnb.Cluster`):
     every current worker sets it up now, every later one (a restarted worker too) when it starts."""
-    if cluster.first_time("worker_runtime"):
-        cluster.client.register_plugin(WorkerRuntime(ignore_sigint=cluster.embedded), name=NAME)
+    cluster.once(
+        "worker_runtime",
+        lambda: cluster.client.register_plugin(WorkerRuntime(ignore_sigint=cluster.embedded), name=NAME),
+    )

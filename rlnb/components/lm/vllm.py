@@ -24,7 +24,7 @@ import torch
 
 from rlnb.components.lm.layout import pad_left, pad_right
 from rlnb.components.lm.rollout import LMRollout
-from rlnb.config.schema import VLLMConfig
+from rlnb.config.sections_lm import VLLMConfig
 from rlnb.errors import ConfigError
 from rlnb.models.lm import load_tokenizer, prompt_ids
 from rlnb.runtime.rank import RankInfo
