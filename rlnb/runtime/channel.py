@@ -130,6 +130,15 @@ class ChannelServer:
             self._cv.notify_all()  # blocked gets and puts wake and answer "closed"
         return dropped
 
+    def pop_after_reply(self):
+        """What the direct-call server runs once it has answered a request: after ``close``, unregister, so the
+        channel's connections close and nothing of it stays on the worker."""
+        if not self.closed:
+            return None
+        from rlnb.runtime import direct
+
+        return lambda: direct.unserve(self)
+
     # ---- the Dask-actor route (coroutines on the worker's event loop)
     async def _blocking(self, fn, *args):
         if self._waiters is None:
@@ -163,7 +172,11 @@ class ChannelServer:
 
     async def close(self) -> int:
         """Drop every queued item, freeing its shared memory. Returns how many were dropped."""
-        return self._close()
+        from rlnb.runtime import direct
+
+        dropped = self._close()
+        direct.unserve(self)  # (see pop_after_reply)
+        return dropped
 
 
 class Channel:
@@ -291,6 +304,7 @@ class Channel:
         :class:`~rlnb.errors.ChannelClosedError`, as does every later ``put`` or ``get``."""
         dropped = self._ask("close", (), 30)
         self._closed = True
+        self.release_links()
         return dropped
 
     def _closed_error(self, key: str) -> ChannelClosedError:
@@ -459,6 +473,8 @@ class _DirectChannelRoute:
         status, value, _ = reply
         if status == "ok":
             return value
+        if status == "lost" and isinstance(value, str):  # its worker answered: the channel is gone from it
+            raise ChannelClosedError(f"channel {self.channel.name!r}: the channel was closed (or freed)")
         from rlnb.errors import remote_error
 
         where = f"tcp://{self.offer[0]}:{self.offer[1]} (direct)"

@@ -107,6 +107,10 @@ class CallServer:
         self.hosts: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
         self.connections = 0  # being served now
+        # connections serving a thread-safe host (a channel), by its key: closed when it is unregistered, so a
+        # closed channel leaves no connection or thread behind on its worker
+        self._host_conns: dict[str, set[socket.socket]] = {}
+        self._busy: set[socket.socket] = set()  # of those, the ones answering a request now
         self._logged: set[str] = set()  # kinds of failure already logged (each is logged once)
         ip = worker.address.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
@@ -146,8 +150,38 @@ class CallServer:
 
     def unregister(self, host) -> None:
         with self._lock:
-            for key in [k for k, h in list(self.hosts.items()) if h is host]:
+            keys = [k for k, h in list(self.hosts.items()) if h is host]
+            for key in keys:
                 del self.hosts[key]
+                # idle ones: shut down now (wakes the thread reading its next request: it ends, and closes it); one
+            # answering a request (a get woken by the close) ends once its reply is sent
+            conns = [c for key in keys for c in self._host_conns.pop(key, ()) if c not in self._busy]
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def _bind(self, key: str, conn: socket.socket) -> bool:
+        """Note that ``conn`` serves the thread-safe host ``key`` and is answering a request now; False if
+        that host is gone meanwhile."""
+        with self._lock:
+            if key not in self.hosts:
+                return False
+            self._host_conns.setdefault(key, set()).add(conn)
+            self._busy.add(conn)
+            return True
+
+    def _answered(self, key: str, conn: socket.socket) -> bool:
+        """``conn`` answered its request for host ``key``; False if that host was unregistered meanwhile (the
+        connection then ends)."""
+        with self._lock:
+            self._busy.discard(conn)
+            return key in self.hosts
+
+    def _unbind(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._busy.discard(conn)
+            for conns in self._host_conns.values():
+                conns.discard(conn)
 
     def _accept(self, sock: socket.socket):
         delay_s = 0.0
@@ -239,8 +273,15 @@ class CallServer:
             while True:
                 request, first = first or _read_request(reader), None
                 host = self.hosts.get(request[0])
+                if host is not None and hasattr(host, "direct_call") and not self._bind(request[0], conn):
+                    host = None  # unregistered between the two lookups: answered as gone, below
                 if host is not None and hasattr(host, "direct_call"):
                     send_parts(conn, self._execute_here(host, *request[1:]))
+                    after = host.pop_after_reply() if hasattr(host, "pop_after_reply") else None
+                    if after is not None:
+                        after()
+                    if not self._answered(request[0], conn):
+                        return False
                 elif (
                     self.actor_thread is not None
                     and not reader.leftover()  # (a rank's connection carries one request at a time)
@@ -256,6 +297,8 @@ class CallServer:
                         _dask.run_on_actor_thread(self.worker, after, (), "rlnb-run-ahead")
         except Exception as e:
             self._ended(conn, e)
+        finally:
+            self._unbind(conn)
         return False
 
     def _serve_on_actor_thread(self, conn: socket.socket, request: tuple | None) -> str:
@@ -531,6 +574,11 @@ class DirectLink:
         if not big:
             with self._lock:
                 sock = self._idle.pop() if self._idle else None
+            if sock is not None and _ended(
+                sock
+            ):  # closed by the worker meanwhile (its host was unregistered)
+                sock.close()
+                sock = None
         try:
             sock = sock or self.connect()
             send_within(sock, parts, timeout_s)
@@ -551,6 +599,16 @@ class DirectLink:
             idle, self._idle = self._idle, []
         for s in idle:
             s.close()
+
+
+def _ended(sock: socket.socket) -> bool:
+    """Whether an idle connection was closed by the other end (one non-blocking peek: EOF)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 class PendingCall:
