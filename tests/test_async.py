@@ -157,3 +157,35 @@ def test_an_asynchronous_driver_exits_without_errors_from_its_calls(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "recipe,overrides",
+    [
+        # solved at an early step (not the last): the collection running ahead is in flight at the end
+        ("ppo_cartpole", ["runner.steps=40", "runner.stop_return=20", "algorithm.max_staleness=2"]),
+        ("grpo_arith", ["runner.steps=2", "algorithm.max_staleness=1", "actor.sft_steps=0", "data.eval_size=8",
+                        "actor.tiny_lm.hidden_size=64", "cluster.component_placement={'rollout,reward': 0, actor: 1}"]),
+    ],
+)  # fmt: skip
+def test_an_asynchronous_recipe_runs_to_its_natural_end_through_the_cli(tmp_path, recipe, overrides):
+    """The final evaluation of `rlnb run` used to end a solved asynchronous PPO run in a traceback and exit 1
+    ("evaluate() while a collection runs ahead")."""
+    import subprocess
+    import sys
+
+    from rlnb.metrics import read_metrics
+
+    placement = [APART] if recipe == "ppo_cartpole" else []
+    done = subprocess.run(
+        [sys.executable, "-m", "rlnb.cli", "run", recipe, *placement, *overrides, "runner.tensorboard=false",
+         f"actor.model_path={tmp_path / 'model'}" if recipe == "grpo_arith" else "runner.eval_episodes=4",
+         "--run-dir", str(tmp_path / "run"), "--no-progress"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "checkpoint" in done.stderr
+    records = read_metrics(tmp_path / "run")
+    assert any(k.startswith("eval/") for k in records[-1]), records[-1]  # the final evaluation, logged
+    steps = [r["step"] for r in records if "train/loss" in r or "train/policy_loss" in r]
+    assert steps == sorted(set(steps)) and (recipe == "grpo_arith" or steps[-1] < 40), steps

@@ -54,6 +54,7 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
         runner: objects path: a :class:`rlnb.config.RunnerConfig` (or dict): steps, checkpoints, stop_return...
         name: objects path: the run's name (run directory, views).
         seed: objects path: seed of evaluation episodes.
+        read_only: open ``run_dir`` without writing to it (see :class:`rlnb.loop.base.LoopBase`).
     """
 
     COMPONENTS = ("env", "rollout", "actor")
@@ -87,6 +88,7 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
         runner=None,
         name: str = "custom",
         seed: int = 1,
+        read_only: bool = False,
     ):
         components = {"env": env, "rollout": rollout, "actor": actor}
         if recipe is None:
@@ -109,7 +111,7 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
                 "Loop: pass either a recipe or env=, rollout=, actor= groups, not both", "recipe"
             )
         else:
-            super().__init__(recipe, cluster, run_dir)
+            super().__init__(recipe, cluster, run_dir, read_only=read_only)
 
     # ------------------------------------------------------------------ set-up
     @classmethod
@@ -246,7 +248,9 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
         busy_s = max(d or 0.0 for d in self._in_flight[0].durations_s)  # the collection's own time
         summaries = self._finish_rollout(self._in_flight)
         self._in_flight = None
-        staleness = self.step - self._rollout_version  # versions behind when trained (at self.step)
+        # versions behind when trained (at self.step), from the batch's own version: an evaluation may have sent
+        # the rollout ranks newer weights since it was collected
+        staleness = self.step - summaries[0]["version"]
         if not self._must_drain():
             if (self.step + 1) - self._rollout_version > self.max_staleness:  # admission for the next batch
                 self._sync_rollout()
@@ -320,15 +324,13 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
 
     def evaluate(self, episodes: int | None = None) -> dict:
         """Deterministic episodes on fresh envs (seeded apart from training); logs ``eval/return_mean``.
-        ``episodes``: default ``runner.eval_episodes``."""
+        ``episodes``: default ``runner.eval_episodes``. In asynchronous mode a collection running ahead (a run
+        stopped early, a notebook stepping) is let finish first, and its batch kept for the next step."""
         n = count_or_default(episodes, "episodes", self.recipe.runner.eval_episodes)
         t0 = time.perf_counter()
+        # asynchronous mode: the collection running ahead finishes first; its batch (with the policy version it
+        # was made with) is kept for the next rollout(), and the rollout ranks then take the current weights
         self._settle_in_flight()
-        if self._in_flight is not None:  # the rollout ranks keep the weights their batch was made with
-            raise RuntimeError(
-                "evaluate() while a collection runs ahead (algorithm.max_staleness): call it between "
-                "run() calls or at run()'s eval_interval, where nothing is in flight"
-            )
         self._sync_rollout()  # evaluate the current weights
         args = (self.env_spec, n, self.recipe.seed + 1_000_003)
         # observations normalised as in training: with env rank 0's statistics as they are now, frozen (not
