@@ -1,7 +1,8 @@
 """The ``rlnb`` command line: ``rlnb run RECIPE [key=value ...]``, ``rlnb eval RUN_DIR``, ``rlnb export RUN_DIR``,
 ``rlnb info``, ``rlnb recipes``, ``rlnb demo``.
 
-Exit codes: 0 success, 2 bad usage or config, 1 run failure, 130 stopped by Ctrl-C (after a checkpoint).
+Exit codes: 0 success, 2 bad usage or config, 1 run failure; stopped by a signal after a checkpoint: 130 Ctrl-C
+(SIGINT), 143 SIGTERM, 129 SIGHUP.
 """
 
 from __future__ import annotations
@@ -94,16 +95,26 @@ def _run(args) -> int:
     from rlnb.loop import loop_class
 
     loop = loop_class(recipe).from_recipe(recipe)
+    resumed = f", resumed at step {loop.step} from {loop.resumed_from.name}" if loop.resumed_from else ""
     print(
-        f"rlnb: run directory {loop.run_dir} ({loop.mode}, start-up {loop.startup_s:.1f} s)", file=sys.stderr
+        f"rlnb: run directory {loop.run_dir} ({loop.mode}, start-up {loop.startup_s:.1f} s{resumed})",
+        file=sys.stderr,
     )
 
-    def on_sigint(signum, frame):  # first Ctrl-C: finish the step, checkpoint, exit; second: abort
-        print("\nrlnb: stopping at the end of this step (Ctrl-C again to abort)", file=sys.stderr)
-        loop.stop()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    stopped_by: list[int] = []
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    def on_signal(signum, frame):  # first signal: finish the step, checkpoint, exit; a second Ctrl-C: abort
+        name = signal.Signals(signum).name
+        again = " (Ctrl-C again to abort)" if signum == signal.SIGINT else ""
+        print(f"\nrlnb: {name}: stopping at the end of this step{again}", file=sys.stderr)
+        stopped_by.append(signum)
+        loop.stop()
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    # SIGTERM (docker stop, Slurm and Kubernetes preemption) and SIGHUP (a closed terminal) stop as Ctrl-C does
+    handled = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    previous = {s: signal.signal(s, on_signal) for s in handled}
     try:
         loop.run(progress=not args.no_progress)
         path = loop.save()
@@ -116,9 +127,14 @@ def _run(args) -> int:
             file=sys.stderr,
         )
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         loop.close()
-    return 130 if loop.stopped else 0  # 130: stopped by Ctrl-C, after a checkpoint
+    if (
+        loop.stopped and stopped_by
+    ):  # 128 + the signal, after a checkpoint: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
+        return 128 + stopped_by[0]
+    return 130 if loop.stopped else 0
 
 
 def _positive_int(text: str) -> int:
@@ -133,7 +149,8 @@ def _positive_int(text: str) -> int:
 
 
 def _resume(run_dir: str):
-    """The loop of ``run_dir`` at its latest checkpoint."""
+    """The loop of ``run_dir`` at its latest checkpoint, read-only: evaluating or exporting a run (maybe a
+    live one) writes nothing into its directory but the export itself."""
     from pathlib import Path
 
     from rlnb.config import load_recipe
@@ -142,7 +159,7 @@ def _resume(run_dir: str):
     recipe_file = Path(run_dir) / "recipe.yaml"
     if not recipe_file.exists():
         raise ConfigError(f"{run_dir} is not a run directory (no recipe.yaml)", "run_dir")
-    return loop_class(load_recipe(recipe_file)).resume(run_dir)
+    return loop_class(load_recipe(recipe_file)).resume(run_dir, read_only=True)
 
 
 def _export(args) -> int:

@@ -3,8 +3,13 @@
 ``Loop.export()`` (or ``rlnb export RUN_DIR``) writes the actor's policy with what turns an env's observations
 into its input (the frozen observation normalisation of ``env.normalize_obs``) and its output into the env's
 actions (continuous actions clipped to the action space, as the rollout clips them). :func:`load_policy` reads
-it back in any process, with no cluster, Dask or rlnb component running; a policy class defined in a notebook
-cell travels with the file (pickled by value).
+it back in any process, with no cluster, Dask or rlnb component running.
+
+The file holds only tensors and plain data (format ``rlnb-policy/2``): the built-in actor-critic's settings and
+weights, the spaces, the normalisation statistics. It loads with ``torch.load(weights_only=True)``: a file from
+someone else cannot run code. A policy class of the user's own (defined in a notebook cell) cannot be rebuilt
+from data: it travels pickled by value inside the file, and :func:`load_policy` unpickles it only when told the
+file is trusted (``trust=True``); so does an env class or factory the file names for :meth:`TrainedPolicy.evaluate`.
 
 Example:
     >>> import gymnasium as gym, rlnb                                           # doctest: +SKIP
@@ -12,12 +17,11 @@ Example:
     >>> env = gym.make("CartPole-v1")                                            # doctest: +SKIP
     >>> obs, _ = env.reset(seed=0)                                               # doctest: +SKIP
     >>> obs, reward, terminated, truncated, _ = env.step(policy.predict(obs))    # doctest: +SKIP
-
-The file is a pickle (``torch.load(..., weights_only=False)``): load only files you trust, as with any pickle.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -26,7 +30,11 @@ import numpy as np
 
 from rlnb.errors import RlnbError
 
-FORMAT = "rlnb-policy/1"
+FORMAT = "rlnb-policy/2"
+OLD_FORMATS = ("rlnb-policy/1",)  # a whole pickle: read only with trust=True
+
+
+UNTRUSTED_ENV = "untrusted"  # env_spec of a file loaded without trust=True that names an env class by pickle
 
 
 class PolicyFileError(RlnbError, ValueError):
@@ -110,6 +118,12 @@ class TrainedPolicy:
         Raises:
             ValueError: they cannot be rebuilt in this process (their env class's module is missing here).
         """
+        if self._env_spec == UNTRUSTED_ENV:
+            raise ValueError(
+                "the env this policy was trained on is a class or factory of its author's own, pickled in the file "
+                "(unpickling runs code); load_policy(path, trust=True) if you trust the file, or "
+                "evaluate(make_env=...) names another"
+            )
         if isinstance(self._env_spec, bytes):
             import cloudpickle
 
@@ -174,30 +188,52 @@ class TrainedPolicy:
             env.close()
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write this policy to ``path`` atomically (a temporary file, then renamed); returns the path."""
+        """Write this policy to ``path`` atomically (a temporary file, then renamed); returns the path.
+
+        The built-in actor-critic is written as its settings and weights; a policy module of another class as a
+        pickle inside the file (read back with ``load_policy(path, trust=True)``)."""
         import cloudpickle
 
         from rlnb.files import torch_save_atomic
+        from rlnb.models.policies import ActorCritic
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        builtin = type(self.module) is ActorCritic
+        spec = self._env_spec
+        spec = None if spec == UNTRUSTED_ENV else spec
+        plain_spec = isinstance(spec, dict) and (
+            spec.get("make_env") is None or isinstance(spec["make_env"], str)
+        )
+        norm = self.obs_normalization
         state = {
             "format": FORMAT,
-            "module": self.module,
-            "observation_space": self.observation_space,
-            "action_space": self.action_space,
-            "obs_normalization": self.obs_normalization,
+            "actor_critic": self.module.config if builtin else None,
+            "weights": self.module.state_dict() if builtin else None,
+            # by value where a class is not importable (defined in a notebook cell or a script's __main__)
+            "module_pickle": None if builtin else cloudpickle.dumps(self.module),
+            "observation_space": space_to_data(self.observation_space),
+            "action_space": space_to_data(self.action_space),
+            "obs_normalization": None
+            if norm is None
+            else {"mean": norm.mean, "var": norm.var, "count": norm.count},
             "step": self.step,
             "source": self.source,
-            # (pickled apart: a file whose env class cannot be imported where it is loaded still loads)
-            "env_spec": (
-                self._env_spec
-                if self._env_spec is None or isinstance(self._env_spec, bytes)
-                else cloudpickle.dumps(self._env_spec)
+            "env": (
+                {"config": dataclasses.asdict(spec["config"]), "make_env": spec["make_env"]}
+                if plain_spec
+                else None
+            ),
+            # (an env class or factory: pickled apart, unpickled only when trusted and used)
+            "env_pickle": (
+                None
+                if spec is None or plain_spec
+                else spec
+                if isinstance(spec, bytes)
+                else cloudpickle.dumps(spec)
             ),
         }
-        # by value where a class is not importable (defined in a notebook cell or a script's __main__)
-        torch_save_atomic(state, path, pickle_module=cloudpickle)
+        torch_save_atomic(state, path)
         return path
 
     def __repr__(self) -> str:  # local state only
@@ -211,15 +247,22 @@ class TrainedPolicy:
         )
 
 
-def load_policy(path: str | os.PathLike) -> TrainedPolicy:
+def load_policy(path: str | os.PathLike, trust: bool = False) -> TrainedPolicy:
     """Read a policy :meth:`TrainedPolicy.save` (``Loop.export``, ``rlnb export``) wrote. A run directory
     stands for its ``policy.pt``.
 
+    Args:
+        path: the file, or a run directory.
+        trust: also unpickle what the file holds as code (a policy or env class of the user's own, or a file of
+            the older, pickled format): only for files you trust, since unpickling can run any code.
+
     Raises:
         FileNotFoundError: no such file.
-        PolicyFileError: a file that is not such a policy.
+        PolicyFileError: a file that is not such a policy, or one that needs ``trust=True``.
     """
     import torch
+
+    from rlnb.files import UnsafeFileError, torch_load_safe
 
     path = Path(path)
     for model in (path, path / "model"):  # an LM run's export, or that export itself
@@ -234,18 +277,110 @@ def load_policy(path: str | os.PathLike) -> TrainedPolicy:
         hint = " (write one with loop.export() or `rlnb export RUN_DIR`)" if path.name == "policy.pt" else ""
         raise FileNotFoundError(f"load_policy: no policy file at {path}{hint}")
     try:
-        state: Any = torch.load(path, map_location="cpu", weights_only=False)
+        state: Any = torch_load_safe(path)
+    except UnsafeFileError as e:
+        if not trust:
+            raise PolicyFileError(
+                f"load_policy: {e}. If it is an older rlnb policy file and you trust it: load_policy(path, trust=True)"
+            ) from None
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e2:
+            raise PolicyFileError(
+                f"load_policy: {path} is not a policy file ({type(e2).__name__}: {e2})"
+            ) from e2
     except Exception as e:
         raise PolicyFileError(f"load_policy: {path} is not a policy file ({type(e).__name__}: {e})") from e
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+    found = state.get("format") if isinstance(state, dict) else type(state).__name__
+    if found in OLD_FORMATS and trust:
+        return TrainedPolicy(
+            state["module"], state["observation_space"], state["action_space"], state["obs_normalization"],
+            state["step"], state["source"], state.get("env_spec"),
+        )  # fmt: skip
+    if found != FORMAT:
         raise PolicyFileError(f"load_policy: {path}: expected format {FORMAT!r}, found {found!r}")
     return TrainedPolicy(
-        state["module"],
-        state["observation_space"],
-        state["action_space"],
-        state["obs_normalization"],
+        _module_from(state, path, trust),
+        space_from_data(state["observation_space"]),
+        space_from_data(state["action_space"]),
+        _rms_from(state["obs_normalization"]),
         state["step"],
         state["source"],
-        state.get("env_spec"),
+        _env_spec_from(state, trust),
     )
+
+
+def _module_from(state: dict, path: Path, trust: bool):
+    import cloudpickle
+
+    from rlnb.models.policies import ActorCritic
+
+    if state["actor_critic"] is not None:
+        obs, act = space_from_data(state["observation_space"]), space_from_data(state["action_space"])
+        module = ActorCritic(obs, act, **state["actor_critic"])
+        module.load_state_dict(state["weights"])
+        return module
+    if not trust:
+        raise PolicyFileError(
+            f"load_policy: {path} holds a policy class of its author's own, pickled (unpickling runs code): "
+            "load_policy(path, trust=True) reads it if you trust the file"
+        )
+    return cloudpickle.loads(state["module_pickle"])
+
+
+def _env_spec_from(state: dict, trust: bool):
+    if state["env"] is not None:
+        from rlnb.config.schema import EnvConfig
+
+        return {"config": EnvConfig(**state["env"]["config"]), "make_env": state["env"]["make_env"]}
+    # an env class or factory stays pickled: unpickled (TrainedPolicy.env_spec) only if trusted, when used
+    if state["env_pickle"] is None:
+        return None
+    return state["env_pickle"] if trust else UNTRUSTED_ENV
+
+
+def _rms_from(state: dict | None):
+    if state is None:
+        return None
+    from rlnb.envs.gym_envs import RunningMeanStd
+
+    rms = RunningMeanStd(np.shape(state["mean"]))
+    rms.mean, rms.var, rms.count = state["mean"], state["var"], state["count"]
+    return rms
+
+
+def space_to_data(space) -> dict:
+    """A ``gymnasium`` space as plain data (``Box``, ``Discrete``, ``MultiDiscrete``, ``MultiBinary``).
+
+    Raises:
+        PolicyFileError: another kind of space.
+    """
+    import gymnasium as gym
+
+    if isinstance(space, gym.spaces.Box):
+        return {"kind": "Box", "low": space.low, "high": space.high, "dtype": str(space.dtype)}
+    if isinstance(space, gym.spaces.Discrete):
+        return {"kind": "Discrete", "n": int(space.n), "start": int(space.start)}
+    if isinstance(space, gym.spaces.MultiDiscrete):
+        return {"kind": "MultiDiscrete", "nvec": space.nvec, "dtype": str(space.dtype)}
+    if isinstance(space, gym.spaces.MultiBinary):
+        return {"kind": "MultiBinary", "n": space.n}
+    raise PolicyFileError(
+        f"a policy file holds Box, Discrete, MultiDiscrete or MultiBinary spaces, not {space}"
+    )
+
+
+def space_from_data(data: dict):
+    """The space :func:`space_to_data` described."""
+    import gymnasium as gym
+
+    kind = data["kind"]
+    if kind == "Box":
+        return gym.spaces.Box(data["low"], data["high"], dtype=np.dtype(data["dtype"]))
+    if kind == "Discrete":
+        return gym.spaces.Discrete(data["n"], start=data["start"])
+    if kind == "MultiDiscrete":
+        return gym.spaces.MultiDiscrete(data["nvec"], dtype=np.dtype(data["dtype"]))
+    if kind == "MultiBinary":
+        return gym.spaces.MultiBinary(data["n"])
+    raise PolicyFileError(f"unknown space kind {kind!r} in a policy file")

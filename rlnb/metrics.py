@@ -145,6 +145,9 @@ def undocumented(keys) -> list[str]:
 class MetricLogger:
     """Writes one JSON object per step to ``<run_dir>/metrics.jsonl`` and fans out to listeners.
 
+    ``read_only``: records go to the listeners and ``history`` only; nothing in ``run_dir`` is written or
+    truncated (an evaluation of a run's checkpoint, which may be live).
+
     Example:
         >>> log = MetricLogger("/tmp/run", tensorboard=False)   # doctest: +SKIP
         >>> log.log(1, {"env/episode_return_mean": 20.0})        # doctest: +SKIP
@@ -156,9 +159,14 @@ class MetricLogger:
         tensorboard: bool = True,
         wandb_project: str | None = None,
         config: dict | None = None,
+        read_only: bool = False,
     ):
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.read_only = read_only
+        if read_only:
+            tensorboard, wandb_project = False, None
+        else:
+            self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.path = self.run_dir / "metrics.jsonl"
         self.history: list[dict] = []
         self._file = None  # metrics.jsonl, open for appending from the first record until close()
@@ -206,9 +214,14 @@ class MetricLogger:
         """Append ``line`` to ``metrics.jsonl``, kept open between records (opening it for each record cost
         a measurable share of a fast step); line-buffered, so each record is in the file once written (a killed run leaves at
         most a torn last line, which :func:`read_metrics` drops)."""
+        if self.read_only:
+            return
         with self._file_lock:  # (a background run logs from its own thread)
             if self._file is None:
-                self._file = self.path.open("a", buffering=1)
+                # (0600: a run's data is its user's)
+                self._file = open(  # noqa: SIM115 (closed by close() or the finalizer below)
+                    os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a", buffering=1
+                )
                 # (a logger never closed still closes it)
                 self._closer = weakref.finalize(self, self._file.close)
             self._file.write(line)
@@ -219,10 +232,13 @@ class MetricLogger:
         :meth:`truncate_after` drops the rows of later steps, as it does records."""
         if table not in TABLES:
             raise ValueError(f"log_rows: expected a table in {TABLES}, got {table!r}")
+        if self.read_only:
+            return
         lines = "".join(
             json.dumps({"step": step, **{k: _plain(v) for k, v in r.items()}}) + "\n" for r in rows
         )
-        with (self.run_dir / f"{table}.jsonl").open("a") as f:
+        path = self.run_dir / f"{table}.jsonl"
+        with open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a") as f:
             f.write(lines)
 
     def _close_file(self) -> None:
@@ -235,6 +251,8 @@ class MetricLogger:
         """On resume: drop records of steps after ``step`` (they will be recomputed), in ``metrics.jsonl``
         (rewritten atomically; a torn last line of a killed run is dropped) and in TensorBoard (its
         events from ``step + 1`` on are purged, so curves do not overlap)."""
+        if self.read_only:
+            return
         if self._tb is not None:
             self._tb.close()
             self._tb = _tensorboard_writer(self.run_dir, purge_step=step + 1)
@@ -279,6 +297,7 @@ def _keep_through(path: Path, step: int) -> list[dict]:
     kept = [r for r in _read_jsonl(path) if r.get("step", 0) <= step]
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.chmod(0o600)
     os.replace(tmp, path)
     return kept
 

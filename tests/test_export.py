@@ -113,7 +113,7 @@ def test_a_policy_class_from_a_scripts_main_is_exported_with_its_code_and_loads_
     assert done.returncode == 0, done.stderr[-3000:]
     path, weight = done.stdout.strip().splitlines()[-2:]
     load = (
-        f"import rlnb; p = rlnb.load_policy({path!r}); print(type(p.module.module).__name__); "
+        f"import rlnb; p = rlnb.load_policy({path!r}, trust=True); print(type(p.module.module).__name__); "
         "print(p.module.module.net.weight.tolist()); print(p.predict([0.0, 0.1, 0.0, -0.1])); "
         "print(p.evaluate(2, make_env='CartPole-v1')['len_mean'] > 0); p.evaluate(2)"
     )
@@ -126,6 +126,14 @@ def test_a_policy_class_from_a_scripts_main_is_exported_with_its_code_and_loads_
     ), loaded.stderr[-3000:]
     name, loaded_weight, action, evaluated = loaded.stdout.strip().splitlines()
     assert name == "TinyPolicy" and loaded_weight == weight and action in ("0", "1") and evaluated == "True"
+    # without trust=True, a pickled policy class is not unpickled
+    untrusted = subprocess.run(
+        [sys.executable, "-c", f"import rlnb; rlnb.load_policy({path!r})"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert untrusted.returncode == 1 and "holds a policy class of its author's own" in untrusted.stderr
 
 
 def test_rlnb_eval_and_rlnb_export_work_from_a_runs_latest_checkpoint(tmp_path):
@@ -172,5 +180,36 @@ def test_loading_what_is_not_a_policy_file_says_so(tmp_path):
         ):
             load_policy(given)
     torch.save({"weights": torch.zeros(2)}, tmp_path / "state.pt")
-    with pytest.raises(PolicyFileError, match="expected format 'rlnb-policy/1', found None"):
+    with pytest.raises(PolicyFileError, match="expected format 'rlnb-policy/2', found None"):
         load_policy(tmp_path / "state.pt")
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_hostile_policy_file_runs_nothing_and_a_policy_file_holds_only_data(cluster, tmp_path):
+    marker = tmp_path / "ran"
+    torch.save({"format": "rlnb-policy/1", "module": _RunsCode(marker)}, tmp_path / "bad.pt")
+    with pytest.raises(
+        PolicyFileError, match=r"bad\.pt names posix\.system.*load_policy\(path, trust=True\)"
+    ):
+        load_policy(tmp_path / "bad.pt")
+    assert not marker.exists()
+    env = rlnb.Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4, normalize_obs=True)
+    rollout, actor = rlnb.PolicyRollout.launch(cluster, "0"), rlnb.PPOActor.launch(cluster, "0")
+    runner = {"tensorboard": False, "steps": 1}
+    with Loop(
+        env=env, rollout=rollout, actor=actor, steps_per_rollout=16, runner=runner, run_dir=tmp_path / "r"
+    ) as loop:
+        loop.run(progress=False)
+        path = loop.export()
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) == [
+        n for n in torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) if n.startswith("numpy")
+    ]
+    policy = load_policy(path)
+    assert policy.evaluate(2)["len_mean"] > 0 and policy.obs_normalization is not None

@@ -134,13 +134,17 @@ def test_checkpoints_order_by_step_number_and_stale_partials_are_removed(cluster
     assert sorted(p.name for p in root.iterdir()) == ["step_000001"]
 
 
-def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(cluster, tmp_path, caplog):
+def test_an_unreadable_latest_checkpoint_is_an_error_unless_a_fallback_is_asked_for(
+    cluster, tmp_path, caplog
+):
     overrides = ["runner.steps=4", "runner.save_interval=2", *QUIET]
     with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
         loop.run(progress=False)
     latest = complete_checkpoints(tmp_path)[-1]
     (latest / "actor_rank0.pt").write_bytes(b"torn")
-    with Loop.resume(tmp_path, cluster=cluster) as loop:
+    with pytest.raises(CheckpointError, match=r"step_000004.*Earlier complete checkpoints: step_000002"):
+        Loop.resume(tmp_path, cluster=cluster)
+    with Loop.resume(tmp_path, cluster=cluster, overrides=["runner.resume_fallback=true"]) as loop:
         assert loop.step == 2
     assert "falling back to the previous complete checkpoint" in caplog.text
 

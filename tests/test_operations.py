@@ -246,7 +246,10 @@ def test_cli_unreachable_scheduler_exits_1():
     assert r.returncode == 1 and "cannot reach the Dask scheduler at 'tcp://127.0.0.1:9'" in r.stderr
 
 
-def test_ctrl_c_stops_at_a_step_boundary_after_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_ctrl_c_sigterm_and_sighup_stop_at_a_step_boundary_after_a_checkpoint(tmp_path, sig, code):
+    """SIGTERM (docker stop, Slurm and Kubernetes preemption) and SIGHUP (a closed terminal) used to kill
+    the run at once, with no checkpoint."""
     proc = subprocess.Popen(
         [*RLNB, "run", "ppo_cartpole", "runner.steps=300", "runner.stop_return=100000", *QUIET,
          "--run-dir", str(tmp_path), "--no-progress"],
@@ -254,12 +257,12 @@ def test_ctrl_c_stops_at_a_step_boundary_after_a_checkpoint(tmp_path):
     )  # fmt: skip
     try:
         _wait_for_records(tmp_path, 3, proc)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, err
+    assert proc.returncode == code, err
     assert "stopping at the end of this step" in err
     steps = [r["step"] for r in read_metrics(tmp_path) if "train/policy_loss" in r]
     ckpts = complete_checkpoints(tmp_path)

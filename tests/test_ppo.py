@@ -218,7 +218,7 @@ def test_env_checkpoints_a_simulator_through_its_state_api_not_by_pickling():
         env.step(0, np.ones(4, dtype=np.int64))
     state = env.state_dict()
     state = copy.deepcopy(state)  # as a checkpoint holds it: nothing shared with `env`
-    assert state["envs"] is None and state["vector_state"] is not None
+    assert state["env_state"] is None and state["vector_state"] is not None
     after = [env.step(0, np.zeros(4, dtype=np.int64))["obs"] for _ in range(20)]
     twin = Env(make_env="rlnb/TorchCartPole-v1", num_envs=4, seed=99)
     twin.load_state_dict(state)

@@ -16,13 +16,13 @@ import logging
 import math
 import time
 
-import cloudpickle
 import numpy as np
 import torch
 
 from rlnb.components.launch import launcher
 from rlnb.config.schema import EnvConfig
 from rlnb.envs.gym_envs import RunningMeanStd, capture_sim_state, make_vector_env, restore_sim_state
+from rlnb.envs.state import capture_state, restore_state
 from rlnb.errors import ComponentError, ConfigError, did_you_mean
 from rlnb.runtime.rank import RankInfo, current_rank
 from rlnb.seeding import rank_seed
@@ -123,10 +123,7 @@ class Env:
         self.per_stage = self.cfg.num_envs // self.stages
         self.seed = rank_seed(seed, self.rank, "env")
         self.gamma = gamma
-        self.envs = [
-            make_vector_env(make_env or self.cfg.id, self.per_stage, self.cfg.vector_mode, self.cfg.kwargs)
-            for _ in range(self.stages)
-        ]
+        self.envs = self._make_envs()
         self.observation_space = self.envs[0].single_observation_space
         self.action_space = self.envs[0].single_action_space
         if make_env is not None:
@@ -353,44 +350,55 @@ class Env:
     def spaces(self):
         return self.observation_space, self.action_space
 
-    def state_dict(self) -> dict:
-        """Everything needed to continue exactly: the pickled sync vector envs (with their RNGs) and counters.
+    def _make_envs(self) -> list:
+        return [
+            make_vector_env(
+                self.make_env or self.cfg.id, self.per_stage, self.cfg.vector_mode, self.cfg.kwargs
+            )
+            for _ in range(self.stages)
+        ]
 
-        Envs are pickled with ``cloudpickle``, so an env class defined in a notebook cell checkpoints too;
-        what pickling loses (MuJoCo physics, the RNG of envs rebuilt from their constructor arguments) is
-        saved beside them (:func:`rlnb.envs.gym_envs.capture_sim_state`).
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly, as plain data: the sync vector envs' state (with their RNGs)
+        and counters.
+
+        The envs are not pickled (a pickle runs code when loaded): their plain-data attributes are read out
+        (:func:`rlnb.envs.state.capture_state`) and, on resume, written into envs built afresh from the
+        same class and arguments, so an env class defined in a notebook cell resumes too. MuJoCo's physics
+        goes through MuJoCo's own state API (:func:`rlnb.envs.gym_envs.capture_sim_state`).
         Async vector envs live in subprocesses and are not saved: after a resume they are reset (every
         episode restarts; counters, statistics and normalisation are restored).
         A vector env with its own ``state_dict()``/``load_state_dict()`` (a GPU simulator: ManiSkill,
-        :class:`rlnb.envs.TorchCartPole`) is saved through them and never pickled.
+        :class:`rlnb.envs.TorchCartPole`) is saved through them.
         """
         own = self._own_state_api()
-        pickled = self.cfg.vector_mode == "sync" and not own
+        captured = self.cfg.vector_mode == "sync" and not own
         return {
-            "envs": cloudpickle.dumps(self.envs) if pickled else None,
-            "sim_state": [capture_sim_state(v) for v in self.envs] if pickled else None,
+            "env_state": [capture_state(v) for v in self.envs] if captured else None,
+            "sim_state": [capture_sim_state(v) for v in self.envs] if captured else None,
             "vector_state": [v.state_dict() for v in self.envs] if own else None,
             "obs": [o.cpu() if isinstance(o, torch.Tensor) else o for o in self.obs],
             "ep_return": self.ep_return,
             "ep_len": self.ep_len,
             "finished": self.finished,
-            "obs_rms": self.obs_rms,
-            "ret_rms": self.ret_rms,
+            "obs_rms": _rms_state(self.obs_rms),
+            "ret_rms": _rms_state(self.ret_rms),
             "disc_return": self.disc_return,
             "started": self.started,
             "config": dataclasses.asdict(self.cfg),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        for k in ("obs", "ep_return", "ep_len", "finished", "obs_rms", "ret_rms", "disc_return", "started"):
+        for k in ("obs", "ep_return", "ep_len", "finished", "disc_return", "started"):
             setattr(self, k, state[k])
+        self.obs_rms, self.ret_rms = _rms_from(state["obs_rms"]), _rms_from(state["ret_rms"])
         if state.get("vector_state") is not None:  # through the simulator's own state API
             for vec, vec_state in zip(self.envs, state["vector_state"]):
                 vec.load_state_dict(vec_state)
             device = getattr(self.envs[0], "device", None)
             self.obs = [o.to(device) if isinstance(o, torch.Tensor) and device else o for o in self.obs]
             return
-        if state["envs"] is None:  # async envs: not in the checkpoint; start fresh episodes
+        if state["env_state"] is None:  # async envs: not in the checkpoint; start fresh episodes
             log.warning(
                 "%s[%d]: async vector envs restart their episodes after a resume", self.name, self.rank
             )
@@ -399,9 +407,10 @@ class Env:
             return
         for env in self.envs:
             env.close()
-        self.envs = cloudpickle.loads(state["envs"])
-        for vec, sim in zip(self.envs, state.get("sim_state") or [None] * len(self.envs)):
-            restore_sim_state(vec, sim)  # MuJoCo physics and env RNGs, which pickling does not keep
+        self.envs = self._make_envs()
+        for vec, captured, sim in zip(self.envs, state["env_state"], state["sim_state"]):
+            restore_state(vec, captured)
+            restore_sim_state(vec, sim)  # MuJoCo physics, through MuJoCo's own API
 
     def _own_state_api(self) -> bool:
         return all(
@@ -411,3 +420,15 @@ class Env:
     def close(self) -> None:
         for env in self.envs:
             env.close()
+
+
+def _rms_state(rms: RunningMeanStd | None) -> dict | None:
+    return None if rms is None else {"mean": rms.mean, "var": rms.var, "count": rms.count}
+
+
+def _rms_from(state: dict | None) -> RunningMeanStd | None:
+    if state is None:
+        return None
+    rms = RunningMeanStd(np.shape(state["mean"]))
+    rms.mean, rms.var, rms.count = state["mean"], state["var"], state["count"]
+    return rms

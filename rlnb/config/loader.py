@@ -9,12 +9,15 @@ Example:
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import dataclasses
 import functools
 import inspect
 import itertools
 import logging
+import math
+import os
 import textwrap
 import types
 import typing
@@ -29,6 +32,40 @@ from rlnb.errors import ConfigError, did_you_mean
 
 log = logging.getLogger("rlnb")
 _SAID_LOOP: set[str] = set()  # recipe files whose loop was inferred, said once a process
+
+
+MAX_MAGNITUDE = 1e15  # the largest number a recipe's float field takes (either sign)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML as a recipe takes it: no duplicate keys (where the last would silently win) and no aliases (whose
+    expansion lets a few hundred bytes grow into gigabytes: a "billion laughs")."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.YAMLError(
+                f"a YAML alias (*name) at line {mark.line + 1}: recipes take none; write the value out"
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.YAMLError(f"duplicate key {key!r} at line {key_node.start_mark.line + 1}")
+            seen.add(key) if isinstance(key, (str, int, float, bool)) else None
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(text: str):
+    """``text`` read as YAML, refusing duplicate keys and aliases (see :class:`_StrictLoader`).
+
+    Raises:
+        yaml.YAMLError: malformed YAML, a duplicate key or an alias.
+    """
+    return yaml.load(text, Loader=_StrictLoader)
 
 
 class RecipeError(ConfigError):
@@ -124,12 +161,21 @@ def _convert(value, tp, key: str, errors: list[str]):
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):
-        try:  # YAML reads 1e-3 (no dot) as a string
-            return float(value)
-        except ValueError:
-            pass
+        with contextlib.suppress(ValueError):  # YAML reads 1e-3 (no dot) as a string
+            value = float(value)
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        errors.append(f"{key}: expected a finite number, got {value!r}")
+        return value
+    if tp is float and isinstance(value, float) and abs(value) > MAX_MAGNITUDE:
+        # (a coefficient this big overflows float32 in the first update, far from where it was set)
+        errors.append(f"{key}: expected a number of magnitude at most {MAX_MAGNITUDE:g}, got {value!r}")
+        return value
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         errors.append(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    elif tp is int and not -(2**63) <= value < 2**63:
+        errors.append(f"{key}: expected an integer of at most 64 bits, got {value!r}")
+    elif tp is str and any(ord(c) < 32 and c not in "\t\n" for c in value):
+        errors.append(f"{key}: expected text without control characters, got {value[:80]!r}")
     return value
 
 
@@ -212,7 +258,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, raw = text.split("=", 1)
     key = key.strip()
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = read_yaml(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -221,7 +267,11 @@ def parse_override(text: str) -> tuple[str, Any]:
 # ---------------------------------------------------------------------------- entry point
 def recipe_path(name_or_path: str | Path) -> Path:
     """A recipe file: a path, or the name of a bundled recipe (``ppo_cartpole``)."""
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
+        raise ConfigError(f"recipe: expected a recipe file or bundled name, got {name_or_path!r}", "recipe")
     p = Path(name_or_path)
+    if p.is_dir():
+        raise ConfigError(f"recipe: expected a recipe file, got {str(p)!r}, which is a directory", "recipe")
     if p.exists():
         return p
     bundled = bundled_recipes()
@@ -260,11 +310,22 @@ def load_recipe(
         p = recipe_path(path)
         source = str(p)
         try:
-            tree = yaml.safe_load(p.read_text()) or {}
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise RecipeError(
+                [f"expected UTF-8 text (a YAML file), got byte {e.object[e.start]:#04x} at offset {e.start}"],
+                source,
+            ) from None
+        except OSError as e:
+            raise RecipeError([f"cannot read it ({e.strerror or e})"], source) from None
+        try:
+            tree = read_yaml(text) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise RecipeError([f"malformed YAML{where}: {getattr(e, 'problem', e)}"], source) from None
+            raise RecipeError(
+                [f"malformed YAML{where}: {getattr(e, 'problem', None) or e}"], source
+            ) from None
         if not isinstance(tree, dict):
             raise RecipeError(
                 [f"expected a mapping of sections at the top, got {type(tree).__name__}"], source
@@ -285,7 +346,12 @@ def load_recipe(
                 source, recipe.rollout.backend, recipe.loop, recipe.loop,
             )  # fmt: skip
     if check:
-        errors += validate(recipe)
+        try:
+            errors += validate(recipe)
+        except (TypeError, AttributeError, ValueError, OSError):
+            if not errors:
+                raise
+            # (a value of the wrong type, reported above, broke a cross-field check that reads it)
     if errors:
         raise RecipeError(errors, source)
     return recipe
@@ -322,3 +388,57 @@ def check_env_id(env_id: str) -> str | None:
     if env_id in gym.registry:
         return None
     return f"env.id: {env_id!r} is not a registered gymnasium environment.{did_you_mean(env_id, list(gym.registry))}"
+
+
+# what gymnasium.make itself takes beside the env's own arguments
+MAKE_KWARGS = ("max_episode_steps", "disable_env_checker", "render_mode")
+
+
+def check_env_kwargs(env_id: str, kwargs) -> str | None:
+    """An error message if ``env.kwargs`` names an argument the registered env's constructor does not take
+    (checked here, before any worker builds it); ``None`` when it may (or the env takes ``**kwargs``)."""
+    if env_id.startswith("maniskill:") or not kwargs or not isinstance(kwargs, dict):
+        return None
+    import gymnasium as gym
+
+    spec = gym.registry.get(env_id.rpartition(":")[2] if ":" in env_id else env_id)
+    if spec is None:
+        return None
+    creator = spec.entry_point or spec.vector_entry_point
+    try:
+        if isinstance(creator, str):
+            creator = gym.envs.registration.load_env_creator(creator)
+        takes = _takes(creator)
+    except Exception:  # (an entry point that does not import here is reported by the worker building it)
+        return None
+    if takes is None:
+        return None
+    unknown = [k for k in kwargs if k not in takes and k not in MAKE_KWARGS]
+    if not unknown:
+        return None
+    takes = [n for n in takes if n not in MAKE_KWARGS]
+    accepted = ", ".join([*takes, *MAKE_KWARGS])
+    return f"env.kwargs: {env_id} takes no argument {unknown[0]!r} (it takes {accepted})." + did_you_mean(
+        str(unknown[0]), [*takes, *MAKE_KWARGS]
+    )
+
+
+def _takes(creator) -> list[str] | None:
+    """The keyword arguments ``creator`` takes, following ``**kwargs`` of a class's ``__init__`` into the base
+    classes' (``HalfCheetahEnv(**kwargs)`` hands them to ``MujocoEnv``); ``None`` where that ends open."""
+    inits = (
+        [c.__dict__["__init__"] for c in creator.__mro__ if "__init__" in c.__dict__]
+        if isinstance(creator, type)
+        else [creator]
+    )
+    takes: list[str] = []
+    for fn in inits:
+        params = inspect.signature(fn).parameters
+        takes += [
+            n
+            for n, p in params.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self"
+        ]
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return list(dict.fromkeys(takes))
+    return None

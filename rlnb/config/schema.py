@@ -14,6 +14,8 @@ from rlnb.config.checks import LM_BACKENDS, at_least, need
 from rlnb.config.sections_lm import DataConfig, RewardConfig, RolloutConfig
 from rlnb.errors import ConfigError, did_you_mean
 
+MAX_SEED = 2**31 - 1  # the largest recipe seed: what derives from it stays below numpy's 2**32
+
 
 @dataclass
 class ClusterConfig:
@@ -35,11 +37,15 @@ class ClusterConfig:
             errs.append(
                 f"cluster.component_placement: expected a mapping like {{actor: 0}}, got {self.component_placement!r}"
             )
+        need(errs, lambda: not (isinstance(self.address, str) and not self.address.strip()), "cluster.address",
+             "a scheduler address like tcp://host:8786 (or empty for an embedded cluster)", self.address)  # fmt: skip
+        need(errs, lambda: self.slots is None or self.slots >= 1, "cluster.slots", "an integer >= 1 (or empty)",
+             self.slots)  # fmt: skip
         need(
             errs,
-            lambda: self.call_timeout_s > 0,
+            lambda: 0 < self.call_timeout_s <= 1e7,
             "cluster.call_timeout_s",
-            "a number > 0",
+            "a number of seconds in (0, 1e7]",
             self.call_timeout_s,
         )
         return errs
@@ -69,6 +75,13 @@ class RunnerConfig:
     episodes (not the first to end, which would favour short ones)."""
     resume: str | None = None
     """``auto`` (latest complete checkpoint of ``run_dir``), a checkpoint path, or empty."""
+    overwrite: bool = False
+    """Start over in a ``run_dir`` that holds a run: its metrics, checkpoints, TensorBoard files and exports are
+    removed first. Off: such a directory is refused unless ``resume`` says to continue it."""
+    resume_fallback: bool = False
+    """With ``resume: auto``, when the latest checkpoint cannot be read, resume from the newest earlier one that
+    can (with a warning). Off: that is an error naming the earlier checkpoints, not a run silently continuing
+    from older weights."""
     stop_return: float | None = None
     """Stop ``run`` once ``env/episode_return_mean`` (last 20 episodes) reaches this."""
     max_restarts: int = 0
@@ -87,6 +100,15 @@ class RunnerConfig:
         """This section's range checks and those it shares with others; every problem, as ``key: ...``."""
         errs: list[str] = []
         need(errs, lambda: self.steps >= 0, "runner.steps", "an integer >= 0", self.steps)
+        need(
+            errs,
+            lambda: self.eval_interval >= 0,
+            "runner.eval_interval",
+            "an integer >= 0",
+            self.eval_interval,
+        )
+        need(errs, lambda: not (isinstance(self.run_dir, str) and not self.run_dir.strip()), "runner.run_dir",
+             "a directory (or empty for runs/<recipe>-<time>)", self.run_dir)  # fmt: skip
         need(
             errs,
             lambda: self.save_interval >= 0,
@@ -207,6 +229,12 @@ class AlgorithmConfig:
             a.gae_lambda,
         )
         need(errs, lambda: a.clip_coef > 0, "algorithm.clip_coef", "a number > 0", a.clip_coef)
+        need(errs, lambda: a.clip_coef_high is None or a.clip_coef_high > 0, "algorithm.clip_coef_high",
+             "a number > 0 (or empty)", a.clip_coef_high)  # fmt: skip
+        need(errs, lambda: a.vf_coef >= 0, "algorithm.vf_coef", "a number >= 0", a.vf_coef)
+        need(errs, lambda: a.kl_coef >= 0, "algorithm.kl_coef", "a number >= 0", a.kl_coef)
+        need(errs, lambda: a.target_kl is None or a.target_kl > 0, "algorithm.target_kl", "a number > 0 (or empty)",
+             a.target_kl)  # fmt: skip
         need(errs, lambda: a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", "a number > 1 (or empty)",
              a.dual_clip)  # fmt: skip
         need(
@@ -499,9 +527,9 @@ class EnvConfig:
                 f"env.pipeline_stages: {e.pipeline_stages} stages must divide env.num_envs={e.num_envs}"
             )
         if recipe.loop == "embodied" and isinstance(e.id, str):
-            from rlnb.config.loader import check_env_id
+            from rlnb.config.loader import check_env_id, check_env_kwargs
 
-            err = check_env_id(e.id)
+            err = check_env_id(e.id) or check_env_kwargs(e.id, e.kwargs)
             if err:
                 errs.append(err)
         return errs
@@ -539,6 +567,8 @@ class Recipe:
     def check(self) -> list[str]:
         """Every section's checks (each beside its dataclass), and the loop against its rollout; every problem."""
         errs: list[str] = []
+        # (per-rank and evaluation seeds derive from it by adding offsets: they stay within numpy's 32 bits)
+        need(errs, lambda: 0 <= self.seed <= MAX_SEED, "seed", f"an integer in [0, {MAX_SEED}]", self.seed)
         lm_backend = self.rollout.backend in LM_BACKENDS
         if self.loop == "grpo" and not lm_backend:
             errs.append(

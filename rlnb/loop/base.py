@@ -23,7 +23,7 @@ import numpy as np
 
 from rlnb.cluster.cluster import Cluster, default_cpu_slots
 from rlnb.cluster.placement import Placement, resolve_placement
-from rlnb.config.loader import load_recipe, to_yaml
+from rlnb.config.loader import load_recipe
 from rlnb.config.schema import AlgorithmConfig, Recipe, RunnerConfig
 from rlnb.errors import (
     ComponentError,
@@ -31,6 +31,7 @@ from rlnb.errors import (
     PlacementError,
     RemoteError,
 )
+from rlnb.loop import run_dir as run_dirs
 from rlnb.loop.asynchronous import Asynchronous
 from rlnb.loop.checkpoint import (
     CheckpointError,
@@ -93,6 +94,8 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
         recipe: a validated :class:`rlnb.config.Recipe`.
         cluster: a :class:`rlnb.Cluster`; ``None`` starts one from ``recipe.cluster`` (and closes it on ``close()``).
         run_dir: where metrics and checkpoints go (default ``recipe.runner.run_dir`` or ``runs/<name>-<time>``).
+        read_only: open ``run_dir`` without writing to it (``rlnb eval``, ``rlnb export``): no lock, no metrics
+            or TensorBoard files, no recipe written, no checkpoint saved.
     """
 
     COMPONENTS: tuple[str, ...] = ("rollout", "actor")
@@ -106,9 +109,11 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
         cluster: Cluster | None = None,
         run_dir: str | Path | None = None,
         components: dict[str, Group] | None = None,
+        read_only: bool = False,
     ):
         t0 = time.perf_counter()
         self.recipe = recipe
+        self.read_only = read_only
         # steering between steps (the dashboard's controls, or cells while run() goes on in the background)
         self._steer_lock = threading.Lock()
         self._steer_queue: dict[str, float] = {}
@@ -124,6 +129,11 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
         self.groups: dict[str, Group] = {}
         self.channels: dict[str, Channel] = {}
         self.logger = None
+        self.run_dir = Path(run_dir or recipe.runner.run_dir or default_run_dir(recipe.name))
+        # the run directory is checked and locked before anything starts (see rlnb.loop.run_dir)
+        self._run_dir_lock = (
+            None if read_only else run_dirs.take(self.run_dir, recipe.runner.resume, recipe.runner.overwrite)
+        )
         if components is not None:
             cluster = self._adopt(components)
         elif cluster is None:
@@ -146,13 +156,11 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
                     cluster.check_device(dev, key)
                 self._check_rank_counts()
                 self._check_cluster()
-            self.run_dir = Path(run_dir or recipe.runner.run_dir or default_run_dir(recipe.name))
             self._prepare()
             if components is None:
                 self._launch()
             self._compose()
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "recipe.yaml").write_text(to_yaml(self.recipe))
+            self._write_recipe()
         except BaseException:
             self.close()
             raise
@@ -162,15 +170,20 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
         self._stop = False
         self._run_target: int | None = None  # the step the running run() stops at (None outside run())
         self._ahead = False  # a step running ahead on the workers, to be taken by step_once (embodied loop)
+        self.resumed_from: Path | None = None  # the checkpoint this loop was restored from, if any
         self.restarts = 0  # lost workers run() recovered from (runner.max_restarts per run)
         self._said_lr_is_zero = False  # the warning of a step past runner.steps trained with learning rate 0
         self.logger = MetricLogger(
-            self.run_dir, recipe.runner.tensorboard, recipe.runner.wandb_project, asdict(self.recipe)
+            self.run_dir,
+            recipe.runner.tensorboard,
+            recipe.runner.wandb_project,
+            asdict(self.recipe),
+            read_only=read_only,
         )
         self.startup_s = time.perf_counter() - t0
         if recipe.runner.resume:
             try:
-                self.load_checkpoint(recipe.runner.resume)
+                self.load_checkpoint(recipe.runner.resume, fallback=recipe.runner.resume_fallback)
             except BaseException:
                 self.close()  # a failed resume leaves no components (and no embedded cluster) running
                 raise
@@ -254,15 +267,25 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
         return cls(recipe, cluster, run_dir)
 
     @classmethod
-    def resume(cls, run_dir: str | Path, cluster: Cluster | None = None, overrides=None):
-        """Rebuild a run from its directory and continue from its latest complete checkpoint."""
+    def resume(
+        cls, run_dir: str | Path, cluster: Cluster | None = None, overrides=None, read_only: bool = False
+    ):
+        """Rebuild a run from its directory and continue from its latest complete checkpoint.
+
+        Args:
+            run_dir: the run's directory (it holds ``recipe.yaml``).
+            cluster: a cluster to run on (default: one started from the recipe, closed with the loop).
+            overrides: dotted overrides of the recorded recipe, e.g. ``["runner.steps=200"]``.
+            read_only: only evaluate or export the checkpoint (``rlnb eval``, ``rlnb export``): the run directory
+                is left as it is, and a live run may go on writing to it meanwhile.
+        """
         run_dir = Path(run_dir)
         if not (run_dir / "recipe.yaml").exists():
             raise CheckpointError(f"{run_dir} is not a run directory (no recipe.yaml)")
         recipe = load_recipe(
             run_dir / "recipe.yaml", [*(overrides or []), "runner.resume=auto", f"runner.run_dir={run_dir}"]
         )
-        return cls(recipe, cluster, run_dir)
+        return cls(recipe, cluster, run_dir, read_only=read_only)
 
     # ------------------------------------------------------------------ subclass hooks
     def _prepare(self) -> None:
@@ -438,6 +461,8 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
         if self._own_cluster and self.cluster is not None:
             self.cluster.close()
             self.cluster = None
+        if self._run_dir_lock is not None:
+            self._run_dir_lock.release()
 
     def __enter__(self):
         return self

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rlnb.config.loader import to_yaml
 from rlnb.errors import RemoteError, RlnbError, WorkerLostError
+from rlnb.files import write_private
 
 log = logging.getLogger("rlnb")
 
@@ -44,10 +45,7 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def _write_synced(path: Path, text: str) -> None:
-    with path.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    write_private(path, text, sync=True)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -82,12 +80,16 @@ class Checkpointing:
                 "with nothing in flight)",
                 self.step,
             )
+        if self.read_only:
+            raise CheckpointError(
+                f"{self.run_dir} was opened read-only (Loop.resume(read_only=True)): nothing is saved"
+            )
         final = self.checkpoint_dir / f"step_{self.step:06d}"
         tmp = self.checkpoint_dir / f".tmp-step_{self.step:06d}-{uuid.uuid4().hex[:6]}"
         for stale in self.checkpoint_dir.glob(".tmp-step_*"):  # left by a save that was killed
             shutil.rmtree(stale, ignore_errors=True)
         try:
-            tmp.mkdir(parents=True)
+            tmp.mkdir(parents=True, mode=0o700)
             pending = [g.save_state(str(tmp)) for g in self.groups.values()]
             for res in pending:
                 res.result()
@@ -114,9 +116,18 @@ class Checkpointing:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
-    def load_checkpoint(self, which: str | Path = "auto") -> int:
-        """Restore every component and the loop state; ``"auto"`` picks the latest complete checkpoint,
-        falling back (with a warning) to earlier ones if it cannot be read."""
+    def load_checkpoint(self, which: str | Path = "auto", fallback: bool = False) -> int:
+        """Restore every component and the loop state.
+
+        Args:
+            which: a checkpoint directory, or ``"auto"``: the latest complete checkpoint of the run.
+            fallback: with ``"auto"``, when the latest cannot be read, restore the newest earlier one that can
+                (with a warning). Off by default: a run silently continuing from older weights hides the fault.
+
+        Raises:
+            CheckpointError: it cannot be read (a file that is not rlnb's, or one that names code to run: see
+                :func:`rlnb.files.torch_load_safe`); the message names the earlier complete checkpoints.
+        """
         if str(which) != "auto":
             path = Path(which)
             if not (path / "COMPLETE").exists():
@@ -124,13 +135,21 @@ class Checkpointing:
             return self._load_from(path)
         found = complete_checkpoints(self.run_dir)
         if not found:
-            return self.step  # nothing saved yet: start fresh
+            log.warning("nothing to resume in %s (no complete checkpoint): starting at step 1", self.run_dir)
+            self.logger.truncate_after(0)  # (what an earlier run logged there would be logged again)
+            return self.step
         for i, path in enumerate(reversed(found)):
             try:
                 return self._load_from(path)
             except CheckpointError as e:
-                if i == len(found) - 1:
+                earlier = found[: len(found) - 1 - i]
+                if not earlier:
                     raise
+                if not fallback:
+                    raise CheckpointError(
+                        f"{e}. Earlier complete checkpoints: {', '.join(p.name for p in earlier)}; resume one by "
+                        f"path (runner.resume={earlier[-1]}) or load_checkpoint(fallback=True)"
+                    ) from e
                 log.warning("%s; falling back to the previous complete checkpoint", e)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -151,6 +170,7 @@ class Checkpointing:
         self.step = state["step"]
         self._load_extra_state(state)
         self.logger.truncate_after(self.step)
+        self.resumed_from = path
         return self.step
 
     def recover(self, timeout_s: float = 120.0) -> int:
@@ -174,11 +194,11 @@ class Checkpointing:
         self.step, self._pending = 0, {}
         self._reset_state()
         if complete_checkpoints(self.run_dir):
-            return self.load_checkpoint("auto")
+            return self.load_checkpoint("auto", fallback=True)  # (what the lost worker may have half-written)
         self.logger.truncate_after(0)
         return 0
 
     def _write_recipe(self) -> None:
         """The run's ``recipe.yaml`` as the recipe is now (a resume continues with it)."""
-        if self.run_dir is not None and self.run_dir.exists():
-            (self.run_dir / "recipe.yaml").write_text(to_yaml(self.recipe))
+        if not self.read_only and self.run_dir is not None and self.run_dir.exists():
+            write_private(self.run_dir / "recipe.yaml", to_yaml(self.recipe))

@@ -9,6 +9,7 @@ Example (one phase per notebook cell):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from rlnb.data.prompts import (
     load_qa_file,
     problems_from_records,
 )
-from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementError
+from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementError, did_you_mean
 from rlnb.loop.asynchronous import GRPOAsynchronous
 from rlnb.loop.base import LoopBase, objects_recipe
 from rlnb.loop.grpo_data import FileTask, shard, turn_demonstrations
@@ -34,6 +35,8 @@ from rlnb.loop.grpo_eval import GRPOEvaluation
 from rlnb.loop.runner import Callback
 from rlnb.models.lm import build_tiny_lm, is_hub_id, load_tokenizer, resolve_model
 from rlnb.runtime.group import Group
+
+log = logging.getLogger("rlnb")
 
 # what asynchronous mode logs per step, besides the synchronous metrics
 ASYNC_METRICS = ("staleness_mean", "staleness_max", "interrupted_frac", "weight_swaps", "overlap_frac")
@@ -62,7 +65,7 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
         loop = GRPOLoop(rollout=rollout, actor=actor, reward=my_reward, prompts=records)
 
     Args:
-        recipe, cluster, run_dir: the recipe path, as :class:`rlnb.loop.Loop`.
+        recipe, cluster, run_dir, read_only: the recipe path, as :class:`rlnb.loop.Loop`.
         rollout, actor: launched groups (the objects path); the loop owns them from then on.
         reward: a launched reward group, or a function / registered reward name, or a list of them (summed,
             each logged apart as ``reward/<name>/mean``; accuracy counts the first), then placed on the
@@ -112,6 +115,7 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
         runner=None,
         name: str = "custom",
         seed: int = 1,
+        read_only: bool = False,
     ):
         self._prompts = prompts
         if recipe is not None:
@@ -119,7 +123,7 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
                 raise ConfigError(
                     "GRPOLoop: pass either a recipe or rollout=, actor=, reward=, prompts=", "recipe"
                 )
-            super().__init__(recipe, cluster, run_dir)
+            super().__init__(recipe, cluster, run_dir, read_only=read_only)
             return
         if rollout is None or actor is None or reward is None or prompts is None:
             raise ConfigError(
@@ -213,7 +217,12 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
             and not is_hub_id(path)
             and not (Path(path) / "config.json").exists()
         ):
+            _refuse_a_near_miss(Path(path))
             t = recipe.actor.tiny_lm
+            log.warning(
+                "actor.model_path: no model at %s; building an untrained tiny LM there (actor.tiny_lm: hidden %d, "
+                "%d layers; actor.build_if_missing=false refuses instead)", path, t.hidden_size, t.num_layers,
+            )  # fmt: skip
             build_tiny_lm(
                 Path(path).resolve(), t.hidden_size, t.num_layers, t.num_heads, t.arch, seed=recipe.seed
             )
@@ -511,4 +520,20 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
             f"step {self.step}; held-out accuracy after SFT {first}, latest {evals[-1]:.3f}"
             if evals
             else f"step {self.step}"
+        )
+
+
+def _refuse_a_near_miss(path: Path) -> None:
+    """A ``model_path`` with no model, beside a model directory of a close name, is a typo: refused, rather
+    than an untrained model built and trained in its place (``actor.build_if_missing``)."""
+    parent = path.parent
+    if not parent.is_dir():
+        return
+    models = [p.name for p in parent.iterdir() if (p / "config.json").is_file() and p.name != path.name]
+    close = did_you_mean(path.name, models)
+    if close:
+        raise ConfigError(
+            f"actor.model_path: no model at {path}, and actor.build_if_missing would build an untrained one "
+            f"there.{close} (To build a new one beside it, choose a name less like another model's.)",
+            "actor.model_path",
         )

@@ -181,7 +181,14 @@ def is_hub_id(path: str | Path) -> bool:
     that shape that does not exist yet.
     """
     text = str(path)
-    return not Path(text).expanduser().exists() and bool(_HUB_ID.match(text))
+    return not _exists(Path(text).expanduser()) and bool(_HUB_ID.match(text))
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # e.g. a name too long for the file system: nothing there
+        return False
 
 
 def resolve_model(path: str | Path, key: str = "actor.model_path") -> str:
@@ -206,7 +213,7 @@ def resolve_model(path: str | Path, key: str = "actor.model_path") -> str:
             ) from None
         return str(path)
     local = Path(path).expanduser().resolve()
-    if not (local / "config.json").exists():
+    if not _exists(local / "config.json"):
         raise ConfigError(
             f"{key}: {str(path)!r} has no config.json: not a saved model. Build one with "
             "rlnb.models.build_tiny_lm(path) (or set actor.build_if_missing=true in a recipe), or point the "

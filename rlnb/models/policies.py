@@ -124,6 +124,16 @@ class ActorCritic(nn.Module):
         shared_trunk=False,
     ):
         super().__init__()
+        # (what rebuilds it: a policy file holds these and the weights, never the pickled module)
+        self.config = {"kind": kind, "hidden_sizes": list(hidden_sizes), "activation": activation,
+                       "shared_trunk": bool(shared_trunk)}  # fmt: skip
+        if not isinstance(obs_space, gym.spaces.Box):
+            raise ConfigError(
+                f"env.id: the built-in policy (actor.model) takes observations that are one array (a Box space), "
+                f"got {obs_space}; flatten them (gymnasium.wrappers.FlattenObservation, in an env class of your "
+                "own) or give a policy of your own (rollout and actor policy=...)",
+                "env.id",
+            )
         self.discrete = isinstance(act_space, gym.spaces.Discrete)
         if not self.discrete and not isinstance(act_space, gym.spaces.Box):
             raise ConfigError(f"actions: expected a Discrete or Box action space, got {act_space}", "env.id")

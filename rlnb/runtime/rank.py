@@ -343,15 +343,24 @@ def _goes_on(proceed, args: tuple, replies: list) -> bool:
 
 
 def _save_state(obj, path: str) -> int:
-    from rlnb.files import torch_save_atomic
+    from rlnb.files import torch_save_atomic, unsafe_globals
 
-    return torch_save_atomic(obj.state_dict(), path)  # (on disk before the checkpoint is marked complete)
+    size = torch_save_atomic(obj.state_dict(), path)  # (on disk before the checkpoint is marked complete)
+    unsafe = unsafe_globals(path)
+    if unsafe:  # refused now, at the first save, rather than at the resume that needs it
+        raise TypeError(
+            f"{type(obj).__name__}.state_dict() holds {', '.join(unsafe)}; a checkpoint holds only tensors, "
+            "numpy arrays and plain data (numbers, strings, lists, tuples, dicts), because loading anything "
+            "else could run code. Return those (e.g. an object's fields as a dict) and rebuild the object in "
+            "load_state_dict"
+        )
+    return size
 
 
 def _load_state(obj, path: str) -> None:
-    import torch
+    from rlnb.files import torch_load_safe
 
-    obj.load_state_dict(torch.load(path, weights_only=False, map_location="cpu"))
+    obj.load_state_dict(torch_load_safe(path))
 
 
 def _join(host_obj: RankHost, name, host, port, rank, world_size, backend, timeout_s):

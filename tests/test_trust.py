@@ -1,0 +1,268 @@
+"""Trust (issue 40): a run directory from someone else cannot run code when it is resumed or evaluated; run
+directories have one writer; a run says what it resumes."""
+
+import os
+import pickle
+import stat
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+import rlnb
+from rlnb.envs.state import capture_state, restore_state
+from rlnb.files import UnsafeFileError, torch_load_safe
+from rlnb.loop import CheckpointError, Loop, complete_checkpoints
+
+QUIET = [
+    "runner.tensorboard=false",
+    "runner.stop_return=100000",
+    "env.num_envs=4",
+    "rollout.steps_per_rollout=16",
+]
+
+
+class _RunsCode:
+    """What a hostile checkpoint holds: unpickling it calls ``os.system``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_file_naming_code_is_refused_before_any_of_it_runs(tmp_path):
+    marker = tmp_path / "ran"
+    torch.save({"policy": _RunsCode(marker)}, tmp_path / "x.pt")
+    with pytest.raises(UnsafeFileError, match=r"x\.pt names posix\.system"):
+        torch_load_safe(tmp_path / "x.pt")
+    assert not marker.exists()
+    torch.save({"a": np.arange(3), "b": np.float32(2.0), "c": [torch.ones(2), ("x", 1)]}, tmp_path / "ok.pt")
+    loaded = torch_load_safe(tmp_path / "ok.pt")
+    assert loaded["a"].tolist() == [0, 1, 2] and loaded["b"] == 2.0 and loaded["c"][1] == ("x", 1)
+
+
+@pytest.mark.parametrize("component", ["actor", "env"])
+def test_resuming_a_hostile_checkpoint_is_an_error_and_runs_nothing(cluster, tmp_path, component):
+    with Loop.from_recipe(
+        "ppo_cartpole", ["runner.steps=1", *QUIET], cluster=cluster, run_dir=tmp_path
+    ) as loop:
+        loop.run(progress=False)
+        path = loop.save()
+    marker = tmp_path / "ran"
+    with open(path / f"{component}_rank0.pt", "wb") as f:  # a plain pickle too: torch.load reads both
+        pickle.dump({"policy": _RunsCode(marker)}, f)
+    with pytest.raises(CheckpointError, match=rf"{component}_rank0\.pt.*(posix\.system|rlnb loads only)"):
+        Loop.resume(tmp_path, cluster=cluster)
+    assert not marker.exists()
+
+
+class _Opaque:
+    pass
+
+
+class _OpaqueStateRollout(rlnb.PolicyRollout):
+    def state_dict(self):
+        return {**super().state_dict(), "extra": _Opaque()}
+
+
+def test_a_component_state_that_could_not_load_safely_is_refused_when_saved(cluster, tmp_path):
+    env = rlnb.Env.launch(cluster, "0", make_env="CartPole-v1", num_envs=4)
+    rollout = _OpaqueStateRollout.launch(cluster, "0")
+    actor = rlnb.PPOActor.launch(cluster, "0")
+    runner = {"steps": 1, "tensorboard": False}
+    with Loop(
+        env=env, rollout=rollout, actor=actor, steps_per_rollout=16, runner=runner, run_dir=tmp_path
+    ) as loop:
+        loop.run(progress=False)
+        with pytest.raises(CheckpointError, match=r"_OpaqueStateRollout.state_dict\(\) holds .*_Opaque"):
+            loop.save()
+    assert not complete_checkpoints(tmp_path)
+
+
+class NotebookEnv(gym.Env):
+    """An env class as a notebook cell defines it: its state in plain attributes and a nested object."""
+
+    observation_space = gym.spaces.Box(-10, 10, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    class Counter:
+        def __init__(self):
+            self.n, self.history = 0, []
+
+    def __init__(self):
+        self.pos = np.zeros(2, np.float32)
+        self.counter = self.Counter()
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.pos = self.np_random.normal(size=2).astype(np.float32)
+        return self.pos, {}
+
+    def step(self, action):
+        self.pos = self.pos + self.np_random.normal(size=2).astype(np.float32) * (1 + action)
+        self.counter.n += 1
+        self.counter.history.append(float(self.pos[0]))
+        return self.pos, float(-abs(self.pos[0])), bool(abs(self.pos[0]) > 5), self.counter.n % 7 == 0, {}
+
+
+def test_env_state_is_plain_data_and_restores_exactly():
+    from rlnb.envs.gym_envs import make_vector_env
+
+    a, b = make_vector_env(NotebookEnv, 3), make_vector_env(NotebookEnv, 3)
+    a.reset(seed=5)
+    for _ in range(4):
+        a.step(np.array([0, 1, 1]))
+    state = capture_state(a)
+    restore_state(b, state)
+    for _ in range(10):
+        act = np.array([1, 0, 1])
+        (oa, ra, ta, *_), (ob, rb, tb, *_) = a.step(act), b.step(act)
+        assert np.array_equal(oa, ob) and np.array_equal(ra, rb) and np.array_equal(ta, tb)
+    assert b.envs[0].counter.history == a.envs[0].counter.history
+    path = "/dev/shm/rlnb-test-env-state.pt" if os.path.isdir("/dev/shm") else "env-state.pt"
+    try:
+        torch.save(state, path)
+        restore_state(make_vector_env(NotebookEnv, 3), torch_load_safe(path))  # loads with weights_only
+    finally:
+        os.unlink(path)
+
+
+def test_checkpoints_are_private_to_their_user(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    with Loop.from_recipe(
+        "ppo_cartpole", ["runner.steps=1", *QUIET], cluster=cluster, run_dir=run_dir
+    ) as loop:
+        loop.run(progress=False)
+        path = loop.save()
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    for f in [*path.iterdir(), run_dir / "metrics.jsonl", run_dir / "recipe.yaml"]:
+        assert stat.S_IMODE(f.stat().st_mode) & 0o077 == 0, f
+
+
+def test_a_run_directory_has_one_writer_and_is_never_silently_mixed(cluster, tmp_path, caplog):
+    from rlnb.errors import ConfigError
+    from rlnb.metrics import read_metrics
+
+    one = ["runner.steps=2", *QUIET]
+    with Loop.from_recipe("ppo_cartpole", one, cluster=cluster, run_dir=tmp_path) as loop:
+        with pytest.raises(
+            ConfigError, match=rf"runner.run_dir: {tmp_path} is in use by another run \(pid {os.getpid()}"
+        ):
+            Loop.from_recipe("ppo_cartpole", one, cluster=cluster, run_dir=tmp_path)
+        loop.run(progress=False)
+    with pytest.raises(
+        ConfigError, match=r"holds a run \(0 checkpoint\(s\), metrics\); continue it with runner.resume"
+    ):
+        Loop.from_recipe("ppo_cartpole", one, cluster=cluster, run_dir=tmp_path)
+    # resume=auto with no checkpoint (ppo_cartpole saves none): says so, and logs no step twice
+    with Loop.from_recipe(
+        "ppo_cartpole", [*one, "runner.resume=auto"], cluster=cluster, run_dir=tmp_path
+    ) as loop:
+        assert loop.resumed_from is None
+        loop.run(progress=False)
+    assert "nothing to resume" in caplog.text
+    assert [r["step"] for r in read_metrics(tmp_path) if "train/policy_loss" in r] == [1, 2]
+    with Loop.from_recipe(
+        "ppo_cartpole", [*one, "runner.overwrite=true"], cluster=cluster, run_dir=tmp_path
+    ) as loop:
+        loop.run(1, progress=False)
+    assert [r["step"] for r in read_metrics(tmp_path) if "train/policy_loss" in r] == [1]
+
+
+@pytest.mark.parametrize("kind", ["file", "read-only", "under-a-file"])
+def test_a_run_directory_that_cannot_be_written_is_refused_before_anything_starts(tmp_path, kind):
+    from rlnb.errors import ConfigError
+
+    if kind == "file":
+        target = tmp_path / "f"
+        target.write_text("x")
+        expected = "expected a directory"
+    elif kind == "read-only":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into read-only directories")
+        (tmp_path / "ro").mkdir(mode=0o500)
+        target = tmp_path / "ro" / "run"
+        expected = "cannot create"
+    if kind == "under-a-file":
+        (tmp_path / "g").write_text("x")
+        target = tmp_path / "g" / "run"
+        expected = "cannot create .*Not a directory"
+    with pytest.raises(ConfigError, match=f"runner.run_dir: .*{expected}"):
+        Loop.from_recipe(
+            "ppo_cartpole", ["cluster.address=tcp://127.0.0.1:9"], run_dir=target
+        )  # no cluster needed
+
+
+def _connections_and_threads(dask_worker) -> tuple:
+    import threading
+
+    from rlnb.runtime import direct
+
+    return direct._SERVERS[dask_worker.address].connections, threading.active_count()
+
+
+def _worker_connections_and_threads(cluster):
+    address = cluster.slots[0].address
+    return cluster.client.run(_connections_and_threads, workers=[address])[address]
+
+
+def test_closed_channels_leave_no_connection_or_thread_on_their_worker(cluster):
+    """Channel.close() used to keep two connections and two threads on its worker: the 129th channel on a
+    worker then failed with a WorkerLostError on a live worker."""
+    import time
+
+    warm = rlnb.Channel.create(cluster, "warm")  # (the first channel starts a pool of threads of Dask's own)
+    warm.put(1)
+    warm.get()
+    warm.close()
+    time.sleep(0.5)
+    conns0, threads0 = _worker_connections_and_threads(cluster)
+    for i in range(300):
+        ch = rlnb.Channel.create(cluster, f"c{i}")
+        ch.put(torch.ones(4), key="k")  # unbounded: through the ordered sender's connection
+        assert ch.get(key="k", timeout=30).sum() == 4  # through the pooled connection
+        ch.close()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        conns, threads = _worker_connections_and_threads(cluster)
+        if conns <= conns0 and threads <= threads0 + 2:
+            break
+        time.sleep(0.2)
+    assert conns <= conns0 and threads <= threads0 + 2, (conns0, conns, threads0, threads)
+    with pytest.raises(rlnb.errors.ChannelClosedError):
+        ch.put(1)
+
+
+def test_rlnb_eval_and_export_leave_the_run_directory_as_it_was(tmp_path):
+    """`rlnb eval` used to append a step record to metrics.jsonl (on a live run: truncate it), and both added
+    TensorBoard event files."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    cli = [sys.executable, "-m", "rlnb.cli"]
+    done = subprocess.run([*cli, "run", "ppo_cartpole", "runner.steps=2", "runner.eval_interval=0", "--run-dir",
+                           str(run), "--no-progress"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def snapshot():
+        return {
+            p.relative_to(run): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in run.rglob("*")
+            if p.is_file()
+        }
+
+    before = snapshot()
+    evaluated = subprocess.run(
+        [*cli, "eval", str(run), "--episodes", "2"], capture_output=True, text=True, timeout=300
+    )
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert snapshot() == before
+    exported = subprocess.run([*cli, "export", str(run)], capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    after = snapshot()
+    assert set(after) - set(before) == {type(next(iter(before)))("policy.pt")}
+    assert {k: v for k, v in after.items() if k.name != "policy.pt"} == before
