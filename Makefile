@@ -78,6 +78,8 @@ WHEELS     ?=
 GPU_WHEELS := dask==2026.7.1 distributed==2026.7.1 dask-cuda==26.10.0 rapids-dask-dependency==26.10.0 \
 	gymnasium==1.4.0 farama-notifications==0.0.6 tornado==6.6.1 tblib==3.2.2 zict==3.0.0 locket==1.0.0 \
 	partd==1.4.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+# (the embedded cluster's TLS needs cryptography, a binary wheel; without it the GPU check's cluster runs plain
+# TCP and says so)
 
 gpu-check:
 ifdef DRY_RUN

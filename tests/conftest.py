@@ -103,8 +103,8 @@ import os, signal, sys
 import rlnb
 from rlnb.loop import {loop}
 
-address, run_dir, kill_at, overrides = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
-with rlnb.Cluster(address) as cluster:
+address, credentials, run_dir, kill_at, overrides = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:]
+with rlnb.Cluster(address, security=credentials) as cluster:
     with {loop}.from_recipe("{recipe}", overrides, cluster=cluster, run_dir=run_dir) as loop:
         calls = [0]
 
@@ -151,8 +151,18 @@ def kill_driver_inside_a_step(
     script = run_dir.parent / f"{run_dir.name}-driver.py"
     script.write_text(KILLED_DRIVER.format(loop=loop, recipe=recipe))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    credentials = cluster.save_credentials(run_dir.parent / f"{run_dir.name}-credentials")  # (its TLS)
     driver = subprocess.Popen(
-        [sys.executable, str(script), cluster.address, str(run_dir), str(kill_at), *overrides], env=env
+        [
+            sys.executable,
+            str(script),
+            cluster.address,
+            str(credentials),
+            str(run_dir),
+            str(kill_at),
+            *overrides,
+        ],
+        env=env,
     )
     try:
         code = driver.wait(timeout_s)

@@ -101,7 +101,9 @@ def test_a_tls_cluster_runs_ppo_end_to_end(tmp_path):
             rlnb.Cluster(local.scheduler_address, timeout_s=3)
         with rlnb.Cluster(local.scheduler_address, security=security) as cluster:
             group = rlnb.Group.launch(Echo, cluster, "0-1", name="tls")
-            assert group.transport == "dask"  # the direct port is not encrypted: Dask's tls:// rpc
+            # workers on loopback: direct calls (nothing else can read loopback traffic; their tokens came over
+            # TLS). Workers on a network interface keep Dask's tls:// rpc, as the direct port is not encrypted
+            assert group.transport == "direct"
             assert group.add(3).result(30) == [3, 3]
             loop = rlnb.Loop.from_recipe(
                 "ppo_cartpole", [*QUIET, "runner.steps=3"], cluster=cluster, run_dir=tmp_path / "run"

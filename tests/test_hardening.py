@@ -1,6 +1,7 @@
 """The direct-call server under abuse, on a real worker process: idle and excess connections, oversized
 headers, a stopped worker behind a large send. Each case names the limit that handles it."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -69,9 +70,13 @@ def test_idle_and_excess_connections_are_capped_and_closed(one_slot):
         idle = [socket.create_connection(address, timeout=5) for _ in range(100)]  # no token, ever
         time.sleep(0.5)
         (during,) = one_slot.client.run(_server_state).values()
-        assert during["connections"] <= 32  # the rest were closed on accept
-        assert during["threads"] <= next(iter(before.values()))["threads"] + 32 + 4
+        # at most an eighth of the cap (4) authenticating at once: the oldest were closed to admit the newer
+        assert during["connections"] <= 4 + 2
+        assert during["threads"] <= next(iter(before.values()))["threads"] + 4 + 4
         assert group.add(1).result(10) == [1]  # the driver's authenticated connection still works
+        fresh = rlnb.Group.launch(Echo, one_slot, "0", name="fresh")  # and a new one gets in
+        assert fresh.add(3).result(10) == [3]
+        fresh.shutdown()
         time.sleep(2.5)  # past the token timeout: every idle connection was closed by the worker
         assert all(_closed_by_peer(s) for s in idle)
         for s in idle:
@@ -79,9 +84,37 @@ def test_idle_and_excess_connections_are_capped_and_closed(one_slot):
         (after,) = one_slot.client.run(_server_state).values()
         assert after["connections"] <= 2
         (logged,) = one_slot.client.run(_records).values()
-        assert sum("refusing more" in m for m in logged) == 1  # logged once, not 68 times
+        assert sum("closing the oldest" in m for m in logged) == 1  # logged once, not 96 times
         assert sum("before authenticating" in m for m in logged) == 1
         assert group.add(2).result(10) == [2]
+    finally:
+        one_slot.client.run(_set_limits, direct.TOKEN_TIMEOUT_S, {"RLNB_DIRECT_MAX_CONNECTIONS": "256"})
+        group.shutdown()
+
+
+def test_a_token_sent_a_byte_at_a_time_does_not_keep_a_connection_open(one_slot):
+    """The token deadline applied to each recv: one byte every 8 s kept a connection open indefinitely, and
+    300 such connections filled the cap, so every new group, channel or driver failed on a live worker."""
+    group = rlnb.Group.launch(Echo, one_slot, "0", name="loris")
+    address = group._links[0].address
+    one_slot.client.run(_set_limits, 1.5, {"RLNB_DIRECT_MAX_CONNECTIONS": "32"})
+    try:
+        slow = [socket.create_connection(address, timeout=5) for _ in range(3)]  # (fewer than may authenticate)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.0:  # a byte from each every 0.5 s: within any per-byte deadline
+            for s in slow:
+                with contextlib.suppress(OSError):
+                    s.send(b"x")
+            time.sleep(0.5)
+        assert all(_closed_by_peer(s) for s in slow)  # closed after 1.5 s in all, bytes or not
+        slow += [socket.create_connection(address, timeout=5) for _ in range(40)]  # more than the cap
+        for s in slow[3:]:
+            s.send(b"x")
+        fresh = rlnb.Group.launch(Echo, one_slot, "0", name="after-loris")  # new connections still get in
+        assert fresh.add(4).result(10) == [4] and group.add(5).result(10) == [5]
+        fresh.shutdown()
+        for s in slow:
+            s.close()
     finally:
         one_slot.client.run(_set_limits, direct.TOKEN_TIMEOUT_S, {"RLNB_DIRECT_MAX_CONNECTIONS": "256"})
         group.shutdown()

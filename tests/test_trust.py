@@ -266,3 +266,73 @@ def test_rlnb_eval_and_export_leave_the_run_directory_as_it_was(tmp_path):
     after = snapshot()
     assert set(after) - set(before) == {type(next(iter(before)))("policy.pt")}
     assert {k: v for k, v in after.items() if k.name != "policy.pt"} == before
+
+
+OTHER_USER = """
+import sys
+from distributed import Client
+from distributed.security import Security
+
+address = sys.argv[1]
+for how, kw in (("no credentials", {}), ("credentials of its own", {"security": Security.temporary()}),
+                ("plain tcp", {"address": address.replace("tls://", "tcp://")})):
+    try:
+        Client(kw.pop("address", address), timeout=5, **kw).close()
+        print(how, "CONNECTED")
+    except Exception as e:
+        print(how, "refused", type(e).__name__)
+"""
+
+
+def test_the_embedded_cluster_is_closed_to_other_users_and_open_to_its_own(cluster, tmp_path):
+    """Its scheduler had no authentication: a process of another uid connected over loopback and ran code in
+    the workers as the run's user. Now it speaks TLS with credentials only its driver holds."""
+    import subprocess
+    import sys
+
+    assert cluster.address.startswith("tls://")
+    # another process without the driver's credentials, as another user's would be (of any uid: the scheduler
+    # asks for the certificate, not the user)
+    done = subprocess.run([sys.executable, "-c", OTHER_USER, cluster.address], capture_output=True, text=True,
+                          timeout=120, cwd="/")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 3 and all(" refused " in line for line in lines), lines
+    # this user's own other process, given the credentials the driver saved (0600 files in a 0700 directory)
+    creds = cluster.save_credentials(tmp_path / "creds")
+    assert stat.S_IMODE(creds.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in creds.iterdir())
+    own = "import sys, rlnb\nif __name__ == '__main__':\n    with rlnb.Cluster(sys.argv[1], security=sys.argv[2]) as c:\n" \
+          "        print(len(c.slots))\n"  # fmt: skip
+    script = tmp_path / "own.py"
+    script.write_text(own)
+    mine = subprocess.run([sys.executable, str(script), cluster.address, str(creds)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert mine.returncode == 0 and mine.stdout.strip() == str(len(cluster.slots)), mine.stderr[-2000:]
+    # direct calls stay on: loopback and Unix sockets, authenticated by tokens that travel over the TLS
+    from rlnb.testing import Echo
+
+    group = rlnb.Group.launch(Echo, cluster, "0", name="tls-direct")
+    assert group.transport == "direct" and group.add(2).result(30) == [2]
+    group.shutdown()
+
+
+def test_direct_calls_over_tls_only_where_the_workers_listen_on_loopback():
+    from rlnb.runtime.plugin import _loopback_tls
+
+    assert _loopback_tls("tls://127.0.0.1:4000") and _loopback_tls("tls://[::1]:4000")
+    assert not _loopback_tls("tls://10.1.2.3:4000") and not _loopback_tls("tcp://127.0.0.1:4000")
+
+
+def test_without_cryptography_the_embedded_cluster_says_it_runs_plain_tcp(monkeypatch, caplog):
+    from distributed.security import Security
+
+    def missing():
+        raise ImportError("No module named 'cryptography'")
+
+    monkeypatch.setattr(Security, "temporary", staticmethod(missing))
+    with rlnb.Cluster(slots=1, gpus=False) as cluster:
+        assert cluster.address.startswith("tcp://")
+    assert "runs plain TCP" in caplog.text and "Install the cryptography package" in caplog.text
+    with rlnb.Cluster(slots=1, gpus=False, security=False) as cluster:  # asked for
+        assert cluster.address.startswith("tcp://")

@@ -13,6 +13,7 @@ import uuid
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 from rlnb.cluster.placement import Placement, resolve_placement
 from rlnb.errors import ClusterError
@@ -195,6 +196,46 @@ def _check_script_guard() -> None:
         frame = frame.f_back
 
 
+# embedded clusters of this process with credentials, by scheduler address: another rlnb.Cluster(address) here
+# connects with them (a notebook's second driver); another process needs Cluster.save_credentials
+_EMBEDDED_SECURITY: dict = {}
+
+
+def load_credentials(directory: str | os.PathLike):
+    """A ``distributed.security.Security`` from what :meth:`Cluster.save_credentials` wrote to ``directory``.
+
+    Raises:
+        ClusterError: the files are not there.
+    """
+    from distributed.security import Security
+
+    path = Path(directory)
+    files = [path / n for n in ("ca.pem", "cert.pem", "key.pem")]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ClusterError(
+            f"Cluster(security={str(directory)!r}): no {', '.join(missing)} there (Cluster.save_credentials writes them)"
+        )
+    ca, cert, key = (str(f) for f in files)
+    return Security(tls_ca_file=ca, tls_client_cert=cert, tls_client_key=key, require_encryption=True)
+
+
+def _temporary_security():
+    """Temporary TLS credentials for an embedded cluster (``distributed``'s, held in memory), or ``None`` with a
+    warning where the ``cryptography`` package they need is missing (plain TCP, as Dask's default)."""
+    from distributed.security import Security
+
+    try:
+        return Security.temporary()
+    except ImportError as e:
+        log.warning(
+            "the embedded cluster runs plain TCP: any process on this machine that finds its port could run code in "
+            "its workers. Install the cryptography package (%s) to keep it this driver's alone (TLS)",
+            e,
+        )
+        return None
+
+
 def _connect(address: str, timeout_s: float, security=None):
     """A Dask ``Client`` for ``address`` within ``timeout_s``, or a :class:`ClusterError` saying what is there.
 
@@ -302,7 +343,12 @@ class Cluster:
         dashboard_address: where the embedded cluster's Dask dashboard listens (loopback by
             default; ``":8787"`` to expose it on every interface, ``None`` for none).
         security: a ``distributed.security.Security`` for ``tls://`` schedulers (passed to Dask's
-            client). Over TLS, calls take Dask's encrypted rpc; the direct-call sockets are not used.
+            client). Over TLS to a remote cluster, calls take Dask's encrypted rpc; the direct-call sockets are
+            not used. For the embedded cluster: ``None`` (default) gives it temporary TLS credentials that only
+            this process holds (``Security.temporary()``), so no other process on the machine, of another
+            user or not, can talk to its scheduler or run code in its workers; its direct calls stay on
+            loopback and the workers' Unix sockets, authenticated by tokens that travel over that TLS. ``False``:
+            plain TCP, as Dask's default (anyone on the machine who finds its port can use it).
 
     Example:
         >>> with rlnb.Cluster(slots=2) as cluster:   # doctest: +SKIP
@@ -345,9 +391,16 @@ class Cluster:
             import dask
 
             # (the nannies keep it for the workers they start)
+            if security not in (None, False):
+                raise ClusterError(
+                    "Cluster(security=...): the embedded cluster makes its own temporary credentials (None) or "
+                    f"runs plain TCP (False); got {type(security).__name__}. Pass Security objects with an address"
+                )
             with dask.config.set(_worker_config()):
-                self._local = self._start_local(slots, gpus, dashboard_address)
+                self._local = self._start_local(slots, gpus, dashboard_address, private=security is None)
             self.address = self._local.scheduler_address
+            if self._local.security.require_encryption:
+                _EMBEDDED_SECURITY[self.address] = self._local.security
             self.client = Client(self._local, direct_to_workers=True)
             n = len(self._local.worker_spec)
             try:
@@ -400,11 +453,15 @@ class Cluster:
         if isinstance(address, Client):
             self._owns_client = False
             return address
+        if isinstance(security, (str, os.PathLike)):  # a directory Cluster.save_credentials wrote
+            security = load_credentials(security)
         if isinstance(address, str):
             if "://" not in address and ":" not in address:
                 raise ClusterError(
                     f"Cluster(address): expected a scheduler address like 'tcp://host:8786', got {address!r}"
                 )
+            if security is None:  # an embedded cluster of this process: its credentials are here
+                security = _EMBEDDED_SECURITY.get(address)
             return _connect(address, timeout_s, security)
         if isinstance(getattr(address, "scheduler_address", None), str):  # LocalCluster, SLURMCluster...
             return Client(address, timeout=f"{timeout_s}s", direct_to_workers=True, security=security)
@@ -414,7 +471,7 @@ class Cluster:
         )
 
     @staticmethod
-    def _start_local(slots, gpus, dashboard_address):
+    def _start_local(slots, gpus, dashboard_address, private: bool = True):
         import dask
 
         # Non-daemonic worker processes, so components can start children (AsyncVectorEnv, a vLLM
@@ -430,6 +487,9 @@ class Cluster:
         # GPU workers too: the server never touches CUDA, and each worker's CUDA_VISIBLE_DEVICES is set
         # before its first CUDA call (docs/gpu.md has the time to a first step).
         fork_workers_from_preloaded_server()
+        # this driver's alone: TLS with credentials made here, in memory (nobody else can connect)
+        security = _temporary_security() if private else None
+        tls = {"protocol": "tls://", "security": security} if security is not None else {}
         if n_gpus > 0:
             from dask_cuda import LocalCUDACluster  # GPU-only path: one worker per GPU
 
@@ -437,7 +497,11 @@ class Cluster:
             if slots and slots > n_gpus:
                 raise ClusterError(f"Cluster(slots={slots}): this machine has only {n_gpus} GPU(s)")
             return LocalCUDACluster(
-                threads_per_worker=1, dashboard_address=dashboard_address, silence_logs=logging.ERROR, **kw
+                threads_per_worker=1,
+                dashboard_address=dashboard_address,
+                silence_logs=logging.ERROR,
+                **kw,
+                **tls,
             )
         from distributed import LocalCluster
 
@@ -450,6 +514,7 @@ class Cluster:
             dashboard_address=dashboard_address,
             silence_logs=logging.ERROR,
             scheduler_port=0,
+            **tls,
         )
 
     def _discover_slots(self) -> list[Slot]:
@@ -603,8 +668,33 @@ class Cluster:
                 self.client.close()
         finally:
             if self._local is not None:
+                _EMBEDDED_SECURITY.pop(self.address, None)
                 self._local.close()
                 self._local = None
+
+    def save_credentials(self, directory: str | os.PathLike) -> Path:
+        """Write the embedded cluster's TLS credentials into ``directory`` (created ``0700``, files ``0600``), so
+        that another process of this user can connect: ``rlnb.Cluster(address, security=directory)``.
+
+        Raises:
+            ClusterError: this cluster is not an embedded one with credentials (``security=False``, or remote).
+        """
+        sec = self._local.security if self._local is not None else None
+        if sec is None or not sec.require_encryption:
+            raise ClusterError(
+                "save_credentials: only an embedded cluster started with its own credentials has any"
+            )
+        from rlnb.files import write_private
+
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for name, pem in (
+            ("ca.pem", sec.tls_ca_file),
+            ("cert.pem", sec.tls_client_cert),
+            ("key.pem", sec.tls_client_key),
+        ):
+            write_private(path / name, pem)
+        return path
 
     def __enter__(self):
         return self

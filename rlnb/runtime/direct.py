@@ -24,11 +24,15 @@ standard pickler, or cloudpickle for what it cannot send), then the buffers: arr
 tensors travel as raw bytes, outside the pickle, without a copy on the sending side. A connection starts
 with the server's random token (handed out through Dask, in ``RankHost.ready``), so the port
 accepts nothing that could not already talk to the Dask worker. ``tls://`` clusters keep Dask's
-rpc (the direct port is not encrypted), as does ``RLNB_DIRECT_CALLS=0``.
+rpc (the direct port is not encrypted), but for the embedded cluster, whose workers listen on loopback only,
+as does ``RLNB_DIRECT_CALLS=0``.
 
-Limits, so a stray or hostile client cannot exhaust a worker: the token must arrive within
-``TOKEN_TIMEOUT_S``; at most ``RLNB_DIRECT_MAX_CONNECTIONS`` (256) connections are served at once
-(more are closed on accept); a message may not exceed ``RLNB_MAX_MESSAGE_BYTES`` (8 GiB), checked on
+Limits, so a stray or hostile client cannot exhaust a worker: the whole token must arrive within
+``TOKEN_TIMEOUT_S`` of the connection (not each byte of it); at most ``RLNB_DIRECT_MAX_CONNECTIONS`` (256)
+connections are served at once (more are closed on accept), and of those at most an eighth may still be
+authenticating: past that, the oldest one not yet authenticated is closed to admit the new one, so connections
+that never authenticate cannot starve drivers (a driver sends its token at once); a message may not exceed
+``RLNB_MAX_MESSAGE_BYTES`` (8 GiB), checked on
 its header before anything is allocated, and by the sender before anything is sent (a message of
 at most 64 KiB always passes). Every send from the driver has a deadline (the call's timeout). The
 actor thread never waits on a socket: a request still arriving is read, and a reply the driver is
@@ -62,7 +66,6 @@ from rlnb.runtime.wire import (  # the wire format this module serves and calls 
     _failure,
     _read_request,
     _Reader,
-    _recv_exact,
     dumps,
     enabled,
     env_flag,
@@ -111,6 +114,7 @@ class CallServer:
         # closed channel leaves no connection or thread behind on its worker
         self._host_conns: dict[str, set[socket.socket]] = {}
         self._busy: set[socket.socket] = set()  # of those, the ones answering a request now
+        self._pending: dict[socket.socket, None] = {}  # accepted, token not read yet: oldest first
         self._logged: set[str] = set()  # kinds of failure already logged (each is logged once)
         ip = worker.address.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
@@ -202,6 +206,16 @@ class CallServer:
             with self._lock:
                 full = self.connections >= max_connections()
                 self.connections += not full
+                evicted = None
+                if not full:
+                    if len(self._pending) >= max(1, max_connections() // 8):
+                        evicted = next(iter(self._pending))
+                        del self._pending[evicted]
+                    self._pending[conn] = None
+            if evicted is not None:  # (its thread's read fails: it ends and closes it)
+                self._log_once("evict", "too many connections authenticating at once; closing the oldest")
+                with contextlib.suppress(OSError):
+                    evicted.shutdown(socket.SHUT_RDWR)
             if full:  # one thread per connection: refuse rather than grow without bound
                 self._log_once(
                     "cap",
@@ -258,12 +272,14 @@ class CallServer:
         its first request for a rank (True: the actor thread owns it now)."""
         if first is None:
             try:
-                conn.settimeout(TOKEN_TIMEOUT_S)
-                token = bytes(_recv_exact(conn, TOKEN_BYTES))
+                token = _recv_token(conn, time.monotonic() + TOKEN_TIMEOUT_S)
             except (OSError, EOFError) as e:
                 why = f"no token within {TOKEN_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else str(e)
                 self._log_once("auth", "a connection closed before authenticating (%s)", why)
                 return False
+            finally:
+                with self._lock:
+                    self._pending.pop(conn, None)
             if not secrets.compare_digest(token, self.token):
                 self._log_once("auth", "a connection sent a wrong token; closed")
                 return False
@@ -399,6 +415,22 @@ class CallServer:
         except Exception as e:
             reply = ("err", pack_exception(e), time.perf_counter() - t0)
         return _encode_reply(reply)
+
+
+def _recv_token(conn: socket.socket, deadline: float) -> bytes:
+    """The connection's token, whole by ``deadline`` (``time.monotonic()``): one byte every few seconds does
+    not keep a connection open."""
+    got = b""
+    while len(got) < TOKEN_BYTES:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("token deadline")
+        conn.settimeout(left)
+        chunk = conn.recv(TOKEN_BYTES - len(got))
+        if not chunk:
+            raise EOFError("closed before its token")
+        got += chunk
+    return got
 
 
 def _encode_reply(reply: tuple) -> list:

@@ -49,7 +49,9 @@ class WorkerRuntime(WorkerPlugin):
             )
         if self.ignore_sigint and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if worker.address.startswith("tcp://"):  # (the driver decides whether to use it)
+        # (the driver decides whether to use it) on TCP, and on TLS where the worker listens on loopback only
+        # (the embedded cluster): its tokens reach drivers over TLS, and nobody can read loopback traffic
+        if worker.address.startswith("tcp://") or _loopback_tls(worker.address):
             try:
                 self.server = direct.CallServer(worker)
             except (OSError, ValueError) as e:
@@ -61,6 +63,11 @@ class WorkerRuntime(WorkerPlugin):
         if self.server is not None:
             self.server.close()
             self.server = None
+
+
+def _loopback_tls(address: str) -> bool:
+    host = address.removeprefix("tls://").rsplit(":", 1)[0].strip("[]")
+    return address.startswith("tls://") and (host.startswith("127.") or host == "::1")
 
 
 def ensure_worker_runtime(cluster) -> None:
