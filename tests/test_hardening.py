@@ -99,7 +99,8 @@ def test_a_token_sent_a_byte_at_a_time_does_not_keep_a_connection_open(one_slot)
     address = group._links[0].address
     one_slot.client.run(_set_limits, 1.5, {"RLNB_DIRECT_MAX_CONNECTIONS": "32"})
     try:
-        slow = [socket.create_connection(address, timeout=5) for _ in range(3)]  # (fewer than may authenticate)
+        # fewer than may authenticate at once, so none is closed to admit another
+        slow = [socket.create_connection(address, timeout=5) for _ in range(3)]
         t0 = time.monotonic()
         while time.monotonic() - t0 < 3.0:  # a byte from each every 0.5 s: within any per-byte deadline
             for s in slow:
