@@ -350,7 +350,7 @@ def check_cuda_ipc_channel(work: Path) -> dict:
     with _two_processes_on_gpus() as (cluster, where):
         producer = rlnb.Group.launch(CudaProbe, cluster, "0", name="producer")
         consumer = rlnb.Group.launch(CudaProbe, cluster, "1", name="consumer")
-        ch = rlnb.Channel.create(cluster, "ipc", maxsize=0)
+        ch = rlnb.Channel.create(cluster, "ipc", maxsize=0, max_bytes=0)
         size_mib = 256
         producer.put(ch, size_mib, 1.0).result(120)
         first = consumer.take(ch).result(120)[0]

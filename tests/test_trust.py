@@ -336,3 +336,39 @@ def test_without_cryptography_the_embedded_cluster_says_it_runs_plain_tcp(monkey
     assert "runs plain TCP" in caplog.text and "Install the cryptography package" in caplog.text
     with rlnb.Cluster(slots=1, gpus=False, security=False) as cluster:  # asked for
         assert cluster.address.startswith("tcp://")
+
+
+def test_a_channel_holds_at_most_max_bytes_of_tensors(cluster):
+    """A channel with the default maxsize had no memory bound: 1.4 GiB of /dev/shm grew without blocking."""
+    from rlnb.runtime.channel import DEFAULT_MAX_BYTES
+
+    ch = rlnb.Channel.create(cluster, "bounded", maxsize=4, max_bytes=1 << 20, timeout_s=30)
+    try:
+        assert rlnb.Channel.create.__defaults__[-1] == DEFAULT_MAX_BYTES == 1 << 30  # bounded by default
+        ch.put(torch.ones(150_000))  # 600 KB (in shared memory)
+        with pytest.raises(rlnb.errors.ChannelTimeoutError, match="max_bytes 1048576"):
+            ch.put(torch.ones(150_000), timeout=1.0)  # 1.2 MB would be queued: waits, then times out
+        assert ch.get(timeout=10).sum() == 150_000
+        ch.put(torch.ones(150_000), timeout=5)  # room again
+        ch.put(np.ones(1000), key="other", timeout=5)  # small: fits beside it
+        assert ch.get(timeout=10).numel() == 150_000 and ch.get(key="other", timeout=10).size == 1000
+        ch.put(torch.ones(400_000), timeout=5)  # bigger than the bound, into an empty channel: goes in
+        assert ch.get(timeout=10).numel() == 400_000
+        with pytest.raises(ValueError, match="max_bytes: expected an int >= 0"):
+            rlnb.Channel.create(cluster, "bad", max_bytes=-1)
+    finally:
+        ch.close()
+
+
+def test_a_put_that_never_found_room_is_reported_at_the_next_operation(cluster):
+    """Puts to a channel without a count bound do not wait for their answer; one that timed out waiting for
+    room under max_bytes is an error at that handle's next operation, never a silently dropped item."""
+    ch = rlnb.Channel.create(cluster, "bytes-only", max_bytes=1 << 20, timeout_s=30)
+    try:
+        ch.put(torch.ones(150_000))
+        ch.put(torch.ones(150_000), timeout=1.0)  # returns at once; held on the worker, then times out
+        with pytest.raises(rlnb.errors.ChannelTimeoutError, match="an earlier put waited past its timeout"):
+            ch.qsize()
+        assert ch.qsize() == 1 and ch.get(timeout=10).numel() == 150_000
+    finally:
+        ch.close()

@@ -197,8 +197,13 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
             actor.setup_data_parallel().result()
         if not self.env_local:
             slot = p["rollout"][0]  # on the rollout's worker: its gets/puts skip the network
-            self.channels["obs"] = Channel.create(self.cluster, "obs", slot=slot, timeout_s=timeout)
-            self.channels["actions"] = Channel.create(self.cluster, "actions", slot=slot, timeout_s=timeout)
+            # (no byte bound: the loop's own protocol bounds them, one step of observations in flight per stage)
+            self.channels["obs"] = Channel.create(
+                self.cluster, "obs", slot=slot, timeout_s=timeout, max_bytes=0
+            )
+            self.channels["actions"] = Channel.create(
+                self.cluster, "actions", slot=slot, timeout_s=timeout, max_bytes=0
+            )
         self._launch_links()
 
     def _reset_state(self) -> None:

@@ -22,8 +22,10 @@ class Links:
         self.weight_sync = "local" if self.batch_local else self._weight_sync_route()
         if not self.batch_local:
             timeout = self.groups["actor"].call_timeout_s
+            # (no byte bound on the loop's own channels: its protocol bounds them, one batch or one set of weights
+            # in flight per rank, and a model's weights may be bigger than any default bound)
             self.channels["batches"] = Channel.create(
-                self.cluster, "batches", slot=p["actor"][0], timeout_s=timeout
+                self.cluster, "batches", slot=p["actor"][0], timeout_s=timeout, max_bytes=0
             )
             if self.weight_sync == "broadcast":
                 actor, rollout = self.groups["actor"], self.groups["rollout"]
@@ -37,7 +39,7 @@ class Links:
                 init_collective([actor.on(0), rollout], name=WEIGHT_SYNC_GROUP, timeout_s=timeout)
             else:
                 self.channels["weights"] = Channel.create(
-                    self.cluster, "weights", slot=p["rollout"][0], timeout_s=timeout
+                    self.cluster, "weights", slot=p["rollout"][0], timeout_s=timeout, max_bytes=0
                 )
 
     def _weight_sync_route(self) -> str:

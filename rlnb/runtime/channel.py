@@ -24,6 +24,7 @@ from rlnb.runtime.plugin import ensure_worker_runtime
 from rlnb.runtime.shm import HOSTNAME, pack, unpack
 
 DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_MAX_BYTES = 1 << 30  # a channel's default bound on the bytes it holds (Channel.create's max_bytes)
 _SENDERS: dict[tuple, object] = {}  # per process and channel: puts whose replies are read later
 _SENDERS_LOCK = threading.Lock()
 _UNREACHABLE: set[tuple] = set()  # direct offers this process cannot connect to (it uses Dask's rpc)
@@ -40,10 +41,11 @@ class ChannelServer:
     worker's event loop.
     """
 
-    def __init__(self, name: str, maxsize: int):
+    def __init__(self, name: str, maxsize: int, max_bytes: int = 0):
         from rlnb.runtime import direct
 
-        self.name, self.maxsize = name, maxsize
+        self.name, self.maxsize, self.max_bytes = name, maxsize, max_bytes
+        self.queued_bytes = 0  # of the tensors and arrays queued, over every key (what max_bytes bounds)
         self.queues: dict[str, deque] = {}
         self._cv = threading.Condition()
         self.node = HOSTNAME
@@ -70,13 +72,24 @@ class ChannelServer:
                 shm.release(item)
                 return ("closed", 0)
             q = self.queues.setdefault(key, deque())
-            full = self.maxsize > 0 and len(q) >= self.maxsize
-            if full and not self._cv.wait_for(lambda: len(q) < self.maxsize or self.closed, timeout_s):
+            size = item_bytes(item)
+
+            def room() -> bool:
+                if self.maxsize > 0 and len(q) >= self.maxsize:
+                    return False
+                # (an item bigger than the bound still goes into an empty channel: nothing could make room)
+                return (
+                    not self.max_bytes or not self.queued_bytes or self.queued_bytes + size <= self.max_bytes
+                )
+
+            if not room() and not self._cv.wait_for(lambda: room() or self.closed, timeout_s):
+                shm.release(item)
                 return ("timeout", len(q))
             if self.closed:
                 shm.release(item)
                 return ("closed", 0)
             q.append(item)
+            self.queued_bytes += size
             self._cv.notify_all()
             self.counts["items"] += 1
             for ref in shm.refs(item):
@@ -100,6 +113,7 @@ class ChannelServer:
                 if self.closed:  # woken by close()
                     return ("closed", 0)
             items = [q.popleft() for _ in range(min(n, len(q)))]
+            self.queued_bytes -= sum(item_bytes(i) for i in items)
             self._cv.notify_all()
         if node != self.node:  # the consumer cannot see our shared memory: send values
             items = [unpack(i, host=True) for i in items]
@@ -126,6 +140,7 @@ class ChannelServer:
                 while q:
                     shm.release(q.popleft())
                     dropped += 1
+            self.queued_bytes = 0
             self.closed = True
             self._cv.notify_all()  # blocked gets and puts wake and answer "closed"
         return dropped
@@ -195,6 +210,7 @@ class Channel:
         direct_offer: tuple | None = None,
     ):
         self._server, self.name, self.node, self.maxsize = server, name, node, maxsize
+        self.max_bytes = 0  # (set by create)
         self.timeout_s = timeout_s
         self._direct = direct_offer
         self._closed = False  # closed through this handle
@@ -208,18 +224,36 @@ class Channel:
         maxsize: int = 0,
         slot: int = 0,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> Channel:
-        """Create a channel hosted on the worker of ``slot``; ``maxsize`` bounds each key's queue (0 = unbounded)."""
+        """Create a channel hosted on the worker of ``slot``.
+
+        Args:
+            maxsize: items each key's queue holds at most (0: no count bound).
+            max_bytes: bytes of tensors and arrays the channel holds at most, over every key (default 1 GiB;
+                0: no bound): a ``put`` waits (up to its timeout) while one more item would pass it. An item
+                bigger than the bound still goes into an empty channel.
+        """
         if not isinstance(maxsize, int) or maxsize < 0:
             raise ValueError(f"Channel maxsize: expected an int >= 0, got {maxsize!r}")
+        if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0:
+            raise ValueError(f"Channel max_bytes: expected an int >= 0 (0: no bound), got {max_bytes!r}")
         address = cluster.slots[slot].address
         ensure_worker_runtime(cluster)
         fut = cluster.client.submit(
-            ChannelServer, name, maxsize, actor=True, workers=[address], allow_other_workers=False, pure=False
+            ChannelServer,
+            name,
+            maxsize,
+            max_bytes,
+            actor=True,
+            workers=[address],
+            allow_other_workers=False,
+            pure=False,
         )
         server = cluster.bind(fut.result(timeout=60))
         node, offer = _resolve(server.contact(), 60)
         channel = cls(server, name, node, maxsize, timeout_s, offer)
+        channel.max_bytes = max_bytes
         cluster.close_with(channel)
         return channel
 
@@ -248,7 +282,9 @@ class Channel:
             raise self._closed_error(key)
         timeout = self.timeout_s if timeout is None else timeout
         args = (key, pack(item, self.node), timeout)
-        if self.maxsize == 0:  # nothing to wait for: the route may read the answer later
+        # no count bound: the answer may be read later (a byte bound holds the worker's connection thread, and so,
+        # through the socket's buffers, this sender)
+        if self.maxsize == 0:
             answer = self._call(lambda route: route.put_unbounded(args, timeout + 30))
             if answer is None:
                 return
@@ -257,7 +293,8 @@ class Channel:
         status, size = self._put_status(answer, key)
         if status == "timeout":
             raise ChannelTimeoutError(
-                f"channel {self.name!r} key {key!r}: queue stayed full ({size}/{self.maxsize}) for {timeout:g} s"
+                f"channel {self.name!r} key {key!r}: queue stayed full ({size} item(s), maxsize {self.maxsize}, "
+                f"max_bytes {self.max_bytes}) for {timeout:g} s"
             )
 
     def get(self, key: str = "default", timeout: float | None = None):
@@ -384,6 +421,24 @@ class Channel:
         )
 
 
+def item_bytes(item) -> int:
+    """Bytes of the tensors and arrays in a queued item: those parked in shared memory (their handles) and those
+    carried inline."""
+    total = 0
+    if isinstance(item, dict):
+        return sum(item_bytes(v) for v in item.values())
+    if isinstance(item, (list, tuple)):
+        return sum(item_bytes(v) for v in item)
+    for ref in shm.refs(item):
+        total += ref.nbytes
+    nbytes = getattr(item, "nbytes", None)
+    if total == 0 and isinstance(nbytes, int):  # a numpy array (or a tensor's numpy view)
+        total = nbytes
+    elif total == 0 and hasattr(item, "element_size") and hasattr(item, "numel"):  # a torch tensor
+        total = item.element_size() * item.numel()
+    return total
+
+
 class _Unreachable(ConnectionError):
     """The channel's direct port cannot be reached from this process."""
 
@@ -458,7 +513,7 @@ class _DirectChannelRoute:
         replies = sender.send("put", args, timeout)
         unreachable = bool(replies) and replies[-1][0] == "unreachable"
         for reply in replies[:-1] if unreachable else replies:
-            self.channel._put_status(self._value("put", reply), "?")
+            self._earlier_put(reply)
         if unreachable:
             raise _Unreachable(replies[-1][1])
         return None  # answered later
@@ -466,7 +521,17 @@ class _DirectChannelRoute:
     def _read_puts(self, timeout: float) -> None:
         if self._sender is not None and self._sender.unread:
             for reply in self._sender.drain(timeout):
-                self.channel._put_status(self._value("put", reply), "?")
+                self._earlier_put(reply)
+
+    def _earlier_put(self, reply: tuple) -> None:
+        """The answer to a put sent earlier without waiting: raise what it says went wrong."""
+        status, size = self.channel._put_status(self._value("put", reply), "?")
+        if status == "timeout":
+            ch = self.channel
+            raise ChannelTimeoutError(
+                f"channel {ch.name!r}: an earlier put waited past its timeout for room (max_bytes {ch.max_bytes}; "
+                f"{size} item(s) queued under its key) and its item was dropped"
+            )
 
     def _value(self, op: str, reply: tuple):
         """The value of a direct reply ``(status, value, duration_s)``, or its typed error."""
