@@ -67,7 +67,12 @@ SWEEP = {
     "data.task": (GRPO, ["data.path=missing.jsonl"]),
     "data.chat_template": (GRPO, []),
 }
-COVERED_ELSEWHERE = {"algorithm.advantage", "algorithm.policy_loss"}
+COVERED_ELSEWHERE = {
+    "algorithm.advantage",
+    "algorithm.policy_loss",
+    "runner.overwrite",  # tests/test_trust.py (a run directory holding a run)
+    "runner.resume_fallback",  # tests/test_isolation.py (an unreadable latest checkpoint)
+}
 # the choices refused on this machine (no GPU, no vLLM): each must be refused naming its key before any step;
 # every other choice must train a step
 REFUSED = {
