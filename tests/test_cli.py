@@ -1,6 +1,7 @@
 """The command line: options, overrides, installed wheels, remote servers, the GPU check's dry run."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -100,6 +101,13 @@ def test_bundled_recipes_run_from_an_installed_wheel(tmp_path):
 
     with zipfile.ZipFile(wheel) as zf:
         metadata = zf.read(next(n for n in zf.namelist() if n.endswith("METADATA"))).decode()
+        names = zf.namelist()
+    # the license travels with it, and type checkers read rlnb's annotations (PEP 561)
+    assert "rlnb/py.typed" in names and any(n.endswith(("/LICENSE", "licenses/LICENSE")) for n in names), (
+        names
+    )
+    assert "Classifier: License :: OSI Approved :: Apache Software License" in metadata
+    assert "Requires-Dist: cryptography" in metadata  # (the embedded cluster's TLS)
     # no dask-cuda build exists for macOS or Windows: required on Linux only
     assert 'Requires-Dist: dask-cuda>=26.10; sys_platform == "linux"' in metadata
     venv = tmp_path / "venv"
@@ -183,3 +191,29 @@ def test_grpo_through_the_cli_with_two_rewards_shows_rlnb_progress_only(tmp_path
         1,
         2,
     ]
+
+
+def test_version_info_recipes_and_the_tensorboard_hint(tmp_path):
+    """Issue 39's CLI: `--version`; `rlnb info` lists the packages' versions and the GPUs; `rlnb recipes` shows
+    whole descriptions; `rlnb run` says how to open TensorBoard on its run."""
+    from rlnb.cli import recipe_description
+
+    version = subprocess.run([*RLNB, "--version"], capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.strip() == f"rlnb {rlnb.__version__}"
+    info = subprocess.run([*RLNB, "info", "--slots", "1"], capture_output=True, text=True, timeout=120)
+    assert info.returncode == 0, info.stderr[-2000:]
+    for name in ("python", "rlnb", "torch", "transformers", "gymnasium", "dask", "distributed", "dask-cuda",
+                 "vllm", "gpus"):  # fmt: skip
+        assert any(line.split()[:1] == [name] for line in info.stdout.splitlines()), (name, info.stdout)
+    env = {**os.environ, "COLUMNS": "80"}
+    listed = subprocess.run([*RLNB, "recipes"], capture_output=True, text=True, timeout=60, env=env)
+    flat = " ".join(listed.stdout.split())
+    from rlnb.config import bundled_recipes
+
+    for path in bundled_recipes().values():
+        assert " ".join(recipe_description(path.read_text()).split()) in flat  # whole, not cut mid-sentence
+    assert "GRPO must learn to call the right one." in flat
+    run = subprocess.run([*RLNB, "run", "ppo_cartpole", "runner.steps=1", "--run-dir", str(tmp_path / "r"),
+                          "--no-progress"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"tensorboard --logdir {tmp_path / 'r' / 'tensorboard'}" in run.stderr
