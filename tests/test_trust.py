@@ -372,3 +372,48 @@ def test_a_put_that_never_found_room_is_reported_at_the_next_operation(cluster):
         assert ch.qsize() == 1 and ch.get(timeout=10).numel() == 150_000
     finally:
         ch.close()
+
+
+def test_the_shared_memory_pool_gives_memory_back_after_a_channel_is_drained(cluster, monkeypatch):
+    """514 MiB of /dev/shm used to stay in a producer's pool after its channel was drained."""
+    import time
+
+    from rlnb.runtime import shm
+
+    monkeypatch.setattr(shm, "TRIM_IDLE_S", 0.5)
+    monkeypatch.setattr(shm, "POOL_KEEP_BYTES", 8 << 20)
+    # timers armed by earlier tests wait the default 10 s: start afresh with this test's figures
+    with shm._POOL._lock:
+        if shm._POOL._timer is not None:
+            shm._POOL._timer.cancel()
+            shm._POOL._timer = None
+    if shm._READ_TIMER[0] is not None:
+        shm._READ_TIMER[0].cancel()
+        shm._READ_TIMER[0] = None
+
+    def mine() -> int:  # bytes of this process's segments in /dev/shm
+        prefix = f"{shm.SHM_PREFIX}{os.getpid()}-"
+        d = shm._shm_dir()
+        return sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d) if n.startswith(prefix))
+
+    ch = rlnb.Channel.create(cluster, "drained", max_bytes=0)
+    try:
+        for _ in range(12):  # 12 x 16 MiB queued at once: the pool grows to hold them
+            ch.put(torch.ones(4 << 20))
+        assert mine() >= 12 * (16 << 20)
+        for got in ch.get_batch(12, timeout=60):
+            assert got[0] == 1.0
+        del got
+        import gc
+
+        gc.collect()  # (the tensors read are freed: their segments are free again)
+        deadline = time.time() + 10
+        while mine() > (8 << 20) + (32 << 20) and time.time() < deadline:
+            time.sleep(0.2)
+        assert mine() <= (8 << 20) + (32 << 20), mine()  # what the pool keeps (segments are powers of two)
+        time.sleep(1.5)
+        assert not [p for p in shm._READ_MAPS if not os.path.exists(p)]  # the reader let go of removed ones
+        ch.put(torch.ones(4 << 20))  # and the pool works on
+        assert ch.get(timeout=30)[0] == 1.0
+    finally:
+        ch.close()

@@ -25,6 +25,7 @@ import os
 import socket
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -107,6 +108,10 @@ def _open_cuda(ref: _CudaRef):
 
 HEADER = 64  # byte 0 of a pooled segment: 1 while a message occupies it, 0 once its reader copied it out
 POOL_MAX_BYTES = 1 << 30  # past this a producer parks tensors in one-off files (unlinked by the reader)
+# Once a channel is drained, the pool gives back what it does not need: free segments idle this long are
+# removed beyond POOL_KEEP_BYTES (readers drop their mappings of removed segments as often)
+POOL_KEEP_BYTES = 64 << 20
+TRIM_IDLE_S = 10.0
 
 
 def _new_shm_file(nbytes: int):
@@ -163,13 +168,53 @@ class _SegmentPool:
         # (path, capacity, uint8 tensor mapping, the same bytes as numpy: its header is read per put)
         self.segments: list[tuple[str, int, object, np.ndarray]] = []
         self.total = 0
+        self.last_used: dict[str, float] = {}  # path -> when it was last taken (time.monotonic())
+        self._timer: threading.Timer | None = None
         # several threads of one process send at once (components, the notebook): without it two of
         # them could take the same free segment and overwrite each other's tensor
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int):
         with self._lock:
-            return self._acquire(nbytes)
+            segment = self._acquire(nbytes)
+            if segment is not None:
+                self.last_used[segment[0]] = time.monotonic()
+            if self.total > POOL_KEEP_BYTES and self._timer is None:
+                self._arm()
+            return segment
+
+    def _arm(self) -> None:
+        self._timer = threading.Timer(TRIM_IDLE_S, self._tick)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _tick(self) -> None:
+        with self._lock:
+            self._timer = None
+            self._trim(time.monotonic() - TRIM_IDLE_S)
+            if self.total > POOL_KEEP_BYTES:  # (still in use: look again later)
+                self._arm()
+
+    def trim(self, idle_s: float = 0.0) -> int:
+        """Remove free segments idle for ``idle_s`` seconds beyond :data:`POOL_KEEP_BYTES`; the bytes removed."""
+        with self._lock:
+            return self._trim(time.monotonic() - idle_s)
+
+    def _trim(self, idle_before: float) -> int:
+        removed = 0
+        for segment in sorted(self.segments, key=lambda seg: self.last_used.get(seg[0], 0.0)):
+            if self.total <= POOL_KEEP_BYTES:
+                break
+            path, cap, _, header = segment
+            if header[0] != 0 or self.last_used.get(path, 0.0) > idle_before:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # (freed once every reader dropped its mapping, too)
+            self.segments.remove(segment)
+            self.last_used.pop(path, None)
+            self.total -= cap
+            removed += cap
+        return removed
 
     def _acquire(self, nbytes: int):
         for segment in self.segments:
@@ -188,6 +233,9 @@ class _SegmentPool:
 
     def close(self) -> None:
         with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             for path, *_ in self.segments:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
@@ -222,9 +270,38 @@ def _leased_view(path: str, capacity: int, offset: int, nbytes: int) -> np.ndarr
     if mapping is None:
         with open(path, "r+b") as f:
             mapping = _READ_MAPS[path] = mmap.mmap(f.fileno(), capacity)
+        _watch_read_maps()
     view = np.frombuffer(mapping, dtype=np.uint8, count=nbytes, offset=offset).view(_LeasedBytes)
     view._lease = _Lease(mapping)
     return view
+
+
+_READ_TIMER: list = [None]
+
+
+def _watch_read_maps() -> None:
+    """Drop, every :data:`TRIM_IDLE_S`, the cached mappings of segments their producer removed (the memory
+    goes once the last tensor viewing it is freed); runs while any mapping is cached."""
+    if _READ_TIMER[0] is not None:
+        return
+
+    def tick():
+        _READ_TIMER[0] = None
+        drop_removed_maps()
+        if _READ_MAPS:
+            _watch_read_maps()
+
+    timer = _READ_TIMER[0] = threading.Timer(TRIM_IDLE_S, tick)
+    timer.daemon = True
+    timer.start()
+
+
+def drop_removed_maps() -> int:
+    """Forget the cached mappings of segments whose files are gone; how many."""
+    gone = [p for p in list(_READ_MAPS) if not os.path.exists(p)]
+    for path in gone:
+        _READ_MAPS.pop(path, None)
+    return len(gone)
 
 
 class _Unsent:
