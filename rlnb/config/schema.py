@@ -488,6 +488,10 @@ class ActorConfig:
                 f"actor.model_path: {self.model_path!r} has no config.json (not a save_pretrained directory); "
                 "fix the path or set actor.build_if_missing=true to build a tiny LM there"
             )
+        elif isinstance(self.model_path, str) and not is_hub_id(self.model_path):
+            from rlnb.models.lm import near_miss
+
+            errs += near_miss(Path(self.model_path))
         return errs + at_least(
             ("actor.micro_batch_size", self.micro_batch_size, 1), ("actor.sft_steps", self.sft_steps, 0),
             ("actor.sft_batch_size", self.sft_batch_size, 1), ("actor.length_buckets", self.length_buckets, 1),

@@ -27,7 +27,7 @@ from rlnb.data.prompts import (
     load_qa_file,
     problems_from_records,
 )
-from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementError, did_you_mean
+from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementError
 from rlnb.loop.asynchronous import GRPOAsynchronous
 from rlnb.loop.base import LoopBase, objects_recipe
 from rlnb.loop.grpo_data import FileTask, shard, turn_demonstrations
@@ -217,7 +217,6 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
             and not is_hub_id(path)
             and not (Path(path) / "config.json").exists()
         ):
-            _refuse_a_near_miss(Path(path))
             t = recipe.actor.tiny_lm
             log.warning(
                 "actor.model_path: no model at %s; building an untrained tiny LM there (actor.tiny_lm: hidden %d, "
@@ -520,20 +519,4 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
             f"step {self.step}; held-out accuracy after SFT {first}, latest {evals[-1]:.3f}"
             if evals
             else f"step {self.step}"
-        )
-
-
-def _refuse_a_near_miss(path: Path) -> None:
-    """A ``model_path`` with no model, beside a model directory of a close name, is a typo: refused, rather
-    than an untrained model built and trained in its place (``actor.build_if_missing``)."""
-    parent = path.parent
-    if not parent.is_dir():
-        return
-    models = [p.name for p in parent.iterdir() if (p / "config.json").is_file() and p.name != path.name]
-    close = did_you_mean(path.name, models)
-    if close:
-        raise ConfigError(
-            f"actor.model_path: no model at {path}, and actor.build_if_missing would build an untrained one "
-            f"there.{close} (To build a new one beside it, choose a name less like another model's.)",
-            "actor.model_path",
         )

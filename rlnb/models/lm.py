@@ -191,6 +191,24 @@ def _exists(path: Path) -> bool:
         return False
 
 
+def near_miss(path: Path, key: str = "actor.model_path") -> list[str]:
+    """A ``model_path`` with no model, beside a model directory of a close name, is a typo: an error naming
+    ``key`` (rather than an untrained model built and trained in its place, ``actor.build_if_missing``)."""
+    from rlnb.errors import did_you_mean
+
+    parent = path.parent
+    if _exists(path / "config.json") or not parent.is_dir():
+        return []
+    models = [p.name for p in parent.iterdir() if _exists(p / "config.json") and p.name != path.name]
+    close = did_you_mean(path.name, models)
+    if not close:
+        return []
+    return [
+        f"{key}: no model at {path}, and actor.build_if_missing would build an untrained one there.{close} "
+        "(To build a new one beside it, choose a name less like another model's.)"
+    ]
+
+
 def resolve_model(path: str | Path, key: str = "actor.model_path") -> str:
     """A loadable model reference: a local ``save_pretrained`` directory (absolute), or a hub id that
     ``from_pretrained`` can load here (the local Hugging Face cache, or the hub when online).
