@@ -149,7 +149,8 @@ def test_a_run_directory_has_one_writer_and_is_never_silently_mixed(cluster, tmp
     one = ["runner.steps=2", *QUIET]
     with Loop.from_recipe("ppo_cartpole", one, cluster=cluster, run_dir=tmp_path) as loop:
         with pytest.raises(
-            ConfigError, match=rf"runner.run_dir: {tmp_path} is in use by another run \(pid {os.getpid()}"
+            ConfigError,
+            match=rf"runner.run_dir: {tmp_path} is in use by another loop of this process \(pid {os.getpid()}.*close",
         ):
             Loop.from_recipe("ppo_cartpole", one, cluster=cluster, run_dir=tmp_path)
         loop.run(progress=False)
@@ -417,3 +418,34 @@ def test_the_shared_memory_pool_gives_memory_back_after_a_channel_is_drained(clu
         assert ch.get(timeout=30)[0] == 1.0
     finally:
         ch.close()
+
+
+def test_a_run_in_another_process_holds_its_directory(tmp_path):
+    """The lock is the kernel's: another process's run into the directory is refused naming it, and once that
+    process is gone (killed: it left its lock file) the directory is free again."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from rlnb.errors import ConfigError
+    from rlnb.loop.run_dir import RunDirLock
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom pathlib import Path\nfrom rlnb.loop.run_dir import RunDirLock\n"
+        "RunDirLock(Path(sys.argv[1])); print('locked', flush=True); time.sleep(60)")
+        , str(tmp_path)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(
+            ConfigError, match=rf"in use by another run \(pid {holder.pid} on .* since .*wait for it"
+        ):
+            RunDirLock(tmp_path)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(30)
+    time.sleep(0.1)
+    assert (tmp_path / ".lock").exists()  # left by the killed holder, unlocked
+    lock = RunDirLock(tmp_path)
+    lock.release()
+    assert not (tmp_path / ".lock").exists()

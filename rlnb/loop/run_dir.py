@@ -14,6 +14,7 @@ run already in it is never silently mixed with a new one.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 
 from rlnb.errors import ConfigError
+
+log = logging.getLogger("rlnb")
 
 KEY = "runner.run_dir"
 # what a run writes into its directory, and ``runner.overwrite`` removes (nothing else there is touched)
@@ -60,11 +63,15 @@ class RunDirLock:
         except BlockingIOError:
             holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
+            mine = holder.startswith(f"pid {os.getpid()} ")
+            hint = "close that loop first (loop.close())" if mine else "wait for it to end"
             raise ConfigError(
-                f"{KEY}: {run_dir} is in use by another run ({holder}); wait for it to end, or choose another "
-                "directory",
+                f"{KEY}: {run_dir} is in use by another {'loop of this process' if mine else 'run'} ({holder}); "
+                f"{hint}, or choose another directory",
                 KEY,
             ) from None
+        except OSError as e:  # a file system without locks (some network mounts): go on, and say so
+            log.warning("%s: %s cannot be locked (%s); nothing keeps a second run out of it", KEY, run_dir, e)
         return fd
 
     def release(self) -> None:
