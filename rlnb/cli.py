@@ -193,8 +193,22 @@ def _resume(run_dir: str):
 
 
 def _export(args) -> int:
+    from pathlib import Path
+
+    from rlnb.config import load_recipe
     from rlnb.loop import GRPOLoop
 
+    recipe_file = Path(args.run_dir) / "recipe.yaml"
+    if recipe_file.exists() and load_recipe(recipe_file).loop == "embodied":
+        from rlnb.export import export_from_checkpoint
+
+        path = export_from_checkpoint(args.run_dir, args.out)  # (no cluster: the built-in policy's weights)
+        if path is not None:
+            print(
+                f"rlnb: exported {args.run_dir} at step {_policy_step(path)} to {path} (no cluster started); "
+                f"load it with rlnb.load_policy({str(path)!r}).predict(obs)"
+            )
+            return 0
     loop = _resume(args.run_dir)
     try:
         path = loop.export(args.out)
@@ -207,6 +221,12 @@ def _export(args) -> int:
     finally:
         loop.close()
     return 0
+
+
+def _policy_step(path) -> int:
+    from rlnb.export import load_policy
+
+    return load_policy(path).step
 
 
 def _eval(args) -> int:

@@ -384,3 +384,51 @@ def space_from_data(data: dict):
     if kind == "MultiBinary":
         return gym.spaces.MultiBinary(data["n"])
     raise PolicyFileError(f"unknown space kind {kind!r} in a policy file")
+
+
+def export_from_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path | None:
+    """Write the policy of an embodied run's latest checkpoint (as :meth:`rlnb.Loop.export` does) without a
+    cluster: the built-in actor-critic rebuilt from the run's recipe and the actor's checkpointed weights, the
+    spaces from one env built here, the observation statistics from env rank 0's state. Returns the path, or
+    ``None`` where the run's policy is not the built-in one (a class of the user's own: export it through the
+    loop, which has it).
+
+    Raises:
+        rlnb.loop.CheckpointError: the run has no complete checkpoint, or it cannot be read.
+    """
+    import json
+
+    from rlnb.components.env import Env, _rms_from
+    from rlnb.config import load_recipe
+    from rlnb.files import torch_load_safe
+    from rlnb.loop.checkpoint import CheckpointError, complete_checkpoints
+    from rlnb.models.policies import build_policy
+
+    run_dir = Path(run_dir)
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    found = complete_checkpoints(run_dir)
+    if not found:
+        raise CheckpointError(f"{run_dir} has no complete checkpoint to export")
+    checkpoint = found[-1]
+    try:
+        actor = torch_load_safe(checkpoint / "actor_rank0.pt")
+        env_state = torch_load_safe(checkpoint / "env_rank0.pt")
+        step = json.loads((checkpoint / "loop.json").read_text())["step"]
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"could not read {checkpoint}: {e}") from e
+    env = Env(recipe.env, seed=recipe.seed, num_envs=1, pipeline_stages=1)
+    try:
+        spaces = (env.observation_space, env.action_space)
+    finally:
+        env.close()
+    try:
+        module = build_policy(recipe.actor.model, *spaces)
+        module.load_state_dict(actor["policy"])
+    except Exception:  # not the built-in policy's weights
+        return None
+    rms = _rms_from(env_state.get("obs_rms")) if recipe.env.normalize_obs else None
+    policy = TrainedPolicy(
+        module.eval().requires_grad_(False), *spaces, rms, step=step, source=str(run_dir),
+        env_spec={"config": recipe.env, "make_env": None},
+    )  # fmt: skip
+    return policy.save(Path(out) if out is not None else run_dir / "policy.pt")

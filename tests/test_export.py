@@ -157,7 +157,7 @@ def test_rlnb_eval_and_rlnb_export_work_from_a_runs_latest_checkpoint(tmp_path):
         [*RLNB, "export", str(run), "--out", str(out)], capture_output=True, text=True, timeout=300
     )
     assert exported.returncode == 0, exported.stderr[-3000:]
-    assert f"at step 2 to {out}; load it with rlnb.load_policy(" in exported.stdout
+    assert f"at step 2 to {out} (no cluster started); load it with rlnb.load_policy(" in exported.stdout
     policy = load_policy(out)
     assert policy.step == 2 and policy.discrete and policy.predict(np.zeros((5, 4))).shape == (5,)
     missing = subprocess.run([*RLNB, "export", str(tmp_path)], capture_output=True, text=True, timeout=60)
@@ -213,3 +213,21 @@ def test_a_hostile_policy_file_runs_nothing_and_a_policy_file_holds_only_data(cl
     ]
     policy = load_policy(path)
     assert policy.evaluate(2)["len_mean"] > 0 and policy.obs_normalization is not None
+
+
+def test_export_from_a_checkpoint_needs_no_cluster_and_equals_the_loops_export(cluster, tmp_path):
+    """`rlnb export` used to start a whole cluster (9 s here) to write what the checkpoint already holds."""
+    from rlnb.export import export_from_checkpoint
+
+    overrides = ["runner.steps=2", "runner.tensorboard=false", "env.normalize_obs=true", "env.num_envs=4",
+                 "rollout.steps_per_rollout=16"]  # fmt: skip
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        loop.run(progress=False)
+        loop.save()
+        through_loop = load_policy(loop.export(tmp_path / "loop.pt"))
+    from_checkpoint = load_policy(export_from_checkpoint(tmp_path / "run", tmp_path / "ckpt.pt"))
+    obs = np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)
+    np.testing.assert_array_equal(from_checkpoint.predict(obs), through_loop.predict(obs))
+    assert from_checkpoint.step == through_loop.step == 2
+    np.testing.assert_array_equal(from_checkpoint.obs_normalization.mean, through_loop.obs_normalization.mean)
+    assert from_checkpoint.evaluate(2, seed=5) == through_loop.evaluate(2, seed=5)
