@@ -449,3 +449,14 @@ def test_a_run_in_another_process_holds_its_directory(tmp_path):
     lock = RunDirLock(tmp_path)
     lock.release()
     assert not (tmp_path / ".lock").exists()
+
+
+def test_an_env_state_of_the_older_pickled_format_is_refused_saying_why():
+    env = rlnb.Env(make_env="CartPole-v1", num_envs=2)
+    try:
+        old = {**env.state_dict(), "envs": b"\x80\x05N."}
+        del old["env_state"]
+        with pytest.raises(ValueError, match="written by an older rlnb, which pickled the envs"):
+            env.load_state_dict(old)
+    finally:
+        env.close()

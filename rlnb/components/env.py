@@ -389,6 +389,11 @@ class Env:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if "env_state" not in state and "envs" in state:
+            raise ValueError(
+                "this env state was written by an older rlnb, which pickled the envs (unpickling them could run "
+                "code, so they are not loaded); start the run again, or resume it with that rlnb version"
+            )
         for k in ("obs", "ep_return", "ep_len", "finished", "disc_return", "started"):
             setattr(self, k, state[k])
         self.obs_rms, self.ret_rms = _rms_from(state["obs_rms"]), _rms_from(state["ret_rms"])
