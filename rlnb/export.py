@@ -262,6 +262,7 @@ def load_policy(path: str | os.PathLike, trust: bool = False) -> TrainedPolicy:
     """
     import torch
 
+    from rlnb.envs.gym_envs import RunningMeanStd
     from rlnb.files import UnsafeFileError, torch_load_safe
 
     path = Path(path)
@@ -303,7 +304,7 @@ def load_policy(path: str | os.PathLike, trust: bool = False) -> TrainedPolicy:
         _module_from(state, path, trust),
         space_from_data(state["observation_space"]),
         space_from_data(state["action_space"]),
-        _rms_from(state["obs_normalization"]),
+        RunningMeanStd.from_state(state["obs_normalization"]),
         state["step"],
         state["source"],
         _env_spec_from(state, trust),
@@ -337,16 +338,6 @@ def _env_spec_from(state: dict, trust: bool):
     if state["env_pickle"] is None:
         return None
     return state["env_pickle"] if trust else UNTRUSTED_ENV
-
-
-def _rms_from(state: dict | None):
-    if state is None:
-        return None
-    from rlnb.envs.gym_envs import RunningMeanStd
-
-    rms = RunningMeanStd(np.shape(state["mean"]))
-    rms.mean, rms.var, rms.count = state["mean"], state["var"], state["count"]
-    return rms
 
 
 def space_to_data(space) -> dict:
@@ -398,8 +389,9 @@ def export_from_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike | 
     """
     import json
 
-    from rlnb.components.env import Env, _rms_from
+    from rlnb.components.env import Env
     from rlnb.config import load_recipe
+    from rlnb.envs.gym_envs import RunningMeanStd
     from rlnb.files import torch_load_safe
     from rlnb.loop.checkpoint import CheckpointError, complete_checkpoints
     from rlnb.models.policies import build_policy
@@ -426,7 +418,7 @@ def export_from_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike | 
         module.load_state_dict(actor["policy"])
     except Exception:  # not the built-in policy's weights
         return None
-    rms = _rms_from(env_state.get("obs_rms")) if recipe.env.normalize_obs else None
+    rms = RunningMeanStd.from_state(env_state.get("obs_rms")) if recipe.env.normalize_obs else None
     policy = TrainedPolicy(
         module.eval().requires_grad_(False), *spaces, rms, step=step, source=str(run_dir),
         env_spec={"config": recipe.env, "make_env": None},

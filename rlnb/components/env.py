@@ -381,8 +381,8 @@ class Env:
             "ep_return": self.ep_return,
             "ep_len": self.ep_len,
             "finished": self.finished,
-            "obs_rms": _rms_state(self.obs_rms),
-            "ret_rms": _rms_state(self.ret_rms),
+            "obs_rms": None if self.obs_rms is None else self.obs_rms.state(),
+            "ret_rms": None if self.ret_rms is None else self.ret_rms.state(),
             "disc_return": self.disc_return,
             "started": self.started,
             "config": dataclasses.asdict(self.cfg),
@@ -396,7 +396,8 @@ class Env:
             )
         for k in ("obs", "ep_return", "ep_len", "finished", "disc_return", "started"):
             setattr(self, k, state[k])
-        self.obs_rms, self.ret_rms = _rms_from(state["obs_rms"]), _rms_from(state["ret_rms"])
+        self.obs_rms = RunningMeanStd.from_state(state["obs_rms"])
+        self.ret_rms = RunningMeanStd.from_state(state["ret_rms"])
         if state.get("vector_state") is not None:  # through the simulator's own state API
             for vec, vec_state in zip(self.envs, state["vector_state"]):
                 vec.load_state_dict(vec_state)
@@ -425,15 +426,3 @@ class Env:
     def close(self) -> None:
         for env in self.envs:
             env.close()
-
-
-def _rms_state(rms: RunningMeanStd | None) -> dict | None:
-    return None if rms is None else {"mean": rms.mean, "var": rms.var, "count": rms.count}
-
-
-def _rms_from(state: dict | None) -> RunningMeanStd | None:
-    if state is None:
-        return None
-    rms = RunningMeanStd(np.shape(state["mean"]))
-    rms.mean, rms.var, rms.count = state["mean"], state["var"], state["count"]
-    return rms

@@ -263,3 +263,16 @@ class RunningMeanStd:
 
     def normalize(self, x: np.ndarray, clip: float = 10.0) -> np.ndarray:
         return np.clip((x - self.mean) / np.sqrt(self.var + 1e-8), -clip, clip).astype(np.float32)
+
+    def state(self) -> dict:
+        """Its statistics as plain data (what checkpoints and policy files hold)."""
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> RunningMeanStd | None:
+        """The statistics :meth:`state` gave (``None`` for ``None``)."""
+        if state is None:
+            return None
+        rms = cls(np.shape(state["mean"]))
+        rms.mean, rms.var, rms.count = state["mean"], state["var"], state["count"]
+        return rms
