@@ -7,12 +7,12 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 
-.PHONY: setup setup-vllm demo test test-fast lint docs format bench clean gpu-check gpu-wheels
+.PHONY: setup setup-vllm demo test test-fast notebooks lint docs format bench clean gpu-check gpu-wheels
 
 setup: $(VENV)/.installed
 
 # on a machine with an NVIDIA GPU, the GPU extras too, so their tests run instead of skipping
-GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo ",vllm,maniskill")
+GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo ",cuda,vllm,maniskill")
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,11 +39,18 @@ $(VLLM_VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/rlnb run recipes/ppo_cartpole.yaml
 
-# the notebook tests execute notebooks/ and leave the executed copies in build/notebooks, which the docs
-# build (last) renders with their outputs
+# the tests, then the notebooks under nbmake, then the docs build, which renders the executed notebooks
 test: setup lint $(if $(GPU_EXTRAS),,setup-vllm)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(MAKE) notebooks
 	$(MAKE) docs
+
+# the notebooks as `pytest --nbmake notebooks/` runs them (each ends in a cell of checks, tagged `check`), on
+# copies in build/notebooks that --overwrite leaves executed, outputs included, for the docs site
+notebooks: setup
+	rm -rf build/notebooks && mkdir -p build/notebooks
+	cp notebooks/*.ipynb notebooks/conftest.py build/notebooks/
+	$(BIN)/python -m pytest -q -p no:cacheprovider --nbmake --overwrite build/notebooks
 
 # day-to-day: the tests but the slow ones (notebooks, the browser, long training runs, compiling), a few minutes
 test-fast: setup

@@ -7,6 +7,7 @@ never imports widgets.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -279,11 +280,24 @@ def _plain(v):
 
 
 def _tensorboard_writer(run_dir: Path, purge_step: int | None = None):
+    """TensorBoard's writer for the run; ``None``, said once, where ``tensorboard`` cannot be imported (a
+    dependency of rlnb, so only where it was removed or broken)."""
     try:
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
+    except ImportError as e:
+        global _TENSORBOARD_MISSING_SAID
+        if not _TENSORBOARD_MISSING_SAID:
+            _TENSORBOARD_MISSING_SAID = True
+            logging.getLogger("rlnb").warning(
+                "runner.tensorboard is on but TensorBoard cannot be imported (%s): no event files are written. "
+                "`pip install tensorboard`, or set runner.tensorboard=false to say so",
+                e,
+            )
         return None
     return SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
+
+
+_TENSORBOARD_MISSING_SAID = False
 
 
 TABLES = ("completions",)

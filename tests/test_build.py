@@ -155,7 +155,11 @@ def test_lm_loop_from_objects_with_weighted_reward_functions_reading_record_fiel
     cluster, tmp_path, tiny_lm
 ):
     """``GRPOLoop(reward=[f, g, h], reward_weights=[...])``, functions defined here, one reading the records'
-    ``level`` field: each scored and logged."""
+    ``level`` field: each scored and logged. The records come as a Hugging Face ``datasets.Dataset``, as TRL's
+    users hand them over."""
+    datasets = pytest.importorskip(
+        "datasets", reason="the `datasets` extra (rlnb[datasets]) is not installed"
+    )
 
     def exact(completion, answer):
         return float(completion.strip().startswith(answer))
@@ -173,7 +177,7 @@ def test_lm_loop_from_objects_with_weighted_reward_functions_reading_record_fiel
     actor = LMActor.launch(cluster, "1", model_path=tiny_lm, group_size=4, dynamic_sampling=True)
     with GRPOLoop(
         rollout=rollout, actor=actor, reward=[exact, brevity, bonus], reward_weights=[1.0, 0.25, 1.0],
-        prompts=records, prompts_per_step=4, runner=NO_TB, run_dir=tmp_path,
+        prompts=datasets.Dataset.from_list(records), prompts_per_step=4, runner=NO_TB, run_dir=tmp_path,
     ) as loop:  # fmt: skip
         record = loop.step_once()
         rows = loop.sample_group(0)

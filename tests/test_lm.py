@@ -81,6 +81,32 @@ def test_qa_file_loaders(tmp_path):
         load_qa_file(tmp_path / "missing.jsonl")
 
 
+def test_prompts_from_a_hugging_face_dataset_saved_to_disk(tmp_path):
+    """data.path names a directory ``save_to_disk`` wrote: a Dataset, or a DatasetDict's ``train`` split."""
+    datasets = pytest.importorskip(
+        "datasets", reason="the `datasets` extra (rlnb[datasets]) is not installed"
+    )
+    rows = [{"question": f"{a}+{a}=", "answer": f"work\n#### {2 * a}", "level": a % 2} for a in range(6)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "one"))
+    problems = load_qa_file(tmp_path / "one")
+    assert [(p.prompt, p.answer, p.fields) for p in problems[:2]] == [
+        ("0+0=", "0", {"level": 0}),
+        ("1+1=", "2", {"level": 1}),
+    ]
+    test_rows = [{"question": "9+9=", "answer": "18", "level": 1}]
+    splits = {"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(test_rows)}
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "dict"))
+    assert load_qa_file(tmp_path / "dict") == problems  # its train split
+    del splits["train"]
+    splits["validation"] = splits["test"]
+    datasets.DatasetDict(splits).save_to_disk(str(tmp_path / "no_train"))
+    with pytest.raises(ConfigError, match=r"has splits \['test', 'validation'\] and none named 'train'"):
+        load_qa_file(tmp_path / "no_train")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ConfigError, match="is a directory but not a dataset saved with save_to_disk"):
+        load_qa_file(tmp_path / "plain")
+
+
 class PeerHost:
     """What the worker's registry of rank hosts holds, for a component built in this process."""
 
@@ -813,7 +839,10 @@ def test_lm_recipe_errors():
     assert "actor.model_path: '/nonexistent/model' has no config.json" in msg
     assert "algorithm.group_size: grpo needs at least 2 samples per prompt, got 1" in msg
     assert "rollout.temperature: expected a number > 0, got 0.0" in msg
-    assert "data.path: data.task=file needs an existing .jsonl/.parquet file, got None" in msg
+    assert (
+        "data.path: data.task=file needs an existing .jsonl/.parquet file or a dataset saved with save_to_disk, got None"
+        in msg
+    )
     with pytest.raises(
         RecipeError, match=r"data.path: 'qa.jsonl' is set, but data.task is 'arithmetic'.*data.task=file"
     ):

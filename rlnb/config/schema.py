@@ -92,7 +92,7 @@ class RunnerConfig:
     driver logs it; a stop, pause or steering asked for meanwhile then lands after those steps. ``false``:
     every step waits for the driver."""
     tensorboard: bool = True
-    """Also write TensorBoard event files when ``tensorboard`` is installed."""
+    """Also write TensorBoard event files, in ``<run_dir>/tensorboard`` (``tensorboard --logdir`` that folder)."""
     wandb_project: str | None = None
     """Log to this Weights & Biases project (needs ``wandb``)."""
 

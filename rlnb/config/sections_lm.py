@@ -223,10 +223,11 @@ class DataConfig:
     """Prompt data (LM RL)."""
 
     task: Literal["arithmetic", "file"] = "arithmetic"
-    """``arithmetic`` (procedural) or ``file`` (local ``.jsonl``/``.parquet`` at ``path``)."""
+    """``arithmetic`` (procedural) or ``file`` (local ``.jsonl``/``.parquet``, or a saved dataset, at ``path``)."""
     path: str | None = None
-    """Local data file (question/answer layout, GSM8K-style ``#### answer``); its other columns are fields a reward
-    may read by name (``def passes(completion, tests)``)."""
+    """Local data: a ``.jsonl`` or ``.parquet`` file, or a Hugging Face dataset saved with ``save_to_disk`` (of a
+    ``DatasetDict``, its ``train`` split; needs ``rlnb[datasets]``). Question/answer layout, GSM8K-style
+    ``#### answer``; its other columns are fields a reward may read by name (``def passes(completion, tests)``)."""
     max_operand: int = 20
     """Arithmetic: operands from ``min_operand`` to this (difficulty)."""
     min_operand: int = 0
@@ -280,7 +281,10 @@ class DataConfig:
         if recipe.loop != "grpo":
             return errs
         if d.task == "file" and (d.path is None or not Path(d.path).exists()):
-            errs.append(f"data.path: data.task=file needs an existing .jsonl/.parquet file, got {d.path!r}")
+            errs.append(
+                "data.path: data.task=file needs an existing .jsonl/.parquet file or a dataset saved with "
+                f"save_to_disk, got {d.path!r}"
+            )
         if d.system_prompt is not None and not d.chat_template:  # it would be dropped without a word
             errs.append(
                 f"data.system_prompt: {d.system_prompt!r} is set, but data.chat_template is false, which gives the "

@@ -121,13 +121,19 @@ class ArithmeticTask:
 def load_qa_file(
     path: str | Path, question_key: str = "question", answer_key: str = "answer"
 ) -> list[Problem]:
-    """Problems from a local ``.jsonl`` or ``.parquet`` file in the common question/answer layout.
+    """Problems from a local ``.jsonl`` or ``.parquet`` file, or a Hugging Face dataset saved with
+    ``save_to_disk`` (a directory; of a ``DatasetDict``, its ``train`` split), in the common question/answer
+    layout.
 
     GSM8K-style answers (worked solution then ``#### 72``) keep only the final answer.
     """
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"data.path: {str(path)!r} does not exist", "data.path")
+    if path.is_dir():
+        return problems_from_records(
+            _saved_dataset(path), question_key, answer_key, key="data.path", source=path.name
+        )
     if path.suffix == ".jsonl":
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     elif path.suffix == ".parquet":
@@ -137,6 +143,39 @@ def load_qa_file(
     else:
         raise ConfigError(f"data.path: expected a .jsonl or .parquet file, got {path.name!r}", "data.path")
     return problems_from_records(rows, question_key, answer_key, key="data.path", source=path.name)
+
+
+def _saved_dataset(path: Path):
+    """The rows of a dataset ``datasets.Dataset.save_to_disk`` wrote to ``path`` (a ``DatasetDict``: its
+    ``train`` split, or its only one)."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise ConfigError(
+            f"data.path: {str(path)!r} is a directory, read as a dataset saved with save_to_disk, which needs "
+            "the `datasets` package: pip install 'rlnb[datasets]'",
+            "data.path",
+        ) from e
+    try:
+        data = datasets.load_from_disk(str(path))
+    except (
+        FileNotFoundError,
+        ValueError,
+    ) as e:  # (what load_from_disk raises for a directory of another kind)
+        raise ConfigError(
+            f"data.path: {str(path)!r} is a directory but not a dataset saved with save_to_disk ({e}); expected "
+            "that, or a .jsonl or .parquet file",
+            "data.path",
+        ) from e
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data and len(data) != 1:
+            raise ConfigError(
+                f"data.path: the dataset at {str(path)!r} has splits {sorted(data)} and none named 'train'; "
+                "save the split to train on alone, or name it 'train'",
+                "data.path",
+            )
+        data = data["train"] if "train" in data else next(iter(data.values()))
+    return data
 
 
 def is_conversation(prompt) -> bool:
