@@ -507,3 +507,21 @@ def test_the_command_exits_within_its_deadline_when_a_thread_does_not_end(tmp_pa
     assert returncode == 3 and time.monotonic() - t0 < 30, err
     assert "exiting with thread(s) ['stuck-hook'] still running 1 s after the run closed" in err, err
     assert "not reached" not in err and not left
+
+
+def test_a_tensorboard_that_cannot_be_imported_is_said_once_not_silently_skipped(tmp_path, monkeypatch, caplog):
+    import sys
+
+    import rlnb.metrics as metrics
+    from rlnb.metrics import MetricLogger
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # (an import of it now fails)
+    monkeypatch.setattr(metrics, "_TENSORBOARD_MISSING_SAID", False)
+    with caplog.at_level("WARNING", logger="rlnb"):
+        for name in ("a", "b"):
+            logger = MetricLogger(tmp_path / name, tensorboard=True)
+            logger.log(1, {"x": 1.0})
+            logger.close()
+    said = [r.getMessage() for r in caplog.records if "TensorBoard cannot be imported" in r.getMessage()]
+    assert len(said) == 1 and "runner.tensorboard=false" in said[0], said
+    assert not (tmp_path / "a" / "tensorboard").exists() and (tmp_path / "a" / "metrics.jsonl").exists()
