@@ -145,6 +145,11 @@ def test_loop_dashboard_background_run_and_stop(cluster, tmp_path):
         while dash.bar.value != pytest.approx(stopped_at / 200):  # the last steps are drawn within 0.1 s
             time.sleep(0.01)
             assert time.perf_counter() - t0 < 60
+        # the view says how the run ended, where, after how long, and steers no more
+        _wait_until(lambda: dash.label.value.startswith(f"stopped at step {stopped_at} of 200 · "))
+        assert dash.bar.bar_style == "warning" and "ETA" not in dash.label.value
+        assert dash.stop_button.disabled and dash.pause_button.disabled and dash.apply_button.disabled
+        assert loop.run_outcome == "stopped"
         assert "overhead</abbr>" in dash.phases.value and "% of the step" in dash.phases.value
         assert dash.phases.value.count("(work ") == 3  # rollout, advantages, train: the work inside each
         # the live curves hold a point for every step the background run finished
@@ -154,6 +159,67 @@ def test_loop_dashboard_background_run_and_stop(cluster, tmp_path):
         assert f"step {stopped_at}" in view and "<td>env</td>" in view and loop.SUMMARY_KEYS[0] in view
         slots = cluster_view(cluster).value  # every slot up, with what is placed on it
         assert slots.count("<td>up</td>") == cluster.num_slots and "actor[0]" in slots
+        # the same dashboard follows the next run: running again, then solved (the bar full, in green)
+        loop.recipe.runner.stop_return = -1.0  # (any return solves it)
+        records = loop.run(3, progress=False)
+        assert len(records) == 1 and loop.run_outcome == "solved"
+        _wait_until(
+            lambda: dash.label.value.startswith(f"solved at step {stopped_at + 1} of {stopped_at + 3} · ")
+        )
+        assert dash.bar.value == 1.0 and dash.bar.bar_style == "success" and dash.stop_button.disabled
+        png = dash._repr_mimebundle_()["image/png"]  # its snapshot, titled with how it ended
+        assert png and "application/vnd.jupyter.widget-view+json" in dash._repr_mimebundle_()
+        # run(live=True) shows a dashboard of its own that keeps its run's end when the loop runs on
+        from rlnb.widgets import dashboard
+
+        shown = dashboard.show_dashboard(loop, total=loop.step + 1)
+        loop.run(1, progress=False)
+        _wait_until(lambda: shown.label.value.startswith("solved at step"))
+        at = shown.label.value
+        loop.run(1, progress=False)
+        time.sleep(0.3)
+        assert shown.label.value == at and shown.model.step == loop.step - 1
+        assert dash.model.step == loop.step  # (the loop's own dashboard follows every run)
+
+
+def test_the_progress_line_says_how_a_run_ended():
+    model = DashboardModel(total=390)
+    assert model.progress_text() == "step 0/390"
+    for rec in _records(4):
+        model.update(rec)
+    assert model.progress_text().startswith("step 4/390 · ETA ")
+    model.finish("solved", 124)
+    assert model.done and model.progress_text().startswith("solved at step 124 of 390 · ")
+    model.finish("failed")
+    assert model.progress_text().startswith("failed at step 124 of 390 · ")
+    model.start_run(400, 124)  # a later run() on the same view: running again
+    assert not model.done and model.outcome is None and model.progress_text() == "step 124/400"
+    model.finish("done", 400)
+    assert model.progress_text().startswith("done at step 400 · ")
+    dash = Dashboard(model, title="t", render_interval_s=0)
+    assert dash.bar.bar_style == "success"
+    from rlnb.widgets.model import _duration
+
+    assert [_duration(s) for s in (0.4, 57, 725, 7380)] == ["0 s", "57 s", "12 min 5 s", "2 h 3 min"]
+
+
+def test_a_finished_dashboard_gives_its_snapshot_to_pages_without_widgets(tmp_path):
+    """A run(live=True) cell's output, once the run has ended, holds the dashboard's curves as a PNG beside
+    the widget; the docs pages show that image where they said "a live widget" before."""
+    import base64
+
+    model = DashboardModel(total=5)
+    dash = Dashboard(model, title="ppo_cartpole", render_interval_s=0)
+    for rec in _records(3):
+        model.update(rec)
+    assert "image/png" not in dash._repr_mimebundle_()  # running: the widget only
+    seen = []
+    dash.on_finish.append(seen.append)
+    model.finish("stopped")
+    assert seen == [dash]
+    bundle = dash._repr_mimebundle_()
+    png = base64.b64decode(bundle["image/png"])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and "application/vnd.jupyter.widget-view+json" in bundle
 
 
 def test_async_runs_get_a_staleness_panel():

@@ -5,6 +5,7 @@ the package's facade wires in (:data:`rlnb.VIEWS`; the loop never imports the wi
 from __future__ import annotations
 
 import logging
+import weakref
 
 from rlnb.errors import ConfigError, WorkerLostError
 
@@ -40,7 +41,12 @@ class Callback:
         """After recovering from a lost worker (the loop goes on from its latest checkpoint, ``loop.step``)."""
 
     def on_run_end(self, loop) -> None:
-        """When ``run()`` ends, whatever ended it."""
+        """When ``run()`` ends, whatever ended it (``loop.run_outcome`` says what: :data:`RUN_OUTCOMES`)."""
+
+
+RUN_OUTCOMES = ("done", "solved", "stopped", "interrupted", "failed")
+"""How a ``run()`` ended (``loop.run_outcome``): all its steps taken; ``runner.stop_return`` reached; ``stop()``
+(the dashboard's stop button); Ctrl-C or a signal; an error."""
 
 
 class EvaluateEvery(Callback):
@@ -90,6 +96,9 @@ class Runner:
     """A mixin of :class:`rlnb.loop.base.LoopBase`: ``run()`` and what it shows."""
 
     _thread = None  # a background run()'s thread
+    run_outcome: str | None = None
+    """How the latest ``run()`` ended (one of :data:`RUN_OUTCOMES`; ``None`` before the first, or during one)."""
+    _watching: weakref.WeakSet | None = None  # callbacks of every run(), held elsewhere (watch())
     _error: BaseException | None = None  # what ended it, raised again by join()
 
     def _default_callbacks(self) -> list[Callback]:
@@ -103,6 +112,18 @@ class Runner:
         static image every ``plot_every`` steps, for a front end without bqplot's JavaScript."""
         total = total or self.recipe.runner.steps
         return view("dashboard_for")(self, total=total, plot_every=plot_every, curves=curves)
+
+    def watch(self, callback: Callback) -> None:
+        """Call ``callback`` in every later ``run()`` too, for as long as something else holds it: how a view
+        shown once (``loop.dashboard()``) learns when each run starts and how it ends. The loop holds it
+        weakly, so a view that is gone stops being called."""
+        if not isinstance(callback, Callback):
+            raise ConfigError(
+                f"watch: expected an rlnb.loop.Callback, got {type(callback).__name__}", "callback"
+            )
+        if self._watching is None:
+            self._watching = weakref.WeakSet()
+        self._watching.add(callback)
 
     def run(
         self, steps: int | None = None, progress: bool = True, live: bool = False, background: bool = False,
@@ -138,7 +159,12 @@ class Runner:
         if live:
             view("show_dashboard")(self, total=self.step + steps)
             progress = False
-        chosen = [*self._default_callbacks(), *([ProgressBar()] if progress else []), *(callbacks or [])]
+        chosen = [
+            *self._default_callbacks(),
+            *([ProgressBar()] if progress else []),
+            *(self._watching or ()),
+            *(callbacks or []),
+        ]
         if background:
             import threading
 
@@ -187,6 +213,7 @@ class Runner:
         worker runs ahead are taken."""
         records, restarts = [], 0
         target = self._run_target = self.step + steps
+        self.run_outcome, outcome = None, "failed"
         for c in callbacks:
             c.on_run_start(self, steps)
         try:
@@ -212,12 +239,16 @@ class Runner:
                 records.append(record)
                 if (self._solved() or self._stop) and not self._ahead:
                     break
-        except BaseException:
+            outcome = "solved" if self._solved() else "stopped" if self._stop else "done"
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):  # (SIGTERM and SIGHUP reach here as one, in the CLI)
+                outcome = "interrupted"
             if self._ahead:  # (interrupted between steps) the step under way on the worker is still taken
                 self._take_ahead_after_error()
             raise
         finally:
             self._run_target = None
+            self.run_outcome = outcome
             for c in callbacks:
                 c.on_run_end(self)
         return records

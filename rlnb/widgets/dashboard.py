@@ -9,8 +9,12 @@ import time
 
 import ipywidgets as w
 
+from rlnb.loop.runner import Callback
 from rlnb.metrics import GLOSSARY, WORK_IN_PHASE, explain
 from rlnb.widgets.model import DashboardModel, watch_messages
+
+BAR_STYLE = {"done": "success", "solved": "success", "stopped": "warning", "interrupted": "warning"}
+"""The progress bar's colour once a run has ended, by how it ended (``failed``: ``danger``)."""
 
 
 def _work_in(latest: dict, phase: str) -> str:
@@ -100,6 +104,8 @@ class Dashboard(w.VBox):
         self._render_lock = threading.Lock()
         self._drawn_at = -float("inf")
         self._deferred: threading.Timer | None = None  # the draw of what arrived within the interval
+        self._drawn_outcome: str | None = None  # the ended run the view was last drawn as
+        self.on_finish: list = []  # fn(dashboard), once the view shows a run's end (show_dashboard's snapshot)
         model.observe(self._on_update)
         self.flush()
 
@@ -209,9 +215,44 @@ class Dashboard(w.VBox):
             self._plotted_at = model.updates
             self._plot(model)
         # the progress last: a draw on the deferred timer's thread shows a step there once the rest shows it
-        self.bar.value = model.fraction
-        self.bar.bar_style = "success" if model.done else ""
+        self.bar.value = 1.0 if model.outcome == "solved" else model.fraction
+        self.bar.bar_style = (
+            BAR_STYLE.get(model.outcome, "danger") if model.outcome else "success" if model.done else ""
+        )
         self.label.value = model.progress_text()
+        if model.outcome != self._drawn_outcome:  # a run ended (or another began): steer only a running one
+            self._drawn_outcome = model.outcome
+            for control in self._controls():
+                control.disabled = model.outcome is not None
+            if model.outcome is not None:
+                for fn in list(self.on_finish):
+                    fn(self)
+
+    def _controls(self) -> list:
+        if self.controls is None:
+            return []
+        return [self.pause_button, self.stop_button, self.save_button, *self.hyperparameters.values(),
+                self.apply_button]  # fmt: skip
+
+    def snapshot_png(self) -> bytes | None:
+        """The curves as a PNG, titled with the progress line (``solved at step 124 of 390 · 57 s``): the
+        static form of the view, for a page without widgets (the docs site)."""
+        curves = self.model.curves()
+        if not curves:
+            return None
+        return render_curves_png(curves, title=f"{self.bar.description} · {self.model.progress_text()}")
+
+    def _repr_mimebundle_(self, **kwargs):
+        """The widget, and once the run has ended its snapshot as ``image/png`` too: JupyterLab shows the
+        widget; a renderer without widgets (nbconvert, the docs) shows the image."""
+        bundle = super()._repr_mimebundle_(**kwargs)
+        if self.model.outcome is not None and bundle is not None:
+            png = self.snapshot_png()
+            if png is not None:
+                import base64
+
+                bundle["image/png"] = base64.b64encode(png).decode("ascii")
+        return bundle
 
     def _plot(self, model: DashboardModel) -> None:
         """Redraw the curves as a PNG (matplotlib, ~0.1 s): an ``Image`` widget needs no JavaScript beyond
@@ -222,9 +263,9 @@ class Dashboard(w.VBox):
         self.plots.value = render_curves_png(curves)
 
 
-def render_curves_png(curves) -> bytes:
-    """PNG bytes of the dashboard's curve panels (2 per row), drawn with matplotlib's object API (no pyplot
-    state, so a background run's thread can draw while the notebook works)."""
+def render_curves_png(curves, title: str | None = None) -> bytes:
+    """PNG bytes of the dashboard's curve panels (2 per row) under an optional ``title``, drawn with
+    matplotlib's object API (no pyplot state, so a background run's thread can draw while the notebook works)."""
     import io
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -244,26 +285,60 @@ def render_curves_png(curves) -> bytes:
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
+    if title:
+        fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
 
 
+class RunWatch(Callback):
+    """Tells a :class:`DashboardModel` when each of the loop's ``run()`` calls begins and how it ends. With
+    ``one_run``, the model follows that one run only: at its end it stops listening to the loop (a dashboard
+    shown by ``run(live=True)`` stays as its run ended; the next ``run(live=True)`` shows its own)."""
+
+    def __init__(self, model: DashboardModel, one_run: bool = False):
+        self.model, self.one_run, self._ran = model, one_run, False
+
+    def on_run_start(self, loop, steps: int) -> None:
+        if not (self.one_run and self._ran):
+            self.model.start_run(loop.step + steps, loop.step)
+
+    def on_run_end(self, loop) -> None:
+        if self.one_run and self._ran:
+            return
+        self._ran = True
+        self.model.finish(loop.run_outcome or "failed", loop.step)
+        if self.one_run:
+            if loop.logger is not None:
+                loop.logger.remove_listener(self.model.update)
+            if loop._watching is not None:
+                loop._watching.discard(self)
+
+
 def show_dashboard(loop, total: int | None = None) -> Dashboard:
-    """Display a dashboard for ``loop`` and keep it updated from its metric stream."""
+    """Display a dashboard for ``loop``'s next ``run()``; it follows that run and, once the run has ended, says
+    how and shows the curves' snapshot as an image too (what a page without widgets shows)."""
     from IPython.display import display
 
-    dash = loop.dashboard(total=total)
-    display(dash)
+    dash = dashboard_for(loop, total=total, one_run=True)
+    handle = display(dash, display_id=True)
+    if handle is not None:  # (None outside IPython)
+        dash.on_finish.append(lambda d: handle.update(d))
     return dash
 
 
-def dashboard_for(loop, total: int | None = None, plot_every: int = 10, curves: str = "live") -> Dashboard:
-    """A dashboard observing ``loop``'s metric logger (history replayed first)."""
+def dashboard_for(
+    loop, total: int | None = None, plot_every: int = 10, curves: str = "live", one_run: bool = False
+) -> Dashboard:
+    """A dashboard observing ``loop``'s metric logger (history replayed first) and its runs' ends: every later
+    ``run()``, or with ``one_run`` the next one only."""
     model = DashboardModel(total=total, start_step=loop.step)
     for record in loop.history:
         model.update(record)
     loop.logger.add_listener(model.update)
     watch_messages(model)
+    model.run_watch = RunWatch(model, one_run=one_run)  # (the loop holds it weakly: it lives with the model)
+    loop.watch(model.run_watch)
     return Dashboard(model, title=loop.recipe.name, plot_every=plot_every, controls=loop, curves=curves)

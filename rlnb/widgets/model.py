@@ -44,6 +44,9 @@ class DashboardModel:
         self.started = time.perf_counter()
         self.updates = 0
         self.done = False
+        self.outcome: str | None = None  # how the run ended (rlnb.loop.RUN_OUTCOMES), once it has
+        self.wall_s: float | None = None  # the run's seconds, once it has ended
+        self.run_watch = None  # the RunWatch telling it of the loop's runs (dashboard_for)
         self.messages: deque[str] = deque(maxlen=5)  # the latest warnings and errors, newest last
         self._listeners = []
 
@@ -71,6 +74,21 @@ class DashboardModel:
     def _notify(self) -> None:
         for fn in list(self._listeners):
             fn(self)
+
+    def start_run(self, total: int, start_step: int) -> None:
+        """A ``run()`` begins: progress and ETA count from ``start_step`` to ``total`` (curves carry on)."""
+        self.total, self.start_step, self.step = total, start_step, max(self.step, start_step)
+        self.started, self.done, self.outcome, self.wall_s = time.perf_counter(), False, None, None
+        self._notify()
+
+    def finish(self, outcome: str, step: int | None = None) -> None:
+        """The run ended (``outcome``: ``done``, ``solved``, ``stopped``, ``interrupted`` or ``failed``): the
+        view says so, with the final step and the wall time, and steers no more."""
+        if step is not None:
+            self.step = step
+        self.done, self.outcome = True, outcome
+        self.wall_s = time.perf_counter() - self.started
+        self._notify()
 
     def note(self, message: str) -> None:
         """Keep a warning or error (a worker's, forwarded to the driver, or a failed step's traceback)."""
@@ -101,10 +119,25 @@ class DashboardModel:
         return out
 
     def progress_text(self) -> str:
+        """``step 12/390 · ETA 80 s`` while running; once ended, how, where and after how long:
+        ``solved at step 124 of 390 · 57 s``."""
+        if self.outcome is not None:
+            of = f" of {self.total}" if self.total and self.step < self.total else ""
+            return f"{self.outcome} at step {self.step}{of} · {_duration(self.wall_s or 0.0)}"
         total = f"/{self.total}" if self.total else ""
         eta = self.eta_s
-        eta_txt = "" if eta is None else f" · ETA {eta:.0f} s"
+        eta_txt = "" if eta is None else f" · ETA {_duration(eta)}"
         return f"step {self.step}{total}{eta_txt}{' · done' if self.done else ''}"
+
+
+def _duration(seconds: float) -> str:
+    """``57 s``, ``12 min 5 s``, ``2 h 3 min``."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"
 
 
 class MessageHandler(logging.Handler):
