@@ -62,7 +62,7 @@ lint: setup
 
 docs: setup
 	$(BIN)/python -m rlnb.docs docs/reference >/dev/null
-	$(BIN)/mkdocs build --strict --quiet
+	$(BIN)/mkdocs build --strict
 
 format: setup
 	$(BIN)/ruff check --fix .

@@ -192,6 +192,57 @@ def notebook_badges(repository: tuple[str, str], notebook: str, branch: str = "m
     )
 
 
+PLOT_SCRIPTS = {
+    "bokeh": ("bokeh.min.js", "bokeh-gl.min.js", "bokeh-widgets.min.js", "bokeh-tables.min.js"),
+    "panel": ("panel.min.js",),
+}
+"""What an hvplot/HoloViews chart needs in a page (package -> its files): copied from the installed packages
+into the site, so the charts render without a CDN (their notebook loader fetches them from one)."""
+
+
+def write_plot_scripts(out_dir: str | Path) -> list[Path]:
+    """Copy :data:`PLOT_SCRIPTS` from the installed bokeh and panel into ``out_dir``; returns the files."""
+    import importlib
+    import shutil
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for package, names in PLOT_SCRIPTS.items():
+        root = Path(importlib.import_module(package).__file__).parent
+        static = root / ("server/static/js" if package == "bokeh" else "dist")
+        for name in names:
+            shutil.copyfile(static / name, out / name)
+            written.append(out / name)
+    return written
+
+
+def _cdn_loader(data: dict) -> bool:
+    """Whether a notebook output is HoloViews' loader of bokeh and panel from their CDN."""
+    js = data.get("application/javascript", "")
+    return "application/vnd.holoviews_load.v0+json" in data and "cdn.bokeh.org" in js
+
+
+def _source_link(repository: tuple[str, str] | None):
+    """The notebooks link rlnb's source as ``../rlnb/...`` (right in a clone): on the site, the file on GitHub
+    where the repository is there, else its name as code (no link to a page the site does not have)."""
+    import re
+
+    def replace(m):
+        text, target = m.group(1), m.group(2)
+        if repository is None:
+            return text if text.startswith("`") else f"`{target}`" if text == "source" else text
+        owner, repo = repository
+        return f"[{text}](https://github.com/{owner}/{repo}/blob/main/{target})"
+
+    return lambda body: re.sub(r"\[([^\]]+)\]\(\.\./((?:rlnb|recipes|tests|bench)/[^)\s]+)\)", replace, body)
+
+
+CHECK_TAG = "check"
+"""The tag of a notebook's last cell: the asserts the test command (``pytest --nbmake``) runs, left out of the
+docs."""
+
+
 def write_notebook_pages(
     out_dir: str | Path = "docs/notebooks", source: str | Path = "notebooks", repository: str | None = None
 ) -> list[Path]:
@@ -209,10 +260,24 @@ def write_notebook_pages(
     for path in sorted(Path(source).glob("*.ipynb")):
         executed = Path("build") / "notebooks" / path.name
         nb = nbformat.read(executed if executed.exists() else path, as_version=4)
-        for cell in nb.cells:  # a widget has no static form: say what it is instead of its text repr
-            for output in cell.get("outputs", []):
+        # the cells of checks that end each notebook are for the test command (nbmake), not the reader
+        nb.cells = [c for c in nb.cells if CHECK_TAG not in c.get("metadata", {}).get("tags", [])]
+        charts = False  # HoloViews charts: the page loads bokeh and panel from the site (PLOT_SCRIPTS)
+        # a widget has no static form: its snapshot where it gave one, else a line saying what it is
+        for cell in nb.cells:
+            outputs = cell.get("outputs", [])
+            # the notebook's loader of bokeh and panel (from a CDN) makes way for the site's own copies; the
+            # rest of HoloViews' set-up (its comm manager) runs in the page as it ran in the notebook
+            outputs[:] = [o for o in outputs if not _cdn_loader(o.get("data", {}))]
+            for output in outputs:
                 data = output.get("data", {})
-                if "application/vnd.jupyter.widget-view+json" in data:
+                charts |= "application/vnd.holoviews_exec.v0+json" in data
+                if "application/vnd.holoviews_load.v0+json" in data:
+                    js = data.get("application/javascript", "")
+                    output["data"] = {"text/html": f'<script type="text/javascript">\n{js}\n</script>'}
+                elif "application/vnd.jupyter.widget-view+json" in data and "image/png" in data:
+                    output["data"] = {"image/png": data["image/png"]}  # a finished dashboard's snapshot
+                elif "application/vnd.jupyter.widget-view+json" in data:
                     kind = data.get("text/plain", "widget").split("(")[0]
                     output["data"] = {
                         "text/markdown": f"*[{kind}: a live widget, shown when the notebook runs]*"
@@ -230,12 +295,17 @@ def write_notebook_pages(
         )
         # the notebooks link the docs as ../docs/... (right from notebooks/ on GitHub and in Jupyter);
         # their pages live in docs/notebooks/
-        body = body.replace("](../docs/", "](../")
+        body = _source_link(github)(body.replace("](../docs/", "](../"))
+        if charts:  # (a page's URL is notebooks/<name>/: the site's root is two levels up)
+            names = [n for names in PLOT_SCRIPTS.values() for n in names]
+            body = "".join(f'<script src="../../assets/js/{n}"></script>\n' for n in names) + "\n" + body
         if github is not None:
             note = f"{notebook_badges(github, path.name)}\n\n{note}"
         page = out / f"{path.stem}.md"
         page.write_text(f"{note}\n\n{body}")
         pages.append(page)
+    if any("../../assets/js/" in p.read_text() for p in pages):
+        write_plot_scripts(out.parent / "assets" / "js")
     return pages
 
 

@@ -232,3 +232,60 @@ def test_dashboard_curves_stream_in_jupyterlab(tmp_path):
             browser.close()
     finally:
         _stop(lab)
+
+
+def test_the_docs_pages_draw_the_notebooks_hvplot_charts_with_no_cdn(tmp_path):
+    """A notebook's hvplot chart, executed, rendered to a docs page and built by mkdocs, draws in Chromium
+    from the site's own copies of bokeh and panel: this browser reaches no CDN (nor does CI's)."""
+    import functools
+    import http.server
+    import threading
+
+    import nbformat
+    from nbclient import NotebookClient
+    from playwright.sync_api import sync_playwright
+
+    from rlnb.docs import write_notebook_pages
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("import pandas as pd\nimport hvplot.pandas  # noqa: F401"),
+        nbformat.v4.new_code_cell(
+            'pd.DataFrame({"phase": ["rollout", "train"], "s": [0.02, 0.03]}).hvplot.barh(x="phase", y="s", '
+            'title="seconds by phase")'
+        ),
+    ]
+    src = tmp_path / "src"
+    src.mkdir()
+    NotebookClient(nb, timeout=120, kernel_name="python3").execute(env=_kernel_env(tmp_path))
+    nbformat.write(nb, src / "zz_chart.ipynb")
+    docs = tmp_path / "docs"
+    (page,) = write_notebook_pages(docs / "notebooks", source=src, repository="")
+    assert "cdn.bokeh.org" not in page.read_text()  # the notebook's loader from the CDN is gone
+    (docs / "index.md").write_text("# home\n")
+    (tmp_path / "mkdocs.yml").write_text(
+        "site_name: t\ndocs_dir: docs\nsite_dir: site\nnav:\n  - Home: index.md\n  - Chart: notebooks/zz_chart.md\n"
+    )
+    subprocess.run([sys.executable, "-m", "mkdocs", "build", "-q"], cwd=tmp_path, check=True, timeout=120)
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(tmp_path / "site"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with sync_playwright() as p:
+            browser = _chromium(p)
+            page = browser.new_page()
+            page.goto(f"http://127.0.0.1:{server.server_port}/notebooks/zz_chart/")
+            canvas = page.locator("canvas").first  # (in bokeh's shadow DOM, which locators pierce)
+            canvas.wait_for(timeout=30_000)
+            box = canvas.bounding_box()
+            assert box["width"] > 200 and box["height"] > 100, box  # the chart drawn, at its size
+            page.screenshot(path=str(tmp_path / "chart.png"))
+            browser.close()
+    finally:
+        server.shutdown()
+        server.server_close()
