@@ -8,7 +8,9 @@ Exit codes: 0 success, 2 bad usage or config, 1 run failure; stopped by a signal
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+from pathlib import Path
 
 from rlnb.errors import ConfigError, RlnbError
 
@@ -269,6 +271,35 @@ def _recipes(args) -> int:
     return 0
 
 
+def bundled_notebooks() -> dict[str, Path]:
+    """The notebooks shipped with the package (``rlnb/notebooks/``; in a clone, a link to ``notebooks/``)."""
+    root = Path(__file__).resolve().parent / "notebooks"
+    return {p.name: p for p in sorted(root.glob("*.ipynb"))}
+
+
+def _notebooks(args) -> int:
+    import shutil
+
+    out = Path(args.dir)
+    notebooks = bundled_notebooks()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(
+            f"DIR: expected a directory to copy the notebooks into, got the file {str(out)!r}", "DIR"
+        )
+    there = [name for name in notebooks if (out / name).exists()]
+    if there and not args.force:
+        raise ConfigError(
+            f"DIR: {str(out)!r} already holds {there}; pass --force to overwrite them, or name another directory",
+            "DIR",
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    for name, path in notebooks.items():
+        shutil.copyfile(path, out / name)
+        print(f"  {out / name}")
+    print(f"{len(notebooks)} notebooks in {out}/; open them with: jupyter lab {shlex.quote(str(out))}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlnb", description="Reinforcement learning, stepped in notebooks, run on Dask."
@@ -325,6 +356,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_export)
     p = sub.add_parser("recipes", help="list bundled recipes", description="List the bundled recipes")
     p.set_defaults(fn=_recipes)
+    p = sub.add_parser(
+        "notebooks",
+        help="copy the bundled notebooks into a directory",
+        description="Copy the notebooks that come with rlnb (quickstart, GRPO, placement, ...) into DIR, to open "
+        "in Jupyter.",
+    )
+    p.add_argument(
+        "dir", nargs="?", default="rlnb-notebooks", metavar="DIR", help="default: ./rlnb-notebooks"
+    )
+    p.add_argument("--force", action="store_true", help="overwrite notebooks of the same name in DIR")
+    p.set_defaults(fn=_notebooks)
     return parser
 
 

@@ -108,8 +108,15 @@ def test_bundled_recipes_run_from_an_installed_wheel(tmp_path):
     )
     assert "Classifier: License :: OSI Approved :: Apache Software License" in metadata
     assert "Requires-Dist: cryptography" in metadata  # (the embedded cluster's TLS)
-    # no dask-cuda build exists for macOS or Windows: required on Linux only
-    assert 'Requires-Dist: dask-cuda>=26.10; sys_platform == "linux"' in metadata
+    # dask-cuda (which pins dask to its release) only for GPU machines, on Linux, its one platform
+    (cuda,) = [line for line in metadata.splitlines() if line.startswith("Requires-Dist: dask-cuda")]
+    assert 'extra == "cuda"' in cuda and 'sys_platform == "linux"' in cuda, cuda
+    for needed in ("pandas", "tensorboard", "distributed"):  # imported by rlnb: declared
+        assert any(line.startswith(f"Requires-Dist: {needed}>=") for line in metadata.splitlines()), needed
+    notebooks = sorted(Path(n).name for n in names if n.startswith("rlnb/notebooks/"))
+    assert notebooks == sorted(
+        p.name for p in (Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb")
+    )
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
@@ -138,6 +145,15 @@ def test_bundled_recipes_run_from_an_installed_wheel(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert complete_checkpoints(tmp_path / "run")
+    # a pip user gets the notebooks: `rlnb notebooks DIR` copies them, and keeps what is there
+    copy = [str(python), "-m", "rlnb.cli", "notebooks", "mine"]
+    out = subprocess.run(copy, capture_output=True, text=True, cwd=elsewhere, timeout=120)
+    assert out.returncode == 0 and "jupyter lab mine" in out.stdout, out.stderr
+    assert sorted(p.name for p in (elsewhere / "mine").iterdir()) == notebooks
+    out = subprocess.run(copy, capture_output=True, text=True, cwd=elsewhere, timeout=120)
+    assert out.returncode == 2 and "already holds" in out.stderr and "--force" in out.stderr, out.stderr
+    out = subprocess.run([*copy, "--force"], capture_output=True, text=True, cwd=elsewhere, timeout=120)
+    assert out.returncode == 0, out.stderr
 
 
 def test_gpu_check_dry_run_checks_the_plan_and_imports_without_a_gpu(tmp_path):

@@ -71,3 +71,16 @@ def test_bad_cluster_arguments():
         rlnb.Cluster(gpus="yes")
     with pytest.raises(rlnb.ClusterError, match="no GPU"):
         rlnb.Cluster(slots=1, gpus=True)
+
+
+def test_a_gpu_machine_without_the_cuda_extra_is_told_so_not_given_cpu_workers(monkeypatch):
+    """dask-cuda is the `cuda` extra: where NVML sees GPUs and it cannot be imported, the cluster says how to
+    get it (or to ask for CPU workers) before starting anything."""
+    import sys
+
+    import rlnb.cluster.cluster as cluster_module
+
+    monkeypatch.setattr(cluster_module, "_count_gpus", lambda: (2, "NVIDIA H200"))
+    monkeypatch.setitem(sys.modules, "dask_cuda", None)  # (an import of it now fails)
+    with pytest.raises(rlnb.ClusterError, match=r"has 2 GPU\(s\).*pip install 'rlnb\[cuda\]'.*gpus=False"):
+        rlnb.Cluster()

@@ -491,7 +491,14 @@ class Cluster:
         security = _temporary_security() if private else None
         tls = {"protocol": "tls://", "security": security} if security is not None else {}
         if n_gpus > 0:
-            from dask_cuda import LocalCUDACluster  # GPU-only path: one worker per GPU
+            try:
+                from dask_cuda import LocalCUDACluster  # GPU-only path: one worker per GPU
+            except ImportError as e:
+                raise ClusterError(
+                    f"Cluster(gpus={gpus!r}): this machine has {n_gpus} GPU(s), and a cluster on them needs "
+                    f"dask-cuda, which cannot be imported ({e}): pip install 'rlnb[cuda]', or "
+                    "Cluster(gpus=False) for CPU workers only"
+                ) from e
 
             kw = {"CUDA_VISIBLE_DEVICES": list(range(slots))} if slots else {}
             if slots and slots > n_gpus:
