@@ -175,6 +175,8 @@ def kill_driver_inside_a_step(
 
 
 SESSION_START = time.time()
+RUNS = Path(__file__).resolve().parents[1] / "runs"
+RUNS_BEFORE = set(RUNS.glob("*")) if RUNS.is_dir() else set()  # (a user's runs there stay)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -187,6 +189,7 @@ def pytest_sessionfinish(session, exitstatus):
     from rlnb.runtime.shm import sweep_dead_segments
 
     sweep_dead_segments()
+    _remove_default_run_dirs()
     mapped = set()
     for maps in glob.glob("/proc/[0-9]*/maps"):
         try:
@@ -200,6 +203,17 @@ def pytest_sessionfinish(session, exitstatus):
                 os.unlink(path)
         except OSError:
             continue
+
+
+def _remove_default_run_dirs() -> None:
+    """The run directories that loops built here without a ``run_dir`` wrote under the checkout's ``runs/``
+    (``<name>-<YYYYmmdd-HHMMSS>-<4 hex>``, made during this session): the suite leaves the checkout as it
+    found it (``runs/models``, the built models the tests share, stays)."""
+    import re
+
+    for path in set(RUNS.glob("*-*-*-*")) - RUNS_BEFORE if RUNS.is_dir() else ():
+        if path.is_dir() and re.fullmatch(r".+-\d{8}-\d{6}-[0-9a-f]{4}", path.name):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def last_answer(completion: str, answer: str) -> float:
