@@ -111,7 +111,12 @@ def _step(text: str) -> int:
 
 
 def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
+    """...and says how the run ended. Screenshots of it running and finished go to ``$RLNB_SCREENSHOTS``
+    (``docs/img/`` has the latest taken), else beside the test's files."""
+    import os
+
     tmp_path = tmp_path_factory.mktemp("browser")
+    shots = Path(os.environ.get("RLNB_SCREENSHOTS") or tmp_path)
     from playwright.sync_api import sync_playwright
 
     port = _free_port()
@@ -149,8 +154,13 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
                 later,
             )
             assert page.locator("[class*='progress']").count() >= 1  # the progress bar rendered
-            assert page.get_by_text("time per phase (s)").count() == 1
-            label.filter(has_text="done").wait_for(timeout=120_000)
+            assert page.get_by_text("time per phase (s, mean of the last 20 steps)").count() == 1
+            page.screenshot(path=str(shots / "dashboard_running.png"), full_page=True)
+            # finished: it says so, with the final step and the wall time, and steers no more
+            page.get_by_text(re.compile(r"done at step 60 · \d+ s")).wait_for(timeout=120_000)
+            assert page.get_by_role("button", name="stop").is_disabled()
+            assert page.get_by_role("button", name="apply").is_disabled()
+            page.screenshot(path=str(shots / "dashboard_finished.png"), full_page=True)
             figure = page.locator(".bqplot", has_text="return / reward").first
             assert page.evaluate(POINTS) == 60  # one point a step
             assert page.evaluate(SPREAD) > 0.9  # across the whole step axis

@@ -33,12 +33,7 @@ def test_model_state_after_updates():
     assert model.phase_s == {"rollout": 0.02, "train": 0.05}  # time/step_s is the total, not a phase
     assert model.latest["train/policy_loss"] == pytest.approx(-0.04)
     assert model.eta_s is not None and model.eta_s >= 0
-    assert [title for title, _ in model.curves()] == [
-        "return / reward",
-        "losses",
-        "KL / clipping",
-        "throughput",
-    ]
+    assert [title for title, _ in model.curves()] == ["return / reward", "policy loss", "KL", "throughput"]
     assert model.progress_text().startswith("step 4/10 · ETA")
     for rec in _records(10):
         model.update(rec)
@@ -62,17 +57,26 @@ def test_dashboard_view_follows_the_model():
     for rec in _records(5):
         model.update(rec)
     assert dash.bar.bar_style == "success"
-    assert len(dash.plots.points("losses", "train/policy_loss")) == len(model.series["train/policy_loss"])
+    assert len(dash.plots.points("policy loss", "train/policy_loss")) == len(
+        model.series["train/policy_loss"]
+    )
     panel = dash.plots.panels["return / reward"]  # the axes follow the data...
-    assert (panel.x_scale.min, panel.x_scale.max) == (1.0, 5.0) and 50.0 < panel.y_scale.max < 60.0
-    import bqplot
-
-    panel.toolbar.set_trait("_panzoom", bqplot.PanZoom())  # ...until the user pans or zooms
+    # (the y axis at round numbers around the returns 10..50, not below zero where they are not)
+    assert (panel.x_scale.min, panel.x_scale.max) == (1.0, 5.0) and (
+        panel.y_scale.min,
+        panel.y_scale.max,
+    ) == (
+        10.0,
+        50.0,
+    )
+    panel.zoom.value = True  # ...until the user pans or zooms
+    assert panel.figure.interaction is not None
     model.update({**next(_records(1)), "step": 9, "env/episode_return_mean": 500.0})
-    assert panel.x_scale.max == 5.0 and panel.y_scale.max < 60.0
-    panel.toolbar.set_trait("_panzoom", None)  # the toolbar's reset: following again
+    assert panel.x_scale.max == 5.0 and panel.y_scale.max == 50.0
+    panel.reset.click()  # reset: following again, at once
+    assert not panel.zoom.value and panel.figure.interaction is None and panel.x_scale.max == 9.0
     model.update({**next(_records(1)), "step": 10})
-    assert panel.x_scale.max == 10.0 and panel.y_scale.max > 500.0
+    assert panel.x_scale.max == 10.0 and panel.y_scale.max >= 500.0 and panel.y_scale.min == 0.0
 
 
 def test_a_long_runs_curves_send_a_bounded_number_of_points_keeping_the_newest_and_every_spike():
@@ -323,3 +327,55 @@ def test_the_dashboard_steers_a_background_run(cluster, tmp_path):
         assert loop.groups["actor"].describe().result()[0]["algorithm"]["clip_coef"] == 0.1
         assert [p.name for p in complete_checkpoints(tmp_path)] == [f"step_{held + 1:06d}"]
         assert "lr: 0.0005" in (tmp_path / "recipe.yaml").read_text()
+
+
+def test_each_curve_reads_on_its_own_axis_with_a_label_and_the_phase_table_averages_recent_steps():
+    """Losses of different sizes and KL beside clipping get their own axes; each y axis says what it measures;
+    the legend is a line above the plot; ticks at round numbers within the metric's range; the phase table is
+    a mean over the latest steps, a (slow, occasional) evaluation shown apart."""
+    model = DashboardModel(total=40)
+    dash = Dashboard(model, title="t", render_interval_s=0)
+    for i in range(1, 31):
+        model.update({
+            "step": i, "train/policy_loss": -0.01, "train/value_loss": 40.0 + i, "train/approx_kl": 0.004,
+            "train/clip_frac": 0.1 + 0.01 * i, "rollout/steps_per_s": 900.0 + i,
+            "time/rollout_s": 1.0 if i <= 10 else 0.1, "time/train_s": 0.2,
+            **({"time/eval_s": 3.0, "eval/return_mean": 20.0} if i == 30 else {}),
+        })  # fmt: skip
+    panels = dash.plots.panels
+    assert {"policy loss", "value loss", "KL", "clip fraction", "throughput"} <= set(panels)
+    assert (
+        "train/value_loss" not in panels["policy loss"].lines and "train/clip_frac" not in panels["KL"].lines
+    )
+    model.update({"step": 31, "train/loss": 5.0})  # PPO's total loss: not beside the policy loss it dwarfs
+    assert "loss" not in dict(model.curves()) and "train/loss" not in panels["policy loss"].lines
+    lm = DashboardModel()
+    lm.update({"step": 1, "train/loss": 0.3})  # an LM actor logs the total alone: it gets its panel
+    assert dict(lm.curves())["loss"] == {"train/loss": [(1, 0.3)]}
+    clip, speed = panels["clip fraction"], panels["throughput"]
+    assert (
+        clip.figure.axes[1].label == "fraction clipped" and 0.0 <= clip.y_scale.min < clip.y_scale.max <= 1.0
+    )
+    assert speed.y_scale.min >= 0.0 and speed.y_scale.max % 10 == 0  # no dip below zero, a round top
+    ticks = list(panels["value loss"].figure.axes[1].tick_values)  # ticks at round numbers: 40, 45, ... 70
+    assert ticks[0] == panels["value loss"].y_scale.min and all(t % 5 == 0 for t in ticks), ticks
+    assert (
+        "episode" not in panels["value loss"].legend.value
+        and "value loss" in panels["value loss"].legend.value
+    )
+    assert not any(
+        line.display_legend for line, _ in panels["policy loss"].lines.values()
+    )  # (not over the data)
+    # the rollout's 1 s steps 1-10 have left the mean of the last 20: 0.1 s
+    assert model.phase_s["rollout"] == pytest.approx(0.1) and "eval" not in model.phase_s
+    assert "evaluation</td><td>3.000  (the latest)" in dash.phases.value
+    model.finish("done")
+    png = dash.snapshot_png()  # the static form draws the same panels, under the progress line
+    assert png[:4] == b"\x89PNG" and len(png) > 10_000
+    from unittest import mock
+
+    from matplotlib.figure import Figure
+
+    with mock.patch.object(Figure, "suptitle", autospec=True) as suptitle:
+        dash.snapshot_png()
+    assert suptitle.call_args.args[1].startswith("t · done at step 31 of 40 · ")

@@ -20,9 +20,14 @@ Example:
 
 from __future__ import annotations
 
+import html
+
 import bqplot as bq
 import ipywidgets as w
 import numpy as np
+
+from rlnb.metrics import explain
+from rlnb.widgets.model import nice_ticks, short_name
 
 MAX_POINTS = 2000
 """Most points a line is sent (the axes still span every step)."""
@@ -58,9 +63,14 @@ def thin(values: np.ndarray, max_points: int = MAX_POINTS, recent: int = RECENT_
 
 
 class _Panel:
-    """One figure: a shared step axis, one line per metric (metrics may be logged at different steps)."""
+    """One figure: a shared step axis, one line per metric (metrics may be logged at different steps); the y
+    axis labelled with what it measures (:class:`rlnb.widgets.model.Panel`), the legend a line of names above
+    the plot, in the lines' colours, so it never covers a curve."""
 
     def __init__(self, title: str):
+        from rlnb.widgets.model import PANELS, Panel
+
+        self.spec = PANELS.get(title, Panel(title, (), ""))
         self.x_scale, self.y_scale = bq.LinearScale(), bq.LinearScale()
         self.lines: dict[str, tuple[bq.Lines, bq.Scatter]] = {}
         self.sent: dict[str, int] = {}  # metric -> points the page holds
@@ -68,32 +78,63 @@ class _Panel:
             title=title,
             marks=[],
             axes=[
-                bq.Axis(scale=self.x_scale, label="step", num_ticks=5),
-                bq.Axis(scale=self.y_scale, orientation="vertical", num_ticks=5, tick_format=".3~g"),
+                bq.Axis(scale=self.x_scale, label="step", tick_format="~s"),
+                bq.Axis(scale=self.y_scale, orientation="vertical", tick_format=".4~g",
+                        label=self.spec.y_label, label_offset="42px"),
             ],
-            legend_location="top-left",
-            fig_margin={"top": 40, "bottom": 40, "left": 55, "right": 15},
+            fig_margin={"top": 30, "bottom": 40, "left": 62, "right": 12},
+            padding_x=0.0,
+            padding_y=0.0,  # (the y range is already at round numbers around the data)
             layout=w.Layout(width="100%", height="240px"),
             title_style={"font-size": "13px"},
+        )  # fmt: skip
+        self.legend = w.HTML(layout=w.Layout(margin="0 0 0 62px", flex="1 1 auto"))
+        # pan/zoom is a toggle: while it is on it takes the mouse (hovering shows no values) and the axes stay
+        # where the user put them; reset turns it off and the axes follow the data again
+        small = {"width": "30px", "height": "24px", "padding": "0"}
+        self.zoom = w.ToggleButton(
+            icon="arrows", tooltip="pan and zoom (drag, mouse wheel)", layout=w.Layout(**small)
         )
-        # pan/zoom is a toggle in the toolbar: while it is on it takes the mouse, and hovering shows no values
-        self.toolbar = bq.Toolbar(figure=self.figure)
-        self.box = w.VBox([self.toolbar, self.figure], layout=w.Layout(width="100%"))
+        self.reset = w.Button(
+            icon="refresh", tooltip="reset the view: follow the data", layout=w.Layout(**small)
+        )
+        self.zoom.observe(self._on_zoom, names="value")
+        self.reset.on_click(lambda _: self._on_reset())
+        self._data: tuple[np.ndarray, np.ndarray] | None = None  # what follow() last saw
+        self.box = w.VBox(
+            [
+                w.HBox([self.legend, self.zoom, self.reset], layout=w.Layout(align_items="center")),
+                self.figure,
+            ],
+            layout=w.Layout(width="100%"),
+        )
+
+    def _on_zoom(self, change) -> None:
+        scales = {"x": [self.x_scale], "y": [self.y_scale]}
+        self.figure.interaction = bq.PanZoom(scales=scales) if change["new"] else None
+
+    def _on_reset(self) -> None:
+        self.zoom.value = False
+        if self._data is not None:
+            self.follow(*self._data)
 
     def follow(self, steps: np.ndarray, values: np.ndarray) -> None:
-        """Set the axes' ranges to the data, unless the user zoomed or panned (the toolbar's pan/zoom was
-        turned on since its last reset). The ranges are set here rather than left to the page: a figure
-        shown before its first points, as a dashboard is, otherwise kept the range of its first point."""
-        if self.toolbar._panzoom is not None:
+        """Set the axes' ranges to the data (y at round ticks, :func:`nice_ticks`), unless the user pans or
+        zooms (:attr:`zoom` on). The ranges are set here rather than left to the page: a figure shown
+        before its first points, as a dashboard is, otherwise kept the range of its first point."""
+        self._data = (steps, values)
+        if self.zoom.value:
             return
         values = values[np.isfinite(values)]
         if not len(steps) or not len(values):
             return
         x_lo, x_hi = float(steps.min()), float(steps.max())
-        y_lo, y_hi = float(values.min()), float(values.max())
-        pad = 0.05 * (y_hi - y_lo) or max(abs(y_hi) * 0.05, 1e-3)
+        ticks = nice_ticks(float(values.min()), float(values.max()), self.spec.floor, self.spec.ceiling)
+        y_axis = self.figure.axes[1]
+        y_axis.tick_values = np.asarray(ticks)
+        y_axis.tick_format = "~s" if max(abs(ticks[0]), abs(ticks[-1])) >= 1e4 else ".4~g"  # 30k, not 3e+4
         for scale, lo, hi in ((self.x_scale, x_lo - (x_lo == x_hi), x_hi + (x_lo == x_hi)),
-                              (self.y_scale, y_lo - pad, y_hi + pad)):  # fmt: skip
+                              (self.y_scale, ticks[0], ticks[-1])):  # fmt: skip
             with scale.hold_sync():
                 scale.min, scale.max = lo, hi
 
@@ -103,20 +144,18 @@ class _Panel:
         if metric not in self.lines:
             color = COLORS[len(self.lines) % len(COLORS)]
             scales = {"x": self.x_scale, "y": self.y_scale}
-            line = bq.Lines(
-                x=np.zeros(0),
-                y=np.zeros(0),
-                scales=scales,
-                colors=[color],
-                labels=[metric],
-                display_legend=True,
-            )
+            line = bq.Lines(x=np.zeros(0), y=np.zeros(0), scales=scales, colors=[color], labels=[metric])
             points = bq.Scatter(
                 x=np.zeros(0), y=np.zeros(0), scales=scales, colors=[color], default_size=14,
                 tooltip=bq.Tooltip(fields=["x", "y"], labels=["step", metric], formats=[".0f", ".4~g"]),
             )  # fmt: skip
             self.lines[metric] = (line, points)
             self.figure.marks = [*self.figure.marks, line, points]
+            self.legend.value = " ".join(
+                f"<span style='color:{m[0].colors[0]};font-size:12px;margin-right:1em' "
+                f"title='{html.escape(explain(k), quote=True)}'>&#9473; {html.escape(short_name(k))}</span>"
+                for k, m in self.lines.items()
+            )
         return self.lines[metric]
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import html
+import math
 import threading
 import time
 
@@ -11,7 +12,15 @@ import ipywidgets as w
 
 from rlnb.loop.runner import Callback
 from rlnb.metrics import GLOSSARY, WORK_IN_PHASE, explain
-from rlnb.widgets.model import DashboardModel, watch_messages
+from rlnb.widgets.model import (
+    PANELS,
+    RECENT_STEPS,
+    DashboardModel,
+    Panel,
+    nice_range,
+    short_name,
+    watch_messages,
+)
 
 BAR_STYLE = {"done": "success", "solved": "success", "stopped": "warning", "interrupted": "warning"}
 """The progress bar's colour once a run has ended, by how it ended (``failed``: ``danger``)."""
@@ -91,7 +100,12 @@ class Dashboard(w.VBox):
             self.plots,
             w.HBox(
                 [
-                    w.VBox([w.HTML("<b>time per phase (s)</b>"), self.phases]),
+                    w.VBox(
+                        [
+                            w.HTML(f"<b>time per phase (s, mean of the last {RECENT_STEPS} steps)</b>"),
+                            self.phases,
+                        ]
+                    ),
                     w.VBox([w.HTML("<b>latest metrics</b>"), self.metrics]),
                 ]
             ),
@@ -195,6 +209,8 @@ class Dashboard(w.VBox):
         ]
         if "time/overhead_frac" in model.latest:  # how much of a step is the loop's own, not the work
             rows.append(("overhead", f"{100 * model.latest['time/overhead_frac']:.1f} % of the step"))
+        if model.eval_s is not None:  # apart: an evaluation is not every step's, and would dwarf them
+            rows.append(("evaluation", f"{model.eval_s:.3f}  (the latest)"))
         self.phases.value = _table(rows, {"overhead": GLOSSARY["time/overhead_frac"]})
         keys = [k for k in sorted(model.latest) if not k.startswith("time/")][:16]
         self.metrics.value = _table(
@@ -240,7 +256,7 @@ class Dashboard(w.VBox):
         curves = self.model.curves()
         if not curves:
             return None
-        return render_curves_png(curves, title=f"{self.bar.description} · {self.model.progress_text()}")
+        return render_curves_png(curves, heading=f"{self.bar.description} · {self.model.progress_text()}")
 
     def _repr_mimebundle_(self, **kwargs):
         """The widget, and once the run has ended its snapshot as ``image/png`` too: JupyterLab shows the
@@ -263,8 +279,8 @@ class Dashboard(w.VBox):
         self.plots.value = render_curves_png(curves)
 
 
-def render_curves_png(curves, title: str | None = None) -> bytes:
-    """PNG bytes of the dashboard's curve panels (2 per row) under an optional ``title``, drawn with
+def render_curves_png(curves, heading: str | None = None) -> bytes:
+    """PNG bytes of the dashboard's curve panels (2 per row) under an optional ``heading``, drawn with
     matplotlib's object API (no pyplot state, so a background run's thread can draw while the notebook works)."""
     import io
 
@@ -277,16 +293,31 @@ def render_curves_png(curves, title: str | None = None) -> bytes:
     FigureCanvasAgg(fig)
     for index, (title, data) in enumerate(curves):
         ax = fig.add_subplot(rows, cols, index + 1)
+        spec = PANELS.get(title, Panel(title, (), ""))
+        finite = []
         for metric, points in data.items():
             steps, values = zip(*points)
-            ax.plot(steps, values, label=metric, linewidth=1.2, marker="." if len(points) < 20 else None)
-        ax.set_title(title, fontsize=10)
+            finite += [v for v in values if math.isfinite(v)]
+            ax.plot(
+                steps,
+                values,
+                label=short_name(metric),
+                linewidth=1.2,
+                marker="." if len(points) < 20 else None,
+            )
+        if finite:
+            ax.set_ylim(*nice_range(min(finite), max(finite), spec.floor, spec.ceiling))
+        ax.set_title(title, fontsize=10, loc="left")
         ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(spec.y_label, fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-    if title:
-        fig.suptitle(title, fontsize=11)
+        # above the plot, right of the title: a legend never covers a curve
+        ax.legend(
+            fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=3, frameon=False, borderaxespad=0.2
+        )
+    if heading:
+        fig.suptitle(heading, fontsize=11)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

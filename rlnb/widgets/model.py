@@ -6,22 +6,115 @@ import logging
 import time
 import weakref
 from collections import defaultdict, deque
+from dataclasses import dataclass
 
-# Curves shown when present, in this order: (panel title, metric keys)
+
+@dataclass(frozen=True)
+class Panel:
+    """One curve panel of the dashboard: its metrics and how its y axis reads."""
+
+    title: str
+    keys: tuple[str, ...]
+    """The metrics drawn, when logged."""
+    y_label: str
+    """What the y axis measures, with its unit."""
+    floor: float | None = None
+    """The axis never goes below this (a quantity that cannot be negative); with none, it goes below zero only
+    where the data does."""
+    ceiling: float | None = None
+    """The axis never goes above this (a fraction: 1)."""
+    unless: str | None = None
+    """Not shown where this metric is logged (a total loss, where the policy loss has its own panel)."""
+
+
+# shown when present, in this order; losses of different sizes, and KL and clipping, each on their own axis
 CURVES = (
-    (
+    Panel(
         "return / reward",
         ("env/episode_return_mean", "reward/mean", "eval/return_mean", "eval/accuracy", "reward/accuracy"),
+        "return per episode / reward",
     ),
-    ("losses", ("train/policy_loss", "train/value_loss", "train/loss")),
-    ("KL / clipping", ("train/approx_kl", "train/kl", "train/clip_frac")),
-    ("throughput", ("rollout/steps_per_s", "rollout/tokens_per_s")),
-    (
+    Panel("policy loss", ("train/policy_loss",), "loss"),
+    Panel("loss", ("train/loss",), "loss", unless="train/policy_loss"),  # (LM actors log the total alone)
+    Panel("value loss", ("train/value_loss",), "squared error", floor=0.0),
+    Panel("KL", ("train/approx_kl", "train/kl"), "KL (nats)"),
+    Panel("clip fraction", ("train/clip_frac",), "fraction clipped", floor=0.0, ceiling=1.0),
+    Panel("throughput", ("rollout/steps_per_s", "rollout/tokens_per_s"), "per second", floor=0.0),
+    Panel(
         "staleness (versions behind)",
         ("rollout/staleness_mean", "rollout/staleness_max"),
+        "policy versions",
+        floor=0.0,
     ),  # max_staleness >= 1
-    ("rollout hidden behind training", ("rollout/overlap_frac",)),  # max_staleness >= 1
+    Panel(
+        "rollout hidden behind training", ("rollout/overlap_frac",), "fraction of rollout time", 0.0, 1.0
+    ),  # max_staleness >= 1
 )
+PANELS = {p.title: p for p in CURVES}
+RECENT_STEPS = 20
+"""The phase table shows each phase's mean over this many latest steps (one slow step does not fill it)."""
+
+
+def short_name(metric: str) -> str:
+    """A legend's name for a metric key: ``env/episode_return_mean`` -> ``episode return mean``,
+    ``eval/return_mean`` -> ``eval return mean``, ``rollout/steps_per_s`` -> ``steps/s``.
+
+    Example:
+        >>> short_name("rollout/tokens_per_s"), short_name("eval/accuracy")
+        ('tokens/s', 'eval accuracy')
+    """
+    section, _, name = metric.partition("/")
+    name = (name or section).replace("_per_s", "/s").replace("_", " ")
+    return f"eval {name}" if section == "eval" else name
+
+
+def nice_ticks(lo: float, hi: float, floor: float | None = None, ceiling: float | None = None) -> list[float]:
+    """The y axis's ticks for data in ``[lo, hi]``: :func:`nice_range`'s bounds and the round numbers between.
+
+    Example:
+        >>> nice_ticks(9.0, 549.0), nice_ticks(0.2, 0.9, 0.0, 1.0)
+        ([0.0, 200.0, 400.0, 600.0], [0.2, 0.4, 0.6, 0.8, 1.0])
+    """
+    n_lo, n_hi, step = _nice(lo, hi, floor, ceiling)
+    ticks = [n_lo]
+    while ticks[-1] + step < n_hi - step * 1e-9:
+        ticks.append(float(round(ticks[-1] + step, 12)))
+    return [*ticks, n_hi]
+
+
+def nice_range(lo: float, hi: float, floor: float | None = None, ceiling: float | None = None):
+    """Axis bounds around ``[lo, hi]`` at round numbers (multiples of 1, 2 or 5 times a power of ten, about
+    five ticks apart), not below zero unless the data is, and within ``floor``/``ceiling``.
+
+    Example:
+        >>> nice_range(9.0, 549.0), nice_range(0.013, 0.027, floor=0.0), nice_range(-31.8, 404.0)
+        ((0.0, 600.0), (0.01, 0.03), (-100.0, 500.0))
+    """
+    n_lo, n_hi, _ = _nice(lo, hi, floor, ceiling)
+    return n_lo, n_hi
+
+
+def _nice(lo: float, hi: float, floor: float | None, ceiling: float | None) -> tuple[float, float, float]:
+    import math
+
+    if hi < lo:
+        lo, hi = hi, lo
+    span = hi - lo or max(abs(hi), 1e-3)
+    raw = span / 5
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
+    n_lo, n_hi = math.floor(lo / step) * step, math.ceil(hi / step) * step
+    if n_lo == n_hi:
+        n_lo, n_hi = n_lo - step, n_hi + step
+    if lo >= 0 > n_lo:
+        n_lo = 0.0
+    if floor is not None:
+        n_lo = max(n_lo, floor)
+    if ceiling is not None:
+        n_hi = min(n_hi, ceiling)
+    return float(round(n_lo, 12)), float(round(n_hi, 12)), step
+
+
 PHASES = ("sync", "rollout", "advantages", "train", "compile", "eval", "sft")
 
 
@@ -39,7 +132,9 @@ class DashboardModel:
         self.total, self.start_step = total, start_step
         self.step = start_step
         self.series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-        self.phase_s: dict[str, float] = {}
+        self.phase_s: dict[str, float] = {}  # each phase's mean seconds over the last RECENT_STEPS steps
+        self.eval_s: float | None = None  # the latest evaluation's seconds (apart: it is not every step's)
+        self._recent: dict[str, deque] = defaultdict(lambda: deque(maxlen=RECENT_STEPS))
         self.latest: dict[str, float] = {}
         self.started = time.perf_counter()
         self.updates = 0
@@ -63,8 +158,11 @@ class DashboardModel:
             self.latest[k] = float(v)
             if k.startswith("time/") and k.endswith("_s"):
                 phase = k[len("time/") : -2]
-                if phase in PHASES:
-                    self.phase_s[phase] = float(v)
+                if phase == "eval":
+                    self.eval_s = float(v)
+                elif phase in PHASES:
+                    self._recent[phase].append(float(v))
+                    self.phase_s[phase] = sum(self._recent[phase]) / len(self._recent[phase])
             self.series[k].append((step, float(v)))
         self.updates += 1
         if self.total is not None and self.step >= self.total:
@@ -112,10 +210,12 @@ class DashboardModel:
     def curves(self) -> list[tuple[str, dict[str, list[tuple[int, float]]]]]:
         """Panels with data: ``[(title, {metric: [(step, value), ...]})]``."""
         out = []
-        for title, keys in CURVES:
-            data = {k: self.series[k] for k in keys if self.series.get(k)}
+        for panel in CURVES:
+            if panel.unless is not None and self.series.get(panel.unless):
+                continue
+            data = {k: self.series[k] for k in panel.keys if self.series.get(k)}
             if data:
-                out.append((title, data))
+                out.append((panel.title, data))
         return out
 
     def progress_text(self) -> str:
