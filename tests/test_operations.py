@@ -509,7 +509,9 @@ def test_the_command_exits_within_its_deadline_when_a_thread_does_not_end(tmp_pa
     assert "not reached" not in err and not left
 
 
-def test_a_tensorboard_that_cannot_be_imported_is_said_once_not_silently_skipped(tmp_path, monkeypatch, caplog):
+def test_a_tensorboard_that_cannot_be_imported_is_said_once_not_silently_skipped(
+    tmp_path, monkeypatch, caplog
+):
     import sys
 
     import rlnb.metrics as metrics
