@@ -166,8 +166,8 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
             assert page.evaluate(SPREAD) > 0.9  # across the whole step axis
             figure.locator("path.dot").nth(30).hover()  # hovering a point shows its step and value
             tooltip = page.locator(".bqplot_tooltip_div", has_text="env/episode_return_mean")
-            shown = " ".join(tooltip.first.inner_text().split())
-            assert re.fullmatch(r"step 31 env/episode_return_mean [-\d.]+", shown), shown
+            shown = " ".join(tooltip.first.inner_text().split())  # x in env steps, the training step beside
+            assert re.fullmatch(r"env steps [\d,]+ step 31 env/episode_return_mean [-\d.]+", shown), shown
             before = _ticks(page)
             figure.locator("xpath=..").locator("button").first.click()  # the toolbar's pan/zoom toggle
             box = figure.bounding_box()

@@ -379,3 +379,27 @@ def test_each_curve_reads_on_its_own_axis_with_a_label_and_the_phase_table_avera
     with mock.patch.object(Figure, "suptitle", autospec=True) as suptitle:
         dash.snapshot_png()
     assert suptitle.call_args.args[1].startswith("t · done at step 31 of 40 · ")
+
+
+def test_an_embodied_runs_curves_go_along_env_steps_with_the_training_step_on_hover():
+    """SB3, CleanRL and TensorBoard users read curves against env steps: where the loop logs ``global_step``
+    the x axis counts them, and a hovered point names its training step too; an evaluation logged before any
+    env step is placed at the pace so far."""
+    model = DashboardModel(total=10)
+    dash = Dashboard(model, title="t", render_interval_s=0)
+    model.update({"step": 0, "eval/return_mean": 9.0})  # (before any global_step: at x = 0)
+    for i in range(1, 4):
+        model.update({"step": i, "global_step": 256 * i, "env/episode_return_mean": 10.0 * i})
+    model.update({"step": 3, "eval/return_mean": 30.0})
+    panel = dash.plots.panels["return / reward"]
+    assert model.x_label == "env steps" and panel.figure.axes[0].label == "env steps"
+    assert dash.plots.points("return / reward", "env/episode_return_mean") == [(256, 10), (512, 20), (768, 30)]
+    assert dash.plots.points("return / reward", "eval/return_mean") == [(0, 9), (768, 30)]
+    _line, points = panel.lines["env/episode_return_mean"]
+    assert list(points.names) == ["1", "2", "3"]
+    assert list(points.tooltip.labels) == ["env steps", "step", "env/episode_return_mean"]
+    assert (panel.x_scale.min, panel.x_scale.max) == (0.0, 768.0)
+    assert "global_step" not in dict(model.curves()).get("return / reward", {})
+    plain = DashboardModel()
+    plain.update({"step": 2, "reward/mean": 0.5})  # a loop without env steps (GRPO): training steps
+    assert plain.x_label == "step" and plain.x(2) == 2.0

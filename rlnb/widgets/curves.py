@@ -138,17 +138,23 @@ class _Panel:
             with scale.hold_sync():
                 scale.min, scale.max = lo, hi
 
-    def line(self, metric: str) -> tuple[bq.Lines, bq.Scatter]:
+    def line(self, metric: str, x_label: str = "step") -> tuple[bq.Lines, bq.Scatter]:
         """The line of ``metric`` and its points (the points carry the hover values: a bqplot line's
-        tooltip knows the line, not the point under the mouse)."""
+        tooltip knows the line, not the point under the mouse; over env steps, the training step too)."""
         if metric not in self.lines:
             color = COLORS[len(self.lines) % len(COLORS)]
             scales = {"x": self.x_scale, "y": self.y_scale}
             line = bq.Lines(x=np.zeros(0), y=np.zeros(0), scales=scales, colors=[color], labels=[metric])
+            if x_label == "step":
+                tip = bq.Tooltip(fields=["x", "y"], labels=["step", metric], formats=[".0f", ".4~g"])
+            else:  # the points' names are their training steps
+                tip = bq.Tooltip(fields=["x", "name", "y"], labels=[x_label, "step", metric],
+                                 formats=[",.0f", "", ".4~g"])  # fmt: skip
             points = bq.Scatter(
-                x=np.zeros(0), y=np.zeros(0), scales=scales, colors=[color], default_size=14,
-                tooltip=bq.Tooltip(fields=["x", "y"], labels=["step", metric], formats=[".0f", ".4~g"]),
+                x=np.zeros(0), y=np.zeros(0), scales=scales, colors=[color], default_size=14, tooltip=tip,
+                display_names=False,
             )  # fmt: skip
+            self.figure.axes[0].label = x_label
             self.lines[metric] = (line, points)
             self.figure.marks = [*self.figure.marks, line, points]
             self.legend.value = " ".join(
@@ -181,11 +187,18 @@ class LiveCurves(w.GridBox):
                 steps, values = (np.asarray(v, dtype=float) for v in zip(*series))
                 if panel.sent.get(metric) != len(series):
                     drawn = thin(values)
-                    for mark in panel.line(metric):
-                        with mark.hold_sync():  # x and y in one message, so the page never sees them unequal
-                            mark.x, mark.y = steps[drawn], values[drawn]
+                    xs = np.fromiter((model.x(int(s)) for s in steps[drawn]), float, len(drawn))
+                    line, points = panel.line(metric, model.x_label)
+                    with line.hold_sync():  # x and y in one message, so the page never sees them unequal
+                        line.x, line.y = xs, values[drawn]
+                    with points.hold_sync():
+                        if model.env_steps:
+                            points.names = [str(int(s)) for s in steps[drawn]]
+                        points.x, points.y = xs, values[drawn]
                     panel.sent[metric] = len(series)
-                all_steps.append(steps)
+                    all_steps.append(xs[[0, -1]])  # (the x range: thinning keeps the first and last points)
+                else:
+                    all_steps.append(np.asarray([model.x(int(steps[0])), model.x(int(steps[-1]))]))
                 all_values.append(values)
             panel.follow(np.concatenate(all_steps), np.concatenate(all_values))
         if added:

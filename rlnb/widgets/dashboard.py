@@ -256,7 +256,8 @@ class Dashboard(w.VBox):
         curves = self.model.curves()
         if not curves:
             return None
-        return render_curves_png(curves, heading=f"{self.bar.description} · {self.model.progress_text()}")
+        heading = f"{self.bar.description} · {self.model.progress_text()}"
+        return render_curves_png(curves, heading, self.model.x, self.model.x_label)
 
     def _repr_mimebundle_(self, **kwargs):
         """The widget, and once the run has ended its snapshot as ``image/png`` too: JupyterLab shows the
@@ -276,12 +277,13 @@ class Dashboard(w.VBox):
         curves = model.curves()
         if not curves:
             return
-        self.plots.value = render_curves_png(curves)
+        self.plots.value = render_curves_png(curves, None, model.x, model.x_label)
 
 
-def render_curves_png(curves, heading: str | None = None) -> bytes:
-    """PNG bytes of the dashboard's curve panels (2 per row) under an optional ``heading``, drawn with
-    matplotlib's object API (no pyplot state, so a background run's thread can draw while the notebook works)."""
+def render_curves_png(curves, heading: str | None = None, x=float, x_label: str = "step") -> bytes:
+    """PNG bytes of the dashboard's curve panels (2 per row) under an optional ``heading``, each metric logged
+    at step ``s`` drawn at ``x(s)`` on an axis of ``x_label`` (:meth:`DashboardModel.x`), drawn with matplotlib's
+    object API (no pyplot state, so a background run's thread can draw while the notebook works)."""
     import io
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -299,7 +301,7 @@ def render_curves_png(curves, heading: str | None = None) -> bytes:
             steps, values = zip(*points)
             finite += [v for v in values if math.isfinite(v)]
             ax.plot(
-                steps,
+                [x(s) for s in steps],
                 values,
                 label=short_name(metric),
                 linewidth=1.2,
@@ -308,7 +310,7 @@ def render_curves_png(curves, heading: str | None = None) -> bytes:
         if finite:
             ax.set_ylim(*nice_range(min(finite), max(finite), spec.floor, spec.ceiling))
         ax.set_title(title, fontsize=10, loc="left")
-        ax.set_xlabel("step", fontsize=8)
+        ax.set_xlabel(x_label, fontsize=8)
         ax.set_ylabel(spec.y_label, fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)

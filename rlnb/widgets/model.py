@@ -142,6 +142,9 @@ class DashboardModel:
         self.outcome: str | None = None  # how the run ended (rlnb.loop.RUN_OUTCOMES), once it has
         self.wall_s: float | None = None  # the run's seconds, once it has ended
         self.run_watch = None  # the RunWatch telling it of the loop's runs (dashboard_for)
+        self.env_steps: dict[
+            int, float
+        ] = {}  # training step -> env steps collected by then (``global_step``)
         self.messages: deque[str] = deque(maxlen=5)  # the latest warnings and errors, newest last
         self._listeners = []
 
@@ -151,6 +154,8 @@ class DashboardModel:
 
     def update(self, record: dict) -> None:
         step = int(record.get("step", self.step))
+        if isinstance(record.get("global_step"), (int, float)):  # env steps so far (embodied loops log them)
+            self.env_steps[step] = float(record["global_step"])
         self.step = max(self.step, step)
         for k, v in record.items():
             if k in ("step", "wall_time") or not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -206,6 +211,22 @@ class DashboardModel:
         if not self.total or done <= 0:
             return None
         return (time.perf_counter() - self.started) / done * (self.total - self.step)
+
+    @property
+    def x_label(self) -> str:
+        """What the curves' x axis counts: ``env steps`` where the loop logs them (SB3's, CleanRL's and
+        TensorBoard's x), else training ``step``s."""
+        return "env steps" if self.env_steps else "step"
+
+    def x(self, step: int) -> float:
+        """The x of a metric logged at training ``step``: its env steps where they are known (a step logged
+        before any, such as a first evaluation, at the pace so far), else the step itself."""
+        if not self.env_steps:
+            return float(step)
+        if step in self.env_steps:
+            return self.env_steps[step]
+        last = max(self.env_steps)
+        return self.env_steps[last] / last * step if last else float(step)
 
     def curves(self) -> list[tuple[str, dict[str, list[tuple[int, float]]]]]:
         """Panels with data: ``[(title, {metric: [(step, value), ...]})]``."""
