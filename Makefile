@@ -7,7 +7,7 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 
-.PHONY: setup setup-vllm demo test test-fast notebooks lint docs format bench clean gpu-check gpu-wheels
+.PHONY: setup setup-vllm demo test test-fast test-python notebooks lint docs format bench clean gpu-check gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -55,6 +55,17 @@ notebooks: setup
 # day-to-day: the tests but the slow ones (notebooks, the browser, long training runs, compiling), a few minutes
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+# the quick subset on another Python: make test-python PY=python3.12 (or a path; pyenv's work). Its own
+# .venv-<name>, with PyPI's torch for that Python (the CUDA build: it runs on CPUs too)
+PY ?= python3.12
+PY_VENV = .venv-$(notdir $(PY))
+test-python:
+	$(PY) -m venv $(PY_VENV)
+	$(PY_VENV)/bin/pip install --quiet "$(TORCH)" -e ".[dev]"
+	t=$$(mktemp -d) && TMPDIR=$$t $(PY_VENV)/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null; \
+		s=$$?; rm -rf "$$t"; exit $$s
+	$(PY_VENV)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 lint: setup
 	$(BIN)/ruff check .
