@@ -21,6 +21,7 @@ GLOSSARY: dict[str, str] = {
     # bookkeeping
     "step": "Training steps done (= the policy version the actor holds).",
     "global_step": "Embodied PPO: env steps collected so far (all env ranks).",
+    "samples_total": "GRPO: completions trained on so far (data.prompts_per_step x algorithm.group_size a step).",
     "wall_time": "Seconds since the run started, when this record was logged.",
     # env
     "env/success_rate": "Share of the last 20 finished training episodes that succeeded, where the env says so at an episode's end (info['is_success'], as SB3's rollout/success_rate; ManiSkill's success); not logged for envs that do not.",

@@ -186,6 +186,7 @@ def test_lm_loop_from_objects_with_weighted_reward_functions_reading_record_fiel
         abs=1e-5,
     )
     assert record["reward/brevity/mean"] < 0
+    assert record["samples_total"] == 1 * 4 * 4  # step 1: data.prompts_per_step x algorithm.group_size
     assert record["rollout/sampling_rounds"] >= 1 and record["rollout/informative_frac"] > 0
     for row in rows:
         assert row["rewards"]["bonus"] == 10.0 * level[row["prompt"]]

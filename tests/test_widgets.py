@@ -393,7 +393,11 @@ def test_an_embodied_runs_curves_go_along_env_steps_with_the_training_step_on_ho
     model.update({"step": 3, "eval/return_mean": 30.0})
     panel = dash.plots.panels["return / reward"]
     assert model.x_label == "env steps" and panel.figure.axes[0].label == "env steps"
-    assert dash.plots.points("return / reward", "env/episode_return_mean") == [(256, 10), (512, 20), (768, 30)]
+    assert dash.plots.points("return / reward", "env/episode_return_mean") == [
+        (256, 10),
+        (512, 20),
+        (768, 30),
+    ]
     assert dash.plots.points("return / reward", "eval/return_mean") == [(0, 9), (768, 30)]
     _line, points = panel.lines["env/episode_return_mean"]
     assert list(points.names) == ["1", "2", "3"]
@@ -401,5 +405,8 @@ def test_an_embodied_runs_curves_go_along_env_steps_with_the_training_step_on_ho
     assert (panel.x_scale.min, panel.x_scale.max) == (0.0, 768.0)
     assert "global_step" not in dict(model.curves()).get("return / reward", {})
     plain = DashboardModel()
-    plain.update({"step": 2, "reward/mean": 0.5})  # a loop without env steps (GRPO): training steps
+    plain.update({"step": 2, "reward/mean": 0.5})  # a loop that logs no counter: training steps
     assert plain.x_label == "step" and plain.x(2) == 2.0
+    grpo = DashboardModel()  # GRPO: the completions trained on so far (TRL's samples)
+    grpo.update({"step": 2, "samples_total": 256, "reward/mean": 0.5})
+    assert grpo.x_label == "completions" and grpo.x(2) == 256.0

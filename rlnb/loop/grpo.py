@@ -487,9 +487,11 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
 
     # ------------------------------------------------------------------ metrics
     def _log_step(self, train_out: dict) -> None:
-        p = self._pending
+        p, r = self._pending, self.recipe
         self._log_record(
             {
+                # completions trained on so far: each step trains on a full batch (dynamic sampling fills it)
+                "samples_total": self.step * r.data.prompts_per_step * r.algorithm.group_size,
                 "reward/mean": p.get("rollout/reward_mean"),
                 "reward/accuracy": p.get("rollout/accuracy"),
                 **{

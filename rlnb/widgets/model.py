@@ -51,6 +51,8 @@ CURVES = (
     ),  # max_staleness >= 1
 )
 PANELS = {p.title: p for p in CURVES}
+X_COUNTERS = {"global_step": "env steps", "samples_total": "completions"}
+"""Logged counters the curves' x axis goes along, where a loop logs one, and the axis's label."""
 RECENT_STEPS = 20
 """The phase table shows each phase's mean over this many latest steps (one slow step does not fill it)."""
 
@@ -142,9 +144,9 @@ class DashboardModel:
         self.outcome: str | None = None  # how the run ended (rlnb.loop.RUN_OUTCOMES), once it has
         self.wall_s: float | None = None  # the run's seconds, once it has ended
         self.run_watch = None  # the RunWatch telling it of the loop's runs (dashboard_for)
-        self.env_steps: dict[
-            int, float
-        ] = {}  # training step -> env steps collected by then (``global_step``)
+        # training step -> env steps or completions by then (X_COUNTERS)
+        self.env_steps: dict[int, float] = {}
+        self._x_label = "step"
         self.messages: deque[str] = deque(maxlen=5)  # the latest warnings and errors, newest last
         self._listeners = []
 
@@ -154,8 +156,9 @@ class DashboardModel:
 
     def update(self, record: dict) -> None:
         step = int(record.get("step", self.step))
-        if isinstance(record.get("global_step"), (int, float)):  # env steps so far (embodied loops log them)
-            self.env_steps[step] = float(record["global_step"])
+        for counter, label in X_COUNTERS.items():  # env steps (embodied) or completions (GRPO) so far
+            if isinstance(record.get(counter), (int, float)):
+                self.env_steps[step], self._x_label = float(record[counter]), label
         self.step = max(self.step, step)
         for k, v in record.items():
             if k in ("step", "wall_time") or not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -215,8 +218,8 @@ class DashboardModel:
     @property
     def x_label(self) -> str:
         """What the curves' x axis counts: ``env steps`` where the loop logs them (SB3's, CleanRL's and
-        TensorBoard's x), else training ``step``s."""
-        return "env steps" if self.env_steps else "step"
+        TensorBoard's x), ``completions`` for GRPO (TRL's samples), else training ``step``s."""
+        return self._x_label
 
     def x(self, step: int) -> float:
         """The x of a metric logged at training ``step``: its env steps where they are known (a step logged
