@@ -455,13 +455,13 @@ def test_full_disk_leaves_no_partial_checkpoint(own_cluster, tmp_path):
 
 ENTRY_CHILD = """
 import atexit, pathlib, sys
-out = pathlib.Path(sys.argv[1])
 class AtTeardown:
     def __del__(self):
         (out / "teardown").write_text("ran")
-keep = AtTeardown()
-atexit.register(lambda: (out / "atexit").write_text("ran"))
-if __name__ == "__main__":
+if __name__ == "__main__":  # (the workers import this module as __mp_main__: its effects are the driver's)
+    out = pathlib.Path(sys.argv[1])
+    keep = AtTeardown()
+    atexit.register(lambda: (out / "atexit").write_text("ran"))
     from rlnb.cli import entry
     sys.argv = ["rlnb", "run", "ppo_cartpole", "runner.steps=1", "runner.tensorboard=false", "--no-progress",
                 "--run-dir", str(out / "run")]
