@@ -268,6 +268,7 @@ def test_worker_warnings_and_a_failed_background_run_reach_the_dashboard(cluster
         ]
         with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
             loop.run(5, background=True).join(120)
+            assert loop.run_outcome == "failed"
             assert any("training diverged" in m and "Traceback" in m for m in model.messages), list(
                 model.messages
             )

@@ -46,7 +46,8 @@ class Callback:
 
 RUN_OUTCOMES = ("done", "solved", "stopped", "interrupted", "failed")
 """How a ``run()`` ended (``loop.run_outcome``): all its steps taken; ``runner.stop_return`` reached; ``stop()``
-(the dashboard's stop button); Ctrl-C or a signal; an error."""
+(the dashboard's stop button, the CLI's Ctrl-C or SIGTERM); a ``KeyboardInterrupt`` (a notebook's interrupt);
+an error."""
 
 
 class EvaluateEvery(Callback):
@@ -241,7 +242,7 @@ class Runner:
                     break
             outcome = "solved" if self._solved() else "stopped" if self._stop else "done"
         except BaseException as e:
-            if isinstance(e, KeyboardInterrupt):  # (SIGTERM and SIGHUP reach here as one, in the CLI)
+            if isinstance(e, KeyboardInterrupt):  # a notebook's interrupt, or a second Ctrl-C in the CLI
                 outcome = "interrupted"
             if self._ahead:  # (interrupted between steps) the step under way on the worker is still taken
                 self._take_ahead_after_error()
