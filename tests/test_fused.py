@@ -9,7 +9,7 @@ from torch import nn
 import rlnb
 from rlnb.algorithms.losses import ppo, ppo_clip_value_entropy
 from rlnb.components import fused as fused_module
-from rlnb.components.fused import FusedAct, FusedPPOStep, _walk, fused_act, fused_ppo_step, unfit
+from rlnb.components.fused import FusedAct, FusedPPOStep, fused_act, fused_ppo_step, unfit, walk
 from rlnb.loop import Loop
 from rlnb.models.policies import ActorCritic
 from tests.conftest import collocated_loop
@@ -116,14 +116,15 @@ def test_a_step_made_for_the_same_modules_is_used_again_until_anything_it_assume
     """The actor keeps its fused step from one update to the next; a swapped module, a new parameter, a hook or
     a frozen parameter since is seen at the next update, as a fresh check would see it."""
     policy = _policy(DISCRETE)
-    modules, params = _walk(policy)
+    modules, params, buffers = walk(policy)
     assert modules == list(policy.modules()) and params == list(policy.parameters())
+    assert buffers == list(policy.buffers())
     shared = torch.nn.Linear(
         2, 2
     )  # a module met twice and a tied parameter: listed once, where torch lists them
     tied = torch.nn.Sequential(shared, torch.nn.Sequential(torch.nn.Tanh(), shared), torch.nn.Linear(2, 2))
     tied[2].weight = shared.weight
-    assert _walk(tied) == (list(tied.modules()), list(tied.parameters()))
+    assert walk(tied) == (list(tied.modules()), list(tied.parameters()), [])
     check = {"model": policy, "loss_fn": ppo_clip_value_entropy, "compiled": False}
     step, why = fused_ppo_step(policy, **check)
     assert why is None and fused_ppo_step(policy, **check, previous=step) == (step, None)
@@ -269,31 +270,27 @@ class ActWatchingRollout(rlnb.PolicyRollout):
         return self.through, self.valued_through
 
 
-def test_the_modules_are_walked_again_only_once_something_was_registered_since(monkeypatch):
-    """At every collection and update the fused act and step check the policy's modules and parameters; while
-    no module, parameter or buffer was registered anywhere in the process since the last check, the last walk
-    stands for a new one. A registration anywhere (a layer replaced, a new module) walks them again."""
+def test_the_checks_register_nothing_with_torch_and_see_a_parameter_replaced_behind_its_back():
+    """The fused act's and step's checks walk the policy at each call and compare by identity: nothing is
+    registered with torch process-wide (its global registration hooks stay as they were), and a parameter
+    swapped through a module's private dict, which no registration hook sees, is seen all the same."""
+    from torch.nn.modules import module as module_globals
+
+    registries = ("_global_module_registration_hooks", "_global_parameter_registration_hooks",
+                  "_global_buffer_registration_hooks")  # fmt: skip
+    before = [dict(getattr(module_globals, name)) for name in registries]
     policy = _policy(DISCRETE)
     check = {"model": policy, "loss_fn": ppo_clip_value_entropy, "compiled": False}
     step, _ = fused_ppo_step(policy, **check)
     frozen = _policy(DISCRETE).requires_grad_(False)
     act = fused_act(frozen)
-    fused_ppo_step(policy, **check, previous=step)  # (walks again: the second policy was registered since)
-    walks = []
-    real_walk = fused_module._walk
-    monkeypatch.setattr(fused_module, "_walk", lambda m: walks.append(m) or real_walk(m))
-    for _ in range(3):
-        assert fused_ppo_step(policy, **check, previous=step) == (step, None)
-        assert fused_act(frozen, act) is act
-    assert walks == []
-    torch.nn.Linear(1, 1)  # a registration anywhere: both walk again, and still fit
-    assert fused_ppo_step(policy, **check, previous=step) == (step, None)
-    assert fused_act(frozen, act) is act
-    assert walks == [policy, frozen]
-    other = _policy(DISCRETE)  # another policy: never stands for this one's walk
-    walks.clear()
-    assert fused_ppo_step(other, **{**check, "model": other}, previous=step)[0] is not step
-    assert walks == [other]
+    assert fused_ppo_step(policy, **check, previous=step) == (step, None) and fused_act(frozen, act) is act
+    assert [dict(getattr(module_globals, name)) for name in registries] == before
+    policy.actor_head._parameters["bias"] = torch.nn.Parameter(policy.actor_head.bias.detach().clone())
+    frozen.critic_head._parameters["bias"] = torch.nn.Parameter(frozen.critic_head.bias.detach().clone(), False)
+    again, why = fused_ppo_step(policy, **check, previous=step)
+    assert why is None and again is not step and any(p is policy.actor_head.bias for p in again.params)
+    assert fused_act(frozen, act) is not act
 
 
 def test_the_next_collection_uses_the_same_fused_act_while_the_policy_still_fits_it(monkeypatch):

@@ -178,7 +178,7 @@ class CopyingActor(rlnb.PPOActor):
     """The built-in actor, saying whether it copied its weights straight into a collocated rollout's."""
 
     def copied(self) -> bool:
-        return getattr(self, "_copy_pairs", (None, None, None))[2] is not None
+        return getattr(self, "_copy_pairs", (None,))[0] is not None
 
 
 class HalvingActor(CopyingActor):

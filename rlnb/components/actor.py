@@ -23,7 +23,7 @@ import torch
 from rlnb.algorithms.contract import EMBODIED, check_algorithm
 from rlnb.algorithms.losses import entropy_bonus, value_loss
 from rlnb.components.compile import StepCompiler
-from rlnb.components.fused import FusedPPOStep, fused_ppo_step, structure_version
+from rlnb.components.fused import FusedPPOStep, fused_ppo_step, same_walk, walk
 from rlnb.components.launch import launcher
 from rlnb.components.optim import ClipAndStep, build_optimizer, without_dynamo_import
 from rlnb.components.rollout import resolve_device
@@ -319,25 +319,20 @@ class PPOActor(ActorBase):
         what :meth:`policy_state` gives (a subclass's own ``policy_state``, other names, shapes or devices)."""
         if type(self).policy_state is not PPOActor.policy_state:
             return False
-        cached, structure = getattr(self, "_copy_pairs", None), structure_version()
+        cached, walks = getattr(self, "_copy_pairs", None), (walk(module), walk(self.policy))
         # the tensors to copy, found again once a layer, parameter or buffer was replaced in either module
-        if (
-            cached is None
-            or cached[0] is not module
-            or cached[1] is not self.policy
-            or cached[3] != structure
-        ):
+        if cached is None or not all(same_walk(now, then) for now, then in zip(walks, cached[1])):
             ours, theirs = self.policy.state_dict(), module.state_dict()
             same = list(ours) == list(theirs) and all(
                 a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
                 for a, b in zip(ours.values(), theirs.values())
             )
             pairs = (list(theirs.values()), list(ours.values())) if same else None
-            cached = self._copy_pairs = (module, self.policy, pairs, structure)
-        if cached[2] is None:
+            cached = self._copy_pairs = (pairs, walks)
+        if cached[0] is None:
             return False
         with torch.no_grad():
-            torch._foreach_copy_(*cached[2])
+            torch._foreach_copy_(*cached[0])
         return True
 
     def set_batch(self, batches: list[dict]) -> dict:

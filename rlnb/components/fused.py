@@ -74,39 +74,32 @@ def _trunks(policy: ActorCritic):
     return None if actor is None or critic is None else (actor, critic)
 
 
-def _walk(module: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter]]:
-    """``list(module.modules())`` and ``list(module.parameters())``, in their order, without their generators
-    (a fraction of their cost for the built-in policy: these checks run at every update and collection)."""
-    modules, params, seen, seen_params = [], [], set(), set()
+def walk(module: nn.Module) -> tuple[list[nn.Module], list[nn.Parameter], list[torch.Tensor]]:
+    """``list(module.modules())``, ``list(module.parameters())`` and ``list(module.buffers())``, in their order,
+    without their generators (a fraction of their cost for the built-in policy: these checks run at every update
+    and collection). Two walks list the very same objects (:func:`same_walk`) unless a layer, parameter or buffer
+    was replaced between them: telling needs no hook on torch's registrations."""
+    modules, params, buffers, seen, seen_tensors = [], [], [], set(), set()
 
-    # pre-order, each module and parameter once, as torch's modules() walks
+    # pre-order, each module and tensor once, as torch's modules() walks
     def visit(m: nn.Module) -> None:
         seen.add(id(m))
         modules.append(m)
-        for p in m._parameters.values():
-            if p is not None and id(p) not in seen_params:
-                seen_params.add(id(p))
-                params.append(p)
+        for into, tensors in ((params, m._parameters), (buffers, m._buffers)):
+            for t in tensors.values():
+                if t is not None and id(t) not in seen_tensors:
+                    seen_tensors.add(id(t))
+                    into.append(t)
         for c in m._modules.values():
             if c is not None and id(c) not in seen:
                 visit(c)
 
     visit(module)
-    return modules, params
+    return modules, params, buffers
 
 
-def _walk_again(policy: nn.Module, previous) -> tuple[tuple, int]:
-    """``(_walk(policy), structure_version())``; ``previous.walked`` stands for the walk where ``previous`` (a
-    :class:`FusedAct` or :class:`FusedPPOStep`, or None) was made for this very module and no module, parameter or
-    buffer was registered in this process since (at every collection and update)."""
-    structure = structure_version()
-    if previous is not None and previous.structure == structure and previous.walked[0][0] is policy:
-        return previous.walked, structure
-    return _walk(policy), structure
-
-
-def _same_walk(walked: tuple, before: tuple) -> bool:
-    """Whether two :func:`_walk` results list the very same modules and parameters, in the same order."""
+def same_walk(walked: tuple, before: tuple) -> bool:
+    """Whether two :func:`walk` results list the very same modules, parameters and buffers, in the same order."""
     return all(
         len(now) == len(then) and all(a is b for a, b in zip(now, then)) for now, then in zip(walked, before)
     )
@@ -118,12 +111,12 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
 
 def _hooked(module: nn.Module, walked: tuple | None = None) -> bool:
     """Whether anything would observe or change the module's forward or backward (hooks of any kind);
-    ``walked``: its :func:`_walk`, if at hand."""
+    ``walked``: its :func:`walk`, if at hand."""
     from torch.nn.modules import module as module_globals
 
     if any(getattr(module_globals, name, None) for name in _GLOBAL_HOOKS):
         return True
-    modules, params = walked or _walk(module)
+    modules, params, _ = walked or walk(module)
     for m in modules:
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
             return True
@@ -155,7 +148,7 @@ def unfit(policy: nn.Module, model: nn.Module, loss_fn, compiled: bool) -> str |
     why = _unfit_as_called(policy, model, loss_fn, compiled)
     if why is not None:
         return why
-    walked = _walk(policy)
+    walked = walk(policy)
     return _unfit_trunks(policy) or _unfit_now(policy, walked)
 
 
@@ -186,7 +179,7 @@ def _unfit_trunks(policy: ActorCritic) -> str | None:
 
 def _unfit_now(policy: ActorCritic, walked: tuple, hooks_unchanged: bool = False) -> str | None:
     """:func:`unfit`'s checks of what may change on the same modules at any time: frozen parameters and hooks
-    (``walked``: the policy's :func:`_walk`; ``hooks_unchanged``: no hook was registered in this process since
+    (``walked``: the policy's :func:`walk`; ``hooks_unchanged``: no hook was registered in this process since
     the policy was last found without any, see :func:`_hooks_registered`)."""
     if not all(p.requires_grad for p in walked[1]):
         return "some parameters are frozen"
@@ -202,30 +195,6 @@ def _hooks_registered() -> int:
     return RemovableHandle.next_id
 
 
-_STRUCTURE = {"changes": 0, "watching": False}
-
-
-def _structure_changed(*_args) -> None:
-    """A global registration hook of torch (keeps the value it is given)."""
-    _STRUCTURE["changes"] += 1
-
-
-def structure_version() -> int:
-    """How many modules, parameters and buffers this process has registered since it first asked: torch calls
-    its global registration hooks whenever one is assigned as an attribute of a module or registered (a
-    replaced layer or parameter, ``load_state_dict(assign=True)``, a new module anywhere). While it stays the
-    same, no module's children, parameters or buffers were replaced. Not seen, as with hooks: writes into a
-    module's private dicts, ``del``, and a parameter set to ``None``."""
-    if not _STRUCTURE["watching"]:
-        from torch.nn.modules import module as module_globals
-
-        module_globals.register_module_module_registration_hook(_structure_changed)
-        module_globals.register_module_parameter_registration_hook(_structure_changed)
-        module_globals.register_module_buffer_registration_hook(_structure_changed)
-        _STRUCTURE["watching"] = True
-    return _STRUCTURE["changes"]
-
-
 def fused_ppo_step(
     policy: nn.Module, model: nn.Module, loss_fn, compiled: bool, previous: FusedPPOStep | None = None
 ) -> tuple[FusedPPOStep | None, str | None]:
@@ -237,7 +206,7 @@ def fused_ppo_step(
     if why is not None:
         return None, why
     hooks = _hooks_registered()  # (read first: a hook registered during the checks is seen next time)
-    walked, structure = _walk_again(policy, previous)
+    walked = walk(policy)
     if previous is None or not previous.made_for(policy, model, walked):
         why = _unfit_trunks(policy)
         previous = None
@@ -245,7 +214,7 @@ def fused_ppo_step(
     if why is not None:
         return None, why
     step = previous or FusedPPOStep(policy, data_parallel_group(model, policy), walked)
-    step.hooks_seen, step.structure = hooks, structure
+    step.hooks_seen = hooks
     return step, None
 
 
@@ -263,16 +232,15 @@ class FusedPPOStep:
         self.discrete = policy.discrete
         self.log_std = None if self.discrete else policy.log_std
         self.process_group = process_group
-        self.walked = walked or _walk(policy)  # (held: none of their ids can come back)
+        self.walked = walked or walk(policy)  # (held: none of their ids can come back)
         self.params = self.walked[1]  # (the same order on every rank)
         self.hooks_seen = -1  # _hooks_registered() when last found without hooks
-        self.structure = -1  # structure_version() when last walked
 
     def made_for(self, policy: nn.Module, model: nn.Module, walked: tuple) -> bool:
         """Whether this step was made for ``policy`` as it is now (the very modules and parameters, the same
         data-parallel group): then it can be used again, given :func:`unfit`'s checks of hooks and frozen
         parameters."""
-        return (walked is self.walked or _same_walk(walked, self.walked)) and (
+        return same_walk(walked, self.walked) and (
             data_parallel_group(model, policy) is self.process_group
         )
 
@@ -399,9 +367,8 @@ class FusedAct:
     """
 
     def __init__(self, policy: ActorCritic, walked: tuple | None = None):
-        self.walked = walked or _walk(policy)  # (held: none of their ids can come back)
+        self.walked = walked or walk(policy)  # (held: none of their ids can come back)
         self.hooks_seen = -1  # _hooks_registered() when last found without hooks
-        self.structure = -1  # structure_version() when last walked
         (actor_layers, self.actor_act), (critic_layers, self.critic_act) = _trunks(policy)
         # transposed views, made once: weight syncs copy into the parameters in place, so they stay current
         self.actor_layers = [(w.t(), b) for w, b in actor_layers]
@@ -449,8 +416,8 @@ def fused_act(policy: nn.Module, previous: FusedAct | None = None):
     if type(policy) is not ActorCritic or not policy.discrete or not isinstance(policy.trunk, nn.Flatten):
         return policy.act
     hooks = _hooks_registered()
-    walked, structure = _walk_again(policy, previous)
-    if previous is not None and walked is not previous.walked and not _same_walk(walked, previous.walked):
+    walked = walk(policy)
+    if previous is not None and not same_walk(walked, previous.walked):
         previous = None
     if any(p.requires_grad for p in walked[1]):
         return policy.act
@@ -459,5 +426,5 @@ def fused_act(policy: nn.Module, previous: FusedAct | None = None):
     act = previous or (FusedAct(policy, walked) if _trunks(policy) is not None else None)
     if act is None:
         return policy.act
-    act.hooks_seen, act.structure = hooks, structure
+    act.hooks_seen = hooks
     return act
