@@ -287,7 +287,9 @@ def test_the_checks_register_nothing_with_torch_and_see_a_parameter_replaced_beh
     assert fused_ppo_step(policy, **check, previous=step) == (step, None) and fused_act(frozen, act) is act
     assert [dict(getattr(module_globals, name)) for name in registries] == before
     policy.actor_head._parameters["bias"] = torch.nn.Parameter(policy.actor_head.bias.detach().clone())
-    frozen.critic_head._parameters["bias"] = torch.nn.Parameter(frozen.critic_head.bias.detach().clone(), False)
+    frozen.critic_head._parameters["bias"] = torch.nn.Parameter(
+        frozen.critic_head.bias.detach().clone(), False
+    )
     again, why = fused_ppo_step(policy, **check, previous=step)
     assert why is None and again is not step and any(p is policy.actor_head.bias for p in again.params)
     assert fused_act(frozen, act) is not act

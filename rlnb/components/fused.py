@@ -240,9 +240,7 @@ class FusedPPOStep:
         """Whether this step was made for ``policy`` as it is now (the very modules and parameters, the same
         data-parallel group): then it can be used again, given :func:`unfit`'s checks of hooks and frozen
         parameters."""
-        return same_walk(walked, self.walked) and (
-            data_parallel_group(model, policy) is self.process_group
-        )
+        return same_walk(walked, self.walked) and (data_parallel_group(model, policy) is self.process_group)
 
     @staticmethod
     def _forward(layers, activation, x):
