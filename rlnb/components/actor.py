@@ -22,6 +22,7 @@ import torch
 
 from rlnb.algorithms.contract import EMBODIED, check_algorithm
 from rlnb.algorithms.losses import entropy_bonus, value_loss
+from rlnb.components.batches import EMBODIED_BATCH, check_batch
 from rlnb.components.compile import StepCompiler
 from rlnb.components.fused import FusedPPOStep, fused_ppo_step, same_walk, walk
 from rlnb.components.launch import launcher
@@ -336,7 +337,10 @@ class PPOActor(ActorBase):
         return True
 
     def set_batch(self, batches: list[dict]) -> dict:
-        """Take one or more rollout batches (concatenated along the env axis) onto this rank's device."""
+        """Take one or more rollout batches (concatenated along the env axis) onto this rank's device, each
+        checked against :data:`~rlnb.components.batches.EMBODIED_BATCH` first."""
+        for b in batches:
+            check_batch(b, EMBODIED_BATCH)
         keys = ("obs", "actions", "logprobs", "values", "rewards", "dones")
         dev = self.device
         # the collocated hand-off: the rollout's tensors as they are, no copy on its device

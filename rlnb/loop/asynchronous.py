@@ -7,8 +7,12 @@ streams LM generation through weight updates (partial rollouts, admission contro
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from rlnb.errors import ComponentError, ConfigError
+
+if TYPE_CHECKING:
+    from rlnb.loop.base import Phase
 
 
 class Asynchronous:
@@ -109,10 +113,10 @@ class GRPOAsynchronous:
         rollout ranks take them at their next chunk boundary, mid-generation."""
         if not self.max_staleness:
             return super().sync_weights()
-        t0 = time.perf_counter()
-        if self._in_flight is not None and self._rollout_version != self.step:
-            self._publish()
-        return self._phase("sync", t0, {"version": self.step})
+        with self.timed("sync", version=self.step) as phase:
+            if self._in_flight is not None and self._rollout_version != self.step:
+                self._publish()
+        return phase.metrics
 
     def _settle_in_flight(self) -> None:
         """Let the generation in flight finish: it ends once its batch is done and the actor's newest
@@ -126,7 +130,7 @@ class GRPOAsynchronous:
         self._publish_weights(ch, [f"w{r}" for r in rollout.ranks], self.step)
         self._rollout_version = self.step
 
-    def _rollout_async(self, t0: float) -> dict:
+    def _rollout_async(self, phase: Phase) -> None:
         if self._in_flight is None:  # an empty pipeline (first step, after a checkpoint or evaluation)
             if self._rollout_version != self.step:
                 self._sync_rollout()
@@ -154,7 +158,7 @@ class GRPOAsynchronous:
             "overlap_frac": max(0.0, 1.0 - wait_s / generate_s) if generate_s > 0 else 0.0,
             "in_flight": int(self._in_flight is not None),
         }
-        return self._rollout_summary(t0, summaries, extra)
+        self._rollout_summary(phase, summaries, extra)
 
     def _start_stream(self, train_version: int):
         """Admit problems to each rollout rank (AReaL's admission control) and start generating the batch
@@ -205,11 +209,12 @@ class EmbodiedAsynchronous:
         them; calling this waits for the collection in flight (kept for the next :meth:`rollout`) first."""
         if not self.max_staleness:
             return super().sync_weights()
-        t0 = time.perf_counter()
-        self._settle_in_flight()
-        if self._in_flight is None:
-            self._sync_rollout()
-        return self._phase("sync", t0, {"version": self._rollout_version})
+        with self.timed("sync") as phase:
+            self._settle_in_flight()
+            if self._in_flight is None:
+                self._sync_rollout()
+            phase.metrics["version"] = self._rollout_version
+        return phase.metrics
 
     def rollout_status(self) -> dict:
         """What is in flight and how stale (see :meth:`LoopBase.rollout_status`), and how many versions

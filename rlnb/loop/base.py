@@ -16,6 +16,7 @@ import html
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -61,6 +62,24 @@ def count_or_default(value, name: str, default: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}: expected an integer >= 1, got {value!r}", name)
     return value
+
+
+@dataclasses.dataclass
+class Phase:
+    """One phase being timed by :meth:`LoopBase.timed`."""
+
+    name: str
+    """``sync``, ``rollout``, ``advantages`` or ``train``: the record's ``{name}/...`` and ``time/{name}_s``."""
+    metrics: dict
+    """What the phase reports (numbers go into the step's record; ``version`` stays out)."""
+    duration_s: float | None = None
+    """Its time where measured elsewhere (a chain's call on the worker); else the wall time since it started."""
+    started_s: float = dataclasses.field(default_factory=time.perf_counter)
+    """``time.perf_counter()`` when it started."""
+
+    def elapsed_s(self) -> float:
+        """Its time so far (``duration_s`` where given)."""
+        return time.perf_counter() - self.started_s if self.duration_s is None else self.duration_s
 
 
 def mean_dicts(dicts: list[dict]) -> dict:
@@ -346,27 +365,29 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
     def sync_weights(self) -> dict:
         """Actor -> rollout weights, stamped with the policy version (= training steps done)."""
         self._apply_steering()
-        t0 = time.perf_counter()
-        self._sync()
-        return self._phase("sync", t0, {"version": self.step})
+        with self.timed("sync", version=self.step) as phase:
+            self._sync()
+        return phase.metrics
 
     def rollout(self) -> dict:
         raise NotImplementedError
 
     def advantages(self) -> dict:
         """Advantage estimation on each actor rank's batch (``algorithm.advantage``)."""
-        t0 = time.perf_counter()
-        per_rank = self.groups["actor"].compute_advantages().result()
-        return self._phase("advantages", t0, mean_dicts(per_rank))
+        with self.timed("advantages") as phase:
+            phase.metrics.update(mean_dicts(self.groups["actor"].compute_advantages().result()))
+        return phase.metrics
 
     def train(self) -> dict:
         """The update (data-parallel over actor ranks); completes and logs the step."""
-        t0 = time.perf_counter()
-        return self._finish_train(self.groups["actor"].train().result, t0)
+        with self.timed("train") as phase:
+            compiled = self._train_summary(self.groups["actor"].train().result, phase)
+        return self._finish_step(phase.metrics, compiled)
 
-    def _finish_train(self, per_rank_result, t0: float, dt: float | None = None) -> dict:
-        """The train phase from its call's ``result`` (one value per actor rank): a diverged update becomes a
-        :class:`TrainingDivergedError`; the metrics are averaged over ranks and the step is logged."""
+    def _train_summary(self, per_rank_result, phase: Phase) -> tuple:
+        """The train phase's metrics into ``phase``, from its call's ``result`` (one value per actor rank),
+        averaged over ranks; a diverged update becomes a :class:`TrainingDivergedError`. Returns the first
+        step's compile time and whether compiling failed (both ``None`` if it did not compile)."""
         try:
             per_rank = per_rank_result()
         except RemoteError as e:
@@ -388,8 +409,14 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
                 "this step is past it; loop.run(n) extends runner.steps (and the decay) to the steps it runs, "
                 "or set actor.anneal_lr: false", self.step + 1, self.recipe.runner.steps
             )  # fmt: skip
-        compile_s, compile_failed = summary.pop("compile_s", None), summary.pop("compile_failed", None)
-        out = self._phase("train", t0, summary, dt)
+        compiled = summary.pop("compile_s", None), summary.pop("compile_failed", None)
+        phase.metrics.update(summary)
+        return compiled
+
+    def _finish_step(self, out: dict, compiled: tuple) -> dict:
+        """After the train phase: the first step's compile time apart from training's, the step counted and
+        logged."""
+        compile_s, compile_failed = compiled
         if compile_s is not None:  # the first step compiled the train step: its own time, not training's
             self._pending["time/compile_s"] = compile_s
             self._pending["time/train_s"] = max(0.0, self._pending["time/train_s"] - compile_s)
@@ -415,16 +442,26 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ metrics
-    def _phase(self, name: str, t0: float, out: dict, dt: float | None = None) -> dict:
-        """Record a phase's metrics and its time (``dt``, default: since ``t0``) for the step's record."""
-        dt = time.perf_counter() - t0 if dt is None else dt
+    @contextlib.contextmanager
+    def timed(self, name: str, duration_s: float | None = None, **metrics) -> Iterator[Phase]:
+        """Time one phase of the step: the ``with`` block fills in ``phase.metrics``; on leaving it they and the
+        phase's time go into the step's record as ``{name}/...`` and ``time/{name}_s`` (``phase.metrics`` gets
+        ``time_s``). ``duration_s``: the time where it was measured elsewhere (a chain's call on the worker),
+        else the block's wall time. A phase that raises records nothing.
+
+        Example:
+            >>> with loop.timed("sync", version=loop.step) as phase:  # doctest: +SKIP
+            ...     loop._sync()
+        """
+        phase = Phase(name, dict(metrics), duration_s)
+        yield phase
+        dt = phase.elapsed_s()
         self._pending[f"time/{name}_s"] = dt
-        for k, v in out.items():
+        for k, v in phase.metrics.items():
             if v is not None and k != "version" and isinstance(v, (int, float)):
                 # memory/... keys are the process's, whichever phase reports them
                 self._pending[k if k.startswith("memory/") else f"{name}/{k}"] = v
-        out["time_s"] = dt
-        return out
+        phase.metrics["time_s"] = dt
 
     def _log_step(self, train_out: dict) -> None:
         self._log_record({})

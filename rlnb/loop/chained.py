@@ -68,15 +68,22 @@ class RoundTrips:
         done, outside = self._taken.popleft()
         self._ahead = bool(self._taken) or self._running_ahead is not None
         self.steps_ahead += done.idle_s is not None
-        t0 = time.perf_counter()
-        sync, collect, *rest = done
-        sync.result()
-        self._phase("sync", t0, {"version": self.step}, sync.duration_s + outside)
-        summary = collect.result()
-        self.episodes.extend(summary.pop("episodes"))
-        self._rollout_phase(t0, [summary], {}, collect.duration_s)
-        self._phase("advantages", t0, mean_dicts([rest[0].result()]), rest[0].duration_s)
-        self._finish_train(lambda: [rest[1].result()], t0, rest[1].duration_s)
+        # a chain ends at its first failure, whose result() raises: each call is taken once those before it passed
+        sync, *rest = done
+        with self.timed("sync", sync.duration_s + outside, version=self.step):
+            sync.result()
+        collect, *rest = rest
+        with self.timed("rollout", collect.duration_s) as phase:
+            summary = collect.result()
+            self.episodes.extend(summary.pop("episodes"))
+            self._rollout_metrics(phase, [summary], {})
+        advantages, *rest = rest
+        with self.timed("advantages", advantages.duration_s) as phase:
+            phase.metrics.update(mean_dicts([advantages.result()]))
+        (train,) = rest
+        with self.timed("train", train.duration_s) as phase:
+            compiled = self._train_summary(lambda: [train.result()], phase)
+        self._finish_step(phase.metrics, compiled)
         return self.logger.history[-1]
 
     def _take_steps(self) -> None:

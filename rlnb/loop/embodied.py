@@ -21,7 +21,7 @@ from rlnb.config.schema import Recipe
 from rlnb.config.sections_lm import RolloutConfig
 from rlnb.errors import ConfigError, PlacementError
 from rlnb.loop.asynchronous import EmbodiedAsynchronous
-from rlnb.loop.base import LoopBase, count_or_default, objects_recipe
+from rlnb.loop.base import LoopBase, Phase, count_or_default, objects_recipe
 from rlnb.loop.chained import EPISODE_WINDOW, RoundTrips
 from rlnb.loop.checkpoint import CheckpointError, TrainingDivergedError, complete_checkpoints
 from rlnb.runtime.chain import RunAhead
@@ -240,10 +240,15 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
         reach the rollout ranks only when the pipeline is empty or admission needs them: a batch made
         by policy version ``v`` is trained at version ``t`` only if ``t - v <= N``.
         """
-        t0 = time.perf_counter()
-        if not self.max_staleness:
-            summaries = self._finish_rollout(self._start_rollout())
-            return self._rollout_phase(t0, summaries, {})
+        with self.timed("rollout") as phase:
+            if not self.max_staleness:
+                self._rollout_metrics(phase, self._finish_rollout(self._start_rollout()), {})
+            else:
+                self._rollout_ahead(phase)
+        return phase.metrics
+
+    def _rollout_ahead(self, phase: Phase) -> None:
+        """The asynchronous rollout: hand over the batch in flight, start the next."""
         if self._in_flight is None:  # an empty pipeline (first step, after a checkpoint or evaluation)
             self._sync_rollout()
             self._in_flight = self._start_rollout()
@@ -267,7 +272,7 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
             "wait_s": wait_s,
             "overlap_frac": max(0.0, 1.0 - wait_s / busy_s) if busy_s > 0 else 0.0,  # hidden behind training
         }
-        return self._rollout_phase(t0, summaries, extra)
+        self._rollout_metrics(phase, summaries, extra)
 
     def _start_rollout(self) -> list:
         """Start collecting (returns the pending calls); the batches stay on the rollout ranks."""
@@ -301,10 +306,11 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
         self._hand_batches()
         return summaries
 
-    def _rollout_phase(self, t0: float, summaries: list[dict], extra: dict, dt: float | None = None) -> dict:
+    def _rollout_metrics(self, phase: Phase, summaries: list[dict], extra: dict) -> None:
+        """The rollout phase's metrics into ``phase``, from the ranks' summaries (``extra``: the mode's own)."""
         steps = sum(s["steps"] for s in summaries)
         self.global_step += steps
-        dt = time.perf_counter() - t0 if dt is None else dt
+        dt = phase.elapsed_s()
         out = {
             "steps": steps,
             "steps_per_s": steps / dt,
@@ -316,7 +322,7 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
             if all(key in s for s in summaries):
                 out[key] = max(s[key] for s in summaries)
         out.update(self.episode_stats())
-        return self._phase("rollout", t0, out, dt)
+        phase.metrics.update(out)
 
     def _solved(self) -> bool:
         target = self.recipe.runner.stop_return

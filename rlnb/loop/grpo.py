@@ -29,7 +29,7 @@ from rlnb.data.prompts import (
 )
 from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementError
 from rlnb.loop.asynchronous import GRPOAsynchronous
-from rlnb.loop.base import LoopBase, objects_recipe
+from rlnb.loop.base import LoopBase, Phase, objects_recipe
 from rlnb.loop.grpo_data import FileTask, shard, turn_demonstrations
 from rlnb.loop.grpo_eval import GRPOEvaluation
 from rlnb.loop.runner import Callback
@@ -371,9 +371,14 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
         rollouts); admission is AReaL's: by policy version ``v``, at most ``(N + v + 1) x`` the batch
         of problems are admitted, and a group started at version ``v`` is trained at ``t <= v + N``.
         """
-        t0 = time.perf_counter()
-        if self.max_staleness:
-            return self._rollout_async(t0)
+        with self.timed("rollout") as phase:
+            if self.max_staleness:
+                self._rollout_async(phase)
+            else:
+                self._rollout_sync(phase)
+        return phase.metrics
+
+    def _rollout_sync(self, phase: Phase) -> None:
         rollout, extra = self.groups["rollout"], {}
         if self.recipe.algorithm.dynamic_sampling:
             summaries, extra = self._sample_with_signal(rollout)
@@ -382,7 +387,7 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
         self._hand_batches()
         if self.batch_local and self.cluster.has_gpus and self.recipe.rollout.device != "cpu":
             rollout.offload().result()  # frees GPU memory for the collocated actor's training
-        return self._rollout_summary(t0, summaries, extra)
+        self._rollout_summary(phase, summaries, extra)
 
     def _generate_scored(self, rollout: Group, problems: list[Problem]) -> list[dict]:
         """``problems`` shared over the ranks of ``rollout`` (the group or a view of some of its ranks), each
@@ -441,8 +446,9 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
         tokenizer (:func:`rlnb.data.prompts.template_prompts`)."""
         return self._bind_checked([self.groups["rollout"].on(0).template_prompts(prompts)])[0][0]
 
-    def _rollout_summary(self, t0: float, summaries: list[dict], extra: dict) -> dict:
-        dt = time.perf_counter() - t0
+    def _rollout_summary(self, phase: Phase, summaries: list[dict], extra: dict) -> None:
+        """The rollout phase's metrics into ``phase``, from the ranks' summaries (``extra``: the mode's own)."""
+        dt = phase.elapsed_s()
         n = sum(s["sequences"] for s in summaries)
         if self.max_staleness:  # tokens made while generating, which overlapped training (none: not logged)
             tokens = sum(s["tokens"] for s in summaries)
@@ -466,7 +472,7 @@ class GRPOLoop(GRPOAsynchronous, GRPOEvaluation, LoopBase):
             out["turns_mean"] = mean("turns_mean")
         for name in summaries[0].get("reward_terms", ()):  # several rewards: each one's mean
             out[f"reward_term/{name}"] = sum(s["reward_terms"][name] * s["sequences"] for s in summaries) / n
-        return self._phase("rollout", t0, out)
+        phase.metrics.update(out)
 
     def export(self, path=None) -> Path:
         """Write the trained model and its tokenizer in Hugging Face format (``save_pretrained``) to the directory

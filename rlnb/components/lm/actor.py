@@ -14,6 +14,7 @@ from rlnb.algorithms import kl_penalty
 from rlnb.algorithms.contract import LM, check_algorithm
 from rlnb.algorithms.losses import masked_mean
 from rlnb.components.actor import ActorBase, with_settings
+from rlnb.components.batches import LM_BATCH, LM_OPTIONAL, check_batch
 from rlnb.components.compile import StepCompiler
 from rlnb.components.launch import launcher
 from rlnb.components.lm.forward import CPU_LENGTH_BUCKETS, Forward
@@ -212,7 +213,10 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
     def set_batch(self, batches: list[dict]) -> dict:
         """This rank's batch: the rollout batches given, joined (left-padded to a common width), of their
         columns the update reads, and (where every batch has them) ``truncated`` (mask_truncated_completions)
-        and each reward's scores apart (``reward_terms``, for ``sample_group``)."""
+        and each reward's scores apart (``reward_terms``, for ``sample_group``). Each batch is checked against
+        :data:`~rlnb.components.batches.LM_BATCH` first."""
+        for b in batches:
+            check_batch(b, LM_BATCH, LM_OPTIONAL)
         optional = [k for k in ("truncated", "reward_terms", "reward_names") if all(k in b for b in batches)]
         keys = ("input_ids", "attention_mask", "response_mask", "logprobs", "rewards", "version", *optional)
         batch = join_batches([{k: b[k] for k in keys} for b in batches], self.tok.pad_token_id)
