@@ -110,6 +110,8 @@ def test_every_key_of_the_schema_refuses_bad_values_naming_the_key_or_runs_a_ste
         (["ppo_cartpole", "cluster.slots=0"], "cluster.slots: expected an integer >= 1 (or empty), got 0"),
         (["ppo_cartpole", "env.kwargs={sutton_barto: true}"], "env.kwargs: CartPole-v1 takes no argument 'sutton_barto'"),
         (["ppo_cartpole", "runner.eval_interval=-1"], "runner.eval_interval: expected an integer >= 0, got -1"),
+        (["ppo_cartpole", "env.kwargs={max_episode_steps: '100'}"],
+         "env.kwargs: CartPole-v1 with {'max_episode_steps': '100'} does not build: TypeError: Expect the "),
         (["ppo_cartpole", "runner.run_dir=''"], "runner.run_dir: expected a directory"),
     ],
 )  # fmt: skip
@@ -174,3 +176,31 @@ def test_an_env_whose_observations_are_not_one_array_is_refused_naming_env_id(tm
         in done.stderr
         and "Traceback" not in done.stderr
     ), done.stderr
+    assert not (tmp_path / "r").exists()  # refused before the run directory, let alone the cluster
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["env.id=Blackjack-v1"], r"env.id: the built-in policy \(actor.model\) takes .*got Tuple\("),
+        (["env.id=InvertedPendulum-v5", "env.kwargs={reset_noise_scale: x}"],
+         r"env.kwargs: InvertedPendulum-v5 with \{'reset_noise_scale': 'x'\} fails in its reset: TypeError"),
+        (["env.id=InvertedPendulum-v5", "env.kwargs={frame_skip: 2.5}"],
+         r"env.kwargs: InvertedPendulum-v5 with \{'frame_skip': 2.5\} fails in its first step: TypeError"),
+        (["env.kwargs={max_episode_steps: 1.5}"], r"env.kwargs: CartPole-v1 with .* does not build: TypeError"),
+    ],
+)  # fmt: skip
+def test_an_env_the_recipe_cannot_run_is_refused_before_a_cluster_starts(
+    monkeypatch, tmp_path, overrides, expected
+):
+    """One env of the recipe is built, reset and stepped on the driver first: an ``env.kwargs`` value of the wrong
+    type, or observations the built-in policy cannot take, are refused before any cluster or worker starts."""
+    import rlnb.loop.base
+
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("a cluster was started")
+
+    monkeypatch.setattr(rlnb.loop.base, "Cluster", no_cluster)
+    with pytest.raises(ConfigError, match=expected):
+        Loop.from_recipe("ppo_cartpole", overrides, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()

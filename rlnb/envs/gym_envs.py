@@ -66,6 +66,49 @@ def make_vector_env(
     return AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP, shared_memory=True)
 
 
+def probe_env(env_id: str, kwargs: dict | None) -> tuple[gym.Space, gym.Space] | None:
+    """Build one env of the registered ``env_id`` with ``kwargs`` here (on the driver, before any worker builds
+    it), reset it and take one step: its observation and action spaces. An argument of the wrong type that makes
+    the env fail to build, reset or step raises :class:`~rlnb.errors.ConfigError` naming ``env.kwargs``
+    (``env.id`` with none given). ``None``, probing nothing, for ManiSkill ids and batched simulators built whole
+    (``vector_entry_point`` only): both may need the workers' GPU.
+
+    Example:
+        >>> probe_env("InvertedPendulum-v5", {"reset_noise_scale": "x"})
+        Traceback (most recent call last):
+        ...
+        rlnb.errors.ConfigError: env.kwargs: InvertedPendulum-v5 with {'reset_noise_scale': 'x'} fails in its reset: TypeError: bad operand type for unary -: 'str'
+    """
+    from rlnb.errors import ConfigError
+
+    if env_id.startswith("maniskill:") or _vector_only(
+        env_id.rpartition(":")[2] if ":" in env_id else env_id
+    ):
+        return None
+    kwargs, stage = kwargs or {}, "build"
+    env = None
+    try:
+        env = gym.make(env_id, **kwargs)
+        stage = "reset"
+        env.reset(seed=0)
+        stage = "first step"
+        env.action_space.seed(0)
+        env.step(env.action_space.sample())
+        return env.observation_space, env.action_space
+    except (
+        TypeError,
+        ValueError,
+    ) as e:  # (what arguments of the wrong type raise; other errors: the worker's)
+        key, given = ("env.kwargs", f" with {kwargs}") if kwargs else ("env.id", "")
+        verb = "does not build" if stage == "build" else f"fails in its {stage}"
+        raise ConfigError(f"{key}: {env_id}{given} {verb}: {type(e).__name__}: {e}", key) from e
+    except Exception:
+        return None
+    finally:
+        if env is not None:
+            env.close()
+
+
 def _vector_only(env_id: str) -> bool:
     spec = gym.registry.get(env_id)
     return spec is not None and spec.entry_point is None and spec.vector_entry_point is not None

@@ -148,6 +148,8 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
         self.groups: dict[str, Group] = {}
         self.channels: dict[str, Channel] = {}
         self.logger = None
+        if components is None:
+            self._check_here()
         self.run_dir = Path(run_dir or recipe.runner.run_dir or default_run_dir(recipe.name))
         # the run directory is checked and locked before anything starts (see rlnb.loop.run_dir)
         self._run_dir_lock = (
@@ -341,6 +343,10 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
     @classmethod
     def check_layout(cls, slots) -> None:
         """Refuse, before anything starts, a placement (component -> slots) this loop cannot run."""
+
+    def _check_here(self) -> None:
+        """Refuse, before anything starts or launches, what the recipe's own objects built here show (the
+        recipe path only)."""
 
     def _check_cluster(self) -> None:
         """Refuse settings this cluster cannot serve, before launching anything (child processes on

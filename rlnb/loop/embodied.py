@@ -19,11 +19,13 @@ from rlnb.components.env import Env, success_rate
 from rlnb.components.rollout import PolicyRollout
 from rlnb.config.schema import Recipe
 from rlnb.config.sections_lm import RolloutConfig
+from rlnb.envs.gym_envs import probe_env
 from rlnb.errors import ConfigError, PlacementError
 from rlnb.loop.asynchronous import EmbodiedAsynchronous
 from rlnb.loop.base import LoopBase, Phase, count_or_default, objects_recipe
 from rlnb.loop.chained import EPISODE_WINDOW, RoundTrips
 from rlnb.loop.checkpoint import CheckpointError, TrainingDivergedError, complete_checkpoints
+from rlnb.models.policies import check_spaces
 from rlnb.runtime.chain import RunAhead
 from rlnb.runtime.channel import Channel
 
@@ -154,6 +156,15 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
                 f"algorithm.num_minibatches: {recipe.algorithm.num_minibatches} minibatches of a {per_actor}-sample batch "
                 "per actor rank; lower it or raise rollout.steps_per_rollout x env.num_envs", "algorithm.num_minibatches"
             )  # fmt: skip
+
+    def _check_here(self) -> None:
+        """One env of the recipe built, reset and stepped here (:func:`rlnb.envs.gym_envs.probe_env`): an
+        ``env.kwargs`` value of the wrong type, or spaces the built-in policy cannot take (a Dict or Tuple
+        observation), is refused before the cluster starts, not where a worker builds the env."""
+        env = self.recipe.env
+        spaces = probe_env(env.id, env.kwargs) if isinstance(env.id, str) else None
+        if spaces is not None:
+            check_spaces(*spaces)
 
     def _check_cluster(self) -> None:
         if self.recipe.env.vector_mode == "async":

@@ -107,6 +107,21 @@ class NatureCNN(nn.Module):
         return self.head(self.conv(x))
 
 
+def check_spaces(obs_space: gym.Space, act_space: gym.Space) -> None:
+    """Raise :class:`~rlnb.errors.ConfigError` (key ``env.id``) unless the built-in policy takes these spaces:
+    observations one array (Box), actions Discrete or Box. The driver checks this on a probe env before anything
+    starts (:func:`rlnb.envs.gym_envs.probe_env`), the policy again where it is built."""
+    if not isinstance(obs_space, gym.spaces.Box):
+        raise ConfigError(
+            f"env.id: the built-in policy (actor.model) takes observations that are one array (a Box space), "
+            f"got {obs_space}; flatten them (gymnasium.wrappers.FlattenObservation, in an env class of your "
+            "own) or give a policy of your own (rollout and actor policy=...)",
+            "env.id",
+        )
+    if not isinstance(act_space, (gym.spaces.Discrete, gym.spaces.Box)):
+        raise ConfigError(f"env.id: expected a Discrete or Box action space, got {act_space}", "env.id")
+
+
 class ActorCritic(nn.Module):
     """Policy and value heads over MLP trunks (shared or separate) or a CNN trunk.
 
@@ -127,16 +142,8 @@ class ActorCritic(nn.Module):
         # (what rebuilds it: a policy file holds these and the weights, never the pickled module)
         self.config = {"kind": kind, "hidden_sizes": list(hidden_sizes), "activation": activation,
                        "shared_trunk": bool(shared_trunk)}  # fmt: skip
-        if not isinstance(obs_space, gym.spaces.Box):
-            raise ConfigError(
-                f"env.id: the built-in policy (actor.model) takes observations that are one array (a Box space), "
-                f"got {obs_space}; flatten them (gymnasium.wrappers.FlattenObservation, in an env class of your "
-                "own) or give a policy of your own (rollout and actor policy=...)",
-                "env.id",
-            )
+        check_spaces(obs_space, act_space)
         self.discrete = isinstance(act_space, gym.spaces.Discrete)
-        if not self.discrete and not isinstance(act_space, gym.spaces.Box):
-            raise ConfigError(f"actions: expected a Discrete or Box action space, got {act_space}", "env.id")
         act_dim = int(act_space.n) if self.discrete else int(np.prod(act_space.shape))
         self.act_shape = () if self.discrete else tuple(act_space.shape)
         sizes = list(hidden_sizes)
