@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import rlnb
-from rlnb.runtime import direct
+from rlnb.runtime import direct, link, wire
 from rlnb.testing import Echo
 
 
@@ -123,7 +123,7 @@ def test_a_big_request_to_a_busy_rank_does_not_hold_the_driver(echo):
 
 
 def _request(key: str, method: str, *args) -> bytes:
-    parts = [direct._REQ.pack(key.encode(), b"call"), *direct.dumps((method, args, {}))]
+    parts = [wire._REQ.pack(key.encode(), b"call"), *direct.dumps((method, args, {}))]
     return b"".join(bytes(memoryview(p).cast("B")) for p in parts)
 
 
@@ -133,7 +133,7 @@ def test_a_request_that_stops_arriving_does_not_hold_the_actor_thread(echo):
     link = echo._links[0]
     with socket.create_connection(link.address, timeout=10) as raw:  # (over TCP, as from another host)
         raw.sendall(link.token + _request(link.key, "add", 1))
-        assert direct.recv_message(raw)  # answered: the connection now waits on the actor thread
+        assert wire.recv_message(raw)  # answered: the connection now waits on the actor thread
         whole = _request(link.key, "add", 2)
         raw.sendall(whole[: len(whole) - 5])  # all but the last 5 bytes
         time.sleep(0.3)
@@ -141,12 +141,12 @@ def test_a_request_that_stops_arriving_does_not_hold_the_actor_thread(echo):
         assert echo.on(0).add(3).result(10) == [8]
         assert time.perf_counter() - t0 < 5
         raw.sendall(whole[-5:])  # the rest arrives: the request is answered
-        payload, buffers = direct.recv_message(raw)
+        payload, buffers = wire.recv_message(raw)
         assert direct.loads(payload, buffers)[:2] == ("ok", 7)
 
 
 def _raw_request(key: str, op: str, args: tuple) -> bytes:
-    parts = [direct._REQ.pack(key.encode(), op.encode()), *direct.dumps(args)]
+    parts = [wire._REQ.pack(key.encode(), op.encode()), *direct.dumps(args)]
     return b"".join(bytes(memoryview(p).cast("B")) for p in parts)
 
 
@@ -160,7 +160,7 @@ def test_requests_arriving_back_to_back_are_each_read_once_and_in_order(cluster)
     stream = token + b"".join(_raw_request(key, "put", ("k", item, 10.0)) for item in items)
     with socket.create_connection((ip, port), timeout=30) as raw:
         raw.sendall(stream)  # all five requests in one send
-        replies = [direct.loads(*direct.recv_message(raw)) for _ in items]
+        replies = [direct.loads(*wire.recv_message(raw)) for _ in items]
     assert [r[:2] for r in replies] == [("ok", ("ok", n)) for n in range(1, 6)]
     got = ch.get_batch(5, key="k", timeout=10)
     assert got[0] == {"i": 0} and got[1] == {"i": 1} and got[3] == {"i": 3} and got[4] == "x" * 70_000
@@ -314,7 +314,7 @@ def test_direct_port_refuses_a_wrong_token(echo):
     link = echo._links[0]
     request = (
         b"\0" * direct.TOKEN_BYTES  # not the token
-        + direct._REQ.pack(link.key.encode(), b"call")
+        + wire._REQ.pack(link.key.encode(), b"call")
         + b"".join(direct.dumps(("sleep", (3.0,), {})))
     )
     with socket.create_connection(link.address, timeout=5) as s:
@@ -441,7 +441,7 @@ def test_a_group_dropped_without_shutdown_is_freed_on_its_workers(cluster):
 
 def test_cluster_close_closes_the_drivers_channel_sockets():
     from rlnb.runtime import channel as c
-    from rlnb.runtime import direct as d
+    from rlnb.runtime import link as d
 
     with rlnb.Cluster(slots=1, gpus=False) as cl:
         ch = rlnb.Channel.create(cl, "bye")
@@ -456,7 +456,7 @@ def test_channel_falls_back_to_dask_when_its_direct_port_is_unreachable(cluster,
     """A firewall that drops packets to the direct port (simulated: a full accept queue) -> Dask's rpc."""
     from rlnb.runtime import channel as c
 
-    monkeypatch.setattr(direct, "CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(link, "CONNECT_TIMEOUT_S", 0.5)
     blackhole = socket.socket()
     blackhole.bind(("127.0.0.1", 0))
     blackhole.listen(0)

@@ -128,9 +128,9 @@ def test_an_oversized_header_is_refused_before_anything_is_allocated(one_slot, m
     try:
         sock = link.connect()
         # a request whose header announces a 1 GiB pickle, and then nothing
-        sock.sendall(direct._REQ.pack(link.key.encode(), b"call") + wire._HEAD.pack(0, 1 << 30))
+        sock.sendall(wire._REQ.pack(link.key.encode(), b"call") + wire._HEAD.pack(0, 1 << 30))
         sock.settimeout(10)
-        payload, buffers = direct.recv_message(sock)  # the worker says why...
+        payload, buffers = wire.recv_message(sock)  # the worker says why...
         status, value, _ = direct.loads(payload, buffers)
         assert status == "err" and value["type"] == "MessageTooLarge"
         assert "1,073,741,824 bytes" in value["message"] and "RLNB_MAX_MESSAGE_BYTES" in value["message"]

@@ -207,11 +207,11 @@ def test_a_guarded_script_edited_while_it_runs_is_not_taken_for_an_unguarded_one
     script = tmp_path / "bench.py"
     script.write_text(
         "import pathlib\n"
-        "from rlnb.cluster.cluster import _check_script_guard\n"
+        "from rlnb.cluster.script_guard import check_script_guard\n"
         "if __name__ == '__main__':\n"
         "    path = pathlib.Path(__file__)\n"
         "    path.write_text('\\n' * 3 + path.read_text())  # line 6 is now the `if` line\n"
-        "    _check_script_guard()\n"
+        "    check_script_guard()\n"
         "    print('checked')\n"
     )
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
@@ -219,7 +219,7 @@ def test_a_guarded_script_edited_while_it_runs_is_not_taken_for_an_unguarded_one
 
 
 def test_which_lines_of_a_script_run_when_it_is_imported():
-    from rlnb.cluster.cluster import runs_at_import
+    from rlnb.cluster.script_guard import runs_at_import
 
     source = (
         "import rlnb\n"  # 1

@@ -18,7 +18,7 @@ from rlnb.components.batches import LM_BATCH, LM_OPTIONAL, check_batch
 from rlnb.components.compile import StepCompiler
 from rlnb.components.launch import launcher
 from rlnb.components.lm.forward import CPU_LENGTH_BUCKETS, Forward
-from rlnb.components.lm.layout import check_dtype, join_batches, micro_batches
+from rlnb.components.lm.layout import check_dtype, decode_group, join_batches, micro_batches
 from rlnb.components.lm.lora import AdaptersOff, add_adapters
 from rlnb.components.lm.sft import WarmStart, adamw
 from rlnb.components.lm.sharding import Sharded, local_part
@@ -227,38 +227,7 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         """One prompt's ``group_size`` completions in this rank's batch, decoded: ``prompt``, ``completion``,
         ``reward``, the sampling ``logprob`` of the completion and, once :meth:`compute_advantages` ran, its
         ``advantage`` (mean over its tokens)."""
-        b = self.batch
-        if b is None:
-            return []
-        rows = []
-        size = self.algo.group_size
-        groups = -(-b["input_ids"].shape[0] // size)
-        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < groups:
-            raise IndexError(f"sample_group: expected a group in 0-{groups - 1} of this batch, got {group!r}")
-        columns = torch.arange(b["input_ids"].shape[1])
-        for i in range(group * size, min((group + 1) * size, b["input_ids"].shape[0])):
-            response = b["response_mask"][i].bool()
-            # after the prompt: the completion, or a multi-turn transcript (the interaction's replies between
-            # the model's turns are attended to, out of the response mask)
-            after = columns >= (int(response.nonzero()[0]) if response.any() else len(columns))
-            attended = b["attention_mask"][i].bool()
-            prompt = attended & ~after
-            row = {
-                "prompt": self.tok.decode(b["input_ids"][i][prompt], skip_special_tokens=True),
-                # what the model was given, special tokens included (a chat template's turns and <bos>)
-                "prompt_tokens": self.tok.decode(b["input_ids"][i][prompt]),
-                "completion": self.tok.decode(b["input_ids"][i][attended & after], skip_special_tokens=True),
-                "reward": float(b["rewards"][i]),
-                "logprob": float(b["logprobs"][i][response].sum()),
-            }
-            if "truncated" in b:  # cut at max_new_tokens without ending
-                row["truncated"] = bool(b["truncated"][i])
-            if "reward_terms" in b:  # several rewards: each one's score
-                row["rewards"] = dict(zip(b["reward_names"], b["reward_terms"][i].tolist()))
-            if "advantages" in b:
-                row["advantage"] = float(b["advantages"][i][response].mean()) if response.any() else 0.0
-            rows.append(row)
-        return rows
+        return [] if self.batch is None else decode_group(self.batch, self.tok, group, self.algo.group_size)
 
     def compute_advantages(self) -> dict:
         """Group advantages, reference log-probs (if KL) and, unless the batch is trained in one on-policy

@@ -90,3 +90,36 @@ def check_dtype(dtype: str, key: str = "dtype") -> str:
 def same_objects(a: list, b: list) -> bool:
     """Whether two lists hold the same objects in the same order."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def decode_group(b: dict, tok, group: int, size: int) -> list[dict]:
+    """The ``size`` sequences of group ``group`` in batch ``b``, decoded with ``tok`` (see
+    :meth:`rlnb.components.lm.actor.LMActor.sample_group`)."""
+    rows = []
+    groups = -(-b["input_ids"].shape[0] // size)
+    if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < groups:
+        raise IndexError(f"sample_group: expected a group in 0-{groups - 1} of this batch, got {group!r}")
+    columns = torch.arange(b["input_ids"].shape[1])
+    for i in range(group * size, min((group + 1) * size, b["input_ids"].shape[0])):
+        response = b["response_mask"][i].bool()
+        # after the prompt: the completion, or a multi-turn transcript (the interaction's replies between
+        # the model's turns are attended to, out of the response mask)
+        after = columns >= (int(response.nonzero()[0]) if response.any() else len(columns))
+        attended = b["attention_mask"][i].bool()
+        prompt = attended & ~after
+        row = {
+            "prompt": tok.decode(b["input_ids"][i][prompt], skip_special_tokens=True),
+            # what the model was given, special tokens included (a chat template's turns and <bos>)
+            "prompt_tokens": tok.decode(b["input_ids"][i][prompt]),
+            "completion": tok.decode(b["input_ids"][i][attended & after], skip_special_tokens=True),
+            "reward": float(b["rewards"][i]),
+            "logprob": float(b["logprobs"][i][response].sum()),
+        }
+        if "truncated" in b:  # cut at max_new_tokens without ending
+            row["truncated"] = bool(b["truncated"][i])
+        if "reward_terms" in b:  # several rewards: each one's score
+            row["rewards"] = dict(zip(b["reward_names"], b["reward_terms"][i].tolist()))
+        if "advantages" in b:
+            row["advantage"] = float(b["advantages"][i][response].mean()) if response.any() else 0.0
+        rows.append(row)
+    return rows

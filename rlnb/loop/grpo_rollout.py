@@ -1,0 +1,122 @@
+"""The GRPO loop's rollout phase in synchronous mode: ``data.prompts_per_step`` problems shared over the rollout
+ranks, each sampled ``algorithm.group_size`` times, scored next to the rollout or on the reward's own slots, and
+(``algorithm.dynamic_sampling``, DAPO) sampled again in rounds until each rank has its share of groups with a
+learning signal. The asynchronous mode is :mod:`rlnb.loop.asynchronous`; both end in :meth:`_rollout_summary`."""
+
+from __future__ import annotations
+
+from rlnb.data.prompts import Problem
+from rlnb.loop.base import Phase
+from rlnb.loop.grpo_data import shard
+from rlnb.runtime.group import Group
+
+
+class GRPORollout:
+    """A mixin of :class:`rlnb.loop.grpo.GRPOLoop`: its rollout phase."""
+
+    def rollout(self) -> dict:
+        """Sample ``algorithm.group_size`` completions for ``data.prompts_per_step`` prompts, score, hand over.
+
+        With ``algorithm.max_staleness`` N >= 1 it hands over the batch the generation in flight
+        finished and starts the next at once, so generation overlaps :meth:`train`. The rollout ranks
+        generate ``rollout.chunk_tokens`` at a time and take new weights between chunks (partial
+        rollouts); admission is AReaL's: by policy version ``v``, at most ``(N + v + 1) x`` the batch
+        of problems are admitted, and a group started at version ``v`` is trained at ``t <= v + N``.
+        """
+        with self.timed("rollout") as phase:
+            if self.max_staleness:
+                self._rollout_async(phase)
+            else:
+                self._rollout_sync(phase)
+        return phase.metrics
+
+    def _rollout_sync(self, phase: Phase) -> None:
+        rollout, extra = self.groups["rollout"], {}
+        if self.recipe.algorithm.dynamic_sampling:
+            summaries, extra = self._sample_with_signal(rollout)
+        else:
+            summaries = self._generate_scored(rollout, self.task.sample(self.recipe.data.prompts_per_step))
+        self._hand_batches()
+        if self.batch_local and self.cluster.has_gpus and self.recipe.rollout.device != "cpu":
+            rollout.offload().result()  # frees GPU memory for the collocated actor's training
+        self._rollout_summary(phase, summaries, extra)
+
+    def _generate_scored(self, rollout: Group, problems: list[Problem]) -> list[dict]:
+        """``problems`` shared over the ranks of ``rollout`` (the group or a view of some of its ranks), each
+        sampled ``algorithm.group_size`` times and scored; each rank keeps its batch. Returns their summaries."""
+        reward, G = self.groups["reward"], self.recipe.algorithm.group_size
+        # the reward's name where it scores next to the rollout, and the records' other fields where there are
+        # any: only then (a rollout class of one's own may take neither)
+        with_fields = any(p.fields for p in problems)
+        calls = []
+        for s in shard(problems, rollout.world_size):
+            args = ([p.prompt for p in s], [p.answer for p in s], G)
+            if self.reward_local or with_fields:
+                args += (reward.name if self.reward_local else None,)
+            calls.append(args + (([p.fields for p in s],) if with_fields else ()))
+        summaries = rollout.call_each("generate", calls).result()
+        if not self.reward_local:  # score on the reward's own slots
+            n_rew = reward.world_size
+            scored = [
+                reward.on(k % n_rew).score_terms(s["texts"], s["answers"], s["prompts"], s.get("fields"))
+                for k, s in enumerate(summaries)
+            ]
+            scores = [res.result()[0] for res in scored]
+            stats = rollout.call_each("set_rewards", [(x["rewards"], x["terms"]) for x in scores]).result()
+            for s, st in zip(summaries, stats):
+                s.update(st)
+        return summaries
+
+    def _sample_with_signal(self, rollout: Group) -> tuple[list[dict], dict]:
+        """DAPO's dynamic sampling (``algorithm.dynamic_sampling``): rounds of generation on the rollout ranks
+        still short of their share of groups with a learning signal, each round a full share of new prompts,
+        at most ``algorithm.max_sampling_rounds``; then each rank assembles its batch from the groups it kept
+        (topped up with groups set aside). Returns every round's summaries and the rounds' metrics."""
+        algorithm, G = self.recipe.algorithm, self.recipe.algorithm.group_size
+        share = self.recipe.data.prompts_per_step // rollout.world_size
+        kept = dict.fromkeys(rollout.ranks, 0)
+        summaries, rounds, groups, informative = [], 0, 0, 0
+        while rounds < algorithm.max_sampling_rounds and min(kept.values()) < share:
+            rounds += 1
+            short = rollout.on([k for k in rollout.ranks if kept[k] < share])
+            summaries += self._generate_scored(short, self.task.sample(share * short.world_size))
+            for k, got in zip(short.ranks, short.keep_groups(G, rounds == 1).result()):
+                kept[k], groups, informative = (
+                    got["kept"],
+                    groups + got["groups"],
+                    informative + got["informative"],
+                )
+        batches = rollout.assemble_kept(share, G).result()
+        return summaries, {
+            "sampling_rounds": rounds,
+            "signal_frac": informative / groups,  # of every group sampled
+            "informative_frac": sum(b["informative"] for b in batches) / sum(b["groups"] for b in batches),
+        }
+
+    def _rollout_summary(self, phase: Phase, summaries: list[dict], extra: dict) -> None:
+        """The rollout phase's metrics into ``phase``, from the ranks' summaries (``extra``: the mode's own)."""
+        dt = phase.elapsed_s()
+        n = sum(s["sequences"] for s in summaries)
+        if self.max_staleness:  # tokens made while generating, which overlapped training (none: not logged)
+            tokens = sum(s["tokens"] for s in summaries)
+            tokens_per_s = tokens / max(s["generate_s"] for s in summaries) if tokens else None
+        else:
+            tokens_per_s = sum(s["tokens"] for s in summaries) / dt
+
+        def mean(key: str) -> float:  # over every sequence of every summary
+            return sum(s[key] * s["sequences"] for s in summaries) / n
+
+        out = {
+            "tokens_per_s": tokens_per_s,
+            "response_len_mean": mean("response_len_mean"),
+            "reward_mean": mean("reward_mean"),
+            "accuracy": mean("accuracy"),
+            **extra,
+        }
+        if all("truncated_frac" in s for s in summaries):
+            out["truncated_frac"] = mean("truncated_frac")
+        if all("turns_mean" in s for s in summaries):  # multi-turn rollouts
+            out["turns_mean"] = mean("turns_mean")
+        for name in summaries[0].get("reward_terms", ()):  # several rewards: each one's mean
+            out[f"reward_term/{name}"] = sum(s["reward_terms"][name] * s["sequences"] for s in summaries) / n
+        phase.metrics.update(out)
