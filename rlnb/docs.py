@@ -223,7 +223,10 @@ def _cdn_loader(data: dict) -> bool:
     return "application/vnd.holoviews_load.v0+json" in data and "cdn.bokeh.org" in js
 
 
-def _source_link(repository: tuple[str, str] | None):
+_SOURCE_LINK = r"\[([^\]]+)\]\(\.\./((?:rlnb|recipes|tests|bench)/[^)\s]+)\)"
+
+
+def _link_source(body: str, repository: tuple[str, str] | None) -> str:
     """The notebooks link rlnb's source as ``../rlnb/...`` (right in a clone): on the site, the file on GitHub
     where the repository is there, else its name as code (no link to a page the site does not have)."""
     import re
@@ -235,7 +238,7 @@ def _source_link(repository: tuple[str, str] | None):
         owner, repo = repository
         return f"[{text}](https://github.com/{owner}/{repo}/blob/main/{target})"
 
-    return lambda body: re.sub(r"\[([^\]]+)\]\(\.\./((?:rlnb|recipes|tests|bench)/[^)\s]+)\)", replace, body)
+    return re.sub(_SOURCE_LINK, replace, body)
 
 
 CHECK_TAG = "check"
@@ -256,7 +259,7 @@ def write_notebook_pages(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pages = []
+    pages, any_charts = [], False
     for path in sorted(Path(source).glob("*.ipynb")):
         executed = Path("build") / "notebooks" / path.name
         nb = nbformat.read(executed if executed.exists() else path, as_version=4)
@@ -295,7 +298,8 @@ def write_notebook_pages(
         )
         # the notebooks link the docs as ../docs/... (right from notebooks/ on GitHub and in Jupyter);
         # their pages live in docs/notebooks/
-        body = _source_link(github)(body.replace("](../docs/", "](../"))
+        body = _link_source(body.replace("](../docs/", "](../"), github)
+        any_charts |= charts
         if charts:  # (a page's URL is notebooks/<name>/: the site's root is two levels up)
             names = [n for names in PLOT_SCRIPTS.values() for n in names]
             body = "".join(f'<script src="../../assets/js/{n}"></script>\n' for n in names) + "\n" + body
@@ -304,7 +308,7 @@ def write_notebook_pages(
         page = out / f"{path.stem}.md"
         page.write_text(f"{note}\n\n{body}")
         pages.append(page)
-    if any("../../assets/js/" in p.read_text() for p in pages):
+    if any_charts:
         write_plot_scripts(out.parent / "assets" / "js")
     return pages
 

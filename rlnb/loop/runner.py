@@ -126,6 +126,11 @@ class Runner:
             self._watching = weakref.WeakSet()
         self._watching.add(callback)
 
+    def unwatch(self, callback: Callback) -> None:
+        """Stop calling ``callback`` in later runs (see :meth:`watch`); nothing if it was not watching."""
+        if self._watching is not None:
+            self._watching.discard(callback)
+
     def run(
         self, steps: int | None = None, progress: bool = True, live: bool = False, background: bool = False,
         callbacks: list[Callback] | None = None,

@@ -68,9 +68,9 @@ class _Panel:
     the plot, in the lines' colours, so it never covers a curve."""
 
     def __init__(self, title: str):
-        from rlnb.widgets.model import PANELS, Panel
+        from rlnb.widgets.model import panel_for
 
-        self.spec = PANELS.get(title, Panel(title, (), ""))
+        self.spec = panel_for(title)
         self.x_scale, self.y_scale = bq.LinearScale(), bq.LinearScale()
         self.lines: dict[str, tuple[bq.Lines, bq.Scatter]] = {}
         self.sent: dict[str, int] = {}  # metric -> points the page holds
@@ -192,7 +192,7 @@ class LiveCurves(w.GridBox):
                     with line.hold_sync():  # x and y in one message, so the page never sees them unequal
                         line.x, line.y = xs, values[drawn]
                     with points.hold_sync():
-                        if model.env_steps:
+                        if model.x_counts:
                             points.names = [str(int(s)) for s in steps[drawn]]
                         points.x, points.y = xs, values[drawn]
                     panel.sent[metric] = len(series)

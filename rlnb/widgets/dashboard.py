@@ -13,11 +13,10 @@ import ipywidgets as w
 from rlnb.loop.runner import Callback
 from rlnb.metrics import GLOSSARY, WORK_IN_PHASE, explain
 from rlnb.widgets.model import (
-    PANELS,
     RECENT_STEPS,
     DashboardModel,
-    Panel,
     nice_range,
+    panel_for,
     short_name,
     watch_messages,
 )
@@ -295,7 +294,7 @@ def render_curves_png(curves, heading: str | None = None, x=float, x_label: str 
     FigureCanvasAgg(fig)
     for index, (title, data) in enumerate(curves):
         ax = fig.add_subplot(rows, cols, index + 1)
-        spec = PANELS.get(title, Panel(title, (), ""))
+        spec = panel_for(title)
         finite = []
         for metric, points in data.items():
             steps, values = zip(*points)
@@ -346,8 +345,7 @@ class RunWatch(Callback):
         if self.one_run:
             if loop.logger is not None:
                 loop.logger.remove_listener(self.model.update)
-            if loop._watching is not None:
-                loop._watching.discard(self)
+            loop.unwatch(self)
 
 
 def show_dashboard(loop, total: int | None = None) -> Dashboard:

@@ -51,6 +51,13 @@ CURVES = (
     ),  # max_staleness >= 1
 )
 PANELS = {p.title: p for p in CURVES}
+
+
+def panel_for(title: str) -> Panel:
+    """The panel of that title, or a plain one (no metrics of its own, no unit) for a title not in :data:`PANELS`."""
+    return PANELS.get(title) or Panel(title, (), "")
+
+
 X_COUNTERS = {"global_step": "env steps", "samples_total": "completions"}
 """Logged counters the curves' x axis goes along, where a loop logs one, and the axis's label."""
 RECENT_STEPS = 20
@@ -145,7 +152,7 @@ class DashboardModel:
         self.wall_s: float | None = None  # the run's seconds, once it has ended
         self.run_watch = None  # the RunWatch telling it of the loop's runs (dashboard_for)
         # training step -> env steps or completions by then (X_COUNTERS)
-        self.env_steps: dict[int, float] = {}
+        self.x_counts: dict[int, float] = {}
         self._x_label = "step"
         self.messages: deque[str] = deque(maxlen=5)  # the latest warnings and errors, newest last
         self._listeners = []
@@ -158,7 +165,7 @@ class DashboardModel:
         step = int(record.get("step", self.step))
         for counter, label in X_COUNTERS.items():  # env steps (embodied) or completions (GRPO) so far
             if isinstance(record.get(counter), (int, float)):
-                self.env_steps[step], self._x_label = float(record[counter]), label
+                self.x_counts[step], self._x_label = float(record[counter]), label
         self.step = max(self.step, step)
         for k, v in record.items():
             if k in ("step", "wall_time") or not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -224,12 +231,12 @@ class DashboardModel:
     def x(self, step: int) -> float:
         """The x of a metric logged at training ``step``: its env steps where they are known (a step logged
         before any, such as a first evaluation, at the pace so far), else the step itself."""
-        if not self.env_steps:
+        if not self.x_counts:
             return float(step)
-        if step in self.env_steps:
-            return self.env_steps[step]
-        last = max(self.env_steps)
-        return self.env_steps[last] / last * step if last else float(step)
+        if step in self.x_counts:
+            return self.x_counts[step]
+        last = max(self.x_counts)
+        return self.x_counts[last] / last * step if last else float(step)
 
     def curves(self) -> list[tuple[str, dict[str, list[tuple[int, float]]]]]:
         """Panels with data: ``[(title, {metric: [(step, value), ...]})]``."""
