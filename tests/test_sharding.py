@@ -40,6 +40,14 @@ def test_a_sharded_run_checkpoints_and_resumes_exactly_and_exports_the_whole_mod
     overrides = [*TWO_RANKS, f"actor.model_path={tmp_path / 'model'}", *extra, "runner.steps=2"]
     with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "cut") as loop:
         loop.run(progress=False)
+    # the weights and AdamW state in DCP shards, one file a rank, written with no gather; the rank files the rest
+    step = tmp_path / "cut" / "checkpoints" / "step_000002"
+    shards = sorted(p.name for p in (step / "actor_dcp").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"], shards
+    from rlnb.files import torch_load_safe
+
+    rest = torch_load_safe(step / "actor_rank0.pt")
+    assert rest["shards"] == "dcp" and "policy" not in rest and "optimizer" not in rest
     resumed = GRPOLoop.resume(tmp_path / "cut", cluster=cluster, overrides=["runner.steps=3"])
     with resumed as loop:
         assert loop.step == 2
@@ -59,3 +67,55 @@ def test_fsdp2_misfits_are_refused_naming_the_key():
         load_recipe("ppo_cartpole", ["actor.strategy=fsdp2"])
     with pytest.raises(RecipeError, match="actor.strategy: fsdp2 gathers the weights"):
         load_recipe("grpo_arith", ["actor.strategy=fsdp2", "rollout.weight_sync=broadcast"])
+
+
+class _RunsCode:
+    """What a hostile checkpoint would pickle: unpickling it calls ``_mark`` (here: writes a file)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (_mark, (str(self.path),))
+
+
+def _mark(path: str):
+    open(path, "w").close()
+    return {}
+
+
+def test_a_dcp_index_or_value_naming_code_is_refused_before_it_runs(tmp_path):
+    """DCP's own reader unpickles the index with pickle.load and the optimizer's values with
+    torch.load(weights_only=False); rlnb's reads both restricted: a crafted checkpoint runs nothing."""
+    import io
+    import pickle
+
+    import torch
+
+    from rlnb.components.lm.dcp import SafeLoadPlanner, SafeReader
+    from rlnb.files import UnsafeFileError
+
+    ran = tmp_path / "ran"
+    hostile = tmp_path / "ckpt"
+    hostile.mkdir()
+    (hostile / ".metadata").write_bytes(pickle.dumps(_RunsCode(ran)))
+    with pytest.raises(UnsafeFileError, match=r"DCP index names tests.test_sharding._mark"):
+        SafeReader(str(hostile)).read_metadata()
+    value = io.BytesIO()
+    torch.save(_RunsCode(ran), value)
+    value.seek(0)
+
+    class Item:  # (the one field load_bytes reads of DCP's ReadItem)
+        class dest_index:
+            fqn = "optim.param_groups.0.lr"
+
+    planner = SafeLoadPlanner()
+    planner.flatten_state_dict, planner.state_dict = False, {}
+    with pytest.raises(UnsafeFileError, match=r"DCP value 'optim.param_groups.0.lr' names code to run"):
+        planner.load_bytes(Item, value)
+    assert not ran.exists()
+    value = io.BytesIO()
+    torch.save(0.25, value)  # a plain value loads
+    value.seek(0)
+    planner.load_bytes(Item, value)
+    assert planner.state_dict == {"optim.param_groups.0.lr": 0.25}

@@ -204,6 +204,10 @@ class ActorBase:
         self.policy.load_state_dict(state["policy"])
         with without_dynamo_import():
             self.optimizer.load_state_dict(state["optimizer"])
+        self._load_rest(state)
+
+    def _load_rest(self, state: dict) -> None:
+        """What :meth:`load_state_dict` restores besides the weights and the optimizer: RNGs and the step."""
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         self.step = state["step"]

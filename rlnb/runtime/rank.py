@@ -343,9 +343,18 @@ def _goes_on(proceed, args: tuple, replies: list) -> bool:
 
 
 def _save_state(obj, path: str) -> int:
+    """A rank's part of a checkpoint: the component's own ``save_state_to(path)`` where it has one (a sharded
+    actor's DCP shards), else its ``state_dict()`` into ``path``."""
+    own = getattr(obj, "save_state_to", None)
+    return own(path) if own is not None else save_state_file(obj, obj.state_dict(), path)
+
+
+def save_state_file(obj, state: dict, path: str) -> int:
+    """``state`` (``obj``'s) into the rank file ``path``, atomically; refused at once if it holds anything
+    :func:`rlnb.files.torch_load_safe` will not load. Returns the bytes written."""
     from rlnb.files import torch_save_atomic, unsafe_globals
 
-    size = torch_save_atomic(obj.state_dict(), path)  # (on disk before the checkpoint is marked complete)
+    size = torch_save_atomic(state, path)  # (on disk before the checkpoint is marked complete)
     unsafe = unsafe_globals(path)
     if unsafe:  # refused now, at the first save, rather than at the resume that needs it
         raise TypeError(
@@ -358,6 +367,9 @@ def _save_state(obj, path: str) -> int:
 
 
 def _load_state(obj, path: str) -> None:
+    own = getattr(obj, "load_state_from", None)
+    if own is not None:
+        return own(path)
     from rlnb.files import torch_load_safe
 
     obj.load_state_dict(torch_load_safe(path))

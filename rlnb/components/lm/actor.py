@@ -453,7 +453,7 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
     def state_dict(self) -> dict:
         return {**super().state_dict(), "ref": self.ref.state_dict() if self.ref is not None else None}
 
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
+    def _load_rest(self, state: dict) -> None:
+        super()._load_rest(state)
         if self.ref is not None and state["ref"] is not None:
             self.ref.load_state_dict(state["ref"])

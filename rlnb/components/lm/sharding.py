@@ -86,6 +86,44 @@ class Sharded:
         else:
             self.clip_and_step.zero_grad()
 
+    def save_state_to(self, path: str) -> int:
+        """The actor's part of a checkpoint. Sharded, the model and AdamW state go through DCP, every actor rank
+        writing its own shards into one directory beside the rank files together
+        (:mod:`rlnb.components.lm.dcp`), and the rank file ``path`` holds the rest (RNGs, step, reference
+        model); else all of ``state_dict()`` goes into ``path``. Returns the bytes this rank wrote."""
+        from rlnb.runtime.rank import process_group, save_state_file
+
+        state = self.state_dict()
+        if not self.sharded:
+            return save_state_file(self, state, path)
+        from rlnb.components.lm.dcp import save_sharded, shard_dir
+
+        directory = shard_dir(path)
+        save_sharded(self.policy, self.optimizer, directory, process_group("default"))
+        rest = {k: v for k, v in state.items() if k not in ("policy", "optimizer")}
+        ours = sum(f.stat().st_size for f in directory.glob(f"__{self.rank}_*.distcp"))
+        return save_state_file(self, {**rest, "shards": "dcp"}, path) + ours
+
+    def load_state_from(self, path: str) -> None:
+        """Restore what :meth:`save_state_to` wrote (or a rank file holding the whole state, as checkpoints of
+        an unsharded actor, and sharded ones before DCP, do); nothing in the files runs."""
+        from rlnb.files import torch_load_safe
+
+        state = torch_load_safe(path)
+        if state.get("shards") != "dcp":
+            return self.load_state_dict(state)
+        if not self.sharded:
+            raise ValueError(
+                "this checkpoint was written by a sharded actor (actor.strategy: fsdp2, its weights in DCP "
+                "shards): resume it with actor.strategy=fsdp2"
+            )
+        from rlnb.components.lm.dcp import load_sharded, shard_dir
+        from rlnb.runtime.rank import process_group
+
+        load_sharded(self.policy, self.optimizer, shard_dir(path), process_group("default"))
+        self._load_rest(state)
+        return None
+
     def full_state(self) -> dict[str, torch.Tensor]:
         """The model's whole state dict: gathered from every rank's shards when sharded (every actor rank must
         call it together), else the module's own."""
