@@ -34,8 +34,29 @@ def test_fsdp2_on_two_cpu_ranks_trains_as_ddp_does_with_a_shard_of_the_state_eac
     assert all(math.isfinite(r["train/loss"]) for r in bf16), bf16
 
 
+def test_the_kl_reference_is_sharded_too_and_gives_the_same_kl_as_ddp(cluster, tmp_path):
+    """With a KL term the reference model is sharded like the policy (about half its bytes a rank, no whole
+    copy), set from the warm-started policy shard to shard, and the KL and losses are DDP's."""
+    kl = ["algorithm.kl_coef=0.1"]
+    ddp, _ = _run(cluster, tmp_path, "ddp", ["actor.strategy=ddp", *kl])
+    fsdp, _ = _run(cluster, tmp_path, "fsdp2", ["actor.strategy=fsdp2", *kl])
+    for key in ("train/kl", "train/loss"):
+        pairs = [(a[key], b[key]) for a, b in zip(ddp, fsdp)]
+        assert len(pairs) == 3 and all(a == pytest.approx(b, rel=1e-3, abs=1e-5) for a, b in pairs), (
+            key,
+            pairs,
+        )
+    assert any(r["train/kl"] > 0 for r in fsdp)  # (the policy moved away from the reference)
+    ratio = fsdp[-1]["memory/ref_bytes"] / ddp[-1]["memory/ref_bytes"]
+    assert 0.4 < ratio < 0.6, ratio
+
+
 def test_a_sharded_run_checkpoints_and_resumes_exactly_and_exports_the_whole_model(cluster, tmp_path):
-    extra = ["actor.strategy=fsdp2", "runner.save_interval=1"]
+    extra = [
+        "actor.strategy=fsdp2",
+        "runner.save_interval=1",
+        "algorithm.kl_coef=0.1",
+    ]  # (the sharded reference too)
     whole, _ = _run(cluster, tmp_path, "whole", extra)
     overrides = [*TWO_RANKS, f"actor.model_path={tmp_path / 'model'}", *extra, "runner.steps=2"]
     with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "cut") as loop:

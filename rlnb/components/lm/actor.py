@@ -194,7 +194,7 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
 
     def memory_stats(self) -> dict:
         """``memory/actor_state_bytes``: the bytes of parameters, gradients and optimizer state this rank holds
-        (its local shards); on a GPU, ``memory/cuda_peak_bytes``: this process's peak allocation since the last
+        (its local shards); ``memory/ref_bytes``: those of the KL reference model, where there is one of its own; on a GPU, ``memory/cuda_peak_bytes``: this process's peak allocation since the last
         call (which resets it), the rollout's too when it shares the process."""
         tensors = [
             *self.policy.parameters(),
@@ -205,6 +205,10 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         ]
         held = (local_part(t) for t in tensors)  # (a sharded rank holds its shards)
         out = {"memory/actor_state_bytes": sum(t.numel() * t.element_size() for t in held)}
+        if self.ref is not None and not self.lora:  # (with LoRA the reference is the policy, adapters off)
+            out["memory/ref_bytes"] = sum(
+                local_part(p).numel() * p.element_size() for p in self.ref.parameters()
+            )
         if self.device.type == "cuda":
             out["memory/cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -87,5 +87,5 @@ class WarmStart:
             sched.step()
             losses.append(loss.item())
         if self.ref is not None:  # the reference is the warm-started model
-            self.ref.load_state_dict(self.full_state())
+            self.reset_reference()
         return losses

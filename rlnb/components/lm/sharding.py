@@ -55,6 +55,10 @@ class Sharded:
         for layer in decoder_layers(self.policy):
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(self.policy, mesh=mesh, mp_policy=mp)
+        if self.ref is not None and not self.lora:  # the KL reference sharded alike: not a whole copy a rank
+            for layer in decoder_layers(self.ref):
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+            fully_shard(self.ref, mesh=mesh, mp_policy=mp)
         self.model, self.sharded = self.policy, True
         # the same work on every rank: FSDP2 gathers each layer's parameters in every forward
         self.length_buckets, self.share_prompt_forward, self.skip_zero_advantage = 1, False, False
@@ -123,6 +127,14 @@ class Sharded:
         load_sharded(self.policy, self.optimizer, shard_dir(path), process_group("default"))
         self._load_rest(state)
         return None
+
+    def reset_reference(self) -> None:
+        """The KL reference becomes the policy as it is now (after the warm start). Sharded, shard to shard:
+        both are laid out alike, and nothing is gathered."""
+        if self.sharded and not self.lora:
+            self.ref.load_state_dict(self.policy.state_dict())
+        else:
+            self.ref.load_state_dict(self.full_state())
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """The model's whole state dict: gathered from every rank's shards when sharded (every actor rank must
