@@ -5,6 +5,7 @@ import math
 import pytest
 
 from rlnb.config import load_recipe
+from rlnb.config.loader import RecipeError
 from rlnb.loop import GRPOLoop
 from tests.test_lm import GRPO_SMALL
 
@@ -32,6 +33,33 @@ def test_fsdp2_on_two_cpu_ranks_trains_as_ddp_does_with_a_shard_of_the_state_eac
     assert 0.4 < fsdp_bytes / ddp_bytes < 0.6, (fsdp_bytes, ddp_bytes)
     bf16, _ = _run(cluster, tmp_path, "bf16", ["actor.strategy=fsdp2", "actor.dtype=bfloat16"])
     assert all(math.isfinite(r["train/loss"]) for r in bf16), bf16
+
+
+def test_hsdp_replicas_of_a_sharded_model_train_as_ddp_does(cluster, tmp_path):
+    """actor.hsdp_replicas=2 on two ranks: two replicas, each sharded over one rank (a 2-D device mesh), so each
+    rank holds the whole state, as under DDP, and the losses are DDP's; a count that does not divide the actor
+    ranks, or replicas without fsdp2, are refused naming the key."""
+    ddp, ddp_bytes = _run(cluster, tmp_path, "ddp", ["actor.strategy=ddp"])
+    hsdp, hsdp_bytes = _run(cluster, tmp_path, "hsdp", ["actor.strategy=fsdp2", "actor.hsdp_replicas=2"])
+    losses = [(a["train/loss"], b["train/loss"]) for a, b in zip(ddp, hsdp)]
+    assert len(losses) == 3 and all(a == pytest.approx(b, rel=1e-3, abs=1e-4) for a, b in losses), losses
+    assert 0.95 < hsdp_bytes / ddp_bytes < 1.05, (hsdp_bytes, ddp_bytes)
+    from rlnb.errors import PlacementError
+
+    overrides = [
+        *TWO_RANKS,
+        f"actor.model_path={tmp_path / 'model'}",
+        "actor.strategy=fsdp2",
+        "actor.hsdp_replicas=3",
+    ]
+    with pytest.raises(PlacementError, match=r"actor.hsdp_replicas=3 must divide the 2 actor rank\(s\)"):
+        GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "three")
+    with pytest.raises(
+        RecipeError, match="actor.hsdp_replicas: 2 replicas of a sharded model need actor.strategy=fsdp2"
+    ):
+        load_recipe("grpo_arith", ["actor.hsdp_replicas=2"])
+    with pytest.raises(RecipeError, match=r"actor.hsdp_replicas: expected an integer >= 1, got 0"):
+        load_recipe("grpo_arith", ["actor.strategy=fsdp2", "actor.hsdp_replicas=0"])
 
 
 def test_the_kl_reference_is_sharded_too_and_gives_the_same_kl_as_ddp(cluster, tmp_path):

@@ -422,6 +422,12 @@ class ActorConfig:
     rank holds a shard of all three; gloo on CPU, NCCL on GPUs). With ``fsdp2`` every rank computes its
     micro-batches in one pass each, every row (``actor.length_buckets`` and ``actor.skip_zero_advantage`` do
     not apply)."""
+    hsdp_replicas: int = 1
+    """LM RL with ``actor.strategy: fsdp2``: HSDP, the model replicated over this many groups of actor ranks and
+    sharded within each (FSDP2 over a 2-D device mesh: gradients reduce-scattered within a group, then averaged
+    across groups). Place each group on one node: the shard collectives of every layer stay on its fast links
+    and only the gradients' all-reduce crosses nodes. 1: plain FSDP over all actor ranks. It must divide the
+    number of actor ranks."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """LM RL: the precision of the model's compute. ``bfloat16``: the actor's forward and backward run under bf16
     autocast with float32 master weights, gradients and optimizer state, log-probs and the loss in float32; the
@@ -456,6 +462,18 @@ class ActorConfig:
             errs.append(
                 f"actor.strategy: {self.strategy} shards an LM actor (loop: grpo); an embodied policy trains with "
                 "ddp; set actor.strategy=ddp"
+            )
+        need(
+            errs,
+            lambda: self.hsdp_replicas >= 1,
+            "actor.hsdp_replicas",
+            "an integer >= 1",
+            self.hsdp_replicas,
+        )
+        if self.hsdp_replicas != 1 and self.strategy != "fsdp2":
+            errs.append(
+                f"actor.hsdp_replicas: {self.hsdp_replicas} replicas of a sharded model need actor.strategy=fsdp2 "
+                f"(it is {self.strategy}); set actor.strategy=fsdp2, or actor.hsdp_replicas=1"
             )
         if self.strategy == "fsdp2" and recipe.rollout.weight_sync == "broadcast":
             errs.append(

@@ -164,6 +164,12 @@ class GRPOLoop(GRPOAsynchronous, GRPORollout, GRPOEvaluation, LoopBase):
         super()._check_rank_counts()
         self._check_async()
         n_roll, n_act = len(self.placement["rollout"]), len(self.placement["actor"])
+        replicas = self.recipe.actor.hsdp_replicas
+        if n_act % replicas:
+            raise PlacementError(
+                f"actor.hsdp_replicas={replicas} must divide the {n_act} actor rank(s) into equal groups, each "
+                "holding one sharded replica", "actor.hsdp_replicas"
+            )  # fmt: skip
         per_step = self.recipe.data.prompts_per_step
         if per_step % n_roll or (n_act > n_roll and (per_step // n_roll) % (n_act // n_roll)):
             raise PlacementError(

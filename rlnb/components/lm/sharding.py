@@ -43,14 +43,31 @@ class Sharded:
     lora = False  # adapters on the model (actor.lora.rank > 0)
 
     def _shard(self) -> str:
-        """``fully_shard`` each decoder layer, then the root, over the actor ranks' default process group."""
+        """``fully_shard`` each decoder layer, then the root, over the actor ranks' default process group (over a
+        2-D mesh of ``actor.hsdp_replicas`` replicas, each sharded, where that is above 1)."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from rlnb.models.lm import DTYPES
         from rlnb.runtime.rank import process_group
 
-        mesh = DeviceMesh.from_group(process_group("default"), self.device.type)
+        group = process_group("default")
+        replicas, world = self.cfg.hsdp_replicas, group.size()
+        if replicas == 1:
+            mesh = DeviceMesh.from_group(group, self.device.type)
+        elif world % replicas:
+            from rlnb.errors import ConfigError
+
+            raise ConfigError(
+                f"actor.hsdp_replicas={replicas} must divide the {world} actor rank(s) into equal groups",
+                "actor.hsdp_replicas",
+            )
+        else:  # HSDP: replicated over the first dimension, sharded over the second (ranks next to each other)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(
+                self.device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
+            )
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[self.dtype], reduce_dtype=torch.float32)
         for layer in decoder_layers(self.policy):
             fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -65,7 +82,7 @@ class Sharded:
         # the optimizer over the sharded parameters (its state sharded too); foreach, which DTensors take
         trained = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trained, lr=self.cfg.lr, weight_decay=0.0)
-        return "fsdp2"
+        return "fsdp2" if replicas == 1 else f"hsdp ({replicas} replicas)"
 
     def _gradient_sync(self, sync_now: bool):
         """DDP's ``no_sync`` for a micro-batch that is not the last; FSDP2 reduces gradients or not as told."""
