@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlnb.config import load_recipe
-from rlnb.errors import ComponentError, ConfigError, RemoteError
+from rlnb.errors import ConfigError
 from rlnb.loop import GRPOLoop
 from tests.conftest import assert_metrics_documented, kill_driver_inside_a_step, last_answer
 
@@ -319,28 +319,35 @@ def test_async_grpo_built_from_objects(cluster, tmp_path):
 
     from rlnb import launch
 
-    plain = launch(Plain, cluster, "0", model_path=model, max_new_tokens=3)
-    actor = LMActor.launch(cluster, "1", model_path=model, group_size=4, max_staleness=1)
-    with pytest.raises(ComponentError, match="lacks method stream"):
-        GRPOLoop(rollout=plain, actor=actor, reward="arithmetic", prompts=records, prompts_per_step=4)
     together = LMActor.launch(cluster, "0", model_path=model, group_size=4, max_staleness=1)
     rollout = HFRollout.launch(cluster, "0", model_path=model, max_new_tokens=3)
     with pytest.raises(ConfigError, match="needs rollout and actor on different slots"):
         GRPOLoop(rollout=rollout, actor=together, reward="arithmetic", prompts=records, prompts_per_step=4)
-
-    class WholeCompletions(HFRollout):  # a rollout with its own engine, as vLLM's: no chunks of tokens
-        CHUNKED_GENERATION = False
-
-    engine = WholeCompletions.launch(cluster, "0", model_path=model, max_new_tokens=3)
-    actor = LMActor.launch(cluster, "1", model_path=model, group_size=4, max_staleness=1)
-    with pytest.raises(ConfigError, match="max_staleness=1: WholeCompletions generates whole completions"):
-        GRPOLoop(rollout=engine, actor=actor, reward="arithmetic", prompts=records, prompts_per_step=4)
-    engine = WholeCompletions.launch(cluster, "0", model_path=model, max_new_tokens=3)  # called directly
-    with pytest.raises(RemoteError, match="WholeCompletions generates whole completions"):
-        engine.stream([(0, "1+1=", "2")], 4, 1, 1, 1, None, "w", None, "b", "reward").result()
-    engine.shutdown()
-    with pytest.raises(ConfigError, match="rollout.backend: vllm generates whole completions"):
-        load_recipe("grpo_arith", ["rollout.backend=vllm", "algorithm.max_staleness=1"])
+    rollout.shutdown()
+    # an engine of one's own that generates whole completions (no stream(), as vLLM): the next batch is generated
+    # while the actor trains, weights sent between batches when admission needs them
+    for max_staleness in (1, 2):
+        plain = launch(Plain, cluster, "0", model_path=model, max_new_tokens=3)
+        actor = LMActor.launch(cluster, "1", model_path=model, group_size=4, max_staleness=max_staleness)
+        with GRPOLoop(
+            rollout=plain, actor=actor, reward="arithmetic", prompts=records, prompts_per_step=4,
+            run_dir=tmp_path / f"whole{max_staleness}",
+        ) as loop:  # fmt: skip
+            records_ = loop.run(6, progress=False)
+            stale = [r["rollout/staleness_max"] for r in records_]
+            assert stale[0] == 0 and max(stale) == max_staleness and stale[-1] <= max_staleness, stale
+            assert all(0 <= r["rollout/overlap_frac"] <= 1 for r in records_)
+            assert (
+                "rollout/weight_swaps" not in records_[-1]
+            )  # (no partial rollouts: weights between batches)
+            assert loop.rollout_status() == {
+                "max_staleness": max_staleness, "actor_version": 6, "rollout_version": loop._rollout_version,
+                "in_flight": False,
+            }  # fmt: skip
+    with pytest.raises(ConfigError, match="rollout.chunk_tokens: vllm generates whole completions"):
+        load_recipe(
+            "grpo_arith", ["rollout.backend=vllm", "algorithm.max_staleness=1", "rollout.chunk_tokens=4"]
+        )
 
 
 def test_asynchronous_multi_turn_rollouts_go_on_across_chunks_and_weight_updates_on_workers(

@@ -149,3 +149,22 @@ else:
             same,
             before,
         )  # greedy: the actor's weights, not the start's
+
+    def test_asynchronous_grpo_generates_the_next_batch_with_vllm_while_the_actor_trains(cluster, tmp_path):
+        """algorithm.max_staleness=1 with the vllm backend: the engine generates whole completions, so the next
+        batch runs ahead while the actor trains on another slot, and weights reach the engine between batches
+        (in its buckets), each batch trained at most one version after the one that generated it."""
+        overrides = [
+            "rollout.backend=vllm", "rollout.vllm.dtype=float32", "rollout.max_new_tokens=3", "runner.steps=4",
+            "actor.sft_steps=20", "data.prompts_per_step=4", "algorithm.group_size=4", "runner.eval_interval=0",
+            "runner.tensorboard=false", f"actor.model_path={tmp_path / 'model'}", "algorithm.max_staleness=1",
+            *(f"actor.tiny_lm.{k}={v}" for k, v in TINY.items()),
+            "cluster.component_placement={'rollout,reward': 0, actor: 1}",
+        ]  # fmt: skip
+        with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+            records = loop.run(progress=False)
+            stale = [r["rollout/staleness_max"] for r in records]
+            assert stale[0] == 0 and max(stale) == 1, stale  # ran ahead, never past 1
+            assert all(math.isfinite(r["train/loss"]) for r in records), records
+            assert loop.rollout_status()["in_flight"] is False  # drained at the run's end
+            assert loop.groups["rollout"].on(0).generation_stats().result()[0]["engine"] == "vllm"

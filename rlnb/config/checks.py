@@ -7,7 +7,8 @@ import string
 from rlnb.errors import did_you_mean
 
 LM_BACKENDS = ("hf", "vllm")  # rollout.backend values of the LM loop
-SYNCHRONOUS_BACKENDS = ("vllm",)  # LM backends that generate whole completions: no asynchronous mode
+# LM backends that generate whole completions: asynchronous mode sends them weights between batches
+WHOLE_COMPLETION_BACKENDS = ("vllm",)
 SFT_TURN_FIELDS = ("expression", "answer", "a", "op", "b")  # data.sft_turns' names for arithmetic problems
 
 

@@ -188,8 +188,8 @@ class AlgorithmConfig:
     """Asynchronous RL (AReaL): rollout may run ahead of training by at most this many policy versions. ``0``
     is the synchronous loop. With ``N >= 1`` the next batch is collected while the actor trains (rollout and
     actor must be on different slots), and a batch made by version ``v`` is trained at version ``t`` only if
-    ``t - v <= N``. For the LM loop, generation takes new weights mid-way (``rollout.chunk_tokens``) and the
-    reward must sit with the rollout."""
+    ``t - v <= N``. For the LM loop the reward must sit with the rollout; HF generation takes new weights
+    mid-way (``rollout.chunk_tokens``), while vLLM (whole completions) takes them between batches."""
     group_size: int = 8
     """Samples per prompt (GRPO/RLOO)."""
     scale: Literal["group", "batch", "none"] = "group"

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from rlnb.config.checks import SYNCHRONOUS_BACKENDS, _sft_turns_errors, at_least, need
+from rlnb.config.checks import WHOLE_COMPLETION_BACKENDS, _sft_turns_errors, at_least, need
 from rlnb.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
@@ -114,12 +114,11 @@ class RolloutConfig:
                         f"rollout.vllm.{f.name}: a setting of the vllm backend's engine; rollout.backend={ro.backend} "
                         "does not use it; leave it out, or set rollout.backend=vllm"
                     )
-        staleness = recipe.algorithm.max_staleness
-        if ro.backend in SYNCHRONOUS_BACKENDS and isinstance(staleness, int) and staleness > 0:
+        if ro.backend in WHOLE_COMPLETION_BACKENDS and ro.chunk_tokens != RolloutConfig.chunk_tokens:
             errs.append(
-                f"rollout.backend: {ro.backend} generates whole completions in its engine, and asynchronous generation "
-                f"(algorithm.max_staleness={staleness}) takes new weights between chunks of tokens, with rlnb's "
-                "own decoding; use rollout.backend=hf, or algorithm.max_staleness=0"
+                f"rollout.chunk_tokens: {ro.backend} generates whole completions in its engine (asynchronous mode "
+                "sends it weights between batches, not between chunks of tokens); leave it out, or set "
+                "rollout.backend=hf"
             )
         if ro.dtype != "auto" and ro.backend != "hf":
             errs.append(

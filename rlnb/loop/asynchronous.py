@@ -86,19 +86,14 @@ class GRPOAsynchronous:
             return
         key = "algorithm.max_staleness"
         rollout = self.groups.get("rollout")
-        if rollout is not None and not callable(getattr(rollout.cls, "stream", None)):
+        if rollout is not None and self._whole_completions():
+            pass  # (its engine generates whole batches: the next one runs ahead, weights between batches)
+        elif rollout is not None and not callable(getattr(rollout.cls, "stream", None)):
             raise ComponentError(
                 f"lacks method stream, which asynchronous generation ({key}={n}) calls; subclass the built-in "
                 "rlnb.components.HFRollout and override what you change",
                 rollout.name, rollout.cls.__name__, "stream",
             )  # fmt: skip
-        if rollout is not None and not getattr(rollout.cls, "CHUNKED_GENERATION", True):
-            raise ConfigError(
-                f"{key}={n}: {rollout.cls.__name__} generates whole completions (its own engine), and asynchronous "
-                "generation takes new weights between chunks of tokens; use rlnb.components.HFRollout "
-                "(rollout.backend=hf), or max_staleness=0",
-                key,
-            )
         self._check_async_apart("{'rollout,reward': 0, actor: 1}")
         if tuple(p["reward"]) != tuple(p["rollout"]):
             raise ConfigError(
@@ -108,11 +103,26 @@ class GRPOAsynchronous:
                 key,
             )
 
+    def _whole_completions(self) -> bool:
+        """Whether the rollout's engine generates whole completions (vLLM): asynchronous mode then generates the
+        next batch while the actor trains and sends weights between batches, not between chunks of tokens."""
+        rollout = self.groups.get("rollout")
+        return rollout is not None and not getattr(rollout.cls, "CHUNKED_GENERATION", True)
+
     def sync_weights(self) -> dict:
         """Actor -> rollout weights. In asynchronous mode the actor publishes them without waiting: the
-        rollout ranks take them at their next chunk boundary, mid-generation."""
+        rollout ranks take them at their next chunk boundary, mid-generation. An engine generating whole
+        completions gets them from the loop between batches, when admission needs them; calling this waits for
+        the batch in flight (kept for the next :meth:`rollout`) first."""
         if not self.max_staleness:
             return super().sync_weights()
+        if self._whole_completions():
+            with self.timed("sync") as phase:
+                Asynchronous._settle_in_flight(self)
+                if self._in_flight is None:
+                    self._sync_rollout()
+                phase.metrics["version"] = self._rollout_version
+            return phase.metrics
         with self.timed("sync", version=self.step) as phase:
             if self._in_flight is not None and self._rollout_version != self.step:
                 self._publish()
@@ -121,7 +131,11 @@ class GRPOAsynchronous:
     def _settle_in_flight(self) -> None:
         """Let the generation in flight finish: it ends once its batch is done and the actor's newest
         version reached the rollout ranks, so that version is published first."""
-        if self._in_flight is not None and self._rollout_version != self.step:
+        if (
+            self._in_flight is not None
+            and self._rollout_version != self.step
+            and not self._whole_completions()
+        ):
             self._publish()
         super()._settle_in_flight()
 
@@ -131,6 +145,8 @@ class GRPOAsynchronous:
         self._rollout_version = self.step
 
     def _rollout_async(self, phase: Phase) -> None:
+        if self._whole_completions():
+            return self._rollout_ahead(phase)
         if self._in_flight is None:  # an empty pipeline (first step, after a checkpoint or evaluation)
             if self._rollout_version != self.step:
                 self._sync_rollout()
@@ -154,6 +170,39 @@ class GRPOAsynchronous:
             / sum(s["sequences"] for s in summaries),
             "weight_swaps": sum(s["swaps"] for s in summaries),
             "pool_groups": sum(s["pool"] for s in summaries),
+            "wait_s": wait_s,
+            "overlap_frac": max(0.0, 1.0 - wait_s / generate_s) if generate_s > 0 else 0.0,
+            "in_flight": int(self._in_flight is not None),
+        }
+        self._rollout_summary(phase, summaries, extra)
+
+    def _rollout_ahead(self, phase: Phase) -> None:
+        """Whole completions (vLLM): hand over the batch generated while the last step trained, and start the
+        next at once. A batch generated with version ``v`` is trained at ``t <= v + N``: weights go to the
+        rollout ranks before the next batch starts whenever it would be trained later than that."""
+        rollout = self.groups["rollout"]
+        if self._in_flight is None:  # an empty pipeline (first step, after a checkpoint or evaluation)
+            if self._rollout_version != self.step:
+                self._sync_rollout()
+            self._in_flight = [
+                self._start_generate(rollout, self.task.sample(self.recipe.data.prompts_per_step))
+            ]
+        t_wait = time.perf_counter()
+        summaries = self._in_flight[0].result()
+        wait_s = time.perf_counter() - t_wait
+        self._in_flight = None
+        self._hand_batches()
+        staleness = self.step - min(s["version"] for s in summaries)
+        if not self._must_drain():
+            if (self.step + 1) - self._rollout_version > self.max_staleness:  # admission for the next batch
+                self._sync_rollout()
+            self._in_flight = [
+                self._start_generate(rollout, self.task.sample(self.recipe.data.prompts_per_step))
+            ]
+        generate_s = max(s["generate_s"] for s in summaries)
+        extra = {
+            "staleness_mean": float(staleness),
+            "staleness_max": staleness,
             "wait_s": wait_s,
             "overlap_frac": max(0.0, 1.0 - wait_s / generate_s) if generate_s > 0 else 0.0,
             "in_flight": int(self._in_flight is not None),
@@ -193,6 +242,8 @@ class GRPOAsynchronous:
     def rollout_status(self) -> dict:
         """What is in flight and how stale (see :meth:`LoopBase.rollout_status`), and how many groups each
         rollout rank has admitted against the limit."""
+        if self._whole_completions():
+            return super().rollout_status()
         return {
             **super().rollout_status(),
             "admitted": list(self._admitted),

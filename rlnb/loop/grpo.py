@@ -413,7 +413,7 @@ class GRPOLoop(GRPOAsynchronous, GRPORollout, GRPOEvaluation, LoopBase):
                     for k in (*DYNAMIC_SAMPLING_METRICS, "turns_mean")
                     if f"rollout/{k}" in p
                 },
-                **{f"rollout/{k}": p.get(f"rollout/{k}") for k in ASYNC_METRICS if self.max_staleness},
+                **{f"rollout/{k}": p.get(f"rollout/{k}") for k in ASYNC_METRICS if f"rollout/{k}" in p},
             }
         )
         every = self.recipe.runner.completions_interval

@@ -41,9 +41,9 @@ class GRPORollout:
             rollout.offload().result()  # frees GPU memory for the collocated actor's training
         self._rollout_summary(phase, summaries, extra)
 
-    def _generate_scored(self, rollout: Group, problems: list[Problem]) -> list[dict]:
-        """``problems`` shared over the ranks of ``rollout`` (the group or a view of some of its ranks), each
-        sampled ``algorithm.group_size`` times and scored; each rank keeps its batch. Returns their summaries."""
+    def _start_generate(self, rollout: Group, problems: list[Problem]):
+        """Start ``rollout.generate`` on ``problems`` shared over its ranks, each ``algorithm.group_size`` times;
+        the pending call."""
         reward, G = self.groups["reward"], self.recipe.algorithm.group_size
         # the reward's name where it scores next to the rollout, and the records' other fields where there are
         # any: only then (a rollout class of one's own may take neither)
@@ -54,7 +54,13 @@ class GRPORollout:
             if self.reward_local or with_fields:
                 args += (reward.name if self.reward_local else None,)
             calls.append(args + (([p.fields for p in s],) if with_fields else ()))
-        summaries = rollout.call_each("generate", calls).result()
+        return rollout.call_each("generate", calls)
+
+    def _generate_scored(self, rollout: Group, problems: list[Problem]) -> list[dict]:
+        """``problems`` shared over the ranks of ``rollout`` (the group or a view of some of its ranks), each
+        sampled ``algorithm.group_size`` times and scored; each rank keeps its batch. Returns their summaries."""
+        reward = self.groups["reward"]
+        summaries = self._start_generate(rollout, problems).result()
         if not self.reward_local:  # score on the reward's own slots
             n_rew = reward.world_size
             scored = [

@@ -6,6 +6,8 @@ collocated actor trains, ``offload``/``onload``."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from rlnb.algorithms.interactions import SafeInteraction, check_interaction
@@ -33,8 +35,9 @@ class LMRollout(MultiTurn, DynamicSampling, RolloutBase):
     """
 
     launch = launcher("rollout")
-    # asynchronous mode: whether stream() generates chunks of tokens (HFRollout's own decoding); an engine
-    # that generates whole completions (vLLM) is synchronous only
+    # asynchronous mode: whether stream() generates chunks of tokens (HFRollout's own decoding), taking weights
+    # between chunks; an engine that generates whole completions (vLLM) runs the next batch ahead instead,
+    # taking weights between batches
     CHUNKED_GENERATION = False
 
     @classmethod
@@ -111,7 +114,9 @@ class LMRollout(MultiTurn, DynamicSampling, RolloutBase):
 
         Returns a summary with the completion texts (to score elsewhere) unless scored here.
         """
+        started = time.perf_counter()
         batch, texts = self._generate_turns(prompts, n, False, answers, fields)
+        generate_s = time.perf_counter() - started
         batch["group_index"] = torch.arange(len(prompts)).repeat_interleave(n)
         batch["answers"] = [a for a in answers for _ in range(n)]
         batch["prompts"] = [p for p in prompts for _ in range(n)]
@@ -122,6 +127,8 @@ class LMRollout(MultiTurn, DynamicSampling, RolloutBase):
         self.batch = batch
         lengths = batch["response_mask"].sum(-1).float()
         summary = {
+            "version": self.version,  # the policy version that generated it
+            "generate_s": generate_s,
             "sequences": len(texts),
             "tokens": int(lengths.sum()),
             "response_len_mean": float(lengths.mean()),

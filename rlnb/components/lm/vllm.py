@@ -1,5 +1,6 @@
 """The vLLM rollout: sampling with ``vllm.LLM`` in the worker, weights loaded in place after each sync
-(synchronous mode only: vLLM generates whole completions).
+(vLLM generates whole completions: in asynchronous mode the next batch runs ahead while the actor trains, and
+weights arrive between batches).
 
 Weights reach vLLM's worker processes through ``collective_rpc``, whose arguments vLLM serializes with msgpack:
 a tensor inside them arrives as a plain list. So they carry plain data only, one bucket of tensors at a time
