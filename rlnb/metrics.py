@@ -296,7 +296,26 @@ def _tensorboard_writer(run_dir: Path, purge_step: int | None = None):
                 e,
             )
         return None
+    if purge_step is not None:
+        _after_existing_event_files(run_dir / "tensorboard")
     return SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
+
+
+def _after_existing_event_files(directory: Path) -> None:
+    """Wait, if need be, until a new event file's name sorts after those in ``directory``. TensorBoard reads a
+    run's files in name order, and a resumed run's purge only drops the steps of files read before it; the names
+    start with the second they were made in, then host, pid and a counter, which sort as text ("...10" before
+    "...9"). A file made in a later second sorts after them whatever follows: at most a second's wait, on a
+    resume within the second of the last file."""
+    latest = 0
+    for f in directory.glob("events.out.tfevents.*"):
+        stamp = f.name.split(".")[3]
+        if stamp.isdigit():
+            latest = max(latest, int(stamp))
+    if latest > time.time() + 1:  # stamped ahead of this clock (another machine's): no short wait would do
+        return
+    while int(time.time()) <= latest:
+        time.sleep(0.05)
 
 
 _TENSORBOARD_MISSING_SAID = False

@@ -100,3 +100,37 @@ def test_resume_continues_the_same_wandb_run(cluster, tmp_path, monkeypatch):
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     records = [sorted(f.name for f in run.glob("run-*.wandb")) for run in runs]
     assert len(runs) == 2 and records == [[f"run-{run_id}.wandb"]] * 2, (run_id, runs, records)
+
+
+def test_a_resume_in_the_same_second_is_read_last_by_tensorboard(tmp_path):
+    """TensorBoard reads a run's event files in name order, and names made in one second by one process end in a
+    counter that sorts as text ("...10" before "...9"): a resumed logger's file, whose purge drops the lost
+    steps, must sort after the files before it, or TensorBoard shows the lost steps again."""
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer import event_file_writer
+
+    from rlnb.metrics import MetricLogger
+
+    counter = event_file_writer._global_uid
+    while counter._value < 9:  # the first logger's file ends in .9, the resumed one's in .10 and .11
+        counter.get()
+    time.sleep(1.01 - time.time() % 1)  # all in one second (the files are made within a few ms)
+    first = MetricLogger(tmp_path, tensorboard=True)
+    for step in (1, 2, 3):
+        first.log(step, {"train/loss": float(step)})
+    first.close()
+    again = MetricLogger(tmp_path, tensorboard=True)  # a resume from the checkpoint at step 2
+    again.truncate_after(2)
+    for step in (3, 4):
+        again.log(step, {"train/loss": 10.0 + step})
+    again.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 13.0),
+        (4, 14.0),
+    ]

@@ -168,3 +168,19 @@ def test_a_dcp_index_or_value_naming_code_is_refused_before_it_runs(tmp_path):
     value.seek(0)
     planner.load_bytes(Item, value)
     assert planner.state_dict == {"optim.param_groups.0.lr": 0.25}
+
+
+def test_lora_adapters_on_a_sharded_model_train_checkpoint_and_resume_exactly(cluster, tmp_path):
+    """LoRA with FSDP2: only the adapters train, sharded with the frozen base; a DCP checkpoint holds both and a
+    resumed run continues exactly, with a KL term against the model with its adapters off."""
+    extra = ["actor.strategy=fsdp2", "actor.lora.rank=4", "actor.lora.alpha=8", "algorithm.kl_coef=0.1",
+             "runner.save_interval=1"]  # fmt: skip
+    whole, _ = _run(cluster, tmp_path, "whole", extra)
+    assert all(math.isfinite(r["train/loss"]) for r in whole) and "memory/ref_bytes" not in whole[-1]
+    overrides = [*TWO_RANKS, f"actor.model_path={tmp_path / 'model'}", *extra, "runner.steps=2"]
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "cut") as loop:
+        loop.run(progress=False)
+    assert (tmp_path / "cut" / "checkpoints" / "step_000002" / "actor_dcp" / ".metadata").is_file()
+    with GRPOLoop.resume(tmp_path / "cut", cluster=cluster, overrides=["runner.steps=3"]) as loop:
+        last = loop.run(progress=False)[-1]
+    assert last["train/loss"] == pytest.approx(whole[-1]["train/loss"], rel=1e-5, abs=1e-7)
