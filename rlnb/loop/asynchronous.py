@@ -86,9 +86,12 @@ class GRPOAsynchronous:
             return
         key = "algorithm.max_staleness"
         rollout = self.groups.get("rollout")
-        if rollout is not None and self._whole_completions():
-            pass  # (its engine generates whole batches: the next one runs ahead, weights between batches)
-        elif rollout is not None and not callable(getattr(rollout.cls, "stream", None)):
+        # (an engine generating whole completions needs no stream(): its next batch runs ahead whole)
+        if (
+            rollout is not None
+            and not self._whole_completions()
+            and not callable(getattr(rollout.cls, "stream", None))
+        ):
             raise ComponentError(
                 f"lacks method stream, which asynchronous generation ({key}={n}) calls; subclass the built-in "
                 "rlnb.components.HFRollout and override what you change",
@@ -118,7 +121,7 @@ class GRPOAsynchronous:
             return super().sync_weights()
         if self._whole_completions():
             with self.timed("sync") as phase:
-                Asynchronous._settle_in_flight(self)
+                self._settle_in_flight()
                 if self._in_flight is None:
                     self._sync_rollout()
                 phase.metrics["version"] = self._rollout_version

@@ -14,6 +14,7 @@ allows.
 
 from __future__ import annotations
 
+import collections
 import io
 import pathlib
 import pickle
@@ -51,7 +52,7 @@ def _metadata_classes() -> dict[tuple[str, str], object]:
     classes[("torch.serialization", "_get_layout")] = (
         torch.serialization._get_layout
     )  # (a layout by its name)
-    classes[("collections", "OrderedDict")] = __import__("collections").OrderedDict
+    classes[("collections", "OrderedDict")] = collections.OrderedDict
     classes[("builtins", "set")], classes[("builtins", "frozenset")] = set, frozenset
     return classes
 
