@@ -117,7 +117,7 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
 
     tmp_path = tmp_path_factory.mktemp("browser")
     shots = Path(os.environ.get("RLNB_SCREENSHOTS") or tmp_path)
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     port = _free_port()
     # served from a copy in the test's directory: the kernel runs there, and its loop's run directory with it
@@ -158,8 +158,10 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
             page.screenshot(path=str(shots / "dashboard_running.png"), full_page=True)
             # finished: it says so, with the final step and the wall time, and steers no more
             page.get_by_text(re.compile(r"done at step 60 · \d+ s")).wait_for(timeout=120_000)
-            assert page.get_by_role("button", name="stop").is_disabled()
-            assert page.get_by_role("button", name="apply").is_disabled()
+            # each control's disabled state reaches the page in its own widget message, after the label's: waited
+            # for (playwright's expect retries until it holds), not read once
+            expect(page.get_by_role("button", name="stop")).to_be_disabled(timeout=10_000)
+            expect(page.get_by_role("button", name="apply")).to_be_disabled(timeout=10_000)
             page.screenshot(path=str(shots / "dashboard_finished.png"), full_page=True)
             figure = page.locator(".bqplot", has_text="return / reward").first
             assert page.evaluate(POINTS) == 60  # one point a step
