@@ -358,3 +358,31 @@ def test_envs_that_do_not_report_success_log_no_success_rate():
         env.step(0, np.zeros(2, dtype=np.int64))
     assert all(len(e) == 2 for e in env.finished)  # (return, length): no success to say
     assert "success_rate" not in env.run_episodes(lambda obs: np.zeros(len(obs), dtype=np.int64), 2)
+
+
+class TupleObservations(Choice):
+    observation_space = gym.spaces.Tuple([gym.spaces.Discrete(2), gym.spaces.Discrete(3)])
+
+
+class MultiBinaryActions(Choice):
+    action_space = gym.spaces.MultiBinary(2)
+
+
+@pytest.mark.parametrize(
+    "make_env, member, expected",
+    [
+        (TupleObservations, "observation_space", "observations that are one array (a Box space), got Tuple("),
+        (MultiBinaryActions, "action_space", "a Discrete or Box action space, got MultiBinary(2)"),
+    ],
+)
+def test_an_env_class_with_spaces_the_component_cannot_take_is_refused_naming_the_space(
+    make_env, member, expected
+):
+    """The env component and the built-in policy share one rule on spaces (``space_problem``): the component
+    names the env class and the space."""
+    from rlnb.errors import ComponentError
+
+    with pytest.raises(ComponentError) as info:
+        Env(make_env=make_env, num_envs=2)
+    assert str(info.value).startswith(f"env: {make_env.__name__}.{member}: expected {expected}")
+    assert info.value.key == member

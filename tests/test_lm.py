@@ -963,6 +963,39 @@ def test_one_group_and_one_prompt_can_be_looked_at(cluster, tmp_path):
         assert torch.allclose(torch.tensor([r["advantage"] for r in rows]), expected, atol=1e-4)
 
 
+class PromptsOnly(HFRollout):
+    """A rollout of one's own written to the first signatures: ``complete(prompts)`` and
+    ``sample_completions(prompt, n)``, without each prompt's answer and record fields."""
+
+    TAKES_RECORDS = False
+
+    def complete(self, prompts):
+        return super().complete(prompts)
+
+    def sample_completions(self, prompt, n):
+        return super().sample_completions(prompt, n)
+
+
+def test_a_rollout_declaring_it_takes_prompts_only_is_evaluated_and_tried_with_prompts_only(
+    cluster, tmp_path
+):
+    """The loop reads what a rollout's ``complete`` and ``sample_completions`` take from its declaration
+    (``TAKES_RECORDS``), not from their signatures; on workers, built from objects."""
+    from rlnb import launch
+    from rlnb.models import build_tiny_lm
+
+    model = str(build_tiny_lm(tmp_path / "tiny", hidden_size=32, num_layers=1, num_heads=2))
+    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(4)]
+    rollout = launch(PromptsOnly, cluster, "0", model_path=model, max_new_tokens=3)
+    actor = LMActor.launch(cluster, "0", model_path=model, group_size=4)
+    with GRPOLoop(
+        rollout=rollout, actor=actor, reward="arithmetic", prompts=records, prompts_per_step=2,
+        run_dir=tmp_path / "run",
+    ) as loop:  # fmt: skip
+        assert loop.evaluate(2)["eval/size"] == 2
+        assert len(loop.try_prompt("3+4=", "7")) == 4
+
+
 def test_mask_truncated_completions_trains_as_if_they_were_not_in_the_batch(tiny_lm):
     """``algorithm.mask_truncated_completions`` (TRL's; DAPO's overlong filtering): an update with the truncated
     completions masked is the update on the batch without them (the same advantages), and not the update with

@@ -192,9 +192,12 @@ class ActorBase:
         """Weights, optimizer, both RNGs and the step: what an exact resume needs."""
         with without_dynamo_import():  # a first checkpoint need not import it (~1 s)
             optimizer = self.optimizer.state_dict()
+        return {"policy": self.policy.state_dict(), "optimizer": optimizer, **self._rest_state()}
+
+    def _rest_state(self) -> dict:
+        """What :meth:`state_dict` holds besides the weights and the optimizer (:meth:`_load_rest` restores it):
+        RNGs and the step. A sharded actor writes the weights and optimizer through DCP and this apart."""
         return {
-            "policy": self.policy.state_dict(),
-            "optimizer": optimizer,
             "generator": self.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
             "step": self.step,

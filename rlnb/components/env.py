@@ -21,7 +21,13 @@ import torch
 
 from rlnb.components.launch import launcher
 from rlnb.config.schema import EnvConfig
-from rlnb.envs.gym_envs import RunningMeanStd, capture_sim_state, make_vector_env, restore_sim_state
+from rlnb.envs.gym_envs import (
+    RunningMeanStd,
+    capture_sim_state,
+    make_vector_env,
+    restore_sim_state,
+    space_problem,
+)
 from rlnb.envs.state import capture_state, restore_state
 from rlnb.errors import ComponentError, ConfigError, did_you_mean
 from rlnb.runtime.rank import RankInfo, current_rank
@@ -151,19 +157,11 @@ class Env:
         return kwargs
 
     def _check_spaces(self) -> None:
-        import gymnasium as gym
-
-        label = getattr(self.make_env, "__name__", type(self.make_env).__name__)
-        if not isinstance(self.observation_space, gym.spaces.Box):
-            raise ComponentError(
-                f"expected a gymnasium.spaces.Box observation space, got {self.observation_space}",
-                self.name, label, "observation_space",
-            )  # fmt: skip
-        if not isinstance(self.action_space, (gym.spaces.Box, gym.spaces.Discrete)):
-            raise ComponentError(
-                f"expected a Discrete or Box action space, got {self.action_space}",
-                self.name, label, "action_space",
-            )  # fmt: skip
+        problem = space_problem(self.observation_space, self.action_space)
+        if problem is not None:
+            which, expected, got = problem
+            label = getattr(self.make_env, "__name__", type(self.make_env).__name__)
+            raise ComponentError(f"expected {expected}, got {got}", self.name, label, which)
 
     def spec(self) -> dict:
         """What builds fresh envs like these (for evaluation): ``{"config", "make_env"}``."""

@@ -109,6 +109,22 @@ def probe_env(env_id: str, kwargs: dict | None) -> tuple[gym.Space, gym.Space] |
             env.close()
 
 
+def space_problem(obs_space: gym.Space, act_space: gym.Space) -> tuple[str, str, gym.Space] | None:
+    """The one rule on spaces that the env component and the built-in policy share: observations one array
+    (``Box``), actions ``Discrete`` or ``Box``. Returns the space that breaks it (its attribute's name, what was
+    expected, the space), or ``None``.
+
+    Example:
+        >>> space_problem(gym.spaces.Box(-1, 1, (3,)), gym.spaces.MultiBinary(2))
+        ('action_space', 'a Discrete or Box action space', MultiBinary(2))
+    """
+    if not isinstance(obs_space, gym.spaces.Box):
+        return "observation_space", "observations that are one array (a Box space)", obs_space
+    if not isinstance(act_space, (gym.spaces.Discrete, gym.spaces.Box)):
+        return "action_space", "a Discrete or Box action space", act_space
+    return None
+
+
 def _vector_only(env_id: str) -> bool:
     spec = gym.registry.get(env_id)
     return spec is not None and spec.entry_point is None and spec.vector_entry_point is not None

@@ -7,6 +7,7 @@ streams LM generation through weight updates (partial rollouts, admission contro
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rlnb.errors import ComponentError, ConfigError
@@ -36,6 +37,36 @@ class Asynchronous:
         """Actor -> rollout weights now (waiting for them to load), remembered as the rollout's version."""
         self._sync()
         self._rollout_version = self.step
+
+    def _take_ahead(
+        self, start: Callable[[], list], finish: Callable[[list], list[dict]]
+    ) -> tuple[list[dict], dict]:
+        """Whole batches ahead (the embodied loop; GRPO with an engine of whole completions): wait for the batch in
+        flight and hand it over (``finish(pending)``: its summaries, each with the ``version`` it was made with),
+        then start the next at once (``start()``: the pending calls). A batch made with version ``v`` is trained
+        at ``t <= v + N``: weights go to the rollout ranks first whenever the next would be trained later.
+        Returns the summaries and the mode's metrics."""
+        pending = self._in_flight
+        t_wait = time.perf_counter()
+        pending[0].wait()
+        wait_s = time.perf_counter() - t_wait
+        busy_s = max(d or 0.0 for d in pending[0].durations_s)  # the ranks' own time for the batch
+        summaries = finish(pending)
+        self._in_flight = None
+        # versions behind when trained (at self.step), from the batch's own version: an evaluation may have sent
+        # the rollout ranks newer weights since it was made
+        staleness = self.step - min(s["version"] for s in summaries)
+        if not self._must_drain():
+            if (self.step + 1) - self._rollout_version > self.max_staleness:  # admission for the next batch
+                self._sync_rollout()
+            self._in_flight = start()
+        return summaries, {
+            "staleness_mean": float(staleness),
+            "staleness_max": staleness,
+            "wait_s": wait_s,
+            "overlap_frac": max(0.0, 1.0 - wait_s / busy_s) if busy_s > 0 else 0.0,  # hidden behind training
+            "in_flight": int(self._in_flight is not None),
+        }
 
     def _check_async_apart(self, example: str) -> None:
         """Asynchronous mode needs rollout and actor on different slots; ``example`` is a placement that works."""
@@ -181,36 +212,22 @@ class GRPOAsynchronous:
 
     def _rollout_ahead(self, phase: Phase) -> None:
         """Whole completions (vLLM): hand over the batch generated while the last step trained, and start the
-        next at once. A batch generated with version ``v`` is trained at ``t <= v + N``: weights go to the
-        rollout ranks before the next batch starts whenever it would be trained later than that."""
-        rollout = self.groups["rollout"]
+        next at once (:meth:`Asynchronous._take_ahead`)."""
+        rollout, prompts = self.groups["rollout"], self.recipe.data.prompts_per_step
+
+        def start() -> list:
+            return [self._start_generate(rollout, self.task.sample(prompts))]
+
+        def finish(pending: list) -> list[dict]:
+            summaries = pending[0].result()
+            self._hand_batches()
+            return summaries
+
         if self._in_flight is None:  # an empty pipeline (first step, after a checkpoint or evaluation)
             if self._rollout_version != self.step:
                 self._sync_rollout()
-            self._in_flight = [
-                self._start_generate(rollout, self.task.sample(self.recipe.data.prompts_per_step))
-            ]
-        t_wait = time.perf_counter()
-        summaries = self._in_flight[0].result()
-        wait_s = time.perf_counter() - t_wait
-        self._in_flight = None
-        self._hand_batches()
-        staleness = self.step - min(s["version"] for s in summaries)
-        if not self._must_drain():
-            if (self.step + 1) - self._rollout_version > self.max_staleness:  # admission for the next batch
-                self._sync_rollout()
-            self._in_flight = [
-                self._start_generate(rollout, self.task.sample(self.recipe.data.prompts_per_step))
-            ]
-        generate_s = max(s["generate_s"] for s in summaries)
-        extra = {
-            "staleness_mean": float(staleness),
-            "staleness_max": staleness,
-            "wait_s": wait_s,
-            "overlap_frac": max(0.0, 1.0 - wait_s / generate_s) if generate_s > 0 else 0.0,
-            "in_flight": int(self._in_flight is not None),
-        }
-        self._rollout_summary(phase, summaries, extra)
+            self._in_flight = start()
+        self._rollout_summary(phase, *self._take_ahead(start, finish))
 
     def _start_stream(self, train_version: int):
         """Admit problems to each rollout rank (AReaL's admission control) and start generating the batch

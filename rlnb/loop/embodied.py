@@ -259,31 +259,12 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
         return phase.metrics
 
     def _rollout_ahead(self, phase: Phase) -> None:
-        """The asynchronous rollout: hand over the batch in flight, start the next."""
+        """The asynchronous rollout: hand over the batch in flight, start the next
+        (:meth:`rlnb.loop.asynchronous.Asynchronous._take_ahead`)."""
         if self._in_flight is None:  # an empty pipeline (first step, after a checkpoint or evaluation)
             self._sync_rollout()
             self._in_flight = self._start_rollout()
-        t_wait = time.perf_counter()
-        self._in_flight[0].wait()
-        wait_s = time.perf_counter() - t_wait
-        busy_s = max(d or 0.0 for d in self._in_flight[0].durations_s)  # the collection's own time
-        summaries = self._finish_rollout(self._in_flight)
-        self._in_flight = None
-        # versions behind when trained (at self.step), from the batch's own version: an evaluation may have sent
-        # the rollout ranks newer weights since it was collected
-        staleness = self.step - summaries[0]["version"]
-        if not self._must_drain():
-            if (self.step + 1) - self._rollout_version > self.max_staleness:  # admission for the next batch
-                self._sync_rollout()
-            self._in_flight = self._start_rollout()
-        extra = {
-            "staleness_mean": float(staleness),
-            "staleness_max": staleness,
-            "in_flight": int(self._in_flight is not None),
-            "wait_s": wait_s,
-            "overlap_frac": max(0.0, 1.0 - wait_s / busy_s) if busy_s > 0 else 0.0,  # hidden behind training
-        }
-        self._rollout_metrics(phase, summaries, extra)
+        self._rollout_metrics(phase, *self._take_ahead(self._start_rollout, self._finish_rollout))
 
     def _start_rollout(self) -> list:
         """Start collecting (returns the pending calls); the batches stay on the rollout ranks."""

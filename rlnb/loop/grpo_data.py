@@ -4,7 +4,6 @@ multi-turn conversations included."""
 
 from __future__ import annotations
 
-import inspect
 import random
 import re
 
@@ -95,11 +94,11 @@ def turn_demonstrations(task, recipe) -> tuple[list, list, list | None, list | N
     return contexts, targets, [c for c, _ in wrong_rows], [t for _, t in wrong_rows]
 
 
-def takes_more(rollout, method: str, given: int) -> bool:
-    """Whether the rollout class's ``method`` takes more than the ``given`` arguments: HFRollout's ``complete``
-    and ``sample_completions`` also take the answers and records' fields a multi-turn rollout's interaction reads;
-    a rollout class of one's own written to the earlier signatures is called as it was."""
-    return len(inspect.signature(getattr(rollout.cls, method)).parameters) - 1 > given  # (- 1: self)
+def takes_records(rollout) -> bool:
+    """Whether the rollout's ``complete`` and ``sample_completions`` take each prompt's answer and record fields
+    after the prompts, as :class:`rlnb.components.lm.rollout.LMRollout` declares (``TAKES_RECORDS``); a rollout
+    class of one's own that does not declare it is given the prompts only."""
+    return bool(getattr(rollout.cls, "TAKES_RECORDS", False))
 
 
 def shard(items: list, n: int) -> list[list]:

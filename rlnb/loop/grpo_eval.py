@@ -7,7 +7,7 @@ import time
 
 from rlnb.data.prompts import Problem, chat_prompts, is_conversation
 from rlnb.loop.base import count_or_default
-from rlnb.loop.grpo_data import shard, takes_more
+from rlnb.loop.grpo_data import shard, takes_records
 
 
 class GRPOEvaluation:
@@ -25,7 +25,7 @@ class GRPOEvaluation:
         self._sync_rollout()  # evaluate the current weights
         problems = self.task.held_out[:size]
         rollout = self.groups["rollout"]
-        full = takes_more(rollout, "complete", 1)
+        full = takes_records(rollout)
         texts = [
             t
             for part in rollout.call_each(
@@ -80,9 +80,7 @@ class GRPOEvaluation:
         elif is_conversation(prompt):  # objects path: through the rollout's tokenizer
             prompt = self._template([prompt])[0]
         rollout = self.groups["rollout"]
-        args = (
-            (prompt, size, answer, fields) if takes_more(rollout, "sample_completions", 2) else (prompt, size)
-        )
+        args = (prompt, size, answer, fields) if takes_records(rollout) else (prompt, size)
         texts = rollout.on(0).sample_completions(*args).result()[0]
         scored = (
             self.groups["reward"].on(0).score_terms(texts, [answer] * size, [prompt] * size, [fields] * size)

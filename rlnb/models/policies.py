@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributions import Normal
 
+from rlnb.envs.gym_envs import space_problem
 from rlnb.errors import ConfigError
 
 
@@ -108,18 +109,21 @@ class NatureCNN(nn.Module):
 
 
 def check_spaces(obs_space: gym.Space, act_space: gym.Space) -> None:
-    """Raise :class:`~rlnb.errors.ConfigError` (key ``env.id``) unless the built-in policy takes these spaces:
-    observations one array (Box), actions Discrete or Box. The driver checks this on a probe env before anything
-    starts (:func:`rlnb.envs.gym_envs.probe_env`), the policy again where it is built."""
-    if not isinstance(obs_space, gym.spaces.Box):
-        raise ConfigError(
-            f"env.id: the built-in policy (actor.model) takes observations that are one array (a Box space), "
-            f"got {obs_space}; flatten them (gymnasium.wrappers.FlattenObservation, in an env class of your "
-            "own) or give a policy of your own (rollout and actor policy=...)",
-            "env.id",
+    """Raise :class:`~rlnb.errors.ConfigError` (key ``env.id``) unless the built-in policy takes these spaces
+    (:func:`rlnb.envs.gym_envs.space_problem`). The driver checks this on a probe env before anything starts
+    (:func:`rlnb.envs.gym_envs.probe_env`), the policy again where it is built."""
+    problem = space_problem(obs_space, act_space)
+    if problem is None:
+        return
+    which, expected, got = problem
+    message = f"env.id: expected {expected}, got {got}"
+    if which == "observation_space":
+        message = (
+            f"env.id: the built-in policy (actor.model) takes {expected}, got {got}; flatten them "
+            "(gymnasium.wrappers.FlattenObservation, in an env class of your own) or give a policy of your own "
+            "(rollout and actor policy=...)"
         )
-    if not isinstance(act_space, (gym.spaces.Discrete, gym.spaces.Box)):
-        raise ConfigError(f"env.id: expected a Discrete or Box action space, got {act_space}", "env.id")
+    raise ConfigError(message, "env.id")
 
 
 class ActorCritic(nn.Module):

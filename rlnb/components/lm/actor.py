@@ -454,8 +454,8 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
             self.policy.save_pretrained(path)
         return str(path)
 
-    def state_dict(self) -> dict:
-        return {**super().state_dict(), "ref": self.ref.state_dict() if self.ref is not None else None}
+    def _rest_state(self) -> dict:
+        return {**super()._rest_state(), "ref": self.ref.state_dict() if self.ref is not None else None}
 
     def _load_rest(self, state: dict) -> None:
         super()._load_rest(state)

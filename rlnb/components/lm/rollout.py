@@ -39,6 +39,9 @@ class LMRollout(MultiTurn, DynamicSampling, RolloutBase):
     # between chunks; an engine that generates whole completions (vLLM) runs the next batch ahead instead,
     # taking weights between batches
     CHUNKED_GENERATION = False
+    # complete() and sample_completions() take each prompt's answer and record fields after the prompts (a
+    # multi-turn interaction reads them); a rollout class of one's own without this is given the prompts only
+    TAKES_RECORDS = True
 
     @classmethod
     def prepare_launch(cls, kwargs: dict) -> dict:

@@ -114,14 +114,13 @@ class Sharded:
         model); else all of ``state_dict()`` goes into ``path``. Returns the bytes this rank wrote."""
         from rlnb.runtime.rank import process_group, save_state_file
 
-        state = self.state_dict()
         if not self.sharded:
-            return save_state_file(self, state, path)
+            return save_state_file(self, self.state_dict(), path)
         from rlnb.components.lm.dcp import save_sharded, shard_dir
 
         directory = shard_dir(path)
         save_sharded(self.policy, self.optimizer, directory, process_group("default"))
-        rest = {k: v for k, v in state.items() if k not in ("policy", "optimizer")}
+        rest = self._rest_state()
         ours = sum(f.stat().st_size for f in directory.glob(f"__{self.rank}_*.distcp"))
         return save_state_file(self, {**rest, "shards": "dcp"}, path) + ours
 
