@@ -68,6 +68,16 @@ class Asynchronous:
             "in_flight": int(self._in_flight is not None),
         }
 
+    def _sync_between_batches(self) -> dict:
+        """``sync_weights()`` where whole batches run ahead (:meth:`_take_ahead`): the batch in flight finishes
+        first (kept for the next ``rollout()``), then the rollout ranks take the actor's weights."""
+        with self.timed("sync") as phase:
+            self._settle_in_flight()
+            if self._in_flight is None:
+                self._sync_rollout()
+            phase.metrics["version"] = self._rollout_version
+        return phase.metrics
+
     def _check_async_apart(self, example: str) -> None:
         """Asynchronous mode needs rollout and actor on different slots; ``example`` is a placement that works."""
         shared = sorted(set(self.placement["rollout"]) & set(self.placement["actor"]))
@@ -151,12 +161,7 @@ class GRPOAsynchronous:
         if not self.max_staleness:
             return super().sync_weights()
         if self._whole_completions():
-            with self.timed("sync") as phase:
-                self._settle_in_flight()
-                if self._in_flight is None:
-                    self._sync_rollout()
-                phase.metrics["version"] = self._rollout_version
-            return phase.metrics
+            return self._sync_between_batches()
         with self.timed("sync", version=self.step) as phase:
             if self._in_flight is not None and self._rollout_version != self.step:
                 self._publish()
@@ -280,12 +285,7 @@ class EmbodiedAsynchronous:
         them; calling this waits for the collection in flight (kept for the next :meth:`rollout`) first."""
         if not self.max_staleness:
             return super().sync_weights()
-        with self.timed("sync") as phase:
-            self._settle_in_flight()
-            if self._in_flight is None:
-                self._sync_rollout()
-            phase.metrics["version"] = self._rollout_version
-        return phase.metrics
+        return self._sync_between_batches()
 
     def rollout_status(self) -> dict:
         """What is in flight and how stale (see :meth:`LoopBase.rollout_status`), and how many versions
