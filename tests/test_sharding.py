@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from rlnb.config import load_recipe
 from rlnb.config.loader import RecipeError
@@ -107,6 +108,43 @@ def test_a_sharded_run_checkpoints_and_resumes_exactly_and_exports_the_whole_mod
 
     model, _ = load_lm(str(exported))  # a whole model in Hugging Face format, not a shard
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.parametrize("arch, max_shard_size", [("qwen2", None), ("llama", "40KB")])
+def test_each_sharded_rank_reads_only_its_shards_of_the_checkpoint(cluster, tmp_path, arch, max_shard_size):
+    """actor.strategy=fsdp2 over two ranks: the model is built with no storage and each rank reads its own shard
+    of every tensor from the safetensors file(s) (one file, or several named by an index), about half the
+    weights' bytes (every byte once over the ranks, no rank the whole model); gathered, the weights are the
+    checkpoint's exactly. (The rotary frequencies, in no checkpoint, are checked by the tests above: their losses
+    are DDP's, whose ranks load the model whole.)"""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlnb.models.lm import build_tiny_lm, load_tokenizer
+
+    model = build_tiny_lm(tmp_path / "built", hidden_size=64, arch=arch)
+    if (
+        max_shard_size is not None
+    ):  # the layout of a large checkpoint: shards and model.safetensors.index.json
+        AutoModelForCausalLM.from_pretrained(model).save_pretrained(
+            tmp_path / "sharded", max_shard_size=max_shard_size
+        )
+        load_tokenizer(str(model)).save_pretrained(tmp_path / "sharded")
+        model = tmp_path / "sharded"
+    files = sorted(model.glob("*.safetensors"))
+    assert (len(files) == 1) == (max_shard_size is None), files
+    overrides = [*TWO_RANKS, f"actor.model_path={model}", "actor.strategy=fsdp2", "actor.sft_steps=0"]
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        actor = loop.groups["actor"]
+        reports = actor.load_report().result()
+        gathered = actor.full_state().result()[0]
+    saved = {k: v for f in files for k, v in load_file(str(f)).items()}
+    total = sum(t.numel() * t.element_size() for t in saved.values())
+    assert all(r["rank_by_rank"] for r in reports), reports
+    assert sum(r["read_bytes"] for r in reports) == total, (reports, total)
+    assert all(0.4 < r["read_bytes"] / total < 0.6 for r in reports), (reports, total)
+    for name, tensor in saved.items():
+        assert torch.equal(gathered[name], tensor), name
 
 
 def test_fsdp2_misfits_are_refused_naming_the_key():

@@ -421,7 +421,8 @@ class ActorConfig:
     gradients all-reduced) or ``fsdp2`` (PyTorch FSDP2, ``fully_shard`` on each decoder layer and the root: each
     rank holds a shard of all three; gloo on CPU, NCCL on GPUs). With ``fsdp2`` every rank computes its
     micro-batches in one pass each, every row (``actor.length_buckets`` and ``actor.skip_zero_advantage`` do
-    not apply)."""
+    not apply). Over several ranks the model is built with no storage and each rank reads only its shards from
+    a local safetensors checkpoint (a hub id, ``.bin`` weights or LoRA: loaded whole, then sharded)."""
     hsdp_replicas: int = 1
     """LM RL with ``actor.strategy: fsdp2``: HSDP, the model replicated over this many groups of actor ranks and
     sharded within each (FSDP2 over a 2-D device mesh: gradients reduce-scattered within a group, then averaged

@@ -250,9 +250,12 @@ def load_lm(
     device: str | torch.device = "cpu",
     key: str = "actor.model_path",
     dtype: str = "float32",
+    empty: bool = False,
 ):
     """``(model, tokenizer)`` from a local ``save_pretrained`` directory or a hub id (``from_pretrained``),
-    with a clear error naming ``key`` when neither is there; weights in ``dtype`` (a name of :data:`DTYPES`)."""
+    with a clear error naming ``key`` when neither is there; weights in ``dtype`` (a name of :data:`DTYPES`).
+    ``empty``: the model with no storage (the meta device), for a sharded actor that reads its shards itself
+    (:mod:`rlnb.components.lm.shard_load`)."""
     from transformers import AutoModelForCausalLM
 
     ref = resolve_model(path, key)
@@ -260,6 +263,10 @@ def load_lm(
     tok.padding_side = "left"  # generation appends on the right
     if tok.pad_token_id is None:  # many hub tokenizers have none; generation and batching need one
         tok.pad_token = tok.eos_token
+    if empty:
+        from rlnb.components.lm.shard_load import empty_lm
+
+        return empty_lm(ref, dtype), tok
     with hf_quiet():
         model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPES[dtype]).to(device)
     return model, tok

@@ -5,6 +5,7 @@ warm start is :mod:`.sft`."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 
@@ -29,6 +30,8 @@ from rlnb.errors import ConfigError
 from rlnb.models.lm import DTYPES, base_lm, enable_checkpointing, hf_quiet, load_lm
 from rlnb.runtime.rank import RankInfo, current_rank
 from rlnb.seeding import rank_seed
+
+log = logging.getLogger("rlnb")
 
 
 class LMActor(Sharded, Forward, WarmStart, ActorBase):
@@ -139,7 +142,9 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         # computes a padded position nearly for free next to a pass's fixed cost
         self.length_buckets = buckets or (1 if self.device.type == "cuda" else CPU_LENGTH_BUCKETS)
         torch.manual_seed(seed)
-        self.policy, self.tok = load_lm(model_path, self.device)
+        # FSDP2 over several ranks: built with no storage, each rank reads its own shards once sharded
+        self.shard_files = self._rank_by_rank(str(model_path))
+        self.policy, self.tok = load_lm(model_path, self.device, empty=self.shard_files is not None)
         if cfg.lora.rank > 0:  # (only the adapters train; the reference is the model with them off)
             self.policy, self.lora = add_adapters(self.policy.requires_grad_(True), cfg.lora), True
         if (
@@ -154,7 +159,9 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
             self.ref = (
                 AdaptersOff(self.policy)
                 if self.lora
-                else load_lm(model_path, self.device, dtype=self.dtype)[0].eval().requires_grad_(False)
+                else load_lm(model_path, self.device, dtype=self.dtype, empty=self.shard_files is not None)[0]
+                .eval()
+                .requires_grad_(False)
             )
         self.micro_batch_size, self.temperature, self.total_steps = cfg.micro_batch_size, temperature, 1
         self.optimizer = adamw(self.policy, cfg.lr, self.device)
@@ -187,6 +194,22 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
             k: v.detach().to(cast, copy=True) if v.is_floating_point() else v.detach().clone()
             for k, v in self.full_state().items()
         }
+
+    def _rank_by_rank(self, model_path: str) -> list | None:
+        """The checkpoint files each rank reads its shards from (``actor.strategy: fsdp2`` over several ranks,
+        no LoRA, a local safetensors checkpoint whose names are the model's), else ``None``: loaded whole."""
+        if self.cfg.strategy != "fsdp2" or self.world_size < 2 or self.cfg.lora.rank > 0:
+            return None
+        from rlnb.components.lm.shard_load import checkpoint_files, empty_lm, unmatched
+        from rlnb.models.lm import resolve_model
+
+        ref = resolve_model(model_path)
+        files = checkpoint_files(ref)
+        why = "not a local safetensors checkpoint" if files is None else unmatched(empty_lm(ref), files)
+        if why is not None:
+            log.info("actor[%d]: the model loads whole, then is sharded: %s", self.rank, why)
+            return None
+        return files
 
     def setup_data_parallel(self) -> str:
         """Data-parallel over the actor's ranks: DDP, or with ``actor.strategy: fsdp2`` FSDP2 (:mod:`.sharding`)."""

@@ -15,7 +15,7 @@ def adamw(model: torch.nn.Module, lr: float, device: torch.device) -> torch.opti
     default runs a few per parameter tensor."""
     params = [p for p in model.parameters() if p.requires_grad]  # (LoRA: the adapters alone)
     fused = device.type in ("cpu", "cuda") and all(
-        p.is_floating_point() and not hasattr(p, "full_tensor") for p in params
+        p.is_floating_point() and not hasattr(p, "full_tensor") and not p.is_meta for p in params
     )
     return build_optimizer(torch.optim.AdamW, params, lr=lr, weight_decay=0.0, fused=fused or None)
 

@@ -41,6 +41,8 @@ class Sharded:
 
     sharded = False  # FSDP2 in force (after setup_data_parallel)
     lora = False  # adapters on the model (actor.lora.rank > 0)
+    shard_files = None  # the checkpoint's files, where each rank reads only its shards of the model from them
+    loaded_bytes: int | None = None  # what this rank read of them
 
     def _shard(self) -> str:
         """``fully_shard`` each decoder layer, then the root, over the actor ranks' default process group (over a
@@ -76,6 +78,11 @@ class Sharded:
             for layer in decoder_layers(self.ref):
                 fully_shard(layer, mesh=mesh, mp_policy=mp)
             fully_shard(self.ref, mesh=mesh, mp_policy=mp)
+        if self.shard_files is not None:  # built with no storage: each rank reads its own shards now
+            from rlnb.components.lm.shard_load import load_shards
+
+            models = [self.policy] + ([self.ref] if self.ref is not None and not self.lora else [])
+            self.loaded_bytes = sum(load_shards(m, self.shard_files, self.device) for m in models)
         self.model, self.sharded = self.policy, True
         # the same work on every rank: FSDP2 gathers each layer's parameters in every forward
         self.length_buckets, self.share_prompt_forward, self.skip_zero_advantage = 1, False, False
@@ -83,6 +90,11 @@ class Sharded:
         trained = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trained, lr=self.cfg.lr, weight_decay=0.0)
         return "fsdp2" if replicas == 1 else f"hsdp ({replicas} replicas)"
+
+    def load_report(self) -> dict:
+        """How this rank got its weights: ``rank_by_rank`` (built with no storage, then only its shards read
+        from the checkpoint, :mod:`.shard_load`) or loaded whole, and the bytes it read that way."""
+        return {"rank_by_rank": self.shard_files is not None, "read_bytes": self.loaded_bytes}
 
     def _gradient_sync(self, sync_now: bool):
         """DDP's ``no_sync`` for a micro-batch that is not the last; FSDP2 reduces gradients or not as told."""

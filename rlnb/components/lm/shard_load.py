@@ -1,0 +1,128 @@
+"""A sharded LM actor loaded rank by rank (``actor.strategy: fsdp2`` over several ranks): the model is built with
+no storage (the meta device) and sharded, then each rank reads only its own shard of every tensor from the
+checkpoint's safetensors files. No rank ever holds the whole model, as it would loading it whole and sharding it
+after (the meta-device start of TorchTitan and veRL).
+
+The buffers a checkpoint does not hold (a rotary embedding's frequencies) are computed by the model's own
+initialisation, as ``transformers`` computes them when it loads from the meta device itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from rlnb.components.lm.sharding import is_sharded
+from rlnb.models.lm import DTYPES, hf_quiet
+
+log = logging.getLogger("rlnb")
+
+
+def checkpoint_files(ref: str) -> list[Path] | None:
+    """The safetensors files of a local ``save_pretrained`` directory (one file, or the shards its index names);
+    ``None`` for anything else (a hub id, ``.bin`` weights), which loads whole."""
+    local = Path(ref)
+    index = local / "model.safetensors.index.json"
+    if index.is_file():
+        return [local / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    single = local / "model.safetensors"
+    return [single] if single.is_file() else None
+
+
+def empty_lm(ref: str, dtype: str = "float32") -> torch.nn.Module:
+    """The causal LM of ``ref`` (a model directory) with no storage: every parameter and buffer on the meta device,
+    in ``dtype`` (a name of :data:`rlnb.models.lm.DTYPES`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ref)
+    with torch.device("meta"), hf_quiet():
+        return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+
+
+def _tensors_and_names(model: torch.nn.Module) -> list[tuple[torch.Tensor, list[str]]]:
+    """Each tensor of ``model``'s state with all its names (tied weights: one tensor, two names)."""
+    named: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        named.setdefault(id(tensor), (tensor, []))[1].append(name)
+    return list(named.values())
+
+
+def _where(files: list[Path]) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            where.update(dict.fromkeys(handle.keys(), f))
+    return where
+
+
+def unmatched(model: torch.nn.Module, files: list[Path]) -> str | None:
+    """Why ``model``'s state cannot be read from ``files`` by name (a tensor none of whose names they hold), or
+    ``None``: it can. Reads the files' headers only."""
+    where = _where(files)
+    for _, names in _tensors_and_names(model):
+        if not any(n in where for n in names):
+            return f"the checkpoint holds no {names[0]!r}"
+    return None
+
+
+def load_shards(model: torch.nn.Module, files: list[Path], device: torch.device) -> int:
+    """Give ``model`` (built by :func:`empty_lm`, then ``fully_shard``-ed) storage on ``device`` and fill it:
+    this rank's shard of each parameter and persistent buffer read from ``files`` (a tensor not sharded, whole),
+    the buffers no checkpoint holds computed by the model's own initialisation. Returns the bytes read."""
+    from safetensors import safe_open
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    model.to_empty(device=device)
+    _init_unsaved_buffers(model)
+    where, by_file = _where(files), {}
+    for tensor, names in _tensors_and_names(model):
+        key = next(n for n in names if n in where)
+        by_file.setdefault(where[key], []).append((key, tensor))
+    read = 0
+    with torch.no_grad():
+        for f, items in by_file.items():
+            with safe_open(str(f), framework="pt", device="cpu") as handle:
+                for key, tensor in items:
+                    if is_sharded(tensor):
+                        local = tensor.to_local()
+                        if local.numel() == 0:  # (more ranks than rows: this rank holds none)
+                            continue
+                        shape, offset = compute_local_shape_and_global_offset(
+                            tensor.shape, tensor.device_mesh, tensor.placements
+                        )
+                        piece = handle.get_slice(key)[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+                    else:
+                        local, piece = tensor, handle.get_tensor(key)
+                    local.copy_(piece)
+                    read += piece.numel() * piece.element_size()
+    return read
+
+
+def _init_unsaved_buffers(model: torch.nn.Module) -> None:
+    """The buffers no checkpoint holds (non-persistent: a rotary embedding's frequencies), computed by the model's
+    own ``_init_weights``; one it leaves unset is an error naming it, not a silently wrong model."""
+    init = getattr(model, "_init_weights", None)
+    for prefix, module in model.named_modules():
+        unsaved = [
+            n
+            for n, b in module.named_buffers(recurse=False)
+            if n in module._non_persistent_buffers_set and b.is_floating_point()
+        ]
+        if not unsaved:
+            continue
+        for n in unsaved:
+            getattr(module, n).fill_(float("nan"))
+        if init is not None:
+            with torch.no_grad():
+                init(module)
+        left = [f"{prefix}.{n}" for n in unsaved if getattr(module, n).isnan().any()]
+        if left:
+            raise RuntimeError(
+                f"loading the sharded model rank by rank: {left} are in no checkpoint and the model's "
+                "_init_weights does not compute them; use actor.strategy=ddp for this model"
+            )
