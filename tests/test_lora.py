@@ -54,6 +54,33 @@ def test_only_the_adapters_train_and_the_merged_weights_are_base_plus_their_upda
     assert actor.state_dict()["ref"] == {}  # nothing of its own to checkpoint
 
 
+def test_with_bf16_compute_a_lora_actor_holds_its_frozen_base_in_bf16_and_trains_float32_adapters(tiny_lm):
+    """actor.dtype=bfloat16 with LoRA: the frozen base model is held in bf16 (2 bytes a weight fewer than the
+    float32 actor's, exactly), the adapters, their gradients and AdamW state in float32; it trains, the base
+    never changes, and the rollout gets the merged weights in bf16."""
+    actors = {}
+    for dtype in ("float32", "bfloat16"):
+        actor = LMActor(
+            tiny_lm, group_size=4, seed=0, lr=1e-2, actor={"lora": {"rank": 4, "alpha": 8}}, dtype=dtype
+        )
+        actor.set_batch(_two_rollout_batches(tiny_lm))
+        assert math.isfinite(actor.train()["loss"]), dtype
+        actors[dtype] = actor
+    half = actors["bfloat16"]
+    base = [p for n, p in half.policy.named_parameters() if ".lora_" not in n]
+    assert {p.dtype for p in base} == {torch.bfloat16}
+    assert {p.dtype for p in half.policy.parameters() if p.requires_grad} == {torch.float32}
+    held = {d: a.memory_stats()["memory/actor_state_bytes"] for d, a in actors.items()}
+    assert held["float32"] - held["bfloat16"] == 2 * sum(p.numel() for p in base), held
+    frozen = half.policy.get_base_model().model.embed_tokens.weight
+    assert torch.equal(frozen, load_lm(tiny_lm, dtype="bfloat16")[0].model.embed_tokens.weight)
+    merged = half.policy_state()
+    assert (
+        set(merged) == set(load_lm(tiny_lm)[0].state_dict())
+        and merged["lm_head.weight"].dtype == torch.bfloat16
+    )
+
+
 def test_grpo_with_lora_on_a_worker_feeds_the_rollout_merged_weights_and_exports_both(cluster, tmp_path):
     overrides = [
         *GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "actor.lora.rank=8", "actor.lora.alpha=16",

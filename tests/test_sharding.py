@@ -110,6 +110,37 @@ def test_a_sharded_run_checkpoints_and_resumes_exactly_and_exports_the_whole_mod
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
+def test_a_sharded_actors_weights_reach_the_rollout_bucket_by_bucket(cluster, tmp_path):
+    """A sharded actor gathers its whole tensors one at a time and sends them in buckets of at most
+    actor.gather_bucket_bytes (here 64 KiB: several), each loaded into the rollout's model as it comes, to a
+    rollout on other slots (through the weights channel) and to one in its own processes (collocated): the same
+    losses as DDP's in each placement, and no bucket over the bound. An export writes a file a bucket (and their
+    index), which ``from_pretrained`` loads as the actor's weights."""
+    from transformers import AutoModelForCausalLM
+
+    small = ["actor.gather_bucket_bytes=65536"]
+    apart = [*small, "cluster.component_placement={actor: 0-1, 'rollout,reward': 0}"]
+    for name, extra in (("apart", apart), ("together", small)):
+        ddp, _ = _run(cluster, tmp_path, f"ddp-{name}", ["actor.strategy=ddp", *extra])
+        overrides = [*TWO_RANKS, f"actor.model_path={tmp_path / 'model'}", "actor.strategy=fsdp2", *extra]
+        with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / name) as loop:
+            fsdp = loop.run(progress=False)
+            reports = loop.groups["actor"].sync_report().result()
+            exported = loop.export(tmp_path / f"exported-{name}")
+            gathered = loop.groups["actor"].full_state().result()[0]
+        files = sorted(p.name for p in exported.glob("model-*.safetensors"))
+        assert len(files) > 2 and (exported / "model.safetensors.index.json").is_file(), files
+        model = AutoModelForCausalLM.from_pretrained(exported)
+        assert all(torch.equal(v, gathered[k]) for k, v in model.state_dict().items()), name
+        losses = [(a["train/loss"], b["train/loss"]) for a, b in zip(ddp, fsdp)]
+        assert len(losses) == 3 and all(a == pytest.approx(b, rel=1e-3, abs=1e-4) for a, b in losses), (
+            name,
+            losses,
+        )
+        for report in reports:  # (every rank gathers; rank 0 sends)
+            assert report["buckets"] > 2 and report["largest_bucket_bytes"] <= 65536, (name, report)
+
+
 @pytest.mark.parametrize("arch, max_shard_size", [("qwen2", None), ("llama", "40KB")])
 def test_each_sharded_rank_reads_only_its_shards_of_the_checkpoint(cluster, tmp_path, arch, max_shard_size):
     """actor.strategy=fsdp2 over two ranks: the model is built with no storage and each rank reads its own shard
@@ -145,6 +176,24 @@ def test_each_sharded_rank_reads_only_its_shards_of_the_checkpoint(cluster, tmp_
     assert all(0.4 < r["read_bytes"] / total < 0.6 for r in reports), (reports, total)
     for name, tensor in saved.items():
         assert torch.equal(gathered[name], tensor), name
+
+
+def test_a_rank_by_rank_actor_used_before_it_is_sharded_says_so(tmp_path):
+    """Built to read its shards (fsdp2, two ranks), an actor holds no weights until setup_data_parallel(): a
+    warm start or a batch before it is refused saying what to call, not computed on the meta device."""
+    from rlnb.components.lm import LMActor
+    from rlnb.models.lm import build_tiny_lm
+    from rlnb.runtime.rank import RankInfo
+
+    model = str(build_tiny_lm(tmp_path / "tiny", hidden_size=32, num_layers=1, num_heads=2))
+    info = RankInfo("actor", 0, 2, 0, 2, 0, "cpu", "inproc://", "localhost")
+    actor = LMActor(model, group_size=4, actor={"strategy": "fsdp2"}, rank_info=info)
+    assert actor.load_report() == {"rank_by_rank": True, "read_bytes": None}
+    assert next(actor.policy.parameters()).is_meta
+    for call in (lambda: actor.sft(["1+1="], ["2"], 1, 1, 1e-3), lambda: actor.set_batch([])):
+        with pytest.raises(RuntimeError, match=r"actor\[0\]: with actor.strategy=fsdp2 over 2 ranks .*"
+                           r"setup_data_parallel\(\)"):  # fmt: skip
+            call()
 
 
 def test_fsdp2_misfits_are_refused_naming_the_key():
@@ -222,3 +271,27 @@ def test_lora_adapters_on_a_sharded_model_train_checkpoint_and_resume_exactly(cl
     with GRPOLoop.resume(tmp_path / "cut", cluster=cluster, overrides=["runner.steps=3"]) as loop:
         last = loop.run(progress=False)[-1]
     assert last["train/loss"] == pytest.approx(whole[-1]["train/loss"], rel=1e-5, abs=1e-7)
+    # in bf16 the frozen base is held in bf16 (about half the bytes a rank), the adapters in float32
+    half, half_bytes = _run(cluster, tmp_path, "bf16", [*extra, "actor.dtype=bfloat16"])
+    assert all(math.isfinite(r["train/loss"]) for r in half)
+    assert 0.4 < half_bytes / whole[-1]["memory/actor_state_bytes"] < 0.7, (half_bytes, whole[-1])
+
+
+def test_asynchronous_generation_takes_a_sharded_actors_weights_bucket_by_bucket_between_chunks(tmp_path):
+    """algorithm.max_staleness=1 with a sharded actor on two slots and the rollout on a third: the rollout takes
+    each version's buckets between chunks of tokens as they come (partial rollouts), within the staleness bound."""
+    import rlnb
+
+    overrides = [*TWO_RANKS, f"actor.model_path={tmp_path / 'model'}", "actor.strategy=fsdp2",
+                 "actor.gather_bucket_bytes=65536", "algorithm.max_staleness=1", "rollout.chunk_tokens=1",
+                 "runner.steps=4", "cluster.component_placement={'rollout,reward': 0, actor: 1-2}"]  # fmt: skip
+    with (
+        rlnb.Cluster(slots=3, gpus=False) as cluster,
+        GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop,
+    ):
+        records = loop.run(progress=False)
+        reports = loop.groups["actor"].sync_report().result()
+    stale = [r["rollout/staleness_max"] for r in records]
+    assert len(records) == 4 and max(stale) == 1, stale  # across weight updates, never past the bound
+    assert all(math.isfinite(r["train/loss"]) for r in records)
+    assert all(r["buckets"] > 2 for r in reports), reports

@@ -98,6 +98,21 @@ def _stack(records: list | torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.stack(records)) if isinstance(records[0], np.ndarray) else torch.stack(records)
 
 
+def _parts(channel, key: str, first: dict):
+    """The buckets of one version of a sharded actor's weights under ``key``, ``first`` (taken already) and those
+    that follow it, to the last (``more`` false)."""
+    msg = first
+    yield msg["state"]
+    while msg["more"]:
+        msg = channel.get(key=key)
+        if msg["version"] != first["version"]:
+            raise RuntimeError(
+                f"weights: a bucket of version {msg['version']} came among those of version {first['version']}"
+            )
+        if msg["state"]:
+            yield msg["state"]
+
+
 class RolloutBase:
     """What every rollout component shares: weight intake (in-process or by channel) and batch hand-off.
 
@@ -108,15 +123,31 @@ class RolloutBase:
     batch: dict | None = None
 
     def load_from_local_actor(self, actor: str, rank: int, version: int) -> int:
-        """Collocated weight sync: copy from the actor rank in this process (a memcpy, no transfer)."""
-        return self.load_weights(local_peer(actor, rank).policy_state(), version)
+        """Collocated weight sync: copy from the actor rank in this process (a memcpy, no transfer); from a
+        sharded actor, bucket by bucket as its ranks gather them together."""
+        peer = local_peer(actor, rank)
+        if getattr(peer, "sharded", False):
+            return self.load_weights_in_parts(peer.state_buckets(), version)
+        return self.load_weights(peer.policy_state(), version)
 
     def load_from_channel(self, channel, key: str) -> int:
         """Disaggregated weight sync: take the weights the actor published under ``key`` (waiting for
-        them); when several versions are queued (asynchronous mode), the newest."""
+        them); when several versions are queued (asynchronous mode), the newest. A sharded actor's come bucket
+        by bucket, each loaded as it arrives."""
         msg = channel.get(key=key)
+        if msg.get("more"):
+            return self.load_weights_in_parts(_parts(channel, key, msg), msg["version"])
         newer = self.poll_weights(channel, key, load=False)
         return self.load_weights(*(newer or (msg["state"], msg["version"])))
+
+    def load_weights_in_parts(self, parts, version: int) -> int:
+        """Weights that come in parts (a sharded actor's buckets, dicts of some of the tensors), then this is
+        ``version``. Here the parts are joined and given to :meth:`load_weights`; the built-in LM rollouts
+        load each part as it comes instead."""
+        whole: dict = {}
+        for part in parts:
+            whole.update(part)
+        return self.load_weights(whole, version)
 
     def receive_weights(self, version: int, group: str) -> int:
         """Collective weight sync: receive actor rank 0's weights over process group ``group`` (NCCL on
@@ -137,9 +168,10 @@ class RolloutBase:
         )
 
     def poll_weights(self, channel, key: str, load: bool = True) -> tuple | None:
-        """Without waiting: the newest weights queued under ``key`` (older ones are dropped), loaded
-        unless ``load=False``; ``None`` when nothing is queued. Asynchronous generation calls it
-        between chunks, so weights arrive while it runs."""
+        """Without waiting: the newest weights queued under ``key`` (older ones are dropped), ``(state,
+        version)``, loaded unless ``load=False``; ``None`` when nothing is queued. Asynchronous generation calls
+        it between chunks, so weights arrive while it runs. A sharded actor's buckets are loaded as they come
+        (``(None, version)``)."""
         import queue
 
         newest = None
@@ -148,8 +180,11 @@ class RolloutBase:
                 msg = channel.get_nowait(key=key)
             except queue.Empty:
                 break
+            if msg.get("more"):  # a sharded actor's buckets, the rest following: loaded as they arrive
+                newest = (None, self.load_weights_in_parts(_parts(channel, key, msg), msg["version"]))
+                continue
             newest = (msg["state"], msg["version"])
-        if newest is not None and load:
+        if newest is not None and newest[0] is not None and load:
             self.load_weights(*newest)
         return newest
 

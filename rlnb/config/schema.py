@@ -429,11 +429,15 @@ class ActorConfig:
     across groups). Place each group on one node: the shard collectives of every layer stay on its fast links
     and only the gradients' all-reduce crosses nodes. 1: plain FSDP over all actor ranks. It must divide the
     number of actor ranks."""
+    gather_bucket_bytes: int = 256 * 1024 * 1024
+    """LM RL with ``actor.strategy: fsdp2`` over several ranks: weight sync gathers the model's whole tensors one
+    at a time and sends them to the rollout in buckets of at most this many bytes (a bigger tensor alone), so no
+    actor or rollout process holds a second copy of the model beyond one bucket."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """LM RL: the precision of the model's compute. ``bfloat16``: the actor's forward and backward run under bf16
     autocast with float32 master weights, gradients and optimizer state, log-probs and the loss in float32; the
     rollout holds its model in bf16 (half the memory and the bytes read per decoded token), the reference model
-    for the KL too. Metrics ``memory/actor_state_bytes`` and, on a GPU, ``memory/cuda_peak_bytes`` show what
+    for the KL too; with LoRA the frozen base model too (the adapters, which train, stay float32). Metrics ``memory/actor_state_bytes`` and, on a GPU, ``memory/cuda_peak_bytes`` show what
     it saves."""
 
     def check(self, recipe: Recipe) -> list[str]:
@@ -464,6 +468,9 @@ class ActorConfig:
                 f"actor.strategy: {self.strategy} shards an LM actor (loop: grpo); an embodied policy trains with "
                 "ddp; set actor.strategy=ddp"
             )
+        need(errs, lambda: isinstance(self.gather_bucket_bytes, int) and not isinstance(self.gather_bucket_bytes, bool)
+             and self.gather_bucket_bytes >= 1, "actor.gather_bucket_bytes", "an integer >= 1",
+             self.gather_bucket_bytes)  # fmt: skip
         need(
             errs,
             lambda: self.hsdp_replicas >= 1,

@@ -5,7 +5,6 @@ warm start is :mod:`.sft`."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 
@@ -30,8 +29,6 @@ from rlnb.errors import ConfigError
 from rlnb.models.lm import DTYPES, base_lm, enable_checkpointing, hf_quiet, load_lm
 from rlnb.runtime.rank import RankInfo, current_rank
 from rlnb.seeding import rank_seed
-
-log = logging.getLogger("rlnb")
 
 
 class LMActor(Sharded, Forward, WarmStart, ActorBase):
@@ -144,7 +141,12 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         torch.manual_seed(seed)
         # FSDP2 over several ranks: built with no storage, each rank reads its own shards once sharded
         self.shard_files = self._rank_by_rank(str(model_path))
-        self.policy, self.tok = load_lm(model_path, self.device, empty=self.shard_files is not None)
+        # with LoRA the base is frozen: held in the compute precision (half the bytes in bf16), the adapters that
+        # train in float32 (PEFT's autocast_adapter_dtype); else float32 master weights
+        master = self.dtype if cfg.lora.rank > 0 else "float32"
+        self.policy, self.tok = load_lm(
+            model_path, self.device, dtype=master, empty=self.shard_files is not None
+        )
         if cfg.lora.rank > 0:  # (only the adapters train; the reference is the model with them off)
             self.policy, self.lora = add_adapters(self.policy.requires_grad_(True), cfg.lora), True
         if (
@@ -195,22 +197,6 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
             for k, v in self.full_state().items()
         }
 
-    def _rank_by_rank(self, model_path: str) -> list | None:
-        """The checkpoint files each rank reads its shards from (``actor.strategy: fsdp2`` over several ranks,
-        no LoRA, a local safetensors checkpoint whose names are the model's), else ``None``: loaded whole."""
-        if self.cfg.strategy != "fsdp2" or self.world_size < 2 or self.cfg.lora.rank > 0:
-            return None
-        from rlnb.components.lm.shard_load import checkpoint_files, empty_lm, unmatched
-        from rlnb.models.lm import resolve_model
-
-        ref = resolve_model(model_path)
-        files = checkpoint_files(ref)
-        why = "not a local safetensors checkpoint" if files is None else unmatched(empty_lm(ref), files)
-        if why is not None:
-            log.info("actor[%d]: the model loads whole, then is sharded: %s", self.rank, why)
-            return None
-        return files
-
     def setup_data_parallel(self) -> str:
         """Data-parallel over the actor's ranks: DDP, or with ``actor.strategy: fsdp2`` FSDP2 (:mod:`.sharding`)."""
         return self._shard() if self.cfg.strategy == "fsdp2" else super().setup_data_parallel()
@@ -242,6 +228,7 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         columns the update reads, and (where every batch has them) ``truncated`` (mask_truncated_completions)
         and each reward's scores apart (``reward_terms``, for ``sample_group``). Each batch is checked against
         :data:`~rlnb.components.batches.LM_BATCH` first."""
+        self._check_loaded()
         for b in batches:
             check_batch(b, LM_BATCH, LM_OPTIONAL)
         optional = [k for k in ("truncated", "reward_terms", "reward_names") if all(k in b for b in batches)]
@@ -449,15 +436,20 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         import uuid
         from pathlib import Path
 
-        state = self.full_state()  # (sharded: gathered by every rank together; LoRA: merged; rank 0 writes)
         final = Path(path)
-        if self.sharded and self.rank != 0:
+        if self.sharded and self.rank != 0:  # it gathers with rank 0, bucket by bucket; rank 0 writes
+            self._write_buckets(None)
             return str(final)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:6]}")
         try:
             with hf_quiet():
-                base_lm(self.policy).save_pretrained(tmp, state_dict=state)
+                if self.sharded:  # the weights a file a bucket (no rank holds the whole model), then the rest
+                    self._write_buckets(tmp)
+                    base_lm(self.policy).config.save_pretrained(tmp)
+                    base_lm(self.policy).generation_config.save_pretrained(tmp)
+                else:
+                    base_lm(self.policy).save_pretrained(tmp, state_dict=self.full_state())  # (LoRA: merged)
                 self.tok.save_pretrained(tmp)
             if final.exists():
                 shutil.rmtree(final)

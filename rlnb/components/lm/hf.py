@@ -78,6 +78,26 @@ class HFRollout(StreamingPool, Decoder, LMRollout):
         self._carried = None  # a KV cache of the old weights
         return version
 
+    def load_weights_in_parts(self, parts, version: int) -> int:
+        """A sharded actor's weights, bucket by bucket: each tensor copied into the model as it comes (no second
+        copy of the model); every one of the model's tensors must come, and only those."""
+        own, seen = self.model.state_dict(), set()
+        with torch.no_grad():
+            for part in parts:
+                for name, tensor in part.items():
+                    if name not in own:
+                        raise KeyError(
+                            f"rollout: the actor sent {name!r}, which the rollout's model does not have"
+                        )
+                    own[name].copy_(tensor)
+                    seen.add(name)
+        missing = sorted(set(own) - seen)
+        if missing:
+            raise KeyError(f"rollout: the actor's weights lacked {missing[:5]} ({len(missing)} in all)")
+        self.version = version
+        self._carried = None
+        return version
+
     # GPU memory for collocated training: park the rollout model on the CPU while the actor trains
     def offload(self) -> bool:
         if self.device.type == "cuda" and not self.offloaded:

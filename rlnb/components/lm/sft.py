@@ -55,6 +55,7 @@ class WarmStart:
         with probability ``wrong_prob``: an imperfect teacher, wrong on every problem now and then
         (``wrong_prompts``: its own contexts of them, where they differ).
         """
+        self._check_loaded()
         rows, marks = self._sft_rows(prompts, answers)
         if wrong_answers is not None:
             wrong_rows, wrong_marks = self._sft_rows(wrong_prompts or prompts, wrong_answers)

@@ -13,10 +13,12 @@ is gathered by every rank together: a loop calls those on every actor rank.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
 STRATEGIES = ("ddp", "fsdp2")
+log = logging.getLogger("rlnb")
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
@@ -36,6 +38,20 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers) if layers is not None else list(model.children())
 
 
+def weight_buckets(state, bucket_bytes: int):
+    """``state``'s tensors (a dict, or ``(name, tensor)`` pairs, taken one at a time) in order, in dicts of at most
+    ``bucket_bytes`` (a bigger tensor goes alone)."""
+    bucket, size = {}, 0
+    for name, tensor in state.items() if isinstance(state, dict) else state:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name], size = tensor, size + nbytes
+    if bucket:
+        yield bucket
+
+
 class Sharded:
     """A mixin of :class:`rlnb.components.LMActor` (it holds ``cfg``, ``policy``, ``device``, ``dtype``)."""
 
@@ -43,6 +59,22 @@ class Sharded:
     lora = False  # adapters on the model (actor.lora.rank > 0)
     shard_files = None  # the checkpoint's files, where each rank reads only its shards of the model from them
     loaded_bytes: int | None = None  # what this rank read of them
+
+    def _rank_by_rank(self, model_path: str) -> list | None:
+        """The checkpoint files each rank reads its shards from (``actor.strategy: fsdp2`` over several ranks,
+        no LoRA, a local safetensors checkpoint whose names are the model's), else ``None``: loaded whole."""
+        if self.cfg.strategy != "fsdp2" or self.world_size < 2 or self.cfg.lora.rank > 0:
+            return None
+        from rlnb.components.lm.shard_load import checkpoint_files, empty_lm, unmatched
+        from rlnb.models.lm import resolve_model
+
+        ref = resolve_model(model_path)
+        files = checkpoint_files(ref)
+        why = "not a local safetensors checkpoint" if files is None else unmatched(empty_lm(ref), files)
+        if why is not None:
+            log.info("actor[%d]: the model loads whole, then is sharded: %s", self.rank, why)
+            return None
+        return files
 
     def _shard(self) -> str:
         """``fully_shard`` each decoder layer, then the root, over the actor ranks' default process group (over a
@@ -90,6 +122,16 @@ class Sharded:
         trained = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trained, lr=self.cfg.lr, weight_decay=0.0)
         return "fsdp2" if replicas == 1 else f"hsdp ({replicas} replicas)"
+
+    def _check_loaded(self) -> None:
+        """A model built to be read rank by rank has no weights until :meth:`setup_data_parallel` shards it: say
+        so, rather than compute on the meta device."""
+        if self.shard_files is not None and not self.sharded:
+            raise RuntimeError(
+                f"actor[{self.rank}]: with actor.strategy=fsdp2 over {self.world_size} ranks each rank reads its "
+                "shards of the model in setup_data_parallel(), which comes after init_process_group() (a loop calls "
+                "both when it is built)"
+            )
 
     def load_report(self) -> dict:
         """How this rank got its weights: ``rank_by_rank`` (built with no storage, then only its shards read
@@ -164,15 +206,98 @@ class Sharded:
         else:
             self.ref.load_state_dict(self.full_state())
 
+    def state_buckets(self, for_rollout: bool = True, tied: bool = True):
+        """The whole model's weights in buckets of at most ``actor.gather_bucket_bytes``, gathered one tensor at a
+        time: every actor rank iterates it together, and none holds more than a bucket of whole tensors
+        (:meth:`full_state` gathers the whole model). ``for_rollout``: in the precision the rollout takes (else
+        the master weights'); ``tied=False``: a tensor under several names (tied embeddings) under its first."""
+        from rlnb.models.lm import DTYPES
+
+        cast = DTYPES[self.dtype] if for_rollout else None
+        state, seen = self._own_state(), set()
+
+        def gathered():
+            for name, tensor in state.items():
+                if not tied and id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                whole = (tensor.full_tensor() if is_sharded(tensor) else tensor).detach()
+                yield (
+                    name,
+                    whole.to(cast or whole.dtype, copy=True) if whole.is_floating_point() else whole.clone(),
+                )
+
+        self.last_sync = {"buckets": 0, "largest_bucket_bytes": 0, "bytes": 0}
+        for bucket in weight_buckets(gathered(), self.cfg.gather_bucket_bytes):
+            size = sum(t.numel() * t.element_size() for t in bucket.values())
+            s = self.last_sync
+            s["buckets"], s["bytes"] = s["buckets"] + 1, s["bytes"] + size
+            s["largest_bucket_bytes"] = max(s["largest_bucket_bytes"], size)
+            yield bucket
+
+    def sync_report(self) -> dict:
+        """The last weight sync of a sharded actor (:meth:`state_buckets`): how many buckets, the largest one's
+        bytes (what a rank held of whole tensors at once) and the bytes sent in all."""
+        return dict(getattr(self, "last_sync", {}))
+
+    def publish_weights(self, channel, keys: list[str], version: int) -> int:
+        """Disaggregated weight sync. Sharded, bucket by bucket (:meth:`state_buckets`), every actor rank
+        gathering and rank 0 (the one given ``keys``) putting each: ``{"state": bucket, "version", "more": True}``,
+        then ``{"state": {}, "more": False}`` (the rollout loads each as it comes,
+        :meth:`rlnb.components.rollout.RolloutBase.load_weights_in_parts`)."""
+        if not self.sharded:
+            return super().publish_weights(channel, keys, version)
+        for bucket in self.state_buckets():
+            for k in keys:
+                channel.put({"state": bucket, "version": version, "more": True}, key=k)
+        for k in keys:
+            channel.put({"state": {}, "version": version, "more": False}, key=k)
+        return version
+
+    def _write_buckets(self, directory) -> None:
+        """A sharded model's weights as a Hugging Face checkpoint's safetensors files, one a bucket of
+        :meth:`state_buckets` (the master weights' precision), and their index, into ``directory`` (rank 0; the
+        other ranks give ``None`` and only gather). A failure to write is raised after the last bucket, so every
+        rank still gathers each one with the others."""
+        import json
+
+        from safetensors.torch import save_file
+
+        weight_map, total, failed = {}, 0, None
+        for i, bucket in enumerate(self.state_buckets(for_rollout=False, tied=False)):
+            if directory is None or failed is not None:
+                continue
+            name = f"model-{i + 1:05d}.safetensors"
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                save_file(
+                    {k: v.contiguous() for k, v in bucket.items()},
+                    directory / name,
+                    metadata={"format": "pt"},
+                )
+            except OSError as e:
+                failed = e
+            weight_map.update(dict.fromkeys(bucket, name))
+            total += sum(t.numel() * t.element_size() for t in bucket.values())
+        if failed is not None:
+            raise failed
+        if directory is not None:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    def _own_state(self) -> dict[str, torch.Tensor]:
+        """The model's state dict under the base model's names (LoRA: the adapters merged in), sharded or not."""
+        if self.lora:
+            from rlnb.components.lm.lora import merged_state
+
+            return merged_state(self.policy)
+        return self.policy.state_dict()
+
     def full_state(self) -> dict[str, torch.Tensor]:
         """The model's whole state dict: gathered from every rank's shards when sharded (every actor rank must
         call it together), else the module's own."""
-        if self.lora:  # the adapters merged in, under the base model's names
-            from rlnb.components.lm.lora import merged_state
-
-            state = merged_state(self.policy)
-        else:
-            state = self.policy.state_dict()
+        self._check_loaded()
+        state = self._own_state()
         if not self.sharded:
             return state
         return {k: v.full_tensor() if is_sharded(v) else v for k, v in state.items()}

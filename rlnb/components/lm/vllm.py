@@ -25,25 +25,13 @@ import torch
 
 from rlnb.components.lm.layout import pad_left, pad_right
 from rlnb.components.lm.rollout import LMRollout
+from rlnb.components.lm.sharding import weight_buckets
 from rlnb.config.sections_lm import VLLMConfig
 from rlnb.errors import ConfigError
 from rlnb.models.lm import load_tokenizer, prompt_ids
 from rlnb.runtime.rank import RankInfo
 
 log = logging.getLogger("rlnb")
-
-
-def weight_buckets(state: dict[str, torch.Tensor], bucket_bytes: int):
-    """``state``'s tensors in order, in dicts of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
-    bucket, size = {}, 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = {}, 0
-        bucket[name], size = tensor, size + nbytes
-    if bucket:
-        yield bucket
 
 
 def _ipc_handles(bucket: dict[str, torch.Tensor]) -> bytes:
@@ -181,6 +169,20 @@ class VLLMRollout(LMRollout):
         this is policy ``version``. On a GPU the buckets are CUDA IPC handles to the tensors given (no copy); on CPU,
         safetensors files the engine reads and removes."""
         self.onload()  # a sleeping engine's weights are parked in CPU memory: wake it before writing them
+        self._into_engine(state_dict)
+        self.version = version
+        return version
+
+    def load_weights_in_parts(self, parts, version: int) -> int:
+        """A sharded actor's weights, bucket by bucket: each part into the engine as it comes (as
+        :meth:`load_weights` does a whole state), then this is policy ``version``."""
+        self.onload()
+        for part in parts:
+            self._into_engine(part)
+        self.version = version
+        return version
+
+    def _into_engine(self, state_dict: dict) -> None:
         buckets = list(weight_buckets(state_dict, self.cfg.weight_bucket_bytes))
         if self.on_gpu and all(t.is_cuda for b in buckets for t in b.values()):
             self.llm.collective_rpc(
@@ -195,8 +197,6 @@ class VLLMRollout(LMRollout):
                 for path in paths:  # (the engine removes each once read; these are what a failure left)
                     if os.path.exists(path):
                         os.unlink(path)
-        self.version = version
-        return version
 
     def _bucket_file(self, bucket: dict[str, torch.Tensor]) -> str:
         from safetensors.torch import save_file
