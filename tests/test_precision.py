@@ -22,13 +22,23 @@ def lm(tmp_path_factory):
 def test_static_cache_samples_the_tokens_and_logprobs_of_the_other_samplers(lm, greedy):
     """``generate`` on a static KV cache, prompts left-padded to a multiple of 32 columns (taken off again):
     greedy, the batch of rlnb's decoding loop; sampled from one seed, the batch of ``generate`` with a dynamic
-    cache (the loop draws other random numbers once rows have ended and left its batch)."""
+    cache (the loop draws other random numbers once rows have ended and left its batch). Each prompt is prefilled
+    once into the static cache for its completions, or per completion (``share_prompt_prefill=False``): the same
+    batch; the static cache is reused by the next call of the same shape."""
     other = HFRollout(lm, max_new_tokens=16, seed=3, drop_finished=greedy)
     static = HFRollout(lm, max_new_tokens=16, seed=3, static_cache=True)
-    (a, _), (b, _) = (r._generate(PROMPTS, 4, greedy=greedy) for r in (other, static))
+    apart = HFRollout(lm, max_new_tokens=16, seed=3, static_cache=True, share_prompt_prefill=False)
+    (a, _), (b, _), (c, _) = (r._generate(PROMPTS, 4, greedy=greedy) for r in (other, static, apart))
+    assert static.shared_prefills == 1 and apart.shared_prefills == 0
     assert a["input_ids"].shape == b["input_ids"].shape and a["input_ids"].shape[1] < 32
-    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["response_mask"], b["response_mask"])
-    assert torch.allclose(a["logprobs"], b["logprobs"], atol=1e-5)
+    for x in (b, c):
+        assert torch.equal(a["input_ids"], x["input_ids"]) and torch.equal(
+            a["response_mask"], x["response_mask"]
+        )
+        assert torch.allclose(a["logprobs"], x["logprobs"], atol=1e-5)
+    cache = static._static[1]
+    static._generate(PROMPTS, 4, greedy=greedy)
+    assert static._static[1] is cache and static.shared_prefills == 2
 
 
 def test_bf16_rollout_and_actor_compute_in_bf16_and_keep_float32_state(lm):

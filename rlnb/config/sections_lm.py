@@ -81,9 +81,9 @@ class RolloutConfig:
     """LM RL, ``hf`` backend: sample with ``transformers``' ``generate`` on a static KV cache, whose decoding step
     is compiled on a GPU (``torch.compile``, CUDA graphs: one launch a token instead of one a kernel). Pays for
     models large enough to repay its compile (each new batch shape compiles; prompts are left-padded to a
-    multiple of 32 tokens to bound them); ended sequences are computed to the end, as ``generate`` does, and
-    each prompt is prefilled per completion. Synchronous generation only (asynchronous chunks decode with
-    rlnb's loop)."""
+    multiple of 32 tokens to bound them); ended sequences are computed to the end, as ``generate`` does; each
+    prompt is prefilled once for its completions, into the static cache. Synchronous generation only
+    (asynchronous chunks decode with rlnb's loop)."""
     chunk_tokens: int = 8
     """LM RL, asynchronous mode (``algorithm.max_staleness >= 1``): tokens generated between two checks
     for new weights; a generation spanning a weight update goes on with the new ones (partial rollouts)."""

@@ -76,17 +76,41 @@ class Decoder:
     def _static_generate(self, enc, n: int, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`_hf_generate`, on a static KV cache (``rollout.static_cache``; on a GPU ``generate`` compiles
         its decoding step): prompts left-padded to a multiple of ``STATIC_PROMPT_MULTIPLE`` columns, which
-        are taken off again, so a batch's sequences are ``[B*n, P+R]`` as from the other samplers."""
+        are taken off again, so a batch's sequences are ``[B*n, P+R]`` as from the other samplers. Each prompt
+        is prefilled once for its ``n`` completions (:meth:`_shared_prompt_cache`), into the static cache."""
         ids, attn = enc["input_ids"], enc["attention_mask"]
         pad = -ids.shape[1] % STATIC_PROMPT_MULTIPLE
         ids = torch.cat([ids.new_full((len(ids), pad), self.tok.pad_token_id), ids], dim=1)
         attn = torch.cat([attn.new_zeros((len(attn), pad)), attn], dim=1)
+        shared = self._shared_prompt_cache({"input_ids": ids, "attention_mask": attn}, n)
+        cache = {"cache_implementation": "static"}  # (generate prefills each completion's prompt itself)
+        if shared is not None:
+            cache = cache_kwarg(
+                self.model, self._static_cache_from(shared, ids.shape[1] + self.max_new_tokens)
+            )
         out = self.model.generate(
-            input_ids=ids.repeat_interleave(n, 0), attention_mask=attn.repeat_interleave(n, 0),
-            cache_implementation="static", **self._sampling(greedy),
+            input_ids=ids.repeat_interleave(n, 0), attention_mask=attn.repeat_interleave(n, 0), **cache,
+            **self._sampling(greedy),
         )  # fmt: skip
         logp = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
         return out.sequences[:, pad:], logp
+
+    def _static_cache_from(self, shared, columns: int):
+        """A ``StaticCache`` of ``columns`` positions whose first ones hold ``shared`` (the prompts' KV cache, one
+        row a completion). The one of the last call is reset and reused while the shape is the same: on a GPU
+        the compiled decoding step is captured for its tensors, as ``generate``'s own static cache is."""
+        from transformers import StaticCache
+
+        shape = (shared.layers[0].keys.shape[0], columns)
+        if self._static is None or self._static[0] != shape:
+            self._static = (shape, StaticCache(config=self.model.config, max_cache_len=columns))
+        else:
+            self._static[1].reset()
+        cache = self._static[1]
+        for i, layer in enumerate(shared.layers):
+            where = torch.arange(layer.keys.shape[2], device=layer.keys.device)
+            cache.update(layer.keys, layer.values, i, {"cache_position": where})
+        return cache
 
     def _decode(self, enc, n: int, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """rlnb's decoding loop: as :meth:`_hf_generate`, but a sequence that has ended leaves the batch

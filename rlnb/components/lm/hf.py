@@ -71,6 +71,9 @@ class HFRollout(StreamingPool, Decoder, LMRollout):
         self.pool = []  # asynchronous mode: groups admitted and not yet handed over
         # asynchronous mode: (version, the sequences still running, their decoding state) after a chunk
         self._carried = None
+        self._static = (
+            None  # rollout.static_cache: ((rows, columns), the StaticCache reused while they match)
+        )
 
     def load_weights(self, state_dict: dict, version: int) -> int:
         self.model.load_state_dict(state_dict)
@@ -102,7 +105,7 @@ class HFRollout(StreamingPool, Decoder, LMRollout):
     def offload(self) -> bool:
         if self.device.type == "cuda" and not self.offloaded:
             self.model.to("cpu")
-            self._carried = None  # its KV cache would hold GPU memory the actor needs
+            self._carried = self._static = None  # their KV caches would hold GPU memory the actor needs
             torch.cuda.empty_cache()
             self.offloaded = True
         return self.offloaded
