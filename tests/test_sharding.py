@@ -141,41 +141,48 @@ def test_a_sharded_actors_weights_reach_the_rollout_bucket_by_bucket(cluster, tm
             assert report["buckets"] > 2 and report["largest_bucket_bytes"] <= 65536, (name, report)
 
 
-@pytest.mark.parametrize("arch, max_shard_size", [("qwen2", None), ("llama", "40KB")])
-def test_each_sharded_rank_reads_only_its_shards_of_the_checkpoint(cluster, tmp_path, arch, max_shard_size):
+@pytest.mark.parametrize("arch, max_shard_size, kl", [("qwen2", None, False), ("llama", "40KB", True)])
+def test_each_sharded_rank_reads_only_its_shards_of_the_checkpoint(
+    cluster, tmp_path, arch, max_shard_size, kl
+):
     """actor.strategy=fsdp2 over two ranks: the model is built with no storage and each rank reads its own shard
     of every tensor from the safetensors file(s) (one file, or several named by an index), about half the
     weights' bytes (every byte once over the ranks, no rank the whole model); gathered, the weights are the
-    checkpoint's exactly. (The rotary frequencies, in no checkpoint, are checked by the tests above: their losses
-    are DDP's, whose ranks load the model whole.)"""
+    checkpoint's exactly. With a KL term in bf16 the reference model is read too, into bf16 from the float32
+    file: the first step's KL is 0 (the policy computes in bf16 from the same weights). (The rotary
+    frequencies, in no checkpoint, are checked by the tests above: their losses are DDP's, whose ranks load the
+    model whole.)"""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from rlnb.models.lm import build_tiny_lm, load_tokenizer
 
     model = build_tiny_lm(tmp_path / "built", hidden_size=64, arch=arch)
-    if (
-        max_shard_size is not None
-    ):  # the layout of a large checkpoint: shards and model.safetensors.index.json
-        AutoModelForCausalLM.from_pretrained(model).save_pretrained(
-            tmp_path / "sharded", max_shard_size=max_shard_size
-        )
+    if max_shard_size is not None:  # a large checkpoint's layout: shards and model.safetensors.index.json
+        saved_as = AutoModelForCausalLM.from_pretrained(model)
+        saved_as.save_pretrained(tmp_path / "sharded", max_shard_size=max_shard_size)
         load_tokenizer(str(model)).save_pretrained(tmp_path / "sharded")
         model = tmp_path / "sharded"
     files = sorted(model.glob("*.safetensors"))
     assert (len(files) == 1) == (max_shard_size is None), files
-    overrides = [*TWO_RANKS, f"actor.model_path={model}", "actor.strategy=fsdp2", "actor.sft_steps=0"]
+    overrides = [*TWO_RANKS, f"actor.model_path={model}", "actor.strategy=fsdp2", "actor.sft_steps=0",
+                 *(["algorithm.kl_coef=0.1", "actor.dtype=bfloat16"] if kl else [])]  # fmt: skip
     with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
         actor = loop.groups["actor"]
         reports = actor.load_report().result()
         gathered = actor.full_state().result()[0]
+        first = loop.step_once() if kl else None
     saved = {k: v for f in files for k, v in load_file(str(f)).items()}
-    total = sum(t.numel() * t.element_size() for t in saved.values())
+    total = sum(t.numel() * t.element_size() for t in saved.values()) * (
+        2 if kl else 1
+    )  # (the reference too)
     assert all(r["rank_by_rank"] for r in reports), reports
     assert sum(r["read_bytes"] for r in reports) == total, (reports, total)
     assert all(0.4 < r["read_bytes"] / total < 0.6 for r in reports), (reports, total)
     for name, tensor in saved.items():
         assert torch.equal(gathered[name], tensor), name
+    if kl:
+        assert first["train/kl"] == pytest.approx(0.0, abs=1e-6), first
 
 
 def test_a_rank_by_rank_actor_used_before_it_is_sharded_says_so(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -74,7 +75,6 @@ def load_shards(model: torch.nn.Module, files: list[Path], device: torch.device)
     """Give ``model`` (built by :func:`empty_lm`, then ``fully_shard``-ed) storage on ``device`` and fill it:
     this rank's shard of each parameter and persistent buffer read from ``files`` (a tensor not sharded, whole),
     the buffers no checkpoint holds computed by the model's own initialisation. Returns the bytes read."""
-    from safetensors import safe_open
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     model.to_empty(device=device)
@@ -86,21 +86,61 @@ def load_shards(model: torch.nn.Module, files: list[Path], device: torch.device)
     read = 0
     with torch.no_grad():
         for f, items in by_file.items():
-            with safe_open(str(f), framework="pt", device="cpu") as handle:
+            index, data_start = _header(f)
+            with open(f, "rb") as handle:
                 for key, tensor in items:
-                    if is_sharded(tensor):
-                        local = tensor.to_local()
-                        if local.numel() == 0:  # (more ranks than rows: this rank holds none)
-                            continue
-                        shape, offset = compute_local_shape_and_global_offset(
+                    local = tensor.to_local() if is_sharded(tensor) else tensor
+                    if local.numel() == 0:  # (more ranks than rows: this rank holds none)
+                        continue
+                    shape, offset = (
+                        compute_local_shape_and_global_offset(
                             tensor.shape, tensor.device_mesh, tensor.placements
                         )
-                        piece = handle.get_slice(key)[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
-                    else:
-                        local, piece = tensor, handle.get_tensor(key)
-                    local.copy_(piece)
-                    read += piece.numel() * piece.element_size()
+                        if is_sharded(tensor)
+                        else (tuple(tensor.shape), (0,) * tensor.dim())
+                    )
+                    if tuple(shape[1:]) != tuple(tensor.shape[1:]) or any(offset[1:]):  # (not whole rows)
+                        raise ValueError(f"{key}: sharded along another dimension than the first ({shape})")
+                    read += _read_rows(handle, index[key], data_start, offset[0] if shape else 0, local)
     return read
+
+
+# safetensors' dtype names
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}  # fmt: skip
+
+
+def _header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's index (name -> ``{"dtype", "shape", "data_offsets"}``) and where its data starts."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return json.loads(f.read(size)), 8 + size
+
+
+def _read_rows(handle, entry: dict, data_start: int, first_row: int, local: torch.Tensor) -> int:
+    """Read rows ``first_row ...`` of a stored tensor (``entry``), as many as ``local`` has, into ``local``: one
+    contiguous range of the file (FSDP2 shards along the first dimension), read straight into ``local`` where it
+    is a contiguous CPU tensor of the stored dtype (else through one buffer of the shard's size). Not a memory
+    map, so the rank's memory holds its shard alone. Returns the bytes read."""
+    stored = _DTYPES[entry["dtype"]]
+    row_bytes = stored.itemsize
+    for d in entry["shape"][1:]:
+        row_bytes *= d
+    into = local
+    if local.device.type != "cpu" or local.dtype != stored or not local.is_contiguous():
+        into = torch.empty(local.shape, dtype=stored)
+    view = memoryview(into.view(-1).view(torch.uint8).numpy()) if into.numel() else memoryview(b"")
+    start = data_start + entry["data_offsets"][0] + first_row * row_bytes
+    done = 0
+    while done < len(view):
+        got = os.preadv(handle.fileno(), [view[done:]], start + done)
+        if got <= 0:
+            raise EOFError(f"{handle.name}: the checkpoint ends inside a tensor")
+        done += got
+    if into is not local:
+        local.copy_(into)
+    return len(view)
 
 
 def _init_unsaved_buffers(model: torch.nn.Module) -> None:
