@@ -8,8 +8,9 @@ it checks. In short: the environment; algorithm code on CUDA; the embedded ``Loc
 PPO on the GPU (eager, compiled, a simulator on the GPU); GRPO on the GPU (one turn, multi-turn, shared
 prompt prefill, asynchronous chunks, a reward model); CUDA IPC channels and weight sync between processes;
 NCCL between two groups; a remote cluster started with ``dask scheduler`` and ``dask cuda worker``; GRPO in
-bf16; the static-cache compiled decode (:mod:`rlnb.gpu_check_scale`); vLLM and ManiSkill where installed. A
-check that cannot run on the machine says why in its ``SKIP`` line.
+bf16, with LoRA in bf16 and with FSDP2's CPU offload; the static-cache compiled decode
+(:mod:`rlnb.gpu_check_scale`); vLLM and ManiSkill where installed. A check that cannot run on the machine says
+why in its ``SKIP`` line.
 
 Usage:
     python -m rlnb.gpu_check [--dry-run] [--only NAME ...] [--report PATH]
@@ -43,6 +44,8 @@ from rlnb.gpu_check_lm import (  # GRPO on the GPU and vLLM
 )
 from rlnb.gpu_check_scale import (  # checks toward real model sizes and deployments
     check_lm_bf16_cuda,
+    check_lm_offload_cuda,
+    check_lora_bf16_cuda,
     check_remote_dask_cuda_scheduler,
     check_static_cache_decode_cuda,
 )
@@ -472,6 +475,8 @@ CHECKS = [
     ("nccl_broadcast_two_groups", check_nccl_broadcast_two_groups),
     ("remote_dask_cuda_scheduler", check_remote_dask_cuda_scheduler),
     ("lm_bf16_cuda", check_lm_bf16_cuda),
+    ("lora_bf16_cuda", check_lora_bf16_cuda),
+    ("lm_offload_cuda", check_lm_offload_cuda),
     ("static_cache_decode_cuda", check_static_cache_decode_cuda),
     ("vllm_rollout", check_vllm_rollout),
     ("maniskill_pickcube", check_maniskill_pickcube),

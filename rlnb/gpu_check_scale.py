@@ -4,6 +4,10 @@
   ``rlnb.Cluster("tcp://...")`` by address, a PPO and a GRPO run on it with the GPU as the slot.
 - ``lm_bf16_cuda``: GRPO with ``actor.dtype=bfloat16`` (bf16 autocast over float32 master weights, the rollout
   model in bf16) lifts held-out accuracy as the float32 run does, and logs ``memory/*``.
+- ``lora_bf16_cuda``: GRPO with LoRA and ``actor.dtype=bfloat16``: the frozen base in bf16, float32 adapters,
+  under a fifth of a whole float32 actor's state.
+- ``lm_offload_cuda``: GRPO with ``actor.offload=params`` (FSDP2's CPU offload, one GPU) trains; the GPU peak
+  with and without it.
 - ``static_cache_decode_cuda``: ``rollout.static_cache`` (``generate`` on a static KV cache, its decoding step
   compiled) samples the tokens and log-probs of rlnb's decoding loop, and how many tokens/s each makes.
 
@@ -116,6 +120,71 @@ def check_lm_bf16_cuda(
         raise RuntimeError(
             f"bf16 GRPO did not lift held-out accuracy by {lift} over the warm start, or fell below it: {out}"
         )
+    return out
+
+
+def check_lora_bf16_cuda(work: Path, device: str = "cuda", steps: int = 20) -> dict:
+    """GRPO with LoRA adapters (``actor.lora.rank=8``) and ``actor.dtype=bfloat16``: the losses stay finite, the
+    rollout gets the merged weights in bf16, and the actor rank holds the frozen base in bf16 with float32
+    adapters: under a fifth of the state a float32 actor training the whole model would hold (weights, gradients
+    and AdamW's two moments); ``memory/cuda_peak_bytes`` logged on the GPU."""
+    from safetensors import safe_open
+
+    overrides = [f"runner.steps={steps}", "actor.lora.rank=8", "actor.lora.alpha=16", "actor.dtype=bfloat16",
+                 "actor.lr=1e-3", "runner.eval_interval=0"]  # fmt: skip
+    loop = _grpo(work, "grpo_lora_bf16", device, overrides)
+    try:
+        records = loop.run(progress=False)
+        rollout = loop.groups["rollout"].memory_stats().result()[0]
+        last = _last_training_record(loop.history)
+    finally:
+        loop.close()
+    with safe_open(str(work / "tiny-arith-qwen2" / "model.safetensors"), "pt") as f:
+        weights = 0
+        for key in f.keys():  # noqa: SIM118 (a safetensors handle)
+            n = 1
+            for d in f.get_slice(key).get_shape():
+                n *= d
+            weights += n
+    out = {
+        "steps": len(records),
+        "losses_finite": all(r["train/loss"] == r["train/loss"] for r in records if "train/loss" in r),
+        "rollout_model_dtype": rollout["model_dtype"],
+        "actor_state_bytes": last.get("memory/actor_state_bytes"),
+        "full_float32_state_bytes": 16 * weights,
+        "cuda_peak_bytes": last.get("memory/cuda_peak_bytes"),
+    }
+    if not out["losses_finite"] or rollout["model_dtype"] != "bfloat16":
+        raise RuntimeError(f"LoRA in bf16 did not train, or the rollout is not in bf16: {out}")
+    if not out["actor_state_bytes"] or out["actor_state_bytes"] > out["full_float32_state_bytes"] / 5:
+        raise RuntimeError(f"the LoRA actor holds more than a fifth of a whole float32 actor's state: {out}")
+    if device == "cuda" and not out["cuda_peak_bytes"]:
+        raise RuntimeError(f"memory/cuda_peak_bytes not logged on the GPU: {out}")
+    return out
+
+
+def check_lm_offload_cuda(work: Path, device: str = "cuda", steps: int = 10) -> dict:
+    """GRPO with ``actor.strategy=fsdp2`` and ``actor.offload=params`` on one GPU: FSDP2 wraps the model on its one
+    rank with its shards, gradients and AdamW state in pinned host memory; the steps train (finite losses and
+    gradient norms: clipping reduces on the CPU through gloo beside NCCL). Reports the process's GPU peak with and
+    without offload; the run without it trains the whole model on the GPU."""
+    peaks, out = {}, {}
+    for offload in ("none", "params"):
+        overrides = [f"runner.steps={steps}", "actor.strategy=fsdp2", f"actor.offload={offload}",
+                     "actor.sft_steps=20", "runner.eval_interval=0"]  # fmt: skip
+        loop = _grpo(work, f"grpo_offload_{offload}", device, overrides)
+        try:
+            records = [r for r in loop.run(progress=False) if "train/loss" in r]
+        finally:
+            loop.close()
+        finite = all(
+            r["train/loss"] == r["train/loss"] and r["train/grad_norm"] < float("inf") for r in records
+        )
+        peaks[offload] = records[-1].get("memory/cuda_peak_bytes")
+        out[f"steps_{offload}"], out[f"finite_{offload}"] = len(records), finite
+    out.update(cuda_peak_bytes_without=peaks["none"], cuda_peak_bytes_offloaded=peaks["params"])
+    if not (out["finite_params"] and out["steps_params"] == steps):
+        raise RuntimeError(f"GRPO with actor.offload=params did not train: {out}")
     return out
 
 

@@ -102,3 +102,11 @@ def test_static_cache_check_runs_on_cpu(tmp_path):
 
     out = check_static_cache_decode_cuda(tmp_path, device="cpu", hidden=64, layers=2)
     assert out["same_rows"] == "16/16" and out["tokens_per_s_static_bf16"] > 0
+
+
+def test_lora_bf16_check_runs_on_cpu(tmp_path):
+    from rlnb.gpu_check_scale import check_lora_bf16_cuda
+
+    out = check_lora_bf16_cuda(tmp_path, device="cpu", steps=3)
+    assert out["steps"] == 3 and out["rollout_model_dtype"] == "bfloat16"
+    assert out["actor_state_bytes"] < out["full_float32_state_bytes"] / 5

@@ -203,6 +203,18 @@ def test_a_rank_by_rank_actor_used_before_it_is_sharded_says_so(tmp_path):
             call()
 
 
+def test_fsdp2_with_one_actor_rank_says_there_is_nothing_to_shard(cluster, tmp_path, caplog):
+    overrides = [*TWO_RANKS, f"actor.model_path={tmp_path / 'model'}", "actor.strategy=fsdp2", "actor.sft_steps=0",
+                 "cluster.component_placement={'actor,rollout,reward': 0}"]  # fmt: skip
+    with (
+        caplog.at_level("WARNING", logger="rlnb"),
+        GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop,
+    ):
+        assert loop.groups["actor"].world_size == 1
+    said = [r.getMessage() for r in caplog.records if "nothing to shard" in r.getMessage()]
+    assert said and said[0].startswith("actor.strategy=fsdp2 with one actor rank"), said
+
+
 def test_fsdp2_misfits_are_refused_naming_the_key():
     from rlnb.config import RecipeError
 
@@ -210,6 +222,37 @@ def test_fsdp2_misfits_are_refused_naming_the_key():
         load_recipe("ppo_cartpole", ["actor.strategy=fsdp2"])
     with pytest.raises(RecipeError, match="actor.strategy: fsdp2 gathers the weights"):
         load_recipe("grpo_arith", ["actor.strategy=fsdp2", "rollout.weight_sync=broadcast"])
+    with pytest.raises(RecipeError, match=r"actor.offload: params is FSDP2's CPU offload, .* \(it is ddp\)"):
+        load_recipe("grpo_arith", ["actor.offload=params"])
+    with pytest.raises(RecipeError, match="actor.offload: params moves the actor's state from GPU memory"):
+        load_recipe("grpo_arith", ["actor.strategy=fsdp2", "actor.offload=params", "actor.device=cpu"])
+
+
+def test_cpu_offload_on_cpu_slots_is_refused_before_anything_launches(cluster, tmp_path, monkeypatch):
+    """actor.offload=params moves GPU memory to the host: on CPU slots (device auto) it is refused naming the key
+    before any component launches, and an actor built in-process on CPU refuses it too."""
+    from rlnb.components.lm import LMActor
+    from rlnb.errors import ConfigError
+    from rlnb.models.lm import build_tiny_lm
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(LMActor, "launch", no_launch)
+    overrides = [
+        *TWO_RANKS,
+        f"actor.model_path={tmp_path / 'model'}",
+        "actor.strategy=fsdp2",
+        "actor.offload=params",
+    ]
+    with pytest.raises(
+        ConfigError, match=r"actor.offload=params .* actor slots \[0, 1\] are CPU-only"
+    ) as info:
+        GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run")
+    assert info.value.key == "actor.offload"
+    model = str(build_tiny_lm(tmp_path / "tiny", hidden_size=32, num_layers=1, num_heads=2))
+    with pytest.raises(ConfigError, match=r"actor.offload=params .* a GPU \(this actor is on cpu\)"):
+        LMActor(model, group_size=4, actor={"strategy": "fsdp2", "offload": "params"})
 
 
 class _RunsCode:

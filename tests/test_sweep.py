@@ -56,6 +56,7 @@ SWEEP = {
     "rollout.vllm.enforce_eager": (GRPO, []),
     "actor.strategy": (GRPO, []),  # (one actor rank here: the two-rank runs are tests/test_sharding.py)
     "actor.gradient_checkpointing": (GRPO, []),
+    "actor.offload": (GRPO, ["actor.strategy=fsdp2"]),
     "rollout.backend": (None, []),  # policy -> PPO, hf and vllm -> GRPO
     "loop": (None, []),  # embodied and auto -> PPO, grpo -> GRPO
     "rollout.device": (PPO, []),
@@ -78,6 +79,7 @@ COVERED_ELSEWHERE = {
 REFUSED = {
     ("rollout.backend", "vllm"),  # needs a CUDA GPU on every rollout slot (and the vllm package)
     ("actor.device", "cuda"),
+    ("actor.offload", "params"),  # FSDP2's CPU offload of GPU memory: the actor is on CPU here
     ("rollout.device", "cuda"),
     ("data.task", "file"),  # data.path=missing.jsonl: refused as missing
     ("data.task", "arithmetic"),  # with data.path set, which it would ignore

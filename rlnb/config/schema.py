@@ -429,6 +429,12 @@ class ActorConfig:
     across groups). Place each group on one node: the shard collectives of every layer stay on its fast links
     and only the gradients' all-reduce crosses nodes. 1: plain FSDP over all actor ranks. It must divide the
     number of actor ranks."""
+    offload: Literal["none", "params"] = "none"
+    """LM RL with ``actor.strategy: fsdp2`` on GPUs: ``params``: FSDP2's CPU offload; each rank's shards of the
+    parameters, gradients and AdamW state live in pinned host memory, a layer's parameters are copied to the GPU
+    for its forward and backward, and the optimizer steps on the CPU. For a model whose training state does not
+    fit in GPU memory, at the cost of the copies and a CPU step; with one actor rank the model is wrapped by FSDP2
+    all the same. ``none``: everything on the GPU. Refused on CPU, where there is no GPU memory to free."""
     gather_bucket_bytes: int = 256 * 1024 * 1024
     """LM RL with ``actor.strategy: fsdp2`` over several ranks: weight sync gathers the model's whole tensors one
     at a time and sends them to the rollout in buckets of at most this many bytes (a bigger tensor alone), so no
@@ -482,6 +488,16 @@ class ActorConfig:
             errs.append(
                 f"actor.hsdp_replicas: {self.hsdp_replicas} replicas of a sharded model need actor.strategy=fsdp2 "
                 f"(it is {self.strategy}); set actor.strategy=fsdp2, or actor.hsdp_replicas=1"
+            )
+        if self.offload != "none" and self.strategy != "fsdp2":
+            errs.append(
+                f"actor.offload: {self.offload} is FSDP2's CPU offload, which needs actor.strategy=fsdp2 (it is "
+                f"{self.strategy}); set actor.strategy=fsdp2, or actor.offload=none"
+            )
+        if self.offload != "none" and self.device == "cpu":
+            errs.append(
+                f"actor.offload: {self.offload} moves the actor's state from GPU memory to the host; with "
+                "actor.device=cpu it is there already; set actor.offload=none"
             )
         if self.strategy == "fsdp2" and recipe.rollout.weight_sync == "broadcast":
             errs.append(

@@ -170,6 +170,13 @@ class GRPOLoop(GRPOAsynchronous, GRPORollout, GRPOEvaluation, LoopBase):
                 f"actor.hsdp_replicas={replicas} must divide the {n_act} actor rank(s) into equal groups, each "
                 "holding one sharded replica", "actor.hsdp_replicas"
             )  # fmt: skip
+        if (
+            self.recipe.actor.strategy == "fsdp2" and n_act == 1
+        ):  # (said, not refused: it trains all the same)
+            log.warning(
+                "actor.strategy=fsdp2 with one actor rank: nothing to shard, it holds the whole model; place the "
+                "actor on several slots (cluster.component_placement) to shard it"
+            )
         per_step = self.recipe.data.prompts_per_step
         if per_step % n_roll or (n_act > n_roll and (per_step // n_roll) % (n_act // n_roll)):
             raise PlacementError(
@@ -179,6 +186,14 @@ class GRPOLoop(GRPOAsynchronous, GRPORollout, GRPOEvaluation, LoopBase):
             )
 
     def _check_cluster(self) -> None:
+        offload = self.recipe.actor.offload
+        on_cpu = [s for s in self.placement["actor"] if not self.cluster.slots[s].device.startswith("cuda")]
+        if offload != "none" and on_cpu:
+            raise ConfigError(
+                f"actor.offload={offload} moves the actor's state from GPU memory to the host; actor slots "
+                f"{on_cpu} are CPU-only, where it is already; set actor.offload=none, or place the actor on GPUs",
+                "actor.offload",
+            )
         if self.recipe.rollout.backend == "vllm":
             import importlib.metadata
             import importlib.util
@@ -297,8 +312,13 @@ class GRPOLoop(GRPOAsynchronous, GRPORollout, GRPOEvaluation, LoopBase):
         if self.built_from_objects:
             self._record_components()
         actor.set_total_steps(self.recipe.runner.steps).result()
-        if actor.world_size > 1:
-            actor.init_process_group(timeout_s=min(actor.call_timeout_s, 300))
+        offload = self.recipe.actor.offload != "none"
+        if (
+            actor.world_size > 1 or offload
+        ):  # (offload: FSDP2 even on one rank, gloo beside NCCL for its CPU shards)
+            actor.init_process_group(
+                "cpu:gloo,cuda:nccl" if offload else "auto", timeout_s=min(actor.call_timeout_s, 300)
+            )
             actor.setup_data_parallel().result()
         self.reward_local = p["reward"] == p["rollout"]
         self._launch_links()

@@ -464,16 +464,22 @@ def _refuse_shadowed_methods(component_cls: type, name: str) -> None:
         )  # fmt: skip
 
 
+# NCCL for GPU tensors and gloo for CPU ones in one group (FSDP2's CPU offload reduces its gradients' norm on CPU)
+BOTH = "cpu:gloo,cuda:nccl"
+
+
 def _backend_for(groups: Sequence[Group], backend: str) -> str:
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"backend: expected 'auto', 'gloo' or 'nccl', got {backend!r}")
+    if backend not in ("auto", "gloo", "nccl", BOTH):
+        raise ValueError(f"backend: expected 'auto', 'gloo', 'nccl' or {BOTH!r}, got {backend!r}")
     on_gpu = all(g.infos[r].device.startswith("cuda") for g in groups for r in g._ranks)
     if backend == "auto":
         return "nccl" if on_gpu else "gloo"
-    if backend == "nccl" and not on_gpu:
+    if backend in ("nccl", BOTH) and not on_gpu:
         from rlnb.errors import ClusterError
 
-        raise ClusterError("backend='nccl' needs every rank on a GPU slot; this placement has CPU ranks")
+        raise ClusterError(
+            f"backend={backend!r} needs every rank on a GPU slot; this placement has CPU ranks"
+        )
     return backend
 
 

@@ -71,9 +71,8 @@ class HFRollout(StreamingPool, Decoder, LMRollout):
         self.pool = []  # asynchronous mode: groups admitted and not yet handed over
         # asynchronous mode: (version, the sequences still running, their decoding state) after a chunk
         self._carried = None
-        self._static = (
-            None  # rollout.static_cache: ((rows, columns), the StaticCache reused while they match)
-        )
+        # rollout.static_cache: ((rows, columns), the StaticCache reused while they match)
+        self._static = None
 
     def load_weights(self, state_dict: dict, version: int) -> int:
         self.model.load_state_dict(state_dict)

@@ -103,9 +103,14 @@ class Sharded:
                 self.device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
             )
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[self.dtype], reduce_dtype=torch.float32)
+        extra = {}
+        if self.cfg.offload == "params":  # shards, gradients and AdamW state in pinned host memory
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            extra["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
         for layer in decoder_layers(self.policy):
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(self.policy, mesh=mesh, mp_policy=mp)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, **extra)
+        fully_shard(self.policy, mesh=mesh, mp_policy=mp, **extra)
         if self.ref is not None and not self.lora:  # the KL reference sharded alike: not a whole copy a rank
             for layer in decoder_layers(self.ref):
                 fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -221,7 +226,7 @@ class Sharded:
                 if not tied and id(tensor) in seen:
                     continue
                 seen.add(id(tensor))
-                whole = (tensor.full_tensor() if is_sharded(tensor) else tensor).detach()
+                whole = self._whole(tensor).detach()
                 yield (
                     name,
                     whole.to(cast or whole.dtype, copy=True) if whole.is_floating_point() else whole.clone(),
@@ -247,9 +252,15 @@ class Sharded:
         :meth:`rlnb.components.rollout.RolloutBase.load_weights_in_parts`)."""
         if not self.sharded:
             return super().publish_weights(channel, keys, version)
+        failed = None
         for bucket in self.state_buckets():
-            for k in keys:
-                channel.put({"state": bucket, "version": version, "more": True}, key=k)
+            try:  # (a failed put is raised after the last bucket: the other ranks gather each one with this one)
+                for k in keys if failed is None else ():
+                    channel.put({"state": bucket, "version": version, "more": True}, key=k)
+            except Exception as e:
+                failed = e
+        if failed is not None:
+            raise failed
         for k in keys:
             channel.put({"state": {}, "version": version, "more": False}, key=k)
         return version
@@ -275,7 +286,7 @@ class Sharded:
                     directory / name,
                     metadata={"format": "pt"},
                 )
-            except OSError as e:
+            except Exception as e:
                 failed = e
             weight_map.update(dict.fromkeys(bucket, name))
             total += sum(t.numel() * t.element_size() for t in bucket.values())
@@ -284,6 +295,15 @@ class Sharded:
         if directory is not None:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    def _whole(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` whole: gathered from every rank's shard if it is sharded (every actor rank calls it with the
+        same tensor), on the actor's device (offloaded shards are gathered there, as NCCL gathers GPU memory)."""
+        if not is_sharded(tensor):
+            return tensor
+        if tensor.device != self.device:
+            tensor = tensor.to(self.device)
+        return tensor.full_tensor()
 
     def _own_state(self) -> dict[str, torch.Tensor]:
         """The model's state dict under the base model's names (LoRA: the adapters merged in), sharded or not."""
@@ -300,4 +320,4 @@ class Sharded:
         state = self._own_state()
         if not self.sharded:
             return state
-        return {k: v.full_tensor() if is_sharded(v) else v for k, v in state.items()}
+        return {k: self._whole(v) for k, v in state.items()}
