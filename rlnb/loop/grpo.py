@@ -170,9 +170,8 @@ class GRPOLoop(GRPOAsynchronous, GRPORollout, GRPOEvaluation, LoopBase):
                 f"actor.hsdp_replicas={replicas} must divide the {n_act} actor rank(s) into equal groups, each "
                 "holding one sharded replica", "actor.hsdp_replicas"
             )  # fmt: skip
-        if (
-            self.recipe.actor.strategy == "fsdp2" and n_act == 1
-        ):  # (said, not refused: it trains all the same)
+        # (said, not refused: it trains all the same)
+        if self.recipe.actor.strategy == "fsdp2" and n_act == 1:
             log.warning(
                 "actor.strategy=fsdp2 with one actor rank: nothing to shard, it holds the whole model; place the "
                 "actor on several slots (cluster.component_placement) to shard it"
@@ -312,13 +311,11 @@ class GRPOLoop(GRPOAsynchronous, GRPORollout, GRPOEvaluation, LoopBase):
         if self.built_from_objects:
             self._record_components()
         actor.set_total_steps(self.recipe.runner.steps).result()
+        # offload: FSDP2 even on one rank, and gloo beside NCCL for its shards on the CPU
         offload = self.recipe.actor.offload != "none"
-        if (
-            actor.world_size > 1 or offload
-        ):  # (offload: FSDP2 even on one rank, gloo beside NCCL for its CPU shards)
-            actor.init_process_group(
-                "cpu:gloo,cuda:nccl" if offload else "auto", timeout_s=min(actor.call_timeout_s, 300)
-            )
+        if actor.world_size > 1 or offload:
+            backend = "cpu:gloo,cuda:nccl" if offload else "auto"
+            actor.init_process_group(backend, timeout_s=min(actor.call_timeout_s, 300))
             actor.setup_data_parallel().result()
         self.reward_local = p["reward"] == p["rollout"]
         self._launch_links()
