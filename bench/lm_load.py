@@ -18,6 +18,7 @@ from _scaled import scaled_models
 
 import rlnb
 from rlnb.components.lm import LMActor
+from rlnb.components.lm.shard_load import checkpoint_files, weight_count
 
 
 def _status(field: str) -> float:
@@ -76,10 +77,7 @@ def main() -> None:
     parser.add_argument("--size", default="1024x12", help="HIDDENxLAYERS of the model built")
     args = parser.parse_args()
     for size, path in scaled_models([args.size]):
-        from safetensors import safe_open
-
-        with safe_open(f"{path}/model.safetensors", "pt") as f:
-            model_mib = sum(_numel(f, k) for k in f.keys()) * 4 / 2**20  # noqa: SIM118 (a safetensors handle)
+        model_mib = weight_count(checkpoint_files(path)) * 4 / 2**20
         rows = {s: load(path, s) for s in ("ddp", "fsdp2")}
         print(f"model {size}: {model_mib:.0f} MiB of float32 weights; two CPU ranks")
         print(f"{'way':<28}{'rank':>5}{'before MiB':>12}{'peak MiB':>10}{'increase':>10}{'s':>7}")
@@ -93,13 +91,6 @@ def main() -> None:
                 )
         ratio = max(increase["fsdp2"]) / max(increase["ddp"])
         print(f"rank by rank / whole, the larger rank's peak increase: {ratio:.2f}")
-
-
-def _numel(handle, key: str) -> int:
-    n = 1
-    for d in handle.get_slice(key).get_shape():
-        n *= d
-    return n
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def check_lora_bf16_cuda(work: Path, device: str = "cuda", steps: int = 20) -> d
     rollout gets the merged weights in bf16, and the actor rank holds the frozen base in bf16 with float32
     adapters: under a fifth of the state a float32 actor training the whole model would hold (weights, gradients
     and AdamW's two moments); ``memory/cuda_peak_bytes`` logged on the GPU."""
-    from safetensors import safe_open
+    from rlnb.components.lm.shard_load import weight_count
 
     overrides = [f"runner.steps={steps}", "actor.lora.rank=8", "actor.lora.alpha=16", "actor.dtype=bfloat16",
                  "actor.lr=1e-3", "runner.eval_interval=0"]  # fmt: skip
@@ -139,13 +139,7 @@ def check_lora_bf16_cuda(work: Path, device: str = "cuda", steps: int = 20) -> d
         last = _last_training_record(loop.history)
     finally:
         loop.close()
-    with safe_open(str(work / "tiny-arith-qwen2" / "model.safetensors"), "pt") as f:
-        weights = 0
-        for key in f.keys():  # noqa: SIM118 (a safetensors handle)
-            n = 1
-            for d in f.get_slice(key).get_shape():
-                n *= d
-            weights += n
+    weights = weight_count([work / "tiny-arith-qwen2" / "model.safetensors"])
     out = {
         "steps": len(records),
         "losses_finite": all(r["train/loss"] == r["train/loss"] for r in records if "train/loss" in r),

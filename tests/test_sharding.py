@@ -185,6 +185,28 @@ def test_each_sharded_rank_reads_only_its_shards_of_the_checkpoint(
         assert first["train/kl"] == pytest.approx(0.0, abs=1e-6), first
 
 
+def test_checkpoint_headers_count_the_weights_and_an_oversized_one_is_refused(tmp_path):
+    """The weights of a checkpoint in several files are counted from their headers alone; a header claiming more
+    than safetensors' limit is refused naming the file before anything is allocated for it."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlnb.components.lm.shard_load import checkpoint_files, unmatched, weight_count
+    from rlnb.models.lm import build_tiny_lm
+
+    built = build_tiny_lm(tmp_path / "built", hidden_size=32, num_layers=2, num_heads=2)
+    AutoModelForCausalLM.from_pretrained(built).save_pretrained(tmp_path / "parts", max_shard_size="20KB")
+    files = checkpoint_files(str(tmp_path / "parts"))
+    assert len(files) > 1
+    assert weight_count(files) == sum(t.numel() for f in files for t in load_file(str(f)).values())
+    hostile = tmp_path / "hostile.safetensors"
+    hostile.write_bytes((2**62).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match=r"hostile.safetensors: a safetensors header of \d+ bytes"):
+        weight_count([hostile])
+    with pytest.raises(ValueError, match="hostile"):
+        unmatched(torch.nn.Linear(1, 1), [hostile])
+
+
 def test_a_rank_by_rank_actor_used_before_it_is_sharded_says_so(tmp_path):
     """Built to read its shards (fsdp2, two ranks), an actor holds no weights until setup_data_parallel(): a
     warm start or a batch before it is refused saying what to call, not computed on the meta device."""

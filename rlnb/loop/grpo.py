@@ -35,7 +35,7 @@ from rlnb.loop.grpo_eval import GRPOEvaluation
 from rlnb.loop.grpo_rollout import GRPORollout
 from rlnb.loop.runner import Callback
 from rlnb.models.lm import build_tiny_lm, is_hub_id, load_tokenizer, resolve_model
-from rlnb.runtime.group import Group
+from rlnb.runtime.group import BOTH, Group
 
 log = logging.getLogger("rlnb")
 
@@ -314,7 +314,7 @@ class GRPOLoop(GRPOAsynchronous, GRPORollout, GRPOEvaluation, LoopBase):
         # offload: FSDP2 even on one rank, and gloo beside NCCL for its shards on the CPU
         offload = self.recipe.actor.offload != "none"
         if actor.world_size > 1 or offload:
-            backend = "cpu:gloo,cuda:nccl" if offload else "auto"
+            backend = BOTH if offload else "auto"
             actor.init_process_group(backend, timeout_s=min(actor.call_timeout_s, 300))
             actor.setup_data_parallel().result()
         self.reward_local = p["reward"] == p["rollout"]

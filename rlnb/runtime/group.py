@@ -464,7 +464,8 @@ def _refuse_shadowed_methods(component_cls: type, name: str) -> None:
         )  # fmt: skip
 
 
-# NCCL for GPU tensors and gloo for CPU ones in one group (FSDP2's CPU offload reduces its gradients' norm on CPU)
+# the backend of a group with NCCL for GPU tensors and gloo for CPU ones (FSDP2's CPU offload reduces its
+# gradients' norm on CPU)
 BOTH = "cpu:gloo,cuda:nccl"
 
 

@@ -10,7 +10,7 @@ initialisation, as ``transformers`` computes them when it loads from the meta de
 from __future__ import annotations
 
 import json
-import logging
+import math
 import os
 from pathlib import Path
 
@@ -18,8 +18,6 @@ import torch
 
 from rlnb.components.lm.sharding import is_sharded
 from rlnb.models.lm import DTYPES, hf_quiet
-
-log = logging.getLogger("rlnb")
 
 
 def checkpoint_files(ref: str) -> list[Path] | None:
@@ -51,20 +49,31 @@ def _tensors_and_names(model: torch.nn.Module) -> list[tuple[torch.Tensor, list[
     return list(named.values())
 
 
-def _where(files: list[Path]) -> dict[str, Path]:
-    from safetensors import safe_open
+def _headers(files: list[Path]) -> dict[Path, tuple[dict, int]]:
+    """Each file's :func:`_header`, read once."""
+    return {f: _header(f) for f in files}
 
-    where: dict[str, Path] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            where.update(dict.fromkeys(handle.keys(), f))
-    return where
+
+def _where(headers: dict[Path, tuple[dict, int]]) -> dict[str, Path]:
+    """The file holding each tensor name."""
+    return {name: f for f, (index, _) in headers.items() for name in index if name != "__metadata__"}
+
+
+def weight_count(files: list[Path]) -> int:
+    """How many numbers the tensors of safetensors ``files`` hold (a checkpoint's size in weights), from their
+    headers alone."""
+    return sum(
+        math.prod(entry["shape"])
+        for index, _ in _headers(files).values()
+        for name, entry in index.items()
+        if name != "__metadata__"
+    )
 
 
 def unmatched(model: torch.nn.Module, files: list[Path]) -> str | None:
     """Why ``model``'s state cannot be read from ``files`` by name (a tensor none of whose names they hold), or
     ``None``: it can. Reads the files' headers only."""
-    where = _where(files)
+    where = _where(_headers(files))
     for _, names in _tensors_and_names(model):
         if not any(n in where for n in names):
             return f"the checkpoint holds no {names[0]!r}"
@@ -79,14 +88,15 @@ def load_shards(model: torch.nn.Module, files: list[Path], device: torch.device)
 
     model.to_empty(device=device)
     _init_unsaved_buffers(model)
-    where, by_file = _where(files), {}
+    headers = _headers(files)
+    where, by_file = _where(headers), {}
     for tensor, names in _tensors_and_names(model):
         key = next(n for n in names if n in where)
         by_file.setdefault(where[key], []).append((key, tensor))
     read = 0
     with torch.no_grad():
         for f, items in by_file.items():
-            index, data_start = _header(f)
+            index, data_start = headers[f]
             with open(f, "rb") as handle:
                 for key, tensor in items:
                     local = tensor.to_local() if is_sharded(tensor) else tensor
@@ -111,10 +121,15 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "
            "BOOL": torch.bool}  # fmt: skip
 
 
+MAX_HEADER_BYTES = 100_000_000
+
+
 def _header(path: Path) -> tuple[dict, int]:
     """A safetensors file's index (name -> ``{"dtype", "shape", "data_offsets"}``) and where its data starts."""
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
+        if size > MAX_HEADER_BYTES:  # (safetensors' own limit: a corrupt or hostile size allocates nothing)
+            raise ValueError(f"{path}: a safetensors header of {size} bytes (at most {MAX_HEADER_BYTES})")
         return json.loads(f.read(size)), 8 + size
 
 

@@ -38,11 +38,11 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers) if layers is not None else list(model.children())
 
 
-def weight_buckets(state, bucket_bytes: int):
-    """``state``'s tensors (a dict, or ``(name, tensor)`` pairs, taken one at a time) in order, in dicts of at most
-    ``bucket_bytes`` (a bigger tensor goes alone)."""
+def weight_buckets(pairs, bucket_bytes: int):
+    """``(name, tensor)`` ``pairs``, taken one at a time, in order, in dicts of at most ``bucket_bytes`` (a bigger
+    tensor goes alone)."""
     bucket, size = {}, 0
-    for name, tensor in state.items() if isinstance(state, dict) else state:
+    for name, tensor in pairs:
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
@@ -252,15 +252,12 @@ class Sharded:
         :meth:`rlnb.components.rollout.RolloutBase.load_weights_in_parts`)."""
         if not self.sharded:
             return super().publish_weights(channel, keys, version)
-        failed = None
-        for bucket in self.state_buckets():
-            try:  # (a failed put is raised after the last bucket: the other ranks gather each one with this one)
-                for k in keys if failed is None else ():
-                    channel.put({"state": bucket, "version": version, "more": True}, key=k)
-            except Exception as e:
-                failed = e
-        if failed is not None:
-            raise failed
+
+        def put(_, bucket: dict) -> None:
+            for k in keys:
+                channel.put({"state": bucket, "version": version, "more": True}, key=k)
+
+        self._for_each_bucket(self.state_buckets(), put if keys else None)
         for k in keys:
             channel.put({"state": {}, "version": version, "more": False}, key=k)
         return version
@@ -268,33 +265,43 @@ class Sharded:
     def _write_buckets(self, directory) -> None:
         """A sharded model's weights as a Hugging Face checkpoint's safetensors files, one a bucket of
         :meth:`state_buckets` (the master weights' precision), and their index, into ``directory`` (rank 0; the
-        other ranks give ``None`` and only gather). A failure to write is raised after the last bucket, so every
-        rank still gathers each one with the others."""
+        other ranks give ``None`` and only gather; a failure to write is raised after the last bucket)."""
         import json
 
         from safetensors.torch import save_file
 
-        weight_map, total, failed = {}, 0, None
-        for i, bucket in enumerate(self.state_buckets(for_rollout=False, tied=False)):
-            if directory is None or failed is not None:
-                continue
+        weight_map = {}
+
+        def write(i: int, bucket: dict) -> None:
             name = f"model-{i + 1:05d}.safetensors"
+            directory.mkdir(parents=True, exist_ok=True)
+            save_file(
+                {k: v.contiguous() for k, v in bucket.items()}, directory / name, metadata={"format": "pt"}
+            )
+            weight_map.update(dict.fromkeys(bucket, name))
+
+        self._for_each_bucket(
+            self.state_buckets(for_rollout=False, tied=False), write if directory is not None else None
+        )
+        if directory is not None:
+            index = {"metadata": {"total_size": self.last_sync["bytes"]}, "weight_map": weight_map}
+            (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    @staticmethod
+    def _for_each_bucket(buckets, act) -> None:
+        """``act(i, bucket)`` for each of ``buckets`` (every actor rank iterates them together; ``act`` is ``None``
+        on the ranks that only gather). After a failure the rest are still gathered, not acted on, and the failure
+        is raised after the last: no other rank is left waiting in a gather."""
+        failed = None
+        for i, bucket in enumerate(buckets):
+            if act is None or failed is not None:
+                continue
             try:
-                directory.mkdir(parents=True, exist_ok=True)
-                save_file(
-                    {k: v.contiguous() for k, v in bucket.items()},
-                    directory / name,
-                    metadata={"format": "pt"},
-                )
+                act(i, bucket)
             except Exception as e:
                 failed = e
-            weight_map.update(dict.fromkeys(bucket, name))
-            total += sum(t.numel() * t.element_size() for t in bucket.values())
         if failed is not None:
             raise failed
-        if directory is not None:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
     def _whole(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` whole: gathered from every rank's shard if it is sharded (every actor rank calls it with the

@@ -183,7 +183,7 @@ class VLLMRollout(LMRollout):
         return version
 
     def _into_engine(self, state_dict: dict) -> None:
-        buckets = list(weight_buckets(state_dict, self.cfg.weight_bucket_bytes))
+        buckets = list(weight_buckets(state_dict.items(), self.cfg.weight_bucket_bytes))
         if self.on_gpu and all(t.is_cuda for b in buckets for t in b.values()):
             self.llm.collective_rpc(
                 "rlnb_load_weights", args=("cuda_ipc", [_ipc_handles(b) for b in buckets])
