@@ -319,6 +319,35 @@ def test_the_embedded_cluster_is_closed_to_other_users_and_open_to_its_own(clust
     group.shutdown()
 
 
+def test_one_driver_can_neither_call_nor_steer_another_drivers_components(cluster, tmp_path):
+    """A second driver on the same scheduler read the first driver's actor and set its learning rate: direct
+    calls had one token per worker, handed to every driver that launched something there. Now each driver
+    session has its own: the second driver's connection, even naming the first's host keys, finds no host of the
+    first's (a rank or a channel), and both drivers' own calls go on."""
+    from rlnb.runtime.direct import dumps
+    from rlnb.runtime.link import DirectLink
+    from rlnb.testing import Echo
+
+    first = rlnb.Group.launch(Echo, cluster, "0", name="first-driver", kwargs={"offset": 1})
+    queue = rlnb.Channel.create(cluster, "first-driver-queue", slot=0)
+    queue.put(7)
+    with rlnb.Cluster(cluster.address, security=cluster.save_credentials(tmp_path / "creds")) as other:
+        second = rlnb.Group.launch(Echo, other, "0", name="second-driver")
+        mine, theirs = second._route.links[0], first._route.links[0]
+        assert mine.address == theirs.address and mine.token != theirs.token  # one worker, two credentials
+        for key, op, args in ((theirs.key, "call", ("echo", ("steered",), {})),
+                              (queue._direct[3], "get", ("default", 1, 5.0, "elsewhere"))):  # fmt: skip
+            forged = DirectLink(*theirs.address, mine.token, key, rank=op == "call")
+            status, value, _ = forged.send(op, dumps(args), 30).read()
+            forged.close()
+            assert status == "lost" and "shut down" in str(value), (op, status, value)
+        assert second.add(1).result(30) == [1]
+    assert first.add(1).result(30) == [2]  # its component untouched
+    assert queue.get(timeout=30) == 7  # and its channel's item still there
+    queue.close()
+    first.shutdown()
+
+
 def test_direct_calls_over_tls_only_where_the_workers_listen_on_loopback():
     from rlnb.runtime.plugin import _loopback_tls
 

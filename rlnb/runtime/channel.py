@@ -41,10 +41,13 @@ class ChannelServer:
     worker's event loop.
     """
 
-    def __init__(self, name: str, maxsize: int, max_bytes: int = 0):
+    def __init__(self, name: str, maxsize: int, max_bytes: int = 0, session: str = ""):
         from rlnb.runtime import direct
 
         self.name, self.maxsize, self.max_bytes = name, maxsize, max_bytes
+        self.session = (
+            session  # the driver session that made it (rlnb.Cluster.session): its direct calls' credential
+        )
         self.queued_bytes = 0  # of the tensors and arrays queued, over every key (what max_bytes bounds)
         self.queues: dict[str, deque] = {}
         self._cv = threading.Condition()
@@ -245,6 +248,7 @@ class Channel:
             name,
             maxsize,
             max_bytes,
+            cluster.session,
             actor=True,
             workers=[address],
             allow_other_workers=False,

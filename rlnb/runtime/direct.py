@@ -22,8 +22,11 @@ A request starts with ``!32s16s`` (host key, operation). Then, in both direction
 of out-of-band buffers, pickle length), one ``!Q`` length per buffer, the pickle (protocol 5; the
 standard pickler, or cloudpickle for what it cannot send), then the buffers: arrays and large CPU
 tensors travel as raw bytes, outside the pickle, without a copy on the sending side. A connection starts
-with the server's random token (handed out through Dask, in ``RankHost.ready``), so the port
-accepts nothing that could not already talk to the Dask worker. ``tls://`` clusters keep Dask's
+with a random token of the driver session (:class:`rlnb.Cluster`) that launched the host it calls, handed to
+that driver through Dask (``RankHost.ready``), so the port accepts nothing that could not already talk to the Dask
+worker; and a connection reaches only its own session's hosts: one driver can neither call nor steer another's
+components on a shared worker, even knowing their keys (any Dask client can still run code in the workers: a
+closed cluster, as the embedded one is, keeps others out of both). ``tls://`` clusters keep Dask's
 rpc (the direct port is not encrypted), but for the embedded cluster, whose workers listen on loopback only,
 as does ``RLNB_DIRECT_CALLS=0``.
 
@@ -97,7 +100,9 @@ class CallServer:
 
     def __init__(self, worker):
         self.worker = worker
-        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self._tokens: dict[
+            str, bytes
+        ] = {}  # by driver session (rlnb.Cluster.session): a connection's credential
         # weak: a host lives as long as Dask keeps its actor (a group or channel dropped without
         # shutdown is freed as usual; a call to it then gets "shut down")
         self.hosts: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
@@ -108,6 +113,9 @@ class CallServer:
         self._host_conns: dict[str, set[socket.socket]] = {}
         self._busy: set[socket.socket] = set()  # of those, the ones answering a request now
         self._pending: dict[socket.socket, None] = {}  # accepted, token not read yet: oldest first
+        self._sessions: dict[
+            socket.socket, str
+        ] = {}  # the driver session each authenticated connection speaks for
         self._logged: set[str] = set()  # kinds of failure already logged (each is logged once)
         ip = worker.address.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
@@ -140,16 +148,23 @@ class CallServer:
                 sock.close()
 
     def register(self, host) -> tuple:
+        """Serve ``host`` (of driver session ``host.session``); the offer that reaches it: ``(ip, port, token,
+        key, unix_name)``, the token its session's."""
         key = uuid.uuid4().hex  # 32 characters, as the request header expects
         with self._lock:
             self.hosts[key] = host
-        return (*self.address, self.token, key, self.unix_name)
+            token = self._tokens.setdefault(host.session, secrets.token_bytes(TOKEN_BYTES))
+        return (*self.address, token, key, self.unix_name)
 
     def unregister(self, host) -> None:
         with self._lock:
             keys = [k for k, h in list(self.hosts.items()) if h is host]
             for key in keys:
                 del self.hosts[key]
+            if not any(h.session == host.session for h in list(self.hosts.values())):
+                self._tokens.pop(
+                    host.session, None
+                )  # (its connections' next requests find no host of theirs)
                 # idle ones: shut down now (wakes the thread reading its next request: it ends, and closes it); one
             # answering a request (a get woken by the close) ends once its reply is sent
             conns = [c for key in keys for c in self._host_conns.pop(key, ()) if c not in self._busy]
@@ -173,6 +188,24 @@ class CallServer:
         with self._lock:
             self._busy.discard(conn)
             return key in self.hosts
+
+    def _host(self, key: str, conn: socket.socket):
+        """The host ``key`` names if ``conn`` may reach it (a host of the session it authenticated for), else
+        ``None``: answered as a host that is not here, whether it is or not."""
+        host = self.hosts.get(key)
+        if host is None or host.session != self._sessions.get(conn):
+            return None
+        return host
+
+    def _authenticate(self, token: bytes) -> str | None:
+        """The driver session whose token ``token`` is, or ``None``."""
+        with self._lock:
+            tokens = list(self._tokens.items())
+        found = None
+        for session, known in tokens:  # (each compared in full: no early exit that times the match)
+            if secrets.compare_digest(token, known):
+                found = session
+        return found
 
     def _unbind(self, conn: socket.socket) -> None:
         with self._lock:
@@ -237,6 +270,7 @@ class CallServer:
     def _closed_connection(self, conn: socket.socket) -> None:
         with self._lock:
             self.connections -= 1
+            self._sessions.pop(conn, None)
 
     def _drop(self, conn: socket.socket) -> None:
         """Close ``conn``, which no thread serves any more."""
@@ -273,15 +307,18 @@ class CallServer:
             finally:
                 with self._lock:
                     self._pending.pop(conn, None)
-            if not secrets.compare_digest(token, self.token):
+            session = self._authenticate(token)
+            if session is None:
                 self._log_once("auth", "a connection sent a wrong token; closed")
                 return False
+            with self._lock:
+                self._sessions[conn] = session
             conn.settimeout(None)  # an authenticated connection may idle in the driver's pool
         reader = _Reader(conn, b"", None, buffered=True)  # (a channel's puts may come back to back)
         try:
             while True:
                 request, first = first or _read_request(reader), None
-                host = self.hosts.get(request[0])
+                host = self._host(request[0], conn)
                 if host is not None and hasattr(host, "direct_call") and not self._bind(request[0], conn):
                     host = None  # unregistered between the two lookups: answered as gone, below
                 if host is not None and hasattr(host, "direct_call"):
@@ -328,7 +365,7 @@ class CallServer:
                     self._spawn(self._read_then_adopt, conn, got)
                     return DETACHED
                 request = recv_request(conn, got=got)
-            host = self.hosts.get(request[0])
+            host = self._host(request[0], conn)
             # a thread-safe host's operation runs on a thread of its own: a blocking get must not hold this one
             if host is not None and hasattr(host, "direct_call"):
                 self._spawn(self._serve_connection, conn, request)
@@ -494,11 +531,14 @@ def serve(host) -> tuple | None:
 
 
 def local_host(offer: tuple):
-    """The host object behind ``offer`` if it lives in this very process, else ``None``."""
-    ip, port, _, key, *_ = offer
+    """The host object behind ``offer`` if it lives in this very process (and the offer's token is its
+    session's), else ``None``."""
+    ip, port, token, key, *_ = offer
     for server in list(_SERVERS.values()):
         if server.address == (ip, port):
-            return server.hosts.get(key)
+            host = server.hosts.get(key)
+            known = None if host is None else server._tokens.get(host.session)
+            return host if known is not None and secrets.compare_digest(token, known) else None
     return None
 
 

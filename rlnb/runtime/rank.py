@@ -169,6 +169,11 @@ class RankHost:
             self.init_error = pack_exception(e)
         self.direct = direct.serve(self) if self.init_error is None else None
 
+    @property
+    def session(self) -> str:
+        """The driver session (:attr:`rlnb.Cluster.session`) that launched this rank: its direct calls' credential."""
+        return self.info.session
+
     def ready(self):
         """``{"pid", "direct"}``: the worker's process id and how to reach this host without Dask's rpc."""
         if self.init_error is not None:
