@@ -342,6 +342,11 @@ def test_one_driver_can_neither_call_nor_steer_another_drivers_components(cluste
             forged.close()
             assert status == "lost" and "shut down" in str(value), (op, status, value)
         assert second.add(1).result(30) == [1]
+        second.shutdown()  # the second driver's last host on that worker: a late call of its own is still its own
+        late = DirectLink(*mine.address, mine.token, mine.key, rank=True)
+        status, value, _ = late.send("call", dumps(("add", (1,), {})), 30).read()
+        late.close()
+        assert status == "lost" and "shut down" in str(value), (status, value)  # not refused as a stranger's
     assert first.add(1).result(30) == [2]  # its component untouched
     assert queue.get(timeout=30) == 7  # and its channel's item still there
     queue.close()

@@ -80,6 +80,7 @@ from rlnb.runtime.wire import (  # the wire format this module serves and calls 
 log = logging.getLogger("rlnb")
 TOKEN_BYTES = 16
 TOKEN_TIMEOUT_S = 10.0  # a connection that has not sent its token by then is closed
+KEPT_SESSIONS = 1024  # driver sessions' tokens kept before those with no host left are dropped
 RANK_OPS = frozenset(
     {
         "call",
@@ -100,9 +101,8 @@ class CallServer:
 
     def __init__(self, worker):
         self.worker = worker
-        self._tokens: dict[
-            str, bytes
-        ] = {}  # by driver session (rlnb.Cluster.session): a connection's credential
+        # a token per driver session (rlnb.Cluster.session): what a connection authenticates with
+        self._tokens: dict[str, bytes] = {}
         # weak: a host lives as long as Dask keeps its actor (a group or channel dropped without
         # shutdown is freed as usual; a call to it then gets "shut down")
         self.hosts: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
@@ -153,19 +153,25 @@ class CallServer:
         key = uuid.uuid4().hex  # 32 characters, as the request header expects
         with self._lock:
             self.hosts[key] = host
+            if host.session not in self._tokens and len(self._tokens) >= KEPT_SESSIONS:
+                self._forget_idle_sessions()
             token = self._tokens.setdefault(host.session, secrets.token_bytes(TOKEN_BYTES))
         return (*self.address, token, key, self.unix_name)
+
+    def _forget_idle_sessions(self) -> None:
+        """Drop the tokens of sessions with no host here any more (under ``_lock``). A session's token outlives its
+        hosts until then, so that a late request of its driver (a closed channel's reader) is answered "shut
+        down", not refused as a stranger's."""
+        live = {h.session for h in list(self.hosts.values())}
+        for session in [s for s in self._tokens if s not in live]:
+            del self._tokens[session]
 
     def unregister(self, host) -> None:
         with self._lock:
             keys = [k for k, h in list(self.hosts.items()) if h is host]
             for key in keys:
                 del self.hosts[key]
-            if not any(h.session == host.session for h in list(self.hosts.values())):
-                self._tokens.pop(
-                    host.session, None
-                )  # (its connections' next requests find no host of theirs)
-                # idle ones: shut down now (wakes the thread reading its next request: it ends, and closes it); one
+            # idle ones: shut down now (wakes the thread reading its next request: it ends, and closes it); one
             # answering a request (a get woken by the close) ends once its reply is sent
             conns = [c for key in keys for c in self._host_conns.pop(key, ()) if c not in self._busy]
         for conn in conns:
