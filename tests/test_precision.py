@@ -76,6 +76,9 @@ def test_dtype_and_static_cache_refused_where_they_cannot_work(lm):
         load_recipe("grpo_arith", ["rollout.dtype=half"])
     with pytest.raises(RecipeError, match="rollout.static_cache: a static KV cache for the hf backend"):
         load_recipe("grpo_arith", ["rollout.backend=vllm", "rollout.static_cache=true"])
+    # asynchronous chunks decode with rlnb's loop: the setting would go unused, so it is said before anything starts
+    with pytest.raises(RecipeError, match=r"rollout.static_cache: .* with algorithm.max_staleness=2 .* chunks"):
+        load_recipe("grpo_arith", ["rollout.static_cache=true", "algorithm.max_staleness=2"])
 
 
 def test_bf16_grpo_learns_on_workers_and_logs_memory(tmp_path):

@@ -82,8 +82,8 @@ class RolloutConfig:
     is compiled on a GPU (``torch.compile``, CUDA graphs: one launch a token instead of one a kernel). Pays for
     models large enough to repay its compile (each new batch shape compiles; prompts are left-padded to a
     multiple of 32 tokens to bound them); ended sequences are computed to the end, as ``generate`` does; each
-    prompt is prefilled once for its completions, into the static cache. Synchronous generation only
-    (asynchronous chunks decode with rlnb's loop)."""
+    prompt is prefilled once for its completions, into the static cache. Synchronous generation
+    only: refused with ``algorithm.max_staleness`` (asynchronous chunks decode with rlnb's loop)."""
     chunk_tokens: int = 8
     """LM RL, asynchronous mode (``algorithm.max_staleness >= 1``): tokens generated between two checks
     for new weights; a generation spanning a weight update goes on with the new ones (partial rollouts)."""
@@ -129,6 +129,14 @@ class RolloutConfig:
             errs.append(
                 f"rollout.static_cache: a static KV cache for the hf backend's generate; rollout.backend={ro.backend} "
                 "does not use it (vLLM manages its own cache); set rollout.static_cache=false"
+            )
+        if ro.static_cache is True and ro.backend == "hf" and _asynchronous(recipe):
+            errs.append(
+                "rollout.static_cache: generate on a static KV cache serves synchronous generation; with "
+                f"algorithm.max_staleness={recipe.algorithm.max_staleness} the hf backend generates in chunks of "
+                "rollout.chunk_tokens with rlnb's own decoding loop (the pool's rows change between chunks), so it "
+                "would not be used; set rollout.static_cache=false, or rollout.backend=vllm for asynchronous "
+                "training on an inference engine"
             )
         if isinstance(ro.max_turns, int) and ro.max_turns >= 2:
             if recipe.loop == "embodied":
@@ -296,3 +304,9 @@ class DataConfig:
             )
         errs += at_least(("data.prompts_per_step", d.prompts_per_step, 1), ("data.eval_size", d.eval_size, 1))
         return errs
+
+
+def _asynchronous(recipe: Recipe) -> bool:
+    """Whether ``recipe`` trains asynchronously (``algorithm.max_staleness >= 1``; a wrong type is said elsewhere)."""
+    n = recipe.algorithm.max_staleness
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0

@@ -4,6 +4,7 @@ tokens at a time across weight updates, every token keeping the policy version t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import torch
@@ -13,6 +14,8 @@ from rlnb.components.lm.layout import pad_left, same_objects
 from rlnb.errors import ConfigError
 from rlnb.models.lm import prompt_ids
 from rlnb.runtime.rank import local_peer
+
+log = logging.getLogger("rlnb")
 
 
 @dataclasses.dataclass(
@@ -66,6 +69,7 @@ class StreamingPool:
     # stream() generates chunks of tokens (a subclass with its own engine, generating whole completions, cannot)
     CHUNKED_GENERATION = True
     _carried: tuple | None = None
+    _said_static = False  # the static-cache warning was logged (once a rank)
     pool: list[PoolGroup]  # groups admitted and not yet handed over (HFRollout.__init__ sets it)
 
     # ------------------------------------------------------------------ asynchronous generation
@@ -101,6 +105,14 @@ class StreamingPool:
                 "takes new weights between chunks of tokens, with HFRollout's own decoding",
                 "max_staleness",
             )
+        if (
+            getattr(self, "static_cache", False) and not self._said_static
+        ):  # (a recipe refuses it; objects, said)
+            self._said_static = True
+            log.warning(
+                "rollout[%d]: static_cache serves synchronous generation; asynchronous chunks decode with rlnb's "
+                "own loop", self.rank,
+            )  # fmt: skip
         t0 = time.perf_counter()
         self._admit(problems, n)
         swaps, tokens, chunks = 0, 0, 0
