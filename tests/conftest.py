@@ -183,7 +183,7 @@ def pytest_sessionfinish(session, exitstatus):
     """Remove shared-memory segments of processes the tests SIGKILLed (drivers, workers): a killed process
     cannot unlink its own, and workers sweep them only when the next one starts. Likewise the named
     semaphores (``sem.mp-*``) that multiprocessing's resource tracker of a killed process left: those made
-    during this session that no live process maps any more."""
+    during this session, more than a minute ago, that no live process maps any more."""
     import glob
 
     from rlnb.runtime.shm import sweep_dead_segments
@@ -197,9 +197,12 @@ def pytest_sessionfinish(session, exitstatus):
                 mapped.update(line.split()[-1] for line in f if "/dev/shm/sem." in line)
         except OSError:  # the process ended meanwhile
             continue
+    # a semaphore of the last minute may be one that a process being spawned (another session's vLLM engine) is
+    # yet to open by name: left alone
+    settled = time.time() - 60
     for path in glob.glob("/dev/shm/sem.mp-*"):
         try:
-            if path not in mapped and os.stat(path).st_mtime >= SESSION_START:
+            if path not in mapped and SESSION_START <= os.stat(path).st_mtime < settled:
                 os.unlink(path)
         except OSError:
             continue
