@@ -8,7 +8,7 @@ it checks. In short: the environment; algorithm code on CUDA; the embedded ``Loc
 PPO on the GPU (eager, compiled, a simulator on the GPU); GRPO on the GPU (one turn, multi-turn, shared
 prompt prefill, asynchronous chunks, a reward model); CUDA IPC channels and weight sync between processes;
 NCCL between two groups; a remote cluster started with ``dask scheduler`` and ``dask cuda worker``; GRPO in
-bf16, with LoRA in bf16 and with FSDP2's CPU offload; the static-cache compiled decode
+bf16, with LoRA in bf16 and with FSDP2's CPU offload; the LM update compiled; the static-cache compiled decode
 (:mod:`rlnb.gpu_check_scale`); vLLM and ManiSkill where installed. A check that cannot run on the machine says
 why in its ``SKIP`` line.
 
@@ -44,6 +44,7 @@ from rlnb.gpu_check_lm import (  # GRPO on the GPU and vLLM
 )
 from rlnb.gpu_check_scale import (  # checks toward real model sizes and deployments
     check_lm_bf16_cuda,
+    check_lm_compile_cuda,
     check_lm_offload_cuda,
     check_lora_bf16_cuda,
     check_remote_dask_cuda_scheduler,
@@ -477,6 +478,7 @@ CHECKS = [
     ("lm_bf16_cuda", check_lm_bf16_cuda),
     ("lora_bf16_cuda", check_lora_bf16_cuda),
     ("lm_offload_cuda", check_lm_offload_cuda),
+    ("lm_compile_cuda", check_lm_compile_cuda),
     ("static_cache_decode_cuda", check_static_cache_decode_cuda),
     ("vllm_rollout", check_vllm_rollout),
     ("maniskill_pickcube", check_maniskill_pickcube),

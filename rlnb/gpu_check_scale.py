@@ -8,6 +8,8 @@
   under a fifth of a whole float32 actor's state.
 - ``lm_offload_cuda``: GRPO with ``actor.offload=params`` (FSDP2's CPU offload, one GPU) trains; the GPU peak
   with and without it.
+- ``lm_compile_cuda``: the LM update compiled (``actor.compile=true``) against eager, in bf16: the compile time
+  and the train step's speed-up.
 - ``static_cache_decode_cuda``: ``rollout.static_cache`` (``generate`` on a static KV cache, its decoding step
   compiled) samples the tokens and log-probs of rlnb's decoding loop, and how many tokens/s each makes.
 
@@ -179,6 +181,42 @@ def check_lm_offload_cuda(work: Path, device: str = "cuda", steps: int = 10) -> 
     out.update(cuda_peak_bytes_without=peaks["none"], cuda_peak_bytes_offloaded=peaks["params"])
     if not (out["finite_params"] and out["steps_params"] == steps):
         raise RuntimeError(f"GRPO with actor.offload=params did not train: {out}")
+    return out
+
+
+def check_lm_compile_cuda(
+    work: Path, device: str = "cuda", hidden: int = 1024, layers: int = 8, steps: int = 8
+) -> dict:
+    """The LM update compiled (``actor.compile=true``) against eager, bf16, on a ``hidden`` x ``layers`` model: both
+    train (finite losses), and the compile time and the median train phase of the steps after the first (compile
+    excluded) of each, with their ratio. On one GPU the whole micro-batch objective compiles; sharded over
+    several (``actor.strategy=fsdp2``), each decoder layer (that mode is tested on two CPU ranks)."""
+    import statistics
+
+    from rlnb.models.lm import build_tiny_lm
+
+    model = build_tiny_lm(work / f"compile-{hidden}x{layers}", hidden_size=hidden, num_layers=layers,
+                          num_heads=max(2, hidden // 64))  # fmt: skip
+    out = {"model": f"{hidden}x{layers}"}
+    for setting in ("false", "true"):
+        overrides = [f"runner.steps={steps}", f"actor.compile={setting}",
+                     "actor.dtype=bfloat16", "actor.sft_steps=0", "runner.eval_interval=0",
+                     "actor.skip_zero_advantage=false", f"actor.model_path={model}"]  # fmt: skip
+        loop = _grpo(work, f"grpo_compile_{setting}", device, overrides)
+        try:
+            records = [r for r in loop.run(progress=False) if "train/loss" in r]
+            stats = loop.groups["actor"].compile_stats().result()[0]
+        finally:
+            loop.close()
+        if len(records) != steps or not all(r["train/loss"] == r["train/loss"] for r in records):
+            raise RuntimeError(f"GRPO with actor.compile={setting} (fsdp2) did not train: {records[-1:]}")
+        which = "compiled" if setting == "true" else "eager"
+        out[f"train_s_{which}"] = statistics.median(r["time/train_s"] for r in records[1:])
+        if setting == "true":
+            if not stats.get("compiled"):
+                raise RuntimeError(f"the update did not compile: {stats}")
+            out.update(compiled=stats["what"], compile_s=stats["compile_s"])
+    out["speedup"] = out["train_s_eager"] / out["train_s_compiled"]
     return out
 
 

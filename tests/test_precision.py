@@ -77,7 +77,9 @@ def test_dtype_and_static_cache_refused_where_they_cannot_work(lm):
     with pytest.raises(RecipeError, match="rollout.static_cache: a static KV cache for the hf backend"):
         load_recipe("grpo_arith", ["rollout.backend=vllm", "rollout.static_cache=true"])
     # asynchronous chunks decode with rlnb's loop: the setting would go unused, so it is said before anything starts
-    with pytest.raises(RecipeError, match=r"rollout.static_cache: .* with algorithm.max_staleness=2 .* chunks"):
+    with pytest.raises(
+        RecipeError, match=r"rollout.static_cache: .* with algorithm.max_staleness=2 .* chunks"
+    ):
         load_recipe("grpo_arith", ["rollout.static_cache=true", "algorithm.max_staleness=2"])
 
 
@@ -113,3 +115,12 @@ def test_lora_bf16_check_runs_on_cpu(tmp_path):
     out = check_lora_bf16_cuda(tmp_path, device="cpu", steps=3)
     assert out["steps"] == 3 and out["rollout_model_dtype"] == "bfloat16"
     assert out["actor_state_bytes"] < out["full_float32_state_bytes"] / 5
+
+
+def test_compiled_update_check_runs_on_cpu(tmp_path):
+    """``make gpu-check``'s ``lm_compile_cuda`` on CPU at a small size: both runs train and the update compiles
+    (the GPU's speed-up is measured there)."""
+    from rlnb.gpu_check_scale import check_lm_compile_cuda
+
+    out = check_lm_compile_cuda(tmp_path, device="cpu", hidden=64, layers=2, steps=3)
+    assert out["compiled"] == "the objective" and out["compile_s"] > 0 and out["speedup"] > 0

@@ -36,6 +36,29 @@ def test_fsdp2_on_two_cpu_ranks_trains_as_ddp_does_with_a_shard_of_the_state_eac
     assert all(math.isfinite(r["train/loss"]) for r in bf16), bf16
 
 
+def test_a_sharded_actor_compiles_each_decoder_layer_and_trains_as_eager_does(cluster, tmp_path):
+    """actor.compile=true with fsdp2: each decoder layer's forward is compiled (FSDP2's hooks between layers stay
+    outside, where a whole-objective graph broke at every one and recompiled for each new length), timed as
+    time/compile_s; the losses are eager's."""
+    eager, _ = _run(cluster, tmp_path, "eager", ["actor.strategy=fsdp2", "actor.skip_zero_advantage=false"])
+    overrides = [*TWO_RANKS, f"actor.model_path={tmp_path / 'model'}", "actor.strategy=fsdp2",
+                 "actor.skip_zero_advantage=false", "actor.compile=true"]  # fmt: skip
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "layers") as loop:
+        compiled = loop.run(progress=False)
+        stats = loop.groups["actor"].compile_stats().result()
+    layers = load_recipe("grpo_arith", TWO_RANKS).actor.tiny_lm.num_layers
+    assert all(s["compiled"] and s["what"] == f"{layers} layers" and s["fallback"] is None for s in stats), (
+        stats
+    )
+    assert (
+        min(s["compile_s"] for s in stats)
+        <= compiled[0]["time/compile_s"]
+        <= max(s["compile_s"] for s in stats)
+    )
+    losses = [(a["train/loss"], b["train/loss"]) for a, b in zip(eager, compiled)]
+    assert len(losses) == 3 and all(a == pytest.approx(b, rel=1e-3, abs=1e-4) for a, b in losses), losses
+
+
 def test_hsdp_replicas_of_a_sharded_model_train_as_ddp_does(cluster, tmp_path):
     """actor.hsdp_replicas=2 on two ranks: two replicas, each sharded over one rank (a 2-D device mesh), so each
     rank holds the whole state, as under DDP, and the losses are DDP's; a count that does not divide the actor

@@ -82,6 +82,8 @@ class StepCompiler:
 
     def __init__(self, where: str):
         self.where = where
+        # what compile_layers compiled, to undo on a failure; empty: the whole objective is compiled
+        self.layers: list[torch.nn.Module] = []
         self.fn = None
         self.ready = False
         self.compile_s: float | None = None
@@ -93,12 +95,24 @@ class StepCompiler:
         """A compiler if ``setting`` turns compilation on for ``device``, else ``None`` (eager)."""
         return cls(where) if resolve_compile(setting, device) else None
 
+    def compile_layers(self, layers: list[torch.nn.Module]) -> None:
+        """Compile each of ``layers``' forward instead of the whole objective (a sharded model: FSDP2's hooks around
+        each layer stay outside the compiled code, which would break its graph at every one). Identical layers
+        share their compiled code; a new sequence length compiles once more, then with dynamic shapes
+        (``torch.compile``'s default). Call before :meth:`warm_up`, which then times the first forward and
+        backward, where they compile."""
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir()
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward, backend=backend())
+        self.layers = list(layers)
+
     def warm_up(self, objective, minibatch: dict, module: torch.nn.Module) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir()  # read when inductor first writes or loads
         t0 = time.perf_counter()
         backward_done = False
         try:
-            fn = torch.compile(objective, dynamic=False, backend=backend())
+            # (layers compiled: the objective runs eager around them)
+            fn = objective if self.layers else torch.compile(objective, dynamic=False, backend=backend())
             loss, _ = fn(minibatch)
             loss.backward()
             backward_done = True
@@ -107,6 +121,10 @@ class StepCompiler:
             self.fallback = _reason(e)
             # info here: the driver's loop warns once for all ranks (a warning would be forwarded too)
             log.info("%s: torch.compile failed (%s); training eager", self.where, self.fallback)
+            for (
+                layer
+            ) in self.layers:  # (the instance attribute set by compile_layers: the class's forward again)
+                del layer.forward
             self.fn = objective
             if not backward_done:  # data-parallel ranks all run one warm-up backward (its all-reduce)
                 objective(minibatch)[0].backward()
@@ -130,6 +148,7 @@ class StepCompiler:
 
         return {
             "compiled": self.ready and self.fallback is None,
+            "what": f"{len(self.layers)} layers" if self.layers else "the objective",
             "compile_s": self.compile_s,
             "fallback": self.fallback,
             "graphs": int(counters["stats"].get("unique_graphs", 0)),

@@ -375,7 +375,8 @@ class ActorConfig:
     """``torch.compile`` the train step (forward, loss and their backward), compiled on the first step and
     logged as ``time/compile_s``: ``true``, ``false`` or ``auto`` (on where it measured faster: see
     ``rlnb.components.compile.AUTO``). A compile failure trains eager, with one warning. Both loops: the LM
-    actor compiles its micro-batch objective."""
+    actor compiles its micro-batch objective, or with ``strategy: fsdp2`` each decoder layer (FSDP2's hooks
+    between layers would break a whole graph at each one; identical layers share their compiled code)."""
     fused_step: bool = True
     """Embodied PPO: train the built-in MLP ``ActorCritic`` with the ``ppo_clip_value_entropy`` loss through a
     hand-derived forward and backward (``rlnb.components.fused``) instead of autograd: the same loss, metrics

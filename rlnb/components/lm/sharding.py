@@ -108,6 +108,10 @@ class Sharded:
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             extra["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+        if (
+            self.step_compiler is not None
+        ):  # actor.compile: each decoder layer, FSDP2's hooks outside its graph
+            self.step_compiler.compile_layers(decoder_layers(self.policy))
         for layer in decoder_layers(self.policy):
             fully_shard(layer, mesh=mesh, mp_policy=mp, **extra)
         fully_shard(self.policy, mesh=mesh, mp_policy=mp, **extra)
