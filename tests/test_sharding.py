@@ -57,6 +57,22 @@ def test_a_sharded_actor_compiles_each_decoder_layer_and_trains_as_eager_does(cl
     )
     losses = [(a["train/loss"], b["train/loss"]) for a, b in zip(eager, compiled)]
     assert len(losses) == 3 and all(a == pytest.approx(b, rel=1e-3, abs=1e-4) for a, b in losses), losses
+    # a backend that cannot compile: the layers get their eager forward back, and train as eager does
+    from tests.test_compile import _failing_backend
+
+    cluster.client.run(_failing_backend, "rlnb_test_fails")
+    try:
+        with GRPOLoop.from_recipe(
+            "grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "fell"
+        ) as loop:
+            fell = loop.run(progress=False)
+            stats = loop.groups["actor"].compile_stats().result()
+    finally:
+        cluster.client.run(_failing_backend, None)
+    assert all(not s["compiled"] and "cannot compile anything" in s["fallback"] for s in stats), stats
+    assert all(
+        a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-3, abs=1e-4) for a, b in zip(eager, fell)
+    )
 
 
 def test_hsdp_replicas_of_a_sharded_model_train_as_ddp_does(cluster, tmp_path):

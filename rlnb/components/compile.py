@@ -96,14 +96,11 @@ class StepCompiler:
         return cls(where) if resolve_compile(setting, device) else None
 
     def compile_layers(self, layers: list[torch.nn.Module]) -> None:
-        """Compile each of ``layers``' forward instead of the whole objective (a sharded model: FSDP2's hooks around
-        each layer stay outside the compiled code, which would break its graph at every one). Identical layers
-        share their compiled code; a new sequence length compiles once more, then with dynamic shapes
-        (``torch.compile``'s default). Call before :meth:`warm_up`, which then times the first forward and
-        backward, where they compile."""
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir()
-        for layer in layers:
-            layer.forward = torch.compile(layer.forward, backend=backend())
+        """Have :meth:`warm_up` compile each of ``layers``' forward instead of the whole objective (a sharded model:
+        FSDP2's hooks around each layer stay outside the compiled code, which would break its graph at every one).
+        Identical layers share their compiled code; a new sequence length compiles once more, then with dynamic
+        shapes (``torch.compile``'s default). Until the warm-up (a warm start before the first update) they run
+        eager."""
         self.layers = list(layers)
 
     def warm_up(self, objective, minibatch: dict, module: torch.nn.Module) -> None:
@@ -111,7 +108,8 @@ class StepCompiler:
         t0 = time.perf_counter()
         backward_done = False
         try:
-            # (layers compiled: the objective runs eager around them)
+            for layer in self.layers:  # (their forward compiles here; the objective runs eager around them)
+                layer.forward = torch.compile(layer.forward, backend=backend())
             fn = objective if self.layers else torch.compile(objective, dynamic=False, backend=backend())
             loss, _ = fn(minibatch)
             loss.backward()
@@ -121,10 +119,8 @@ class StepCompiler:
             self.fallback = _reason(e)
             # info here: the driver's loop warns once for all ranks (a warning would be forwarded too)
             log.info("%s: torch.compile failed (%s); training eager", self.where, self.fallback)
-            for (
-                layer
-            ) in self.layers:  # (the instance attribute set by compile_layers: the class's forward again)
-                del layer.forward
+            for layer in self.layers:  # (the instance attribute set above gone: the class's forward again)
+                layer.__dict__.pop("forward", None)
             self.fn = objective
             if not backward_done:  # data-parallel ranks all run one warm-up backward (its all-reduce)
                 objective(minibatch)[0].backward()
