@@ -138,12 +138,7 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         # passes a micro-batch's rows take, grouped by length (padding left out); one on a GPU, which
         # computes a padded position nearly for free next to a pass's fixed cost
         self.length_buckets = buckets or (1 if self.device.type == "cuda" else CPU_LENGTH_BUCKETS)
-        if cfg.offload != "none" and (self.device.type != "cuda" or cfg.strategy != "fsdp2"):
-            raise ConfigError(
-                f"actor.offload={cfg.offload} is FSDP2's CPU offload of GPU memory: it needs actor.strategy=fsdp2 "
-                f"(it is {cfg.strategy}) and a GPU (this actor is on {self.device}); set actor.offload=none",
-                "actor.offload",
-            )
+        self._check_offload()
         torch.manual_seed(seed)
         # FSDP2 over several ranks: built with no storage, each rank reads its own shards once sharded
         self.shard_files = self._rank_by_rank(str(model_path))

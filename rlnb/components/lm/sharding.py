@@ -17,6 +17,8 @@ import logging
 
 import torch
 
+from rlnb.errors import ConfigError
+
 STRATEGIES = ("ddp", "fsdp2")
 log = logging.getLogger("rlnb")
 
@@ -60,6 +62,16 @@ class Sharded:
     shard_files = None  # the checkpoint's files, where each rank reads only its shards of the model from them
     loaded_bytes: int | None = None  # what this rank read of them
 
+    def _check_offload(self) -> None:
+        """``actor.offload`` where it can work: FSDP2's CPU offload of GPU memory."""
+        cfg = self.cfg
+        if cfg.offload != "none" and (self.device.type != "cuda" or cfg.strategy != "fsdp2"):
+            raise ConfigError(
+                f"actor.offload={cfg.offload} is FSDP2's CPU offload of GPU memory: it needs actor.strategy=fsdp2 "
+                f"(it is {cfg.strategy}) and a GPU (this actor is on {self.device}); set actor.offload=none",
+                "actor.offload",
+            )
+
     def _rank_by_rank(self, model_path: str) -> list | None:
         """The checkpoint files each rank reads its shards from (``actor.strategy: fsdp2`` over several ranks,
         no LoRA, a local safetensors checkpoint whose names are the model's), else ``None``: loaded whole."""
@@ -90,8 +102,6 @@ class Sharded:
         if replicas == 1:
             mesh = DeviceMesh.from_group(group, self.device.type)
         elif world % replicas:
-            from rlnb.errors import ConfigError
-
             raise ConfigError(
                 f"actor.hsdp_replicas={replicas} must divide the {world} actor rank(s) into equal groups",
                 "actor.hsdp_replicas",
