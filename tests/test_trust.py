@@ -353,6 +353,40 @@ def test_one_driver_can_neither_call_nor_steer_another_drivers_components(cluste
     first.shutdown()
 
 
+def _sessions_kept(limit=None, dask_worker=None):
+    """On a worker: (set ``KEPT_SESSIONS`` to ``limit``, if given, and) the sessions whose tokens its call server
+    keeps, and those of its live hosts."""
+    from rlnb.runtime import direct
+
+    if limit is not None:
+        direct.KEPT_SESSIONS = limit
+    server = direct._SERVERS[dask_worker.address]
+    return sorted(server._tokens), sorted({h.session for h in list(server.hosts.values())})
+
+
+def test_the_tokens_of_departed_drivers_are_bounded(cluster, tmp_path):
+    """A worker keeps a departed driver session's token (a late request is answered, not refused) until it keeps
+    ``KEPT_SESSIONS``; then a new session's first host drops those with no host left."""
+    from rlnb.testing import Echo
+
+    address = cluster.slots[0].address
+    creds = cluster.save_credentials(tmp_path / "creds")
+    try:
+        for _ in range(2):  # two drivers come and go
+            with rlnb.Cluster(cluster.address, security=creds) as other:
+                rlnb.Group.launch(Echo, other, "0", name="passing").shutdown()
+        kept, live = cluster.client.run(_sessions_kept, workers=[address])[address]
+        assert len(kept) >= 2 + len(live), (kept, live)  # theirs kept, though no host of theirs is left
+        cluster.client.run(_sessions_kept, 1, workers=[address])
+        with rlnb.Cluster(cluster.address, security=creds) as other:
+            group = rlnb.Group.launch(Echo, other, "0", name="newcomer")
+            kept, live = cluster.client.run(_sessions_kept, workers=[address])[address]
+            assert kept == live and other.session in kept, (kept, live)
+            group.shutdown()
+    finally:
+        cluster.client.run(_sessions_kept, 1024, workers=[address])
+
+
 def test_direct_calls_over_tls_only_where_the_workers_listen_on_loopback():
     from rlnb.runtime.plugin import _loopback_tls
 
