@@ -162,9 +162,8 @@ def _run(args) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         loop.close()
-    if (
-        loop.stopped and stopped_by
-    ):  # 128 + the signal, after a checkpoint: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
+    # 128 + the signal, after a checkpoint: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
+    if loop.stopped and stopped_by:
         return 128 + stopped_by[0]
     return 130 if loop.stopped else 0
 

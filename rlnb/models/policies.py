@@ -179,9 +179,8 @@ class ActorCritic(nn.Module):
         return Normal(mean, self.log_std.exp().expand_as(mean), validate_args=False)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:  # (B, ...) -> (B,)
-        if (
-            type(self)._features is not ActorCritic._features
-        ):  # a subclass's own features, as act computes them
+        # a subclass's own features, as act computes them
+        if type(self)._features is not ActorCritic._features:
             return self.critic_head(self._features(obs)[1]).squeeze(-1)
         # the critic's path of _features only: the actor's trunk has no part in a value
         h = self.trunk(obs.flatten(1) if isinstance(self.trunk, nn.Flatten) else obs)

@@ -113,9 +113,8 @@ class CallServer:
         self._host_conns: dict[str, set[socket.socket]] = {}
         self._busy: set[socket.socket] = set()  # of those, the ones answering a request now
         self._pending: dict[socket.socket, None] = {}  # accepted, token not read yet: oldest first
-        self._sessions: dict[
-            socket.socket, str
-        ] = {}  # the driver session each authenticated connection speaks for
+        # the driver session each authenticated connection speaks for
+        self._sessions: dict[socket.socket, str] = {}
         self._logged: set[str] = set()  # kinds of failure already logged (each is logged once)
         ip = worker.address.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET

@@ -102,9 +102,8 @@ class DirectLink:
         if not big:
             with self._lock:
                 sock = self._idle.pop() if self._idle else None
-            if sock is not None and _ended(
-                sock
-            ):  # closed by the worker meanwhile (its host was unregistered)
+            # closed by the worker meanwhile (its host was unregistered)
+            if sock is not None and _ended(sock):
                 sock.close()
                 sock = None
         try:

@@ -150,9 +150,8 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         )
         if cfg.lora.rank > 0:  # (only the adapters train; the reference is the model with them off)
             self.policy, self.lora = add_adapters(self.policy.requires_grad_(True), cfg.lora), True
-        if (
-            cfg.gradient_checkpointing
-        ):  # (non-reentrant: the recomputed forward sees the same autocast and RNG)
+        # (non-reentrant: the recomputed forward sees the same autocast and RNG)
+        if cfg.gradient_checkpointing:
             enable_checkpointing(self.policy)
             self.policy.train()  # (transformers checkpoints in training mode only; the dropouts of its LMs are 0)
             self.share_prompt_forward = False  # (its prefix's KV cache is what checkpointing turns off)

@@ -118,9 +118,8 @@ class Sharded:
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             extra["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-        if (
-            self.step_compiler is not None
-        ):  # actor.compile: each decoder layer, FSDP2's hooks outside its graph
+        # actor.compile: each decoder layer, FSDP2's hooks outside its graph
+        if self.step_compiler is not None:
             self.step_compiler.compile_layers(decoder_layers(self.policy))
         for layer in decoder_layers(self.policy):
             fully_shard(layer, mesh=mesh, mp_policy=mp, **extra)

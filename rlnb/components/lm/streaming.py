@@ -18,9 +18,8 @@ from rlnb.runtime.rank import local_peer
 log = logging.getLogger("rlnb")
 
 
-@dataclasses.dataclass(
-    eq=False
-)  # (compared by identity: the decoding state kept across chunks is of these rows)
+# (compared by identity: the decoding state kept across chunks is of these rows)
+@dataclasses.dataclass(eq=False)
 class PoolSequence:
     """One completion in progress: its tokens so far after the prompt, their log-probs and the policy version
     of each (-1 on an interaction's reply), and, in a multi-turn rollout, which tokens are the model's own
@@ -105,9 +104,8 @@ class StreamingPool:
                 "takes new weights between chunks of tokens, with HFRollout's own decoding",
                 "max_staleness",
             )
-        if (
-            getattr(self, "static_cache", False) and not self._said_static
-        ):  # (a recipe refuses it; objects, said)
+        # a recipe refuses a static cache with asynchronous training; an object given to the loop says so once
+        if getattr(self, "static_cache", False) and not self._said_static:
             self._said_static = True
             log.warning(
                 "rollout[%d]: static_cache serves synchronous generation; asynchronous chunks decode with rlnb's "
