@@ -435,7 +435,9 @@ class ActorConfig:
     parameters, gradients and AdamW state live in pinned host memory, a layer's parameters are copied to the GPU
     for its forward and backward, and the optimizer steps on the CPU. For a model whose training state does not
     fit in GPU memory, at the cost of the copies and a CPU step; with one actor rank the model is wrapped by FSDP2
-    all the same. ``none``: everything on the GPU. Refused on CPU, where there is no GPU memory to free."""
+    all the same. ``none``: everything on the GPU. Refused on CPU, where there is no GPU memory to free. (There is
+    no ``optimizer``-only level: FSDP2's offload moves the three together, and AdamW's state alone on the host
+    would mean stepping on the CPU over copies of the master weights, DeepSpeed's ZeRO-Offload.)"""
     gather_bucket_bytes: int = 256 * 1024 * 1024
     """LM RL with ``actor.strategy: fsdp2`` over several ranks: weight sync gathers the model's whole tensors one
     at a time and sends them to the rollout in buckets of at most this many bytes (a bigger tensor alone), so no
