@@ -386,3 +386,21 @@ def test_an_env_class_with_spaces_the_component_cannot_take_is_refused_naming_th
         Env(make_env=make_env, num_envs=2)
     assert str(info.value).startswith(f"env: {make_env.__name__}.{member}: expected {expected}")
     assert info.value.key == member
+
+
+def test_maniskills_cpu_simulation_with_more_than_one_env_a_process_is_refused_naming_the_key():
+    """ManiSkill's CPU simulation (physx_cpu, for a machine without SAPIEN's GPU PhysX library) runs one env in a
+    process: more is refused naming env.num_envs, by the recipe before anything starts and by the env component
+    before ManiSkill is imported (it is not installed here); one env, or the GPU simulation, is not."""
+    from rlnb.config import load_recipe
+    from rlnb.config.loader import RecipeError
+    from rlnb.envs.gym_envs import ManiSkillVector
+
+    with pytest.raises(
+        RecipeError, match=r"env.num_envs: ManiSkill's CPU simulation .*physx_cpu.* got env.num_envs=8"
+    ):
+        load_recipe("ppo_maniskill", ["env.kwargs.sim_backend=physx_cpu", "env.num_envs=8"])
+    load_recipe("ppo_maniskill", ["env.kwargs.sim_backend=physx_cpu", "env.num_envs=1"])
+    load_recipe("ppo_maniskill", ["env.num_envs=8"])  # (the GPU simulation batches them)
+    with pytest.raises(ConfigError, match="env.num_envs: ManiSkill's CPU simulation"):
+        ManiSkillVector("PickCube-v1", 4, {"sim_backend": "cpu"})

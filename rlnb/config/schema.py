@@ -575,6 +575,12 @@ class EnvConfig:
             errs.append(
                 f"env.pipeline_stages: {e.pipeline_stages} stages must divide env.num_envs={e.num_envs}"
             )
+        if isinstance(e.id, str) and e.id.startswith("maniskill:") and isinstance(e.kwargs, dict):
+            from rlnb.envs.gym_envs import maniskill_misfit
+
+            err = maniskill_misfit(e.num_envs, e.kwargs)
+            if err:
+                errs.append(err)
         if recipe.loop == "embodied" and isinstance(e.id, str):
             from rlnb.config.loader import check_env_id, check_env_kwargs
 

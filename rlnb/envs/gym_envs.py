@@ -173,6 +173,23 @@ def restore_sim_state(vec_env, states: list[dict] | None) -> None:
             mujoco.mj_setState(base.model, base.data, state["mujoco"], mujoco.mjtState.mjSTATE_INTEGRATION)
 
 
+# ManiSkill's CPU simulation (PhysX on the host): one environment per process
+MANISKILL_CPU_SIMS = ("physx_cpu", "cpu")
+
+
+def maniskill_misfit(num_envs, kwargs: dict) -> str | None:
+    """Why a ManiSkill env rank of ``num_envs`` environments with ``env.kwargs`` cannot be built, or ``None``:
+    ManiSkill's CPU simulation runs one environment in a process (its GPU one batches them)."""
+    sim = kwargs.get("sim_backend")
+    if sim in MANISKILL_CPU_SIMS and isinstance(num_envs, int) and num_envs > 1:
+        return (
+            f"env.num_envs: ManiSkill's CPU simulation (env.kwargs.sim_backend={sim}) runs one environment in a "
+            f"process, got env.num_envs={num_envs}; set env.num_envs=1 and place more env ranks "
+            "(cluster.component_placement) for more environments, or simulate on the GPU (sim_backend=physx_cuda)"
+        )
+    return None
+
+
 class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN); its tests skip without one
     """A ManiSkill3 GPU-parallel task behind the same contract as our gymnasium vector envs.
 
@@ -185,6 +202,11 @@ class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN)
     """
 
     def __init__(self, task: str, num_envs: int, kwargs: dict | None = None):
+        misfit = maniskill_misfit(num_envs, kwargs or {})
+        if misfit:  # (before importing ManiSkill: a recipe refuses it too, before anything starts)
+            from rlnb.errors import ConfigError
+
+            raise ConfigError(misfit, "env.num_envs")
         import mani_skill.envs  # noqa: F401  (registers the ManiSkill tasks)
         import torch
         from mani_skill.vector.wrappers.gymnasium import ManiSkillVectorEnv
