@@ -433,9 +433,8 @@ def check_maniskill_pickcube(work: Path) -> dict:
         _check_physx_gpu_library()  # the env's own check: SAPIEN's PhysX GPU library, or GitHub to fetch it
         overrides.append("env.num_envs=64")
         sim = "physx_cuda"
-    except (
-        RuntimeError
-    ) as e:  # offline: PhysX on the CPU (in SAPIEN's wheel), one env a process, GPU rendering
+    except RuntimeError as e:
+        # offline: PhysX on the CPU (in SAPIEN's wheel), one env a process, GPU rendering
         overrides += ["env.kwargs.sim_backend=physx_cpu", "env.num_envs=1"]
         sim = f"physx_cpu ({e})"[:200]
     recipe = load_recipe("ppo_maniskill", overrides)

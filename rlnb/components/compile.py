@@ -82,7 +82,8 @@ class StepCompiler:
 
     def __init__(self, where: str):
         self.where = where
-        # what compile_layers compiled, to undo on a failure; empty: the whole objective is compiled
+        # the layers warm_up compiles one by one (compile_layers), and gives their eager forward back on a failure;
+        # empty: the whole objective is compiled
         self.layers: list[torch.nn.Module] = []
         self.fn = None
         self.ready = False

@@ -215,6 +215,12 @@ class AlgorithmConfig:
     as TRL's ``mask_truncated_completions`` (DAPO's overlong filtering); their rewards still count in their
     group's advantages. ``rollout/truncated_frac`` says how many there are."""
 
+    @property
+    def asynchronous(self) -> bool:
+        """Whether it trains asynchronously (``max_staleness >= 1``; a value of the wrong type is said by the check)."""
+        n = self.max_staleness
+        return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
     def check(self, recipe: Recipe) -> list[str]:
         """This section's range checks, its registered names and whether the loop can serve their combination."""
         from rlnb.algorithms import ADVANTAGES, POLICY_LOSSES
@@ -255,8 +261,7 @@ class AlgorithmConfig:
         need(errs, lambda: a.max_grad_norm > 0, "algorithm.max_grad_norm", "a number > 0", a.max_grad_norm)
         need(errs, lambda: a.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds", "an integer >= 1",
              a.max_sampling_rounds)  # fmt: skip
-        asynchronous = isinstance(a.max_staleness, int) and a.max_staleness > 0
-        if a.dynamic_sampling is True and asynchronous:
+        if a.dynamic_sampling is True and a.asynchronous:
             errs.append(
                 f"algorithm.dynamic_sampling: it samples more prompts until a synchronous step's batch has enough "
                 f"groups with a learning signal; with algorithm.max_staleness={a.max_staleness} (asynchronous) groups "
@@ -446,8 +451,8 @@ class ActorConfig:
     """LM RL: the precision of the model's compute. ``bfloat16``: the actor's forward and backward run under bf16
     autocast with float32 master weights, gradients and optimizer state, log-probs and the loss in float32; the
     rollout holds its model in bf16 (half the memory and the bytes read per decoded token), the reference model
-    for the KL too; with LoRA the frozen base model too (the adapters, which train, stay float32). Metrics ``memory/actor_state_bytes`` and, on a GPU, ``memory/cuda_peak_bytes`` show what
-    it saves."""
+    for the KL too; with LoRA the frozen base model too (the adapters, which train, stay float32). Metrics
+    ``memory/actor_state_bytes`` and, on a GPU, ``memory/cuda_peak_bytes`` show what it saves."""
 
     def check(self, recipe: Recipe) -> list[str]:
         """This section's range checks."""

@@ -130,7 +130,7 @@ class RolloutConfig:
                 f"rollout.static_cache: a static KV cache for the hf backend's generate; rollout.backend={ro.backend} "
                 "does not use it (vLLM manages its own cache); set rollout.static_cache=false"
             )
-        if ro.static_cache is True and ro.backend == "hf" and _asynchronous(recipe):
+        if ro.static_cache is True and ro.backend == "hf" and recipe.algorithm.asynchronous:
             errs.append(
                 "rollout.static_cache: generate on a static KV cache serves synchronous generation; with "
                 f"algorithm.max_staleness={recipe.algorithm.max_staleness} the hf backend generates in chunks of "
@@ -304,9 +304,3 @@ class DataConfig:
             )
         errs += at_least(("data.prompts_per_step", d.prompts_per_step, 1), ("data.eval_size", d.eval_size, 1))
         return errs
-
-
-def _asynchronous(recipe: Recipe) -> bool:
-    """Whether ``recipe`` trains asynchronously (``algorithm.max_staleness >= 1``; a wrong type is said elsewhere)."""
-    n = recipe.algorithm.max_staleness
-    return isinstance(n, int) and not isinstance(n, bool) and n > 0
