@@ -81,6 +81,37 @@ def test_with_bf16_compute_a_lora_actor_holds_its_frozen_base_in_bf16_and_trains
     )
 
 
+def test_a_checkpointed_lora_actor_counts_what_trains_and_prints_no_library_warnings(tiny_lm):
+    """LoRA with gradient checkpointing: ``parameter_counts`` gives the whole model and the adapters alone; neither
+    transformers' "use_cache=True is incompatible with gradient checkpointing" (the update asked for a KV cache
+    it never used) nor PEFT's FutureWarning over transformers' deprecated ``is_gradient_checkpointing`` shows."""
+    import logging
+    import warnings
+
+    logging.Logger.warning_once.cache_clear()  # (transformers warns once a process: another test may have)
+    said = []
+    heard = logging.Handler()
+    heard.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(heard)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            actor = LMActor(
+                tiny_lm, group_size=4, seed=0, actor={"lora": {"rank": 4}, "gradient_checkpointing": True},
+                share_prompt_forward=False,
+            )  # fmt: skip
+            actor.set_batch(_two_rollout_batches(tiny_lm))
+            assert math.isfinite(actor.train()["loss"])
+    finally:
+        logging.getLogger("transformers").removeHandler(heard)
+    shown = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert not shown and not [s for s in said if "gradient checkpointing" in s], (shown, said)
+    counts = actor.parameter_counts()
+    adapters = sum(p.numel() for n, p in actor.policy.named_parameters() if ".lora_" in n)
+    whole = sum(p.numel() for p in load_lm(tiny_lm)[0].parameters())
+    assert counts == {"parameters": whole + adapters, "trainable": adapters}, counts
+
+
 def test_grpo_with_lora_on_a_worker_feeds_the_rollout_merged_weights_and_exports_both(cluster, tmp_path):
     overrides = [
         *GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "actor.lora.rank=8", "actor.lora.alpha=16",

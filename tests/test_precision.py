@@ -1,6 +1,8 @@
 """Toward real model sizes: ``actor.dtype=bfloat16``, ``rollout.static_cache``, the memory metrics, and the GPU
 checks for them and for a command-line cluster, run here on CPU (``device="cpu"``)."""
 
+import json
+
 import pytest
 import torch
 
@@ -63,6 +65,22 @@ def test_bf16_rollout_and_actor_compute_in_bf16_and_keep_float32_state(lm):
     assert 4 * param_bytes <= out["memory/actor_state_bytes"] < 4.01 * param_bytes
     assert {v.dtype for v in half.policy_state().values() if v.is_floating_point()} == {torch.bfloat16}
     rollout.load_weights(half.policy_state(), 1)  # bf16 weights into the bf16 rollout
+
+
+def test_a_model_built_in_bf16_is_saved_in_bf16_and_trains_from_float32_master_weights(tmp_path):
+    """build_tiny_lm(dtype="bfloat16"), as large checkpoints are published: the files hold bf16 weights (half the
+    bytes), the config says so, and a float32 actor upcasts them as it loads; another dtype is refused by name."""
+    from safetensors.torch import load_file
+
+    path = build_tiny_lm(tmp_path / "half", hidden_size=64, num_layers=2, seed=0, dtype="bfloat16")
+    assert {t.dtype for t in load_file(path / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+    actor = LMActor(str(path), group_size=4, seed=0)
+    assert {p.dtype for p in actor.policy.parameters()} == {torch.float32}
+    whole = build_tiny_lm(tmp_path / "whole", hidden_size=64, num_layers=2, seed=0)
+    assert {t.dtype for t in load_file(whole / "model.safetensors").values()} == {torch.float32}
+    with pytest.raises(ConfigError, match="dtype: expected one of .*'float16'"):
+        build_tiny_lm(tmp_path / "other", dtype="float16")
 
 
 def test_dtype_and_static_cache_refused_where_they_cannot_work(lm):

@@ -135,6 +135,20 @@ class ActorBase:
             "actor": self.cfg,
         }
 
+    def parameter_counts(self) -> dict:
+        """The policy's ``parameters`` and, of them, the ``trainable`` ones (LoRA: the adapters), whole-model
+        counts on every rank, sharded or not.
+
+        Example:
+            >>> actor.parameter_counts()  # doctest: +SKIP
+            {'parameters': 4218432, 'trainable': 4218432}
+        """
+        params = list(self.policy.parameters())
+        return {
+            "parameters": sum(p.numel() for p in params),
+            "trainable": sum(p.numel() for p in params if p.requires_grad),
+        }
+
     def compile_stats(self) -> dict:
         """Whether this rank's train step runs compiled (``actor.compile``), its compile time, why it fell
         back to eager if it did, and dynamo's counters in this process."""

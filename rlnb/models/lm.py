@@ -56,12 +56,15 @@ def build_char_tokenizer(add_bos: bool = False):
 
 def build_tiny_lm(
     path: str | Path, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, arch: str = "qwen2",
-    max_positions: int = 128, seed: int = 0,
+    max_positions: int = 128, seed: int = 0, dtype: str = "float32", device: str = "cpu",
 ) -> Path:  # fmt: skip
     """Build a small causal LM from a ``transformers`` config and a local tokenizer; ``save_pretrained`` it.
 
     Args:
         arch: ``qwen2`` or ``llama`` (whose tokenizer, as Llama's, starts each text with ``<bos>``).
+        dtype: the precision the weights are made and saved in (:data:`DTYPES`): ``bfloat16`` halves the files
+            of a model of billions of parameters, as real checkpoints are published.
+        device: where the weights are initialised before saving (``cuda`` makes a 7B model in seconds).
     Returns:
         The directory, loadable with :func:`load_lm` (``from_pretrained``), as a real checkpoint is.
     """
@@ -82,13 +85,18 @@ def build_tiny_lm(
         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         tie_word_embeddings=True,
     )  # fmt: skip
-    return _save_new(cls_model, config, tok, path, seed)
+    return _save_new(cls_model, config, tok, path, seed, dtype, device)
 
 
-def _save_new(cls_model, config, tok, path: str | Path, seed: int) -> Path:
-    """A model of ``cls_model`` initialised from ``seed``, saved with ``tok`` in ``path``."""
+def _save_new(
+    cls_model, config, tok, path: str | Path, seed: int, dtype: str = "float32", device="cpu"
+) -> Path:
+    """A model of ``cls_model`` initialised from ``seed`` in ``dtype`` on ``device``, saved with ``tok`` in ``path``."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}", "dtype")
     torch.manual_seed(seed)
-    model = cls_model(config)
+    with torch.device(device):  # (from_config, as AutoModel's: the config records the dtype made)
+        model = cls_model._from_config(config, dtype=DTYPES[dtype])
     path = Path(path)
     with hf_quiet():
         model.save_pretrained(path)
@@ -342,18 +350,27 @@ def _cache_name(cls: type) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _forward_takes(model, name: str) -> bool:
+    """Whether ``model``'s forward (under its wrappers: what they pass their keywords on to) takes ``name``."""
+    import inspect
+
+    try:
+        params = inspect.signature(base_lm(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def logits_kept(model, positions: int) -> dict:
     """``{"logits_to_keep": positions}`` for a model whose forward takes it (``transformers`` causal LMs
     since 4.50: logits of the last ``positions`` positions only), else ``{}`` (all of them)."""
-    import inspect
+    return {"logits_to_keep": positions} if _forward_takes(model, "logits_to_keep") else {}
 
-    forward = base_lm(model).forward  # (what a wrapper passes its keywords on to)
-    try:
-        params = inspect.signature(forward).parameters
-    except (TypeError, ValueError):
-        return {}
-    takes = "logits_to_keep" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    return {"logits_to_keep": positions} if takes else {}
+
+def no_cache(model) -> dict:
+    """``{"use_cache": False}`` for a model whose forward takes it: a forward nothing follows keeps no KV cache
+    (and under activation checkpointing ``transformers`` would warn that it turned the cache off), else ``{}``."""
+    return {"use_cache": False} if _forward_takes(model, "use_cache") else {}
 
 
 def first_response_column(response_mask: torch.Tensor) -> int:
@@ -407,6 +424,7 @@ def _token_logprobs_upto(model, input_ids, attention_mask, temperature: float, s
         input_ids=ids,
         attention_mask=attn,
         position_ids=positions_from_mask(attn),
+        **no_cache(model),
         **(logits_kept(model, keep) if keep < end else {}),
     ).logits  # (B, keep or end, V)
     return _scored(logits[:, -keep:-1], ids, start + 1, temperature)

@@ -5,6 +5,8 @@ under the base model's own names (computed afresh each time: the base weights ar
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from rlnb.errors import ConfigError
@@ -30,7 +32,11 @@ def add_adapters(model: torch.nn.Module, cfg) -> torch.nn.Module:
         r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules),
         bias="none",
     )  # fmt: skip
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # PEFT reads transformers' is_gradient_checkpointing, deprecated from 5.24: a FutureWarning on every LoRA
+        # run that no setting of rlnb's or the user's can avoid
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
