@@ -7,7 +7,8 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 
-.PHONY: setup setup-vllm demo test test-fast test-python notebooks lint docs format bench clean gpu-check gpu-wheels
+.PHONY: setup setup-vllm demo test test-fast test-python notebooks lint docs format bench clean gpu-site gpu-check \
+	gpu-bench gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -95,19 +96,35 @@ GPU_SITE   ?= /tmp/rlnb-gpu-site
 WHEELS     ?=
 GPU_WHEELS := dask==2026.7.1 distributed==2026.7.1 dask-cuda==26.10.0 rapids-dask-dependency==26.10.0 \
 	gymnasium==1.4.0 farama-notifications==0.0.6 tornado==6.6.1 tblib==3.2.2 zict==3.0.0 locket==1.0.0 \
-	partd==1.4.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
-# (the embedded cluster's TLS needs cryptography, a binary wheel; without it the GPU check's cluster runs plain
-# TCP and says so)
+	partd==1.4.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 \
+	peft==0.21.2 accelerate==1.15.0
+# (peft, for actor.lora, imports accelerate; both are pure Python, and what else they need comes with torch,
+# transformers and distributed. The embedded cluster's TLS needs cryptography, a binary wheel; without it the
+# GPU check's cluster runs plain TCP and says so)
+
+GPU_RUN = PYTHONPATH=$(GPU_SITE):$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PYTHON)
+
+gpu-site:
+	@if [ -n "$(WHEELS)" ]; then \
+		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) $(WHEELS)/*.whl; fi
 
 gpu-check:
 ifdef DRY_RUN
 	$(MAKE) setup
 	$(BIN)/python -m rlnb.gpu_check --dry-run
 else
-	@if [ -n "$(WHEELS)" ]; then \
-		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) $(WHEELS)/*.whl; fi
-	PYTHONPATH=$(GPU_SITE):$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m rlnb.gpu_check
+	$(MAKE) gpu-site
+	$(GPU_RUN) -m rlnb.gpu_check
 endif
+
+# make gpu-bench [WHEELS=dir]: the model-size benches on one GPU, for docs/gpu.md: the update at 0.4B and 1.6B
+# (DDP in float32 and bf16, + activation checkpointing, + LoRA, FSDP2's CPU offload), a 7B-class model (3584 x 32,
+# 6.6B parameters) with LoRA, and the static-cache decode at both sizes; about 6 minutes on an H200
+gpu-bench: gpu-site
+	cd bench && $(GPU_RUN) lm_scale.py --sizes 1024x24 2048x24 \
+		--setups ddp ddp+bf16 ddp+bf16+ckpt ddp+bf16+lora fsdp2+bf16+offload
+	cd bench && $(GPU_RUN) lm_scale.py --sizes 3584x32 --setups ddp+bf16+lora
+	cd bench && $(GPU_RUN) rollout_throughput.py --sizes 1024x24 2048x24 --samplers loop static --dtypes bfloat16
 
 # the wheels gpu-check needs on a GPU machine with Python 3.12 and torch but no registry (into WHEELS, default wheels/gpu)
 gpu-wheels:

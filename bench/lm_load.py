@@ -14,59 +14,25 @@ from __future__ import annotations
 import argparse
 import time
 
-from _scaled import scaled_models
+from _scaled import import_what_loading_imports, peak_mib, reset_peak, resident_mib, scaled_models
 
 import rlnb
 from rlnb.components.lm import LMActor
 from rlnb.components.lm.shard_load import checkpoint_files, weight_count
 
 
-def _status(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024  # kB -> MiB
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _import_what_loading_imports() -> None:
-    """What an actor's first load imports (torch's distributed parts, transformers' model), so the memory
-    measured after it is the model's, not the libraries'."""
-    import torch.distributed.fsdp  # noqa: F401
-    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
-    from safetensors import safe_open  # noqa: F401
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
-
-    import rlnb.components.lm  # noqa: F401
-
-
-def _resident() -> float:
-    return _status("VmRSS")
-
-
-def _reset_peak() -> None:
-    with open(
-        "/proc/self/clear_refs", "w"
-    ) as f:  # "5": the peak resident memory (VmHWM) starts again from now
-        f.write("5")
-
-
-def _peak() -> float:
-    return _status("VmHWM")
-
-
 def load(path: str, strategy: str) -> list[tuple[float, float, float]]:
     """``(resident before, peak while loading, seconds)`` of each of two actor ranks loading ``path``."""
     with rlnb.Cluster(slots=2, gpus=False) as cluster:
-        cluster.client.run(_import_what_loading_imports)
-        before = cluster.client.run(_resident)
-        cluster.client.run(_reset_peak)
+        cluster.client.run(import_what_loading_imports)
+        before = cluster.client.run(resident_mib)
+        cluster.client.run(reset_peak)
         t0 = time.perf_counter()
         actor = LMActor.launch(cluster, "0-1", model_path=path, actor={"strategy": strategy}, group_size=4)
         actor.init_process_group()
         actor.setup_data_parallel().result()
         seconds = time.perf_counter() - t0
-        peak = cluster.client.run(_peak)
+        peak = cluster.client.run(peak_mib)
         addresses = sorted(before)
         actor.shutdown()
     return [(before[a], peak[a], seconds) for a in addresses]

@@ -83,9 +83,10 @@ def check_environment(work: Path) -> dict:
             "vllm",
             "mani_skill",
             "pynvml",
+            "peft",
         )
     }
-    missing = [m for m in ("dask", "distributed", "dask_cuda", "gymnasium") if packages[m] is None]
+    missing = [m for m in ("dask", "distributed", "dask_cuda", "gymnasium", "peft") if packages[m] is None]
     if missing:
         raise RuntimeError(
             f"required packages missing: {missing}; bring their wheels (README: 'GPU check') and pass WHEELS=dir"
