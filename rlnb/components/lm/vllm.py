@@ -95,6 +95,11 @@ class VLLMWorkerExtension:
         return count[0]
 
 
+# how long the engine's processes get to end by themselves before vLLM kills them: its default (5 s) killed the
+# engine process while that process still waited for its own workers (up to 5 s, then 4 s after SIGTERM), and a
+# killed process leaves its shared memory to Python's resource tracker ("leaked shared_memory objects")
+ENGINE_SHUTDOWN_S = 30.0
+
 # layers whose tensors are computed at start, never in a checkpoint: vLLM's in-place reload warns "RotaryEmbedding:
 # Failed to load weights" for them at every sync, and puts their own tensors back
 COMPUTED_LAYERS = ("RotaryEmbedding",)
@@ -333,4 +338,7 @@ class VLLMRollout(LMRollout):
             engine = getattr(llm, "llm_engine", None)
             shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
             if callable(shutdown):
-                shutdown()
+                try:
+                    shutdown(timeout=ENGINE_SHUTDOWN_S)
+                except TypeError:  # (a vLLM whose shutdown takes no timeout)
+                    shutdown()
