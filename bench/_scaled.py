@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rlnb.models.lm import build_tiny_lm, load_tokenizer
+from rlnb.models.lm import build_tiny_lm
 
 # from this many parameters up, a model is built on the GPU where there is one and saved in bf16, as real
 # checkpoints of that size are published (a 7B float32 file would be 28 GB)
@@ -31,11 +31,10 @@ def best_seconds(device: str, fn: Callable[[], object], repeats: int = 5) -> flo
     return best
 
 
-def scaled_models(sizes: list[str], with_vocab: bool = False, big_in_bf16: bool = False) -> Iterator[tuple]:
-    """``(size, path)`` (``with_vocab``: ``(size, path, vocabulary size)``) for each ``HIDDENxLAYERS`` size: a
-    Qwen2 with heads of 64 dimensions and the character vocabulary, saved as a real checkpoint is; each directory
-    is removed once the next one is asked for. ``big_in_bf16``: a model of ``BIG_PARAMETERS`` or more is made
-    (on the GPU, if any) and saved in bf16."""
+def scaled_models(sizes: list[str], big_in_bf16: bool = False) -> Iterator[tuple[str, str]]:
+    """``(size, path)`` for each ``HIDDENxLAYERS`` size: a Qwen2 with heads of 64 dimensions and the character
+    vocabulary, saved as a real checkpoint is; each directory is removed once the next one is asked for.
+    ``big_in_bf16``: a model of ``BIG_PARAMETERS`` or more is made (on the GPU, if any) and saved in bf16."""
     for size in sizes:
         hidden, layers = (int(x) for x in size.split("x"))
         big = big_in_bf16 and 16 * hidden * hidden * layers >= BIG_PARAMETERS  # (a layer: 4h^2 + 3 x h x 4h)
@@ -45,7 +44,7 @@ def scaled_models(sizes: list[str], with_vocab: bool = False, big_in_bf16: bool 
                                  num_heads=max(1, hidden // 64), max_positions=256, seed=0, **where)  # fmt: skip
             if where.get("device") == "cuda":
                 torch.cuda.empty_cache()
-            yield (size, str(path), len(load_tokenizer(path))) if with_vocab else (size, str(path))
+            yield size, str(path)
 
 
 def _status(field: str) -> float:

@@ -40,6 +40,7 @@ from _scaled import (
 import rlnb
 from rlnb.components.lm import LMActor
 from rlnb.config import ActorConfig
+from rlnb.models.lm import load_tokenizer
 
 STRATEGIES = ("ddp", "fsdp2")
 ADDED = {
@@ -156,7 +157,8 @@ def main() -> None:
     print(f"| model | params | trainable | setup | update s | tokens/s a rank | TFLOP/s a rank | MFU (bf16) "
           f"| state / rank | {peak} / rank | state / first setup's |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for size, path, vocab in scaled_models(args.sizes, with_vocab=True, big_in_bf16=True):
+    for size, path in scaled_models(args.sizes, big_in_bf16=True):
+        vocab = len(load_tokenizer(path))
         first = None
         for setup in args.setups:
             started = time.perf_counter()

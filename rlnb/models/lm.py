@@ -92,8 +92,7 @@ def _save_new(
     cls_model, config, tok, path: str | Path, seed: int, dtype: str = "float32", device="cpu"
 ) -> Path:
     """A model of ``cls_model`` initialised from ``seed`` in ``dtype`` on ``device``, saved with ``tok`` in ``path``."""
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}", "dtype")
+    check_dtype(dtype)
     torch.manual_seed(seed)
     with torch.device(device):  # (from_config, as AutoModel's: the config records the dtype made)
         model = cls_model._from_config(config, dtype=DTYPES[dtype])
@@ -251,6 +250,14 @@ def resolve_model(path: str | Path, key: str = "actor.model_path") -> str:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 """The precisions an LM component takes (``actor.dtype``), by name."""
+
+
+def check_dtype(dtype: str, key: str = "dtype") -> str:
+    """``dtype`` if it names a precision an LM component takes (:data:`DTYPES`), else a :class:`ConfigError`
+    naming ``key``."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"{key}: expected one of {sorted(DTYPES)}, got {dtype!r}", key)
+    return dtype
 
 
 def load_lm(

@@ -16,10 +16,10 @@ from rlnb.components.lm.actor import LMActor
 from rlnb.components.lm.decoding import DROP_ENDED_SHARE, STATIC_PROMPT_MULTIPLE
 from rlnb.components.lm.forward import CPU_LENGTH_BUCKETS, GPU_MIN_SHARED_FRACTION
 from rlnb.components.lm.hf import HFRollout
-from rlnb.components.lm.layout import check_dtype
 from rlnb.components.lm.reward import RewardWorker
 from rlnb.components.lm.rollout import LMRollout
 from rlnb.components.lm.vllm import VLLMRollout, VLLMWorkerExtension
+from rlnb.models.lm import check_dtype
 
 __all__ = [
     "CPU_LENGTH_BUCKETS",

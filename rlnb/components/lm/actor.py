@@ -18,7 +18,7 @@ from rlnb.components.batches import LM_BATCH, LM_OPTIONAL, check_batch
 from rlnb.components.compile import StepCompiler
 from rlnb.components.launch import launcher
 from rlnb.components.lm.forward import CPU_LENGTH_BUCKETS, Forward
-from rlnb.components.lm.layout import check_dtype, decode_group, join_batches, micro_batches
+from rlnb.components.lm.layout import decode_group, join_batches, micro_batches
 from rlnb.components.lm.lora import AdaptersOff, add_adapters
 from rlnb.components.lm.sft import WarmStart, adamw
 from rlnb.components.lm.sharding import Sharded, local_part
@@ -26,7 +26,7 @@ from rlnb.components.optim import ClipAndStep
 from rlnb.components.rollout import resolve_device
 from rlnb.config.schema import LoRAConfig
 from rlnb.errors import ConfigError
-from rlnb.models.lm import DTYPES, base_lm, enable_checkpointing, hf_quiet, load_lm
+from rlnb.models.lm import DTYPES, base_lm, check_dtype, enable_checkpointing, hf_quiet, load_lm
 from rlnb.runtime.rank import RankInfo, current_rank
 from rlnb.seeding import rank_seed
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 import torch
 
 from rlnb.components.lm.decoding import Decoder
-from rlnb.components.lm.layout import check_dtype
 from rlnb.components.lm.rollout import LMRollout
 from rlnb.components.lm.streaming import StreamingPool
-from rlnb.models.lm import encode_prompts, load_lm
+from rlnb.models.lm import check_dtype, encode_prompts, load_lm
 from rlnb.runtime.rank import RankInfo
 
 

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from rlnb.errors import ConfigError
-from rlnb.models.lm import DTYPES
-
 
 def pad_left(rows: list[list[int]], pad: int) -> torch.Tensor:
     width = max(len(r) for r in rows)
@@ -77,14 +74,6 @@ def join_batches(parts: list[dict], pad_token_id: int) -> dict:
         else:
             out[key] = value
     return out
-
-
-def check_dtype(dtype: str, key: str = "dtype") -> str:
-    """``dtype`` if it names a precision an LM component takes (:data:`rlnb.models.lm.DTYPES`), else a
-    :class:`ConfigError` naming ``key``."""
-    if dtype not in DTYPES:
-        raise ConfigError(f"{key}: expected one of {sorted(DTYPES)}, got {dtype!r}", key)
-    return dtype
 
 
 def same_objects(a: list, b: list) -> bool:
