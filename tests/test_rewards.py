@@ -215,7 +215,7 @@ def test_grpo_raises_a_learned_reward_models_score_on_workers(cluster, tmp_path)
         (["reward.model_path=/no/such/rm"], r"reward.model_path: '/no/such/rm' has no config.json"),
         (["reward.model_path={rm}", "reward.weights=[1]"], r"reward.weights: expected a list of 2 number\(s\), one "
          r"per reward in \['arithmetic', 'reward_model'\]"),
-        (["reward.model_path={rm}", "reward.model_batch_size=0"], r"reward.model_batch_size: expected an integer >= 1"),
+        (["reward.model_path={rm}", "reward.model_batch_size=0"], r"reward.model_batch_size: expected an integer in \[1, 1000000\]"),
     ],
 )  # fmt: skip
 def test_bad_reward_model_settings_are_refused_naming_the_key(tmp_path, overrides, message):

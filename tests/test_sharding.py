@@ -98,7 +98,7 @@ def test_hsdp_replicas_of_a_sharded_model_train_as_ddp_does(cluster, tmp_path):
         RecipeError, match="actor.hsdp_replicas: 2 replicas of a sharded model need actor.strategy=fsdp2"
     ):
         load_recipe("grpo_arith", ["actor.hsdp_replicas=2"])
-    with pytest.raises(RecipeError, match=r"actor.hsdp_replicas: expected an integer >= 1, got 0"):
+    with pytest.raises(RecipeError, match=r"actor.hsdp_replicas: expected an integer in \[1, 65536\], got 0"):
         load_recipe("grpo_arith", ["actor.strategy=fsdp2", "actor.hsdp_replicas=0"])
 
 

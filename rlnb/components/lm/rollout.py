@@ -15,6 +15,8 @@ from rlnb.components.launch import launcher
 from rlnb.components.lm.dynamic_sampling import DynamicSampling
 from rlnb.components.lm.multi_turn import MultiTurn
 from rlnb.components.rollout import RolloutBase, resolve_device
+from rlnb.config.checks import check_field
+from rlnb.config.sections_lm import RolloutConfig
 from rlnb.data.prompts import template_prompts
 from rlnb.errors import ConfigError
 from rlnb.runtime.rank import RankInfo, current_rank, local_peer
@@ -49,8 +51,7 @@ class LMRollout(MultiTurn, DynamicSampling, RolloutBase):
         them, and an interaction the loop cannot call; resolve a registered one (it travels by value)."""
         kwargs = dict(kwargs)
         turns, interaction = kwargs.get("max_turns", 1), kwargs.get("interaction")
-        if not isinstance(turns, int) or isinstance(turns, bool) or turns < 1:
-            raise ConfigError(f"max_turns: expected an integer >= 1, got {turns!r}", "max_turns")
+        check_field(RolloutConfig, "max_turns", turns)
         if interaction is not None:
             kwargs["interaction"] = check_interaction(interaction, None)
         elif turns > 1:
