@@ -8,6 +8,7 @@ Exit codes: 0 success, 2 bad usage or config, 1 run failure; stopped by a signal
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -96,7 +97,9 @@ def _run(args) -> int:
     from rlnb.config import load_recipe, to_yaml
 
     overrides = list(args.overrides)
-    if args.run_dir:
+    if args.run_dir is not None:
+        if not args.run_dir.strip():
+            raise ConfigError("--run-dir: expected a directory, got an empty string", "--run-dir")
         overrides.append(f"runner.run_dir={args.run_dir}")
     prestarted = False
     if not args.print_config:
@@ -168,14 +171,44 @@ def _run(args) -> int:
     return 130 if loop.stopped else 0
 
 
-def _positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (anything else is bad usage, exit 2)."""
+MAX_EVAL_EPISODES = 1_000_000  # as runner.eval_episodes: more is no evaluation that ends
+
+
+def _episodes(text: str) -> int:
+    """An argparse type: a count of episodes in ``[1, MAX_EVAL_EPISODES]`` (anything else is bad usage, exit 2)."""
     try:
-        value = int(text)
+        value = int(text) if len(text) <= 20 else 0
     except ValueError:
         value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    if not 1 <= value <= MAX_EVAL_EPISODES:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer in [1, {MAX_EVAL_EPISODES}], got {text[:40]!r}"
+        )
+    return value
+
+
+def _slots(text: str) -> int:
+    """An argparse type: a number of slots within ``cluster.slots``' bounds."""
+    from rlnb.config.schema import ClusterConfig
+
+    bounds = ClusterConfig.__dataclass_fields__["slots"].metadata["bounds"]
+    try:
+        value = int(text) if len(text) <= 20 else 0
+    except ValueError:
+        value = 0
+    if not bounds.holds(value):
+        raise argparse.ArgumentTypeError(f"expected {bounds.expected(True)}, got {text[:40]!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds in ``(0, 1e6]``."""
+    try:
+        value = float(text) if len(text) <= 40 else math.nan
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= 1e6):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds in (0, 1e6], got {text[:40]!r}")
     return value
 
 
@@ -197,10 +230,20 @@ def _export(args) -> int:
     from pathlib import Path
 
     from rlnb.config import load_recipe
+    from rlnb.export import is_policy_file
+    from rlnb.files import UnsafePathError, check_export_target
     from rlnb.loop import GRPOLoop
 
     recipe_file = Path(args.run_dir) / "recipe.yaml"
-    if recipe_file.exists() and load_recipe(recipe_file).loop == "embodied":
+    if not recipe_file.is_file():
+        raise ConfigError(f"RUN_DIR: {args.run_dir} is not a run directory (no recipe.yaml)", "RUN_DIR")
+    embodied = load_recipe(recipe_file).loop == "embodied"
+    if args.out is not None:  # refused before anything is read or started
+        try:
+            check_export_target(args.out, "file" if embodied else "directory", is_ours=is_policy_file)
+        except UnsafePathError as e:
+            raise ConfigError(f"--out: {e.strerror}", "--out") from None
+    if embodied:
         from rlnb.export import export_from_checkpoint
 
         path = export_from_checkpoint(args.run_dir, args.out)  # (no cluster: the built-in policy's weights)
@@ -315,8 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--address", default=None, help="Dask scheduler address (default: start an embedded cluster)"
         )
-        p.add_argument("--slots", type=int, default=None, help="CPU slots for the embedded cluster")
-        p.add_argument("--timeout-s", type=float, default=20.0, help="seconds to wait for the scheduler")
+        p.add_argument("--slots", type=_slots, default=None, help="CPU slots for the embedded cluster")
+        p.add_argument("--timeout-s", type=_seconds, default=20.0, help="seconds to wait for the scheduler")
         p.set_defaults(fn=fn)
     p = sub.add_parser(
         "run", help="run a recipe", description="Run a recipe: rlnb run RECIPE [key=value ...]"
@@ -335,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument(
         "--episodes",
-        type=_positive_int,
+        type=_episodes,
         default=None,
         help="episodes (default: the recipe's runner.eval_episodes)",
     )
@@ -384,14 +427,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rlnb.files import UnsafePathError
+
     args = parse_args(argv)
     try:
         return args.fn(args)
     except ConfigError as e:
         print(f"rlnb: config error: {e}", file=sys.stderr)
         return 2
+    except UnsafePathError as e:  # a link, a FIFO or another user's file where rlnb reads or writes
+        print(f"rlnb: refused: {e.strerror or e}", file=sys.stderr)
+        return 2
     except RlnbError as e:
         print(f"rlnb: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the disk, the file system: said, not a traceback
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        print(f"rlnb: {type(e).__name__}: {e.strerror or e}{where}", file=sys.stderr)
         return 1
 
 

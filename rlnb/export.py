@@ -194,10 +194,16 @@ class TrainedPolicy:
         pickle inside the file (read back with ``load_policy(path, trust=True)``)."""
         import cloudpickle
 
-        from rlnb.files import torch_save_atomic
+        from rlnb.files import check_export_target, nonfinite, torch_save_atomic
         from rlnb.models.policies import ActorCritic
 
         path = Path(path)
+        check_export_target(path, "file", is_ours=is_policy_file)
+        bad = nonfinite(self.module.state_dict(), "policy")
+        if bad is not None:
+            raise PolicyFileError(
+                f"the policy's {bad} holds NaN or inf values: nothing to export (it diverged)"
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
         builtin = type(self.module) is ActorCritic
         spec = self._env_spec
@@ -245,6 +251,17 @@ class TrainedPolicy:
             + (f", from {self.source}" if self.source else "")
             + ")"
         )
+
+
+def is_policy_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a policy file :meth:`TrainedPolicy.save` wrote (what an export may replace)."""
+    from rlnb.files import torch_load_safe
+
+    try:
+        state = torch_load_safe(path)
+    except Exception:
+        return False
+    return isinstance(state, dict) and state.get("format") in (FORMAT, *OLD_FORMATS)
 
 
 def load_policy(path: str | os.PathLike, trust: bool = False) -> TrainedPolicy:
@@ -387,13 +404,11 @@ def export_from_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike | 
     Raises:
         rlnb.loop.CheckpointError: the run has no complete checkpoint, or it cannot be read.
     """
-    import json
-
     from rlnb.components.env import Env
     from rlnb.config import load_recipe
     from rlnb.envs.gym_envs import RunningMeanStd
-    from rlnb.files import torch_load_safe
-    from rlnb.loop.checkpoint import CheckpointError, complete_checkpoints
+    from rlnb.files import check_tree, nonfinite, torch_load_safe
+    from rlnb.loop.checkpoint import CheckpointError, complete_checkpoints, read_loop_state
     from rlnb.models.policies import build_policy
 
     run_dir = Path(run_dir)
@@ -402,10 +417,14 @@ def export_from_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike | 
     if not found:
         raise CheckpointError(f"{run_dir} has no complete checkpoint to export")
     checkpoint = found[-1]
+    step = read_loop_state(checkpoint)["step"]
     try:
+        check_tree(checkpoint, checkpoint)
         actor = torch_load_safe(checkpoint / "actor_rank0.pt")
         env_state = torch_load_safe(checkpoint / "env_rank0.pt")
-        step = json.loads((checkpoint / "loop.json").read_text())["step"]
+        bad = nonfinite(actor.get("policy"), "policy")
+        if bad is not None:
+            raise ValueError(f"actor_rank0.pt: {bad} holds NaN or inf values")
     except (OSError, ValueError) as e:
         raise CheckpointError(f"could not read {checkpoint}: {e}") from e
     env = Env(recipe.env, seed=recipe.seed, num_envs=1, pipeline_stages=1)

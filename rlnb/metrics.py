@@ -17,6 +17,8 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
+from rlnb.files import append_private, open_regular, read_text_regular, write_private
+
 GLOSSARY: dict[str, str] = {
     # bookkeeping
     "step": "Training steps done (= the policy version the actor holds).",
@@ -184,8 +186,8 @@ class MetricLogger:
 
             # one wandb run per run directory: a resumed run continues it instead of opening another
             id_file = self.run_dir / "wandb_run_id"
-            run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
-            id_file.write_text(run_id)
+            run_id = read_text_regular(id_file, 256).strip() if id_file.exists() else secrets.token_hex(4)
+            write_private(id_file, run_id)
             self._wandb = wandb.init(
                 project=wandb_project, dir=str(self.run_dir), config=config or {}, id=run_id, resume="allow"
             )
@@ -222,9 +224,7 @@ class MetricLogger:
         with self._file_lock:  # (a background run logs from its own thread)
             if self._file is None:
                 # (0600: a run's data is its user's)
-                self._file = open(  # noqa: SIM115 (closed by close() or the finalizer below)
-                    os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a", buffering=1
-                )
+                self._file = append_private(self.path, buffering=1)  # (closed by close() or the finalizer)
                 # (a logger never closed still closes it)
                 self._closer = weakref.finalize(self, self._file.close)
             self._file.write(line)
@@ -241,7 +241,7 @@ class MetricLogger:
             json.dumps({"step": step, **{k: _plain(v) for k, v in r.items()}}) + "\n" for r in rows
         )
         path = self.run_dir / f"{table}.jsonl"
-        with open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a") as f:
+        with append_private(path) as f:
             f.write(lines)
 
     def _close_file(self) -> None:
@@ -329,12 +329,21 @@ def _keep_through(path: Path, step: int) -> list[dict]:
     """Rewrite the JSON-lines file ``path`` atomically with its rows of steps up to ``step``; returns them."""
     if not path.exists():
         return []
-    kept = [r for r in _read_jsonl(path) if r.get("step", 0) <= step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    tmp.chmod(0o600)
-    os.replace(tmp, path)
+    kept = [r for r in _read_jsonl(path) if _step_of(r) <= step]
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(3)}")
+    try:
+        write_private(tmp, "".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return kept
+
+
+def _step_of(record: dict) -> int:
+    """A record's step (0 where it has none); a row that is not a record, or whose step is not a whole number,
+    counts as past every step (dropped by a truncation)."""
+    step = record.get("step", 0) if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else 2**63
 
 
 def read_table(run_dir: str | Path, table: str = "completions") -> list[dict]:
@@ -353,7 +362,9 @@ def _read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     records = []
-    for line in path.read_text().splitlines():
+    with open(open_regular(path), encoding="utf-8", errors="replace") as f:  # (never through a link)
+        text = f.read()
+    for line in text.splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:

@@ -30,9 +30,10 @@ from rlnb.components.optim import ClipAndStep, build_optimizer, without_dynamo_i
 from rlnb.components.rollout import resolve_device
 from rlnb.config.schema import ActorConfig, AlgorithmConfig
 from rlnb.errors import ConfigError, did_you_mean
+from rlnb.files import nonfinite
 from rlnb.models.policies import make_policy
 from rlnb.runtime.collective import broadcast_state_dict
-from rlnb.runtime.rank import RankInfo, current_rank, local_peer, process_group
+from rlnb.runtime.rank import NonFiniteState, RankInfo, current_rank, local_peer, process_group
 from rlnb.seeding import rank_seed
 
 
@@ -218,6 +219,11 @@ class ActorBase:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        bad = nonfinite(state["policy"], "policy")
+        if (
+            bad is not None
+        ):  # a diverged or damaged checkpoint: refused, not evaluated, trained on or exported
+            raise NonFiniteState(f"{bad} holds NaN or inf values")
         self.policy.load_state_dict(state["policy"])
         with without_dynamo_import():
             self.optimizer.load_state_dict(state["optimizer"])

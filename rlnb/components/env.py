@@ -143,6 +143,7 @@ class Env:
         self.obs_rms_frozen = False  # evaluation: normalise with training's statistics, unchanged
         self.ret_rms = RunningMeanStd(()) if self.cfg.normalize_reward else None
         self.disc_return = np.zeros(n)
+        self._obs_shape = (self.per_stage, *(self.observation_space.shape or ()))  # a stage's observations
         self.started = False
         self.sim_s = 0.0  # seconds inside the vector envs' step(), since the last pop_sim_s()
 
@@ -173,6 +174,7 @@ class Env:
         for s, env in enumerate(self.envs):
             seeds = [self.seed + s * self.per_stage + i for i in range(self.per_stage)]
             obs, _ = env.reset(seed=seeds)
+            self.check_obs(obs)
             self.obs[s] = self._norm_obs(obs)
         self.started = True
         return list(self.obs)
@@ -194,7 +196,13 @@ class Env:
         if type(actions) is not np.ndarray:
             actions = np.asarray(actions)
         t0 = _perf_counter()
-        obs, reward, terminated, truncated, info = self.envs[stage].step(actions)
+        try:
+            obs, reward, terminated, truncated, info = self.envs[stage].step(actions)
+        except ValueError as e:  # (gymnasium's vector env stacking what does not fit: said naming the env)
+            raise ValueError(
+                f"env.id {self.label!r}: step failed ({e}); each env's observation must fit the observation space "
+                f"{self.observation_space}"
+            ) from e
         self.sim_s += _perf_counter() - t0  # the simulator's own work, for the loop's overhead share
         # rewards and done flags ([n] each) come to the host for the episode statistics; observations
         # of a simulator on a GPU stay there (torch tensors), as do its final observations
@@ -227,6 +235,8 @@ class Env:
                 final_obs = info["final_obs"][torch.as_tensor(final_idx, device=info["final_obs"].device)]
             elif len(final_idx):
                 final_obs = np.stack([info["final_obs"][i] for i in final_idx])
+        if obs.shape != self._obs_shape:  # (an env whose observations do not fit its own space)
+            self.check_obs(obs)
         if self.obs_rms is not None or type(obs) is not np.ndarray or obs.dtype == _FLOAT64:
             obs = self._norm_obs(obs, update=not self.obs_rms_frozen)  # (else: obs as they are)
         if final_obs is not None:
@@ -243,6 +253,30 @@ class Env:
             "final_obs": final_obs,
             "final_idx": final_idx,
         }
+
+    @property
+    def label(self) -> str:
+        """What the envs are, for messages: ``env.id``, or the name of the class or factory given."""
+        return self.cfg.id if self.make_env is None else getattr(self.make_env, "__name__", "make_env")
+
+    def check_obs(self, obs) -> None:
+        """Refuse a stage's observations that do not fit the observation space: another shape, or NaN or
+        infinite values (an env's overflow), naming ``env.id`` and what was expected (gymnasium's and torch's own
+        errors name neither). The shape is checked at every step; the values at a reset and where the policy failed
+        on them, and over each collected batch (:meth:`PolicyRollout._finish`)."""
+        shape, label = tuple(getattr(obs, "shape", ())), self.label
+        if shape != self._obs_shape:
+            raise ValueError(
+                f"env.id {label!r}: observations of shape {shape}, expected {self._obs_shape} ({self.per_stage} "
+                f"env(s) x the observation space's {tuple(self.observation_space.shape or ())})"
+            )
+        values = obs.detach().cpu().numpy() if isinstance(obs, torch.Tensor) else np.asarray(obs)
+        if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
+            bad = sorted({int(i) for i in np.argwhere(~np.isfinite(values))[:, 0]})
+            raise ValueError(
+                f"env.id {label!r}: observations hold NaN or infinite values (env(s) {bad[:8]} of this stage; a "
+                f"value beyond float32's range overflows to inf), e.g. {values[bad[0]].ravel()[:6].tolist()}"
+            )
 
     def _norm_obs(self, obs, update: bool = False):
         # a simulator on a device: normalise there (a host array is told apart first: isinstance on torch's

@@ -334,9 +334,17 @@ class PolicyRollout(RolloutBase):
         rewards[out["final_idx"]] += self.gamma * v
         return seconds
 
-    def _finish(self, traj: _Trajectory, last_obs: list) -> tuple[dict, float]:
-        """The batch (``self.batch``) and its summary, and the seconds of the last values' forward."""
+    def _finish(self, traj: _Trajectory, last_obs: list, source: str = "the env") -> tuple[dict, float]:
+        """The batch (``self.batch``) and its summary, and the seconds of the last values' forward. Observations
+        holding NaN or inf (``source``'s: an env's overflow) are refused here, before anything trains on them."""
         batch = traj.batch()
+        obs = batch["obs"]
+        if obs.is_floating_point() and not bool(torch.isfinite(obs).all()):
+            t, i = (int(x) for x in torch.nonzero(~torch.isfinite(obs))[0][:2])
+            raise ValueError(
+                f"env.id {source!r}: observations hold NaN or infinite values (first at step {t} of this rollout, "
+                f"env {i}; a value beyond float32's range overflows to inf)"
+            )
         t0 = time.perf_counter()
         values = [self._values(o) for o in last_obs]
         batch["last_values"] = values[0] if len(values) == 1 else torch.cat(values)
@@ -358,6 +366,19 @@ class PolicyRollout(RolloutBase):
         """
         env_obj: Env = local_peer(env, self.rank)
         obs = env_obj.current_obs()
+        try:
+            summary = self._collect_from(env_obj, obs, steps)
+        except (RuntimeError, ValueError):
+            for stage_obs in env_obj.obs:  # observations the policy could not take: said naming the env
+                env_obj.check_obs(stage_obs)
+            raise
+        if actor is not None:
+            local_peer(actor, self.rank).set_batch([self.batch])
+            summary["episodes"] = env_obj.pop_episodes()
+        return summary
+
+    def _collect_from(self, env_obj: Env, obs: list, steps: int) -> dict:
+        """:meth:`collect`'s collection: the batch (``self.batch``) and its summary."""
         traj = _Trajectory(steps, env_obj.stages)
         env_obj.pop_sim_s()
         inference_s = 0.0  # every forward of the policy: actions, bootstrap values, last values
@@ -385,12 +406,9 @@ class PolicyRollout(RolloutBase):
                         out = env_step(s, env_actions(actions))
                         inference_s += record(traj, s, t, out)
                         obs[s] = out["obs"]
-            summary, last_values_s = self._finish(traj, obs)
+            summary, last_values_s = self._finish(traj, obs, env_obj.label)
         # the work, timed where it ran; the rest of the call is the loop's overhead
         summary.update(env_s=env_obj.pop_sim_s(), inference_s=inference_s + last_values_s)
-        if actor is not None:
-            local_peer(actor, self.rank).set_batch([self.batch])
-            summary["episodes"] = env_obj.pop_episodes()
         return summary
 
     def _collect_host(

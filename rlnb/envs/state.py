@@ -135,11 +135,40 @@ def _decode(current, record):
 
 
 def _restore_object(obj, record: dict) -> None:
+    """Write ``record``'s attributes into ``obj``: data attributes only. A name the object's class defines (a
+    method, a property), a dunder, or an attribute now holding a method, class or function is refused: a file
+    cannot add or replace behaviour. (A name the fresh object lacks is state its env makes later, as
+    gymnasium's ``_np_random`` at the first reset.)"""
     attrs = vars(obj)
     for name, rec in record["attrs"].items():
-        got = _decode(attrs.get(name), rec)
+        if name not in attrs and (name.startswith("__") or _behaviour(type(obj), name)):
+            raise ValueError(
+                f"env state: {type(obj).__name__}.{str(name)[:80]} is not a data attribute; a checkpoint restores data only"
+            )
+        current = attrs.get(name)
+        if (callable(current) or isinstance(current, _NOT_OBJECTS)) and rec != _SKIP:
+            raise ValueError(
+                f"env state: {type(obj).__name__}.{name} is {type(current).__name__}, not state; a checkpoint "
+                "restores data only"
+            )
+        got = _decode(current, rec)
         if got is not _KEEP:
             attrs[name] = got
+
+
+def _behaviour(cls, name: str) -> bool:
+    """Whether ``cls`` defines ``name`` as behaviour (a method, property or other descriptor, a class), not as a
+    data default such as gymnasium's ``Env._np_random = None``."""
+    import inspect
+
+    found = inspect.getattr_static(cls, name, _KEEP)
+    if found is _KEEP:
+        return False
+    return (
+        callable(found)
+        or isinstance(found, (property, classmethod, staticmethod))
+        or hasattr(type(found), "__get__")
+    )
 
 
 def _is_tensor(value) -> bool:

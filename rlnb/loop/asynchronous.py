@@ -16,12 +16,47 @@ if TYPE_CHECKING:
     from rlnb.loop.base import Phase
 
 
+class Settled:
+    """Rollout work that was in flight when a checkpoint was written, restored from it: finished, its values
+    (one per rank, as its call returned them) and, for the first of a step's calls, the batches it made (one
+    per rollout rank), which the loop hands to the actor ranks itself. It stands where the pending call stood
+    (``result``, ``wait``, ``durations_s``), so the resumed step takes it as the uninterrupted run took the call."""
+
+    def __init__(self, values: list, batches: list | None = None):
+        self.values, self.batches = values, batches
+        self.durations_s = [0.0] * len(values)
+
+    def result(self, timeout: float | None = None) -> list:
+        return self.values
+
+    def wait(self, timeout: float | None = None) -> Settled:
+        return self
+
+    def done(self) -> bool:
+        return True
+
+
 class Asynchronous:
     """A mixin of :class:`rlnb.loop.base.LoopBase`: ``_in_flight`` holds the rollout work running ahead (``None``:
     none), ``_rollout_version`` the newest policy version the rollout ranks have."""
 
     _in_flight: list | None = None
     _rollout_version: int | None = None
+
+    def _in_flight_state(self) -> dict:
+        """The work in flight, finished first (a checkpoint written mid-pipeline, as after a stop): each call's
+        values and the batches the rollout ranks hold, as plain data; :meth:`_restore_in_flight` puts it back,
+        so the resumed run trains on that batch next, as the uninterrupted one would."""
+        self._settle_in_flight()
+        return {"values": [p.result() for p in self._in_flight], "batches": self._held_batches()}
+
+    def _held_batches(self) -> list[dict]:
+        """The batch each rollout rank holds, not yet handed over (a settled collection's)."""
+        return self.groups["rollout"].take_batch().result()
+
+    def _restore_in_flight(self, saved: dict) -> None:
+        values = saved["values"]
+        self._in_flight = [Settled(v, saved["batches"] if i == 0 else None) for i, v in enumerate(values)]
 
     @property
     def max_staleness(self) -> int:
@@ -178,6 +213,25 @@ class GRPOAsynchronous:
             self._publish()
         super()._settle_in_flight()
 
+    def _held_batches(self) -> list[dict]:
+        """Streaming generation puts each finished batch into the batches channel itself: read back from there
+        (and put again: a checkpoint leaves the pipeline as it was)."""
+        if self._whole_completions():
+            return super()._held_batches()
+        ch, keys = self.channels["batches"], self._put_keys()
+        held = [ch.get(key=k) for k in keys]
+        for k, batch in zip(keys, held):
+            ch.put(batch, key=k)
+        return held
+
+    def _restore_in_flight(self, saved: dict) -> None:
+        if self._whole_completions():
+            return super()._restore_in_flight(saved)
+        ch = self.channels["batches"]
+        for k, batch in zip(self._put_keys(), saved["batches"]):
+            ch.put(batch, key=k)
+        self._in_flight = [Settled(v) for v in saved["values"]]
+
     def _publish(self) -> None:
         rollout, ch = self.groups["rollout"], self.channels["weights"]
         self._publish_weights(ch, [f"w{r}" for r in rollout.ranks], self.step)
@@ -225,7 +279,7 @@ class GRPOAsynchronous:
 
         def finish(pending: list) -> list[dict]:
             summaries = pending[0].result()
-            self._hand_batches()
+            self._hand_batches(pending[0].batches if isinstance(pending[0], Settled) else None)
             return summaries
 
         if self._in_flight is None:  # an empty pipeline (first step, after a checkpoint or evaluation)

@@ -46,7 +46,7 @@ from rlnb.loop.runner import Runner
 from rlnb.loop.steering import Steering
 from rlnb.metrics import MetricLogger
 from rlnb.runtime.channel import Channel
-from rlnb.runtime.group import Group
+from rlnb.runtime.group import SHUTDOWN_TIMEOUT_S, Group, shutdown_groups
 
 log = logging.getLogger("rlnb")
 
@@ -121,6 +121,9 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
     ROLE_METHODS: dict[str, tuple[str, ...]] = {}  # what the loop calls on each role's component
     ROLE_BASES: dict[str, str] = {}  # the built-in class to subclass for each role
     SUMMARY_KEYS: tuple[str, ...] = ()  # metrics shown by _repr_html_ and the progress bar (first one)
+    STATE: dict | None = (
+        None  # the keys of _extra_state() in loop.json, checked on resume (checkpoint.check_state)
+    )
 
     def __init__(
         self,
@@ -488,12 +491,13 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
 
     # ------------------------------------------------------------------ lifecycle and display
     def _free_components(self) -> None:
+        deadline = (
+            time.monotonic() + SHUTDOWN_TIMEOUT_S
+        )  # (one bound for all of it, a hung worker's included)
         for ch in self.channels.values():
             with contextlib.suppress(Exception):  # a lost worker took its queues with it
-                ch.close()
-        for g in self.groups.values():
-            with contextlib.suppress(Exception):
-                g.shutdown()
+                ch.close(timeout_s=max(0.1, deadline - time.monotonic()))
+        shutdown_groups(list(self.groups.values()), max(0.1, deadline - time.monotonic()))
         self.groups, self.channels = {}, {}
 
     def close(self) -> None:

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from rlnb.config.loader import to_yaml
-from rlnb.errors import RemoteError, RlnbError, WorkerLostError
-from rlnb.files import write_private
+from rlnb.errors import ConfigError, RemoteError, RlnbError, WorkerLostError
+from rlnb.files import check_tree, read_text_regular, torch_load_safe, write_private
+from rlnb.runtime.rank import save_state_file
 
 log = logging.getLogger("rlnb")
 
@@ -31,17 +35,152 @@ class TrainingDivergedError(RlnbError, FloatingPointError):
 
 
 def default_run_dir(name: str) -> Path:
+    """``runs/<name>-<time>-<4 hex>``; a name that is not one safe path component is refused (it would place the
+    run elsewhere)."""
+    from rlnb.config.schema import RUN_NAME
+
+    if not isinstance(name, str) or not RUN_NAME.fullmatch(name):
+        raise ConfigError(
+            f"name: expected a name for the run's directory (letters, digits, '.', '_', '-'), got {str(name)[:80]!r}",
+            "name",
+        )
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
 
 
+CHECKPOINT_NAME = re.compile(r"step_([0-9]{1,18})")  # ASCII digits only ("step_²" is no checkpoint)
+MAX_LOOP_JSON_BYTES = 64 << 20  # a loop.json bigger than this is no checkpoint rlnb wrote
+
+
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first by step number (partial ``.tmp-*`` directories are
-    ignored; ``step_1000000`` comes after ``step_999999``)."""
+    """Complete checkpoints of a run, oldest first by step number (partial ``.tmp-*`` directories, and names that
+    are not ``step_`` and ASCII digits, are ignored; ``step_1000000`` comes after ``step_999999``)."""
     root = Path(run_dir) / "checkpoints"
-    if not root.exists():
+    if not root.is_dir():
         return []
-    found = [p for p in root.glob("step_*") if (p / "COMPLETE").exists() and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
+    found = [p for p in root.iterdir() if CHECKPOINT_NAME.fullmatch(p.name) and (p / "COMPLETE").exists()]
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step a checkpoint directory's name says (``step_000012`` -> 12)."""
+    return int(CHECKPOINT_NAME.fullmatch(Path(path).name).group(1))
+
+
+# ---------------------------------------------------------------------------- loop.json, checked before use
+@dataclass(frozen=True)
+class Num:
+    """A number in ``[low, high]`` (``integer``: a whole one; ``optional``: or null)."""
+
+    low: float
+    high: float
+    integer: bool = True
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class ListOf:
+    """A list (at most ``max_len`` long) of items matching ``item`` (``None``: a number, a bool or null)."""
+
+    item: object = None
+    max_len: int = 1 << 24
+
+
+@dataclass(frozen=True)
+class MapOf:
+    """A mapping of names to values matching ``value``."""
+
+    value: object
+
+
+ANY = object()  # a schema that takes any value (loaded already without running code: plain data)
+MAX_STEP = 2**62
+LOOP_STATE = {
+    "step": Num(0, MAX_STEP),
+    "placement": MapOf(ListOf(Num(0, 1 << 20))),
+    "in_flight?": bool,  # asynchronous mode: in_flight.pt holds the work that was in flight
+}
+IN_FLIGHT = "in_flight.pt"
+"""What every ``loop.json`` holds; a loop adds its own keys (``LoopBase.STATE``)."""
+
+
+def check_state(value, schema, where: str) -> None:
+    """``value`` (parsed JSON) against ``schema``: a dict of required keys (a key ending in ``?`` is optional;
+    keys not named are refused), :class:`Num`, :class:`ListOf`, :class:`MapOf` or ``bool``.
+
+    Raises:
+        ValueError: naming ``where``, the key, what was expected and what is there.
+    """
+
+    def bad(expected: str):
+        return ValueError(f"{where}: expected {expected}, got {str(value)[:80]!r}")
+
+    if isinstance(schema, dict):
+        if not isinstance(value, dict):
+            raise bad("a mapping")
+        keys = {k.rstrip("?"): k for k in schema}
+        for name in value:
+            if name not in keys:
+                raise ValueError(f"{where}.{name}: unknown key (expected {', '.join(sorted(keys))})")
+        for name, key in keys.items():
+            if name in value:
+                check_state(value[name], schema[key], f"{where}.{name}")
+            elif not key.endswith("?"):
+                raise ValueError(f"{where}.{name}: missing")
+    elif schema is ANY:
+        return
+    elif schema is bool:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+    elif isinstance(schema, Num):
+        if value is None and schema.optional:
+            return
+        kind = int if schema.integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value):
+            raise bad("an integer" if schema.integer else "a number")
+        if not schema.low <= value <= schema.high:
+            raise bad(f"a number in [{schema.low:g}, {schema.high:g}]")
+    elif isinstance(schema, ListOf):
+        if not isinstance(value, list) or len(value) > schema.max_len:
+            raise bad(f"a list of at most {schema.max_len} items")
+        for i, item in enumerate(value):
+            if schema.item is None:
+                if not (item is None or isinstance(item, (bool, int, float))):
+                    raise ValueError(f"{where}[{i}]: expected a number, got {str(item)[:80]!r}")
+            else:
+                check_state(item, schema.item, f"{where}[{i}]")
+    elif isinstance(schema, MapOf):
+        if not isinstance(value, dict):
+            raise bad("a mapping")
+        for k, v in value.items():
+            check_state(v, schema.value, f"{where}.{k}")
+    else:  # pragma: no cover - a schema of the code's own
+        raise TypeError(f"check_state: unknown schema {schema!r}")
+
+
+def read_loop_state(path: str | Path, extra: dict | None = None) -> dict:
+    """A checkpoint's ``loop.json``, checked against :data:`LOOP_STATE` plus ``extra`` (the loop's own keys, or
+    ``None``: any beyond the common ones), its step agreeing with the directory's name.
+
+    Raises:
+        CheckpointError: unreadable, not JSON, or not what rlnb writes (naming the key).
+    """
+    path = Path(path)
+    file = path / "loop.json"
+    try:
+        state = json.loads(read_text_regular(file, MAX_LOOP_JSON_BYTES))
+        if extra is None:
+            check_state({k: v for k, v in state.items() if k in LOOP_STATE} if isinstance(state, dict) else state,
+                        LOOP_STATE, "loop.json")  # fmt: skip
+        else:
+            check_state(state, {**LOOP_STATE, **extra}, "loop.json")
+    except (OSError, ValueError) as e:  # (json's errors are ValueErrors)
+        raise CheckpointError(f"could not restore {path}: {file.name}: {e}") from None
+    named = CHECKPOINT_NAME.fullmatch(path.name)
+    if named and int(named.group(1)) != state["step"]:
+        raise CheckpointError(
+            f"could not restore {path}: loop.json says step {state['step']}, its directory step {int(named.group(1))}"
+        )
+    return state
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -69,17 +208,10 @@ class Checkpointing:
         Every rank writes its own component state (big state stays on workers). A failure (disk
         full...) removes the partial directory and raises :class:`CheckpointError`; the previous
         complete checkpoint stays the latest. In asynchronous mode ``run()`` checkpoints with nothing in
-        flight; a manual save while rollout runs ahead waits for it, and the batch it finished is not in
-        the checkpoint: a resume from it drops that batch (a warning says so).
+        flight at its save steps; a save while rollout runs ahead (a run stopped by a signal or ``stop()``, a
+        notebook's own) waits for that work to finish and keeps it in the checkpoint (``in_flight.pt``: its
+        batches and summaries), so a resume trains on it next, as the uninterrupted run would have.
         """
-        if self._in_flight is not None:  # asynchronous mode, a manual save mid-pipeline
-            self._settle_in_flight()
-            log.warning(
-                "checkpoint at step %d: rollout work was running ahead (algorithm.max_staleness); the batch it "
-                "finished is not in the checkpoint, so a resume from it drops that batch (run() checkpoints "
-                "with nothing in flight)",
-                self.step,
-            )
         if self.read_only:
             raise CheckpointError(
                 f"{self.run_dir} was opened read-only (Loop.resume(read_only=True)): nothing is saved"
@@ -90,6 +222,8 @@ class Checkpointing:
             shutil.rmtree(stale, ignore_errors=True)
         try:
             tmp.mkdir(parents=True, mode=0o700)
+            # (first: the work in flight finishes, and the ranks' states are saved after it)
+            in_flight = self._in_flight_state() if self._in_flight is not None else None
             pending = [g.save_state(str(tmp)) for g in self.groups.values()]
             for res in pending:
                 res.result()
@@ -98,6 +232,9 @@ class Checkpointing:
                 "placement": {k: list(v) for k, v in self.placement.slots.items()},
                 **self._extra_state(),
             }
+            if in_flight is not None:
+                state["in_flight"] = True
+                save_state_file(self, in_flight, str(tmp / IN_FLIGHT))
             _write_synced(tmp / "loop.json", json.dumps(state))
             self._save_extra(tmp)
             _write_synced(tmp / "COMPLETE", "ok\n")
@@ -155,7 +292,11 @@ class Checkpointing:
 
     def _load_from(self, path: Path) -> int:
         try:
-            state = json.loads((path / "loop.json").read_text())
+            check_tree(path, path)  # nothing read through a link out of the checkpoint, nor from a FIFO
+        except OSError as e:
+            raise CheckpointError(f"could not restore {path}: {e.strerror or e}") from None
+        state = read_loop_state(path, self.STATE)
+        try:
             for g in self.groups.values():
                 g.load_state(str(path)).result()
         except RemoteError as e:
@@ -169,6 +310,16 @@ class Checkpointing:
             raise CheckpointError(f"could not restore {path}: {type(e).__name__}: {e}") from e
         self.step = state["step"]
         self._load_extra_state(state)
+        if state.get("in_flight"):
+            try:
+                saved = torch_load_safe(path / IN_FLIGHT)
+                check_state(
+                    {k: v for k, v in saved.items() if k != "batches"} if isinstance(saved, dict) else saved,
+                    {"values": ListOf(ListOf(ANY))}, IN_FLIGHT,
+                )  # fmt: skip
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"could not restore {path}: {e}") from e
+            self._restore_in_flight(saved)
         self.logger.truncate_after(self.step)
         self.resumed_from = path
         return self.step

@@ -21,10 +21,17 @@ from rlnb.config.schema import Recipe
 from rlnb.config.sections_lm import RolloutConfig
 from rlnb.envs.gym_envs import probe_env
 from rlnb.errors import ConfigError, PlacementError
-from rlnb.loop.asynchronous import EmbodiedAsynchronous
+from rlnb.loop.asynchronous import EmbodiedAsynchronous, Settled
 from rlnb.loop.base import LoopBase, Phase, count_or_default, objects_recipe
 from rlnb.loop.chained import EPISODE_WINDOW, RoundTrips
-from rlnb.loop.checkpoint import CheckpointError, TrainingDivergedError, complete_checkpoints
+from rlnb.loop.checkpoint import (
+    MAX_STEP,
+    CheckpointError,
+    ListOf,
+    Num,
+    TrainingDivergedError,
+    complete_checkpoints,
+)
 from rlnb.models.policies import check_spaces
 from rlnb.runtime.chain import RunAhead
 from rlnb.runtime.channel import Channel
@@ -69,6 +76,12 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
                   "state_dict", "load_state_dict"),
     }  # fmt: skip
     ROLE_BASES = {"env": "rlnb.Env", "rollout": "rlnb.PolicyRollout", "actor": "rlnb.PPOActor"}
+    STATE = {
+        "global_step": Num(0, MAX_STEP),
+        "episodes": ListOf(ListOf(max_len=3), max_len=EPISODE_WINDOW),
+        "rollout_version?": Num(0, MAX_STEP, optional=True),
+        "in_flight_dropped?": bool,  # (checkpoints before in_flight.pt was written: the batch was dropped)
+    }
     SUMMARY_KEYS = (
         "env/episode_return_mean",
         "train/policy_loss",
@@ -232,14 +245,13 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
         state = {"global_step": self.global_step, "episodes": list(self.episodes)}
         if self.max_staleness:
             state["rollout_version"] = self._rollout_version
-            state["in_flight_dropped"] = self._in_flight is not None
         return state
 
     def _load_extra_state(self, state: dict) -> None:
         self.global_step = state["global_step"]
         self.episodes = deque((tuple(x) for x in state["episodes"]), maxlen=EPISODE_WINDOW)
         self._settle_in_flight()
-        self._in_flight = None  # a resumed pipeline starts empty: current weights, a fresh collection
+        self._in_flight = None  # (a checkpoint's work in flight is restored after this: _restore_in_flight)
         self._rollout_version = state.get("rollout_version")
 
     # ------------------------------------------------------------------ phases
@@ -295,7 +307,7 @@ class Loop(RoundTrips, EmbodiedAsynchronous, LoopBase):
             return summaries
         for finished in self.groups["env"].pop_episodes().result():
             self.episodes.extend(finished)
-        self._hand_batches()
+        self._hand_batches(pending[0].batches if isinstance(pending[0], Settled) else None)
         return summaries
 
     def _rollout_metrics(self, phase: Phase, summaries: list[dict], extra: dict) -> None:

@@ -30,6 +30,7 @@ from rlnb.data.prompts import (
 from rlnb.errors import ClusterError, ComponentError, ConfigError, PlacementError
 from rlnb.loop.asynchronous import GRPOAsynchronous
 from rlnb.loop.base import LoopBase, objects_recipe
+from rlnb.loop.checkpoint import MAX_STEP, CheckpointError, ListOf, Num
 from rlnb.loop.grpo_data import FileTask, turn_demonstrations
 from rlnb.loop.grpo_eval import GRPOEvaluation
 from rlnb.loop.grpo_rollout import GRPORollout
@@ -90,6 +91,13 @@ class GRPOLoop(GRPOAsynchronous, GRPORollout, GRPOEvaluation, LoopBase):
     }  # fmt: skip
     ROLE_BASES = {"rollout": "rlnb.components.HFRollout", "actor": "rlnb.components.LMActor",
                   "reward": "rlnb.components.RewardWorker"}  # fmt: skip
+    STATE = {
+        "data": {"position": Num(0, MAX_STEP)},
+        "sft_done": bool,
+        "admitted?": ListOf(Num(0, MAX_STEP)),
+        "trained_problems?": ListOf(ListOf(Num(0, MAX_STEP))),
+        "in_flight_dropped?": bool,  # (checkpoints before in_flight.pt was written: the batch was dropped)
+    }
     SUMMARY_KEYS = (
         "reward/accuracy",
         "eval/accuracy",
@@ -331,21 +339,24 @@ class GRPOLoop(GRPOAsynchronous, GRPORollout, GRPOEvaluation, LoopBase):
     def _extra_state(self) -> dict:
         state = {"data": self.task.state_dict(), "sft_done": self.sft_done}
         if self.max_staleness:  # what the rollout ranks hold in their pools is in their own checkpoints
-            state.update(
-                admitted=self._admitted,
-                trained_problems=self.trained_problems,
-                in_flight_dropped=self._in_flight is not None,
-            )
+            state.update(admitted=self._admitted, trained_problems=self.trained_problems)
         return state
 
     def _load_extra_state(self, state: dict) -> None:
         self.task.load_state_dict(state["data"])
         self.sft_done = state["sft_done"]
         self._settle_in_flight()
-        self._in_flight = None  # a resumed pipeline starts from the rollout ranks' checkpointed pools
-        # their weights are not in their checkpoints: the next rollout() sends them
+        # a resumed pipeline starts from the rollout ranks' checkpointed pools (and a checkpoint's work in flight,
+        # restored after this: _restore_in_flight); their weights are not in their checkpoints: the next
+        # rollout() sends them
+        self._in_flight = None
         self._rollout_version = None
         if "admitted" in state:
+            if len(state["admitted"]) != len(self._admitted):
+                raise CheckpointError(
+                    f"loop.json: admitted counts {len(state['admitted'])} rollout rank(s); this run has "
+                    f"{len(self._admitted)}"
+                )
             self._admitted = list(state["admitted"])
             self.trained_problems = [list(x) for x in state["trained_problems"]]
 

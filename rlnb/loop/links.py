@@ -91,19 +91,31 @@ class Links:
             self._publish_weights(ch, keys, self.step)
             rollout.call_each("load_from_channel", [(ch, k) for k in keys]).result()
 
-    def _hand_batches(self) -> list[dict]:
+    def _hand_batches(self, batches: list[dict] | None = None) -> list[dict]:
         """Rollout rank ``k``'s batch goes to actor rank ``k % actor ranks`` (in-process when collocated);
-        with more actor than rollout ranks, it is split over several. Returns each actor rank's intake."""
+        with more actor than rollout ranks, it is split over several. Returns each actor rank's intake.
+        ``batches``: one per rollout rank, from a checkpoint (work that was in flight), put from here instead."""
         rollout, actor = self.groups["rollout"], self.groups["actor"]
         if self.batch_local:
             return actor.call_each("take_local_batches", [(rollout.name, [a]) for a in actor.ranks]).result()
         ch = self.channels["batches"]
         puts, takes = self._batch_keys()
+        if batches is not None:
+            for (key, shards), batch in zip(puts, batches):
+                parts = [batch] if shards == 1 else rollout.cls.split_batch(batch, shards)
+                for j, part in enumerate(parts):
+                    ch.put(part, key=key if shards == 1 else f"{key}.{j}")
+            return self._take_batches(takes)
         sent = rollout.call_each("put_batch", [(ch, key, shards) for key, shards in puts])
         # puts never block (the channel is unbounded), so a rank sharing a worker with one of the
         # other group's ranks cannot hold that worker's actor thread while waiting for it
         sent.result()
         return self._take_batches(takes)
+
+    def _put_keys(self) -> list[str]:
+        """Every channel key the rollout ranks put batches under, in rank order (``key.j`` for split ones)."""
+        puts, _ = self._batch_keys()
+        return [k for key, n in puts for k in ([key] if n == 1 else [f"{key}.{j}" for j in range(n)])]
 
     def _batch_keys(self) -> tuple[list[tuple[str, int]], list[list[str]]]:
         """The channel hand-off: per rollout rank ``(key, shards)`` it puts under, and per actor rank the

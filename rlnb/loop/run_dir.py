@@ -3,7 +3,9 @@ run already in it is never silently mixed with a new one.
 
 - Checked before anything starts: a path that is a file, or a directory that cannot be created or written, is
   a :class:`rlnb.errors.ConfigError` naming ``runner.run_dir``.
-- Created ``0700`` (checkpoints and metrics inside are ``0600``): a run's weights and data are its user's.
+- Created ``0700`` (checkpoints and metrics inside are ``0600``): a run's weights and data are its user's. A
+  directory owned by another user, or writable by others, is refused (as OpenSSH's ``StrictModes``), and so is
+  a symbolic link (or a FIFO, a device) where a run's own file or directory goes: rlnb never writes through one.
 - Locked with ``flock`` on ``<run_dir>/.lock`` for as long as the loop is open: a second loop writing into
   it is refused, naming the holder. The kernel drops the lock when its process dies, so none goes stale (a
   killed run leaves the file, unlocked; a closed loop removes it).
@@ -18,10 +20,12 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import time
 from pathlib import Path
 
 from rlnb.errors import ConfigError
+from rlnb.files import UnsafePathError, check_owned, open_regular
 
 log = logging.getLogger("rlnb")
 
@@ -48,16 +52,27 @@ class RunDirLock:
             os.close(fd)
         else:  # pragma: no cover - ten releases in a row between an open and a lock
             raise ConfigError(f"{KEY}: could not lock {run_dir} (its lock file keeps changing)", KEY)
-        os.ftruncate(fd, 0)
-        os.pwrite(
-            fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%F %T')}\n".encode(), 0
-        )
         self._fd: int | None = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(
+                fd,
+                f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%F %T')}\n".encode(),
+                0,
+            )
+        except OSError as e:  # a disk full already: nothing starts, and no lock file is left behind
+            self.release()
+            raise ConfigError(f"{KEY}: cannot write into {run_dir} ({e.strerror or e})", KEY) from None
 
     def _open_locked(self, run_dir: Path) -> int:
         import fcntl
 
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:  # (never through a link planted in its place)
+            fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
+        except UnsafePathError as e:
+            raise ConfigError(f"{KEY}: {e.strerror}; remove it", KEY) from None
+        except OSError as e:
+            raise ConfigError(f"{KEY}: cannot create {self.path} ({e.strerror or e})", KEY) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -95,19 +110,50 @@ def check_writable(run_dir: Path) -> None:
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as e:
         raise ConfigError(f"{KEY}: cannot create {run_dir} ({e.strerror or e})", KEY) from None
+    try:
+        check_owned(run_dir, KEY)
+    except UnsafePathError as e:
+        raise ConfigError(e.strerror, KEY) from None
     if not os.access(run_dir, os.W_OK | os.X_OK):
         raise ConfigError(f"{KEY}: {run_dir} is not writable by this user", KEY)
+    check_entries(run_dir)
+
+
+def check_entries(run_dir: Path) -> None:
+    """What a run writes in ``run_dir`` (:data:`RUN_FILES`, :data:`RUN_DIRS`, the lock) is, where present, a
+    regular file or a directory as it should be: never a symbolic link, a FIFO or a device.
+
+    Raises:
+        ConfigError: naming the entry and what it is.
+    """
+    for name, want in (
+        (".lock", stat.S_ISREG),
+        *((n, stat.S_ISREG) for n in RUN_FILES),
+        *((n, stat.S_ISDIR) for n in RUN_DIRS),
+    ):
+        try:
+            mode = os.lstat(run_dir / name).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode):
+            raise ConfigError(
+                f"{KEY}: {run_dir / name} is a symbolic link; rlnb never writes a run's files through one: remove it",
+                KEY,
+            )
+        if not want(mode):
+            expected = "a directory" if want is stat.S_ISDIR else "a regular file"
+            raise ConfigError(f"{KEY}: {run_dir / name} is not {expected}: remove or rename it", KEY)
 
 
 def holds_run(run_dir: Path) -> str | None:
     """What earlier run ``run_dir`` holds (``"step 12, 2 checkpoints"``), or ``None`` when it holds none."""
-    from rlnb.loop.checkpoint import complete_checkpoints
+    from rlnb.loop.checkpoint import checkpoint_step, complete_checkpoints
 
     metrics = run_dir / "metrics.jsonl"
     checkpoints = complete_checkpoints(run_dir)
     if not checkpoints and not (metrics.is_file() and metrics.stat().st_size > 0):
         return None
-    last = checkpoints[-1].name.removeprefix("step_").lstrip("0") or "0" if checkpoints else None
+    last = str(checkpoint_step(checkpoints[-1])) if checkpoints else None
     return (
         f"{len(checkpoints)} checkpoint(s)"
         + (f", the latest at step {last}" if last else "")

@@ -12,6 +12,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from rlnb.errors import pack_exception
 from rlnb.runtime import direct
@@ -278,7 +279,11 @@ class RankHost:
         try:
             with _as_current(self):
                 return ("ok", fn(*args), time.perf_counter() - t0)
-        except Exception as e:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except (
+            BaseException
+        ) as e:  # (torch's CheckpointException is a BaseException: a reply, not a dead worker)
             return ("err", pack_exception(e), time.perf_counter() - t0)
 
     # ---- process groups: rank 0 opens a store on a free port, then every rank joins
@@ -371,13 +376,20 @@ def save_state_file(obj, state: dict, path: str) -> int:
     return size
 
 
+class NonFiniteState(ValueError):
+    """A component's checkpointed state holds NaN or inf where it must not (a diverged or damaged actor)."""
+
+
 def _load_state(obj, path: str) -> None:
     own = getattr(obj, "load_state_from", None)
     if own is not None:
         return own(path)
     from rlnb.files import torch_load_safe
 
-    obj.load_state_dict(torch_load_safe(path))
+    try:
+        obj.load_state_dict(torch_load_safe(path))
+    except NonFiniteState as e:  # (named here: the component does not know its file)
+        raise ValueError(f"{Path(path).name}: {e}") from None
 
 
 def _join(host_obj: RankHost, name, host, port, rank, world_size, backend, timeout_s):

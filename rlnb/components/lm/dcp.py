@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from rlnb.files import UnsafeFileError, safe_globals
+from rlnb.files import UnsafeFileError, check_inside, safe_globals
 
 
 def shard_dir(rank_path: str | Path) -> Path:
@@ -82,10 +82,31 @@ class SafeReader(FileSystemReader):
         rank = kwargs.get("rank")
         with self.fs.create_stream(self._get_metadata_path(rank), "rb") as f:
             metadata = _MetadataUnpickler(f).load()
+        for info in (metadata.storage_data or {}).values():  # the shard files the index points at
+            _check_shard_name(getattr(info, "relative_path", None), Path(str(self.path)))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_shard_name(name, directory: Path) -> None:
+    """A shard file named by a DCP index: a plain file name in the checkpoint's own directory (DCP writes
+    ``__<rank>_<n>.distcp``), a regular file there; a path elsewhere (``../../x``, ``/etc/x``) is refused before
+    anything is read.
+
+    Raises:
+        UnsafeFileError: naming the entry.
+    """
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise UnsafeFileError(
+            f"the checkpoint's DCP index points a shard at {name!r}: rlnb reads shards only from files in "
+            f"{directory} itself"
+        )
+    try:
+        check_inside(directory / name, directory)
+    except OSError as e:
+        raise UnsafeFileError(f"the checkpoint's DCP index: {e.strerror}") from None
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -121,6 +142,11 @@ def save_sharded(model: torch.nn.Module, optimizer, directory: Path, process_gro
         storage_writer=FileSystemWriter(str(directory)),
         process_group=process_group,
     )
+    for (
+        path
+    ) in directory.iterdir():  # (DCP writes with the process's umask: a checkpoint's files are its user's)
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o600)
 
 
 def load_sharded(model: torch.nn.Module, optimizer, directory: Path, process_group) -> None:
@@ -131,12 +157,33 @@ def load_sharded(model: torch.nn.Module, optimizer, directory: Path, process_gro
 
     if not (directory / ".metadata").is_file():
         raise FileNotFoundError(f"{directory}: no DCP checkpoint there (no .metadata)")
+    from torch.distributed.checkpoint.api import CheckpointException
+
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(
-        state,
-        storage_reader=SafeReader(str(directory)),
-        planner=SafeLoadPlanner(),
-        process_group=process_group,
-    )
+    try:
+        dcp.load(
+            state,
+            storage_reader=SafeReader(str(directory)),
+            planner=SafeLoadPlanner(),
+            process_group=process_group,
+        )
+    except CheckpointException as e:  # (a BaseException: as an error the loop's resume_fallback can catch)
+        raise DCPReadError(f"{directory}: {_first_failure(e)}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+class DCPReadError(OSError):
+    """A DCP checkpoint could not be read (torch's ``CheckpointException``, a ``BaseException``, made an error
+    that a resume can report and fall back from)."""
+
+
+def _first_failure(error) -> str:
+    """The first rank's failure that DCP's ``CheckpointException`` gathered, as one line."""
+    failures = getattr(error, "failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure  # (DCP keeps (exception, stack) pairs)
+        return (
+            f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0][:300] if str(inner) else ''}"
+        )
+    return str(error).splitlines()[0][:300]

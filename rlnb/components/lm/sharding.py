@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 
 import torch
 
@@ -199,9 +200,12 @@ class Sharded:
     def load_state_from(self, path: str) -> None:
         """Restore what :meth:`save_state_to` wrote (or a rank file holding the whole state, as checkpoints of
         an unsharded actor, and sharded ones before DCP, do); nothing in the files runs."""
-        from rlnb.files import torch_load_safe
+        from rlnb.files import nonfinite, torch_load_safe
 
         state = torch_load_safe(path)
+        bad = nonfinite(state.get("policy"), "policy")
+        if bad is not None:  # a diverged or damaged checkpoint: refused, not trained on or exported
+            raise ValueError(f"{Path(path).name}: {bad} holds NaN or inf values")
         if state.get("shards") != "dcp":
             return self.load_state_dict(state)
         if not self.sharded:
