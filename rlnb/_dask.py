@@ -218,3 +218,38 @@ def stop_fork_server() -> None:
     if getattr(tracker, "_pid", None) is not None:
         with contextlib.suppress(ChildProcessError, OSError):
             tracker._stop()
+
+
+# A signal sent to the driver's whole process group (a closed terminal's SIGHUP, `systemctl stop`, Slurm's scancel,
+# `kill -- -PGID`) reaches the embedded cluster's workers too: they leave it to the driver, which checkpoints and
+# then stops them (Dask's nanny stops a worker through its own queue, and SIGKILLs it if it must).
+STOP_SIGNALS = ("SIGTERM", "SIGHUP")
+_AT_FORK = [False]
+
+
+def _left_to_driver(signum, frame) -> None:
+    """A stop signal in a worker of the embedded cluster: the driver decides (see :data:`STOP_SIGNALS`)."""
+
+
+def _default_stop_signals() -> None:
+    import signal
+
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
+def leave_stop_signals_to_driver() -> None:
+    """In a worker process of an embedded cluster (its main thread): ignore :data:`STOP_SIGNALS`, and SIGINT; a
+    process it forks (an env's subprocess) gets the defaults back, and one it spawns starts with them (a Python
+    handler does not survive ``exec``)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), _left_to_driver)
+    if not _AT_FORK[0]:
+        _AT_FORK[0] = True
+        os.register_at_fork(after_in_child=_default_stop_signals)

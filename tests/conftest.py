@@ -1,3 +1,4 @@
+import contextlib
 import multiprocessing.util
 import os
 import shutil
@@ -174,38 +175,59 @@ def kill_driver_inside_a_step(
     return int(complete_checkpoints(run_dir)[-1].name.split("_")[1]), step, phase
 
 
-SESSION_START = time.time()
 RUNS = Path(__file__).resolve().parents[1] / "runs"
 RUNS_BEFORE = set(RUNS.glob("*")) if RUNS.is_dir() else set()  # (a user's runs there stay)
 
 
+def _mapped_semaphores(pids) -> set[str]:
+    """The named semaphores (``/dev/shm/sem.*``) the processes ``pids`` have open (mapped)."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                found.update(line.split()[-1] for line in f if "/dev/shm/sem." in line)
+        except OSError:  # it ended meanwhile
+            continue
+    return found
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (zombies left out)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL the process group ``pgid`` (a driver the test started in a session of its own, its fork server,
+    workers and resource tracker), then unlink the named semaphores its processes held and no process holds now:
+    its resource tracker, killed with it, cannot. Nothing another program made is touched."""
+    held = _mapped_semaphores(group_members(pgid))
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    others = _mapped_semaphores(int(p.name) for p in Path("/proc").glob("[0-9]*"))
+    for path in held - others:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Remove shared-memory segments of processes the tests SIGKILLed (drivers, workers): a killed process
-    cannot unlink its own, and workers sweep them only when the next one starts. Likewise the named
-    semaphores (``sem.mp-*``) that multiprocessing's resource tracker of a killed process left: those made
-    during this session, more than a minute ago, that no live process maps any more."""
-    import glob
-
+    cannot unlink its own, and workers sweep them only when the next one starts. (Named semaphores of a killed
+    group go with it: :func:`kill_group`.)"""
     from rlnb.runtime.shm import sweep_dead_segments
 
     sweep_dead_segments()
     _remove_default_run_dirs()
-    mapped = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        try:
-            with open(maps) as f:
-                mapped.update(line.split()[-1] for line in f if "/dev/shm/sem." in line)
-        except OSError:  # the process ended meanwhile
-            continue
-    # a semaphore of the last minute may be one that a process being spawned (another session's vLLM engine) is
-    # yet to open by name: left alone
-    settled = time.time() - 60
-    for path in glob.glob("/dev/shm/sem.mp-*"):
-        try:
-            if path not in mapped and SESSION_START <= os.stat(path).st_mtime < settled:
-                os.unlink(path)
-        except OSError:
-            continue
 
 
 def _remove_default_run_dirs() -> None:

@@ -2,18 +2,18 @@
 
 It owns what one worker process shares between the components living on it: the direct-call
 server (:class:`rlnb.runtime.direct.CallServer`) and, at start, a sweep of shared-memory segments
-left by dead processes. On an embedded cluster it also makes the worker ignore Ctrl-C: the notebook
-or ``rlnb run`` handles it (a checkpoint, then a clean shutdown), not every process of the terminal.
+left by dead processes. On an embedded cluster it also makes the worker ignore Ctrl-C, SIGTERM and SIGHUP
+sent to the driver's process group (a terminal, ``systemctl stop``, Slurm): the notebook or ``rlnb run`` handles
+them (a checkpoint, then a clean shutdown), then stops the workers.
 """
 
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 
 from distributed import WorkerPlugin
 
+from rlnb._dask import leave_stop_signals_to_driver
 from rlnb.runtime import direct
 from rlnb.runtime.shm import sweep_dead_segments
 
@@ -26,8 +26,8 @@ class WorkerRuntime(WorkerPlugin):
     never tears down servers that another driver's components use).
 
     Args:
-        ignore_sigint: make the worker process ignore ``SIGINT`` (embedded clusters, whose workers
-            share the driver's terminal).
+        ignore_sigint: make the worker process leave ``SIGINT``, ``SIGTERM`` and ``SIGHUP`` to the driver
+            (embedded clusters, whose workers share the driver's process group).
     """
 
     idempotent = True
@@ -47,8 +47,10 @@ class WorkerRuntime(WorkerPlugin):
             log.info(
                 "worker %s removed %d shared-memory segment(s) of dead processes", worker.address, self.swept
             )
-        if self.ignore_sigint and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if (
+            self.ignore_sigint
+        ):  # the embedded cluster's: a signal to the driver's process group is the driver's
+            leave_stop_signals_to_driver()
         # (the driver decides whether to use it) on TCP, and on TLS where the worker listens on loopback only
         # (the embedded cluster): its tokens reach drivers over TLS, and nobody can read loopback traffic
         if worker.address.startswith("tcp://") or _loopback_tls(worker.address):
