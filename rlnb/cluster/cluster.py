@@ -8,6 +8,7 @@ import html
 import logging
 import os
 import platform
+import signal
 import socket
 import uuid
 import warnings
@@ -305,6 +306,7 @@ class Cluster:
         self.session = uuid.uuid4().hex[:12]
         self._placed: dict[int, list[str]] = defaultdict(list)
         self._channels: list = []  # closed with the cluster, freeing their shared memory
+        self.unresponsive: set[str] = set()  # workers that let a call time out: closing does not wait on them
         self._done_once: set[str] = set()  # see once
         self.address: str
         if address is None:
@@ -555,8 +557,14 @@ class Cluster:
             self._done_once.add(key)
 
     def close_with(self, channel) -> None:
-        """Close ``channel`` when this cluster closes (its shared memory freed with it)."""
+        """Close ``channel`` when this cluster closes (its shared memory freed with it), unless it is closed
+        first (:meth:`forget_channel`)."""
         self._channels.append(channel)
+
+    def forget_channel(self, channel) -> None:
+        """A channel closed on its own: this cluster no longer holds it (nor, through it, its queue server)."""
+        with contextlib.suppress(ValueError):
+            self._channels.remove(channel)
 
     def register_component(self, slot: int, label: str) -> None:
         """Show ``label`` (a component's rank) on ``slot`` in this cluster's views."""
@@ -597,6 +605,12 @@ class Cluster:
         finally:
             if self._local is not None:
                 _EMBEDDED_SECURITY.pop(self.address, None)
+                # a worker of ours that let a call time out (hung, stopped) would hold Dask's close for its own
+                # timeout before being killed: it is killed now, as Dask would do then
+                for slot in self.slots:
+                    if slot.address in self.unresponsive and slot.pid:
+                        with contextlib.suppress(OSError):
+                            os.kill(slot.pid, signal.SIGKILL)
                 self._local.close()
                 self._local = None
 

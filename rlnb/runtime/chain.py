@@ -107,8 +107,8 @@ def _chain_request(
     first, payload = _chain_payload(chains[0])
     args = (payload,) if op == "chain" else ()
     label = f"{op}({', '.join(f'{g.name}.{m}' for g, m, _ in chains[0])}{' ...' if len(chains) > 1 else ''})"
-    if timeout_s is None:
-        timeout_s = sum(g.call_timeout_s for calls in chains for g, _, _ in calls)
+    if timeout_s is None:  # a bound, not a sum: a stuck chain is said within one call's deadline
+        timeout_s = max(g.call_timeout_s for calls in chains for g, _, _ in calls)
     if then is not None:
         if first.transport != "direct":  # (Dask's actor rpc has no "after the reply": nothing would run)
             raise ValueError(
@@ -165,7 +165,8 @@ def chain(
 
     Args:
         calls: ``(group, method, args)`` tuples.
-        timeout_s: for the whole chain (default: the sum of the groups' call timeouts).
+        timeout_s: for the whole chain (default: the longest of the groups' call timeouts: a chain is answered
+            in one round trip, and its deadline bounds it as one call's does).
         then: a chain the worker runs next, at once, once it has sent this reply (:class:`RunAhead`); its
             replies are taken with :func:`take_ahead`. Only over direct calls (``group.transport``).
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections import deque
 
 from rlnb.errors import ChannelClosedError, ChannelTimeoutError
@@ -218,6 +219,7 @@ class Channel:
         self._direct = direct_offer
         self._closed = False  # closed through this handle
         self._route_cache = None  # chosen on first use in each process (see _route)
+        self._cluster = None  # the driver's cluster that made it (a weak reference; None elsewhere)
 
     @classmethod
     def create(
@@ -259,6 +261,7 @@ class Channel:
         channel = cls(server, name, node, maxsize, timeout_s, offer)
         channel.max_bytes = max_bytes
         cluster.close_with(channel)
+        channel._cluster = weakref.ref(cluster)
         return channel
 
     @staticmethod
@@ -340,12 +343,19 @@ class Channel:
         """Counters: items put, tensors and bytes moved through shared memory."""
         return self._ask("stats", (), 30)
 
-    def close(self) -> int:
+    def close(self, timeout_s: float = 30.0) -> int:
         """Drop queued items and free their shared memory; blocked readers and writers wake with
-        :class:`~rlnb.errors.ChannelClosedError`, as does every later ``put`` or ``get``."""
-        dropped = self._ask("close", (), 30)
+        :class:`~rlnb.errors.ChannelClosedError`, as does every later ``put`` or ``get``. ``timeout_s``: how long
+        its worker may take to answer."""
+        if self._closed:
+            return 0
+        dropped = self._ask("close", (), timeout_s)
         self._closed = True
         self.release_links()
+        cluster = self._cluster() if self._cluster is not None else None
+        if cluster is not None:  # (the driver's handle held the queue server's actor: freed now)
+            cluster.forget_channel(self)
+            self._server = None
         return dropped
 
     def _closed_error(self, key: str) -> ChannelClosedError:
@@ -363,7 +373,7 @@ class Channel:
             route.release()
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_route_cache": None}  # each process chooses its own route
+        return {**self.__dict__, "_route_cache": None, "_cluster": None}  # each process chooses its own route
 
     def _route(self):
         """How this process reaches the queues, chosen once per handle and process: in-process when
@@ -399,6 +409,8 @@ class Channel:
 
     def _ask(self, op: str, args: tuple, timeout: float):
         """Run ``op`` on the queue server and return its value (or raise its typed error)."""
+        if self._closed and self._server is None:  # closed by this driver, its queue server freed
+            raise ChannelClosedError(f"channel {self.name!r}: the channel was closed")
         return self._call(lambda route: route.ask(op, args, timeout))
 
     # ---- async API

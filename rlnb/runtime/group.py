@@ -36,6 +36,9 @@ from rlnb.runtime.rank import RankHost, RankInfo
 from rlnb.runtime.transport import DaskRoute, DirectRoute
 
 DEFAULT_CALL_TIMEOUT_S = 600.0
+SHUTDOWN_TIMEOUT_S = (
+    10.0  # freeing a loop's components, all groups together: a bound that holds after a failure
+)
 LIVENESS_CHECK_S = 1.0  # while a call runs, how often to ask the scheduler whether its workers live
 
 
@@ -124,6 +127,8 @@ class GroupResult:
                 return self._values
         i = min(self._pending) if self._pending else 0
         pending = [f"{self._owners[j].name}[{self.ranks[j]}]" for j in sorted(self._pending)]
+        for j in self._pending:  # (closing does not wait on their workers again: see shutdown_groups)
+            self._owners[j].cluster.unresponsive.add(self._owners[j].infos[self.ranks[j]].address)
         raise self._owners[i]._timeout_error(self.ranks[i], self.method, timeout, pending) from None
 
     def wait(self, timeout: float | None = None) -> GroupResult:
@@ -409,12 +414,18 @@ class Group:
     def ranks(self) -> list[int]:
         return list(self._ranks)
 
-    def shutdown(self) -> None:
-        """Release the actors (their workers stay); the slots can host a new launch."""
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Release the actors (their workers stay); the slots can host a new launch. A rank that does not answer
+        within ``timeout_s`` (a hung or stopped worker) is left to its worker's end."""
+        shutdown_groups([self], timeout_s)
+
+    def _start_shutdown(self) -> GroupResult | None:
+        """Ask every rank to free its component (see :func:`shutdown_groups`); ``None`` if shut down already."""
         if self._closed:
-            return
-        with contextlib.suppress(RemoteError):  # a lost worker has nothing left to free
-            self._raw("destroy_groups", (), {}, list(range(len(self.infos)))).result(30)
+            return None
+        return self._raw("destroy_groups", (), {}, list(range(len(self.infos))))
+
+    def _finish_shutdown(self) -> None:
         for info in self.infos:
             self.cluster.unregister_component(f"{self.name}[{info.rank}]")
         self._route.close()
@@ -467,6 +478,26 @@ def _refuse_shadowed_methods(component_cls: type, name: str) -> None:
 # the backend of a group with NCCL for GPU tensors and gloo for CPU ones (FSDP2's CPU offload reduces its
 # gradients' norm on CPU)
 BOTH = "cpu:gloo,cuda:nccl"
+
+
+def shutdown_groups(groups: Sequence[Group], timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    """Shut ``groups`` down together within one deadline of ``timeout_s`` seconds in all (a bound, not a sum
+    over groups): every rank is asked at once, and a rank that does not answer in time (its worker hung,
+    stopped or lost) is left to its worker's end; nothing is raised."""
+    deadline = time.monotonic() + timeout_s
+    started = []
+    for g in groups:
+        with contextlib.suppress(RemoteError, OSError):  # a lost worker has nothing left to free
+            started.append((g, g._start_shutdown()))
+    for g, pending in started:
+        if pending is None:  # shut down already
+            continue
+        # a worker that let a call time out is not waited for again (hung or stopped): asked, not awaited
+        hung = any(info.address in g.cluster.unresponsive for info in g.infos)
+        wait_s = 0.0 if hung else max(0.0, deadline - time.monotonic())
+        with contextlib.suppress(RemoteError):
+            pending.result(wait_s)
+        g._finish_shutdown()
 
 
 def _backend_for(groups: Sequence[Group], backend: str) -> str:
