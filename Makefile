@@ -7,10 +7,19 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 
-.PHONY: setup setup-vllm demo test test-fast test-python notebooks lint docs format bench clean gpu-site gpu-check \
-	gpu-bench gpu-wheels
+.PHONY: setup setup-vllm setup-system demo test test-fast test-python notebooks lint docs format bench clean gpu-site \
+	gpu-check gpu-bench gpu-wheels
 
 setup: $(VENV)/.installed
+
+# what the tests need from the system: Debian's chromium for the real-browser tests. Installed with apt where this
+# runs as root (CI, a fresh machine); elsewhere it says what is missing, and those tests skip with that reason.
+setup-system:
+	@if command -v chromium >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+			|| echo "note: chromium could not be installed; the browser tests will skip"; \
+	else echo "note: no chromium (as root: apt-get install chromium); the browser tests will skip"; fi
 
 # on a machine with an NVIDIA GPU, the GPU extras too, so their tests run instead of skipping
 GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo ",cuda,vllm,maniskill")
@@ -41,7 +50,7 @@ demo: setup
 	$(BIN)/rlnb run recipes/ppo_cartpole.yaml
 
 # the tests, then the notebooks under nbmake, then the docs build, which renders the executed notebooks
-test: setup lint $(if $(GPU_EXTRAS),,setup-vllm)
+test: setup setup-system lint $(if $(GPU_EXTRAS),,setup-vllm)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 	$(MAKE) notebooks
 	$(MAKE) docs
