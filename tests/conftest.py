@@ -49,11 +49,18 @@ SLOW_TESTS = {
 }
 
 
+# the modules that take longest as a whole go first: run side by side (make test: pytest-xdist, whole modules to a
+# process), the suite's end then waits on no one of them alone
+FIRST = ("test_vllm", "test_browser", "test_lm_modes", "test_precision")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
         if module in SLOW_MODULES or item.originalname in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+    order = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: order.get(item.module.__name__.rsplit(".", 1)[-1], len(FIRST)))  # (stable)
 
 
 def has_cuda() -> bool:

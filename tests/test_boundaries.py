@@ -175,6 +175,7 @@ def test_env_state_restores_data_only_never_methods():
     assert callable(b.step)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (DCP in one process, as the test wants)
 def test_dcp_files_are_private_and_an_index_pointing_out_of_its_directory_is_refused(tmp_path):
     """A DCP index can name its shards' files: ``../../x`` was read on resume."""
     import pickle
@@ -199,6 +200,7 @@ def test_dcp_files_are_private_and_an_index_pointing_out_of_its_directory_is_ref
         SafeReader(str(tmp_path / "dcp")).read_metadata()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_failed_dcp_read_is_an_error_a_resume_can_fall_back_from(tmp_path):
     """torch's CheckpointException is a BaseException: caught by nothing, it killed the actor workers, and
     resume_fallback never fell back."""

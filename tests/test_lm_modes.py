@@ -180,7 +180,7 @@ def test_a_multi_turn_run_answers_again_after_a_wrong_answer_and_trains_on_the_m
 @pytest.mark.parametrize(
     "recipe, overrides, message",
     [
-        ("grpo_arith", ["rollout.max_turns=0"], "rollout.max_turns: expected an integer in [1, 1000]"),
+        ("grpo_arith", ["rollout.max_turns=0"], r"rollout.max_turns: expected an integer in \[1, 1000\]"),
         ("grpo_arith", ["rollout.max_turns=2"], "rollout.interaction: with rollout.max_turns=2 something must"),
         ("grpo_arith", ["rollout.interaction=arithmetic_retry"], "rollout.interaction: it answers between"),
         ("grpo_arith", ["rollout.max_turns=2", "rollout.interaction=arithmetic_retyr"],

@@ -334,17 +334,20 @@ class PolicyRollout(RolloutBase):
         rewards[out["final_idx"]] += self.gamma * v
         return seconds
 
-    def _finish(self, traj: _Trajectory, last_obs: list, source: str = "the env") -> tuple[dict, float]:
-        """The batch (``self.batch``) and its summary, and the seconds of the last values' forward. Observations
-        holding NaN or inf (``source``'s: an env's overflow) are refused here, before anything trains on them."""
-        batch = traj.batch()
-        obs = batch["obs"]
+    def _check_batch_obs(self, source: str) -> None:
+        """Refuse a collected batch whose observations hold NaN or inf (``source``'s: an env's overflow), before
+        anything trains on them."""
+        obs = self.batch["obs"]
         if obs.is_floating_point() and not bool(torch.isfinite(obs).all()):
             t, i = (int(x) for x in torch.nonzero(~torch.isfinite(obs))[0][:2])
             raise ValueError(
                 f"env.id {source!r}: observations hold NaN or infinite values (first at step {t} of this rollout, "
                 f"env {i}; a value beyond float32's range overflows to inf)"
             )
+
+    def _finish(self, traj: _Trajectory, last_obs: list) -> tuple[dict, float]:
+        """The batch (``self.batch``) and its summary, and the seconds of the last values' forward."""
+        batch = traj.batch()
         t0 = time.perf_counter()
         values = [self._values(o) for o in last_obs]
         batch["last_values"] = values[0] if len(values) == 1 else torch.cat(values)
@@ -406,7 +409,8 @@ class PolicyRollout(RolloutBase):
                         out = env_step(s, env_actions(actions))
                         inference_s += record(traj, s, t, out)
                         obs[s] = out["obs"]
-            summary, last_values_s = self._finish(traj, obs, env_obj.label)
+            summary, last_values_s = self._finish(traj, obs)
+            self._check_batch_obs(env_obj.label)
         # the work, timed where it ran; the rest of the call is the loop's overhead
         summary.update(env_s=env_obj.pop_sim_s(), inference_s=inference_s + last_values_s)
         return summary
@@ -489,7 +493,9 @@ class PolicyRollout(RolloutBase):
             out = obs_channel.get(key=k)
             self._record_step(traj, i, steps - 1, out)
             self.stage_obs[k] = out["obs"]
-        return self._finish(traj, [self.stage_obs[k] for k in keys])[0]
+        summary = self._finish(traj, [self.stage_obs[k] for k in keys])[0]
+        self._check_batch_obs(f"env ranks {', '.join(keys)}")
+        return summary
 
     # ------------------------------------------------------------------ batch hand-off
     @staticmethod
