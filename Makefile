@@ -56,7 +56,7 @@ demo: setup
 
 # the tests, then the notebooks under nbmake, then the docs build, which renders the executed notebooks
 test: setup setup-system lint $(if $(GPU_EXTRAS),,setup-vllm)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 	$(MAKE) notebooks
 	$(MAKE) docs
 
@@ -69,7 +69,7 @@ notebooks: setup
 
 # day-to-day: the tests but the slow ones (notebooks, the browser, long training runs, compiling), a few minutes
 test-fast: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
 # the quick subset on another Python: make test-python PY=python3.12 (or a path; pyenv's work). Its own
 # .venv-<name>, with PyPI's torch for that Python (the CUDA build: it runs on CPUs too)

@@ -32,7 +32,7 @@ import torch
 from _scaled import best_seconds, scaled_models
 
 from rlnb.components.lm import HFRollout
-from rlnb.gpu_check_scale import tokens_per_s
+from rlnb.gpu_check.scale import tokens_per_s
 from rlnb.models.lm import DTYPES
 
 # the components set their own thread count (one a slot); the benches keep the process's, as the peaks use

@@ -112,7 +112,7 @@ def _run(args) -> int:
         prestarted = (
             structure is not None
             and structure.cluster.address is None
-            and _prestart_embedded_workers(structure.loop == "grpo")
+            and _prestart_embedded_workers(structure.family == "grpo")
         )
     try:
         recipe = load_recipe(args.recipe, overrides)  # every config error reported here, before any work
@@ -237,7 +237,7 @@ def _export(args) -> int:
     recipe_file = Path(args.run_dir) / "recipe.yaml"
     if not recipe_file.is_file():
         raise ConfigError(f"RUN_DIR: {args.run_dir} is not a run directory (no recipe.yaml)", "RUN_DIR")
-    embodied = load_recipe(recipe_file).loop == "embodied"
+    embodied = load_recipe(recipe_file).family == "ppo"
     if args.out is not None:  # refused before anything is read or started
         try:
             check_export_target(args.out, "file" if embodied else "directory", is_ours=is_policy_file)

@@ -341,8 +341,8 @@ def test_async_grpo_built_from_objects(cluster, tmp_path):
                 "rollout/weight_swaps" not in records_[-1]
             )  # (no partial rollouts: weights between batches)
             assert loop.rollout_status() == {
-                "max_staleness": max_staleness, "actor_version": 6, "rollout_version": loop._rollout_version,
-                "in_flight": False,
+                "max_staleness": max_staleness, "actor_version": 6, "rollout_version": loop.schedule.rollout_version,
+                "in_flight": False, "next_batch_staleness": 6 - loop.schedule.rollout_version,
             }  # fmt: skip
     with pytest.raises(ConfigError, match="rollout.chunk_tokens: vllm generates whole completions"):
         load_recipe(

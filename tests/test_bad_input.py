@@ -195,12 +195,12 @@ def test_an_env_the_recipe_cannot_run_is_refused_before_a_cluster_starts(
 ):
     """One env of the recipe is built, reset and stepped on the driver first: an ``env.kwargs`` value of the wrong
     type, or observations the built-in policy cannot take, are refused before any cluster or worker starts."""
-    import rlnb.loop.base
+    import rlnb.loop.session
 
     def no_cluster(*args, **kwargs):
         raise AssertionError("a cluster was started")
 
-    monkeypatch.setattr(rlnb.loop.base, "Cluster", no_cluster)
+    monkeypatch.setattr(rlnb.loop.session, "Cluster", no_cluster)
     with pytest.raises(ConfigError, match=expected):
         Loop.from_recipe("ppo_cartpole", overrides, run_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()

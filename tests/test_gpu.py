@@ -103,7 +103,7 @@ def test_a_simulator_on_the_gpu_keeps_its_observations_there():
 @requires_gpu
 def test_fsdp2_cpu_offload_trains_grpo_on_one_gpu(tmp_path):
     """actor.offload=params (FSDP2's CPU offload, gloo beside NCCL for the gradients' norm) on one GPU trains."""
-    from rlnb.gpu_check_scale import check_lm_offload_cuda
+    from rlnb.gpu_check.scale import check_lm_offload_cuda
 
     out = check_lm_offload_cuda(tmp_path, steps=3)
     assert out["finite_params"] and out["steps_params"] == 3

@@ -43,7 +43,7 @@ def test_grpo_with_more_actor_than_rollout_ranks_splits_whole_groups(cluster, tm
                  "cluster.component_placement={actor: 0-1, 'rollout,reward': 1}"]  # fmt: skip
     with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
         record = loop.step_once()
-        intake = loop._hand_batches()  # the same batch again: what each actor rank receives
+        intake = loop.paths.hand_batches()  # the same batch again: what each actor rank receives
     assert "train/loss" in record
     assert [i["sequences"] for i in intake] == [64, 64]  # 16 prompts x 8 completions, whole groups per rank
 

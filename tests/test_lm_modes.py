@@ -7,7 +7,7 @@ import pytest
 
 import rlnb
 from rlnb.loop import GRPOLoop
-from rlnb.loop.grpo_data import turn_demonstrations
+from rlnb.loop.families.grpo.data import turn_demonstrations
 from tests.conftest import last_answer
 from tests.test_lm import GRPO_SMALL
 from tests.test_rewards import SCORING_PATH_IDS, SCORING_PATHS, _group_or_none

@@ -250,7 +250,7 @@ def test_a_step_on_one_slot_is_one_chain_that_trains_as_the_phases_do(cluster, t
     calling the phases one by one, and the phase times still add up to the step's."""
     overrides = ["runner.tensorboard=false", "runner.eval_interval=0"]
     with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path / "a") as loop:
-        assert loop._one_round_trip()
+        assert loop.schedule.one_round_trip(loop)
         chained = loop.run(3, progress=False)
         assert loop.steps_ahead == 2  # steps 2 and 3 ran on the worker ahead of the driver's request
     with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path / "b") as loop:
@@ -289,7 +289,7 @@ def test_a_failure_inside_the_chain_stops_it_before_the_update(cluster, tmp_path
         steps_per_rollout=8,
         update_epochs=1,
     ) as loop:
-        assert loop._one_round_trip()
+        assert loop.schedule.one_round_trip(loop)
         with pytest.raises(rlnb.RemoteError, match="the simulator crashed") as e:
             loop.run(progress=False)
         assert (e.value.component, e.value.method) == ("rollout", "collect")
@@ -303,7 +303,7 @@ def test_a_run_ahead_stops_where_the_driver_would_and_leaves_the_workers_in_step
     blocks taken with one request each, and stops at the very step it stops at without: the worker checks
     runner.stop_return on each step's episodes before going on. An error between two steps (here a listener of
     the metrics) still takes the steps run ahead, so that the loop's step count and the actor's agree."""
-    import rlnb.loop.chained as chained
+    import rlnb.loop.schedules.chained as chained
 
     requests = []
     take = chained.take_run_ahead
@@ -342,7 +342,7 @@ def test_a_run_ahead_stops_where_the_driver_would_and_leaves_the_workers_in_step
             loop.run(progress=False)
         taken = loop.step  # step 4 at least: it ran ahead of step 3's end, with those of its block
         assert taken >= 4 and loop.groups["actor"].steps_taken().result() == [taken]
-        assert [r["step"] for r in loop.history] == list(range(1, taken + 1)) and not loop._taken
+        assert [r["step"] for r in loop.history] == list(range(1, taken + 1)) and not loop.schedule.taken
 
 
 class HeadResettingActor(StepShowingActor):

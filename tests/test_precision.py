@@ -105,7 +105,7 @@ def test_bf16_grpo_learns_on_workers_and_logs_memory(tmp_path):
     """``make gpu-check``'s ``lm_bf16_cuda`` on CPU: the recipe's GRPO with ``actor.dtype=bfloat16`` on a worker
     lifts held-out accuracy by 0.1 over the warm start in 60 steps (0.55 -> 0.81 here), the rollout's model
     in bf16 and ``memory/actor_state_bytes`` logged."""
-    from rlnb.gpu_check_scale import check_lm_bf16_cuda
+    from rlnb.gpu_check.scale import check_lm_bf16_cuda
 
     out = check_lm_bf16_cuda(tmp_path, device="cpu", steps=60, lift=0.1)
     assert out["rollout_model_dtype"] == "bfloat16" and out["actor_state_bytes"] > 0
@@ -114,21 +114,21 @@ def test_bf16_grpo_learns_on_workers_and_logs_memory(tmp_path):
 def test_command_line_cluster_check_runs_ppo_and_grpo(tmp_path):
     """``make gpu-check``'s ``remote_dask_cuda_scheduler`` with ``dask worker`` on CPU: the scheduler and worker
     from the command line (``python -m dask`` where no script is installed), a PPO and a GRPO run by address."""
-    from rlnb.gpu_check_scale import check_remote_dask_cuda_scheduler
+    from rlnb.gpu_check.scale import check_remote_dask_cuda_scheduler
 
     out = check_remote_dask_cuda_scheduler(tmp_path, device="cpu")
     assert out["slots"] == ["cpu"] and out["ppo"]["steps"] == 20 and out["grpo"]["steps"] == 10
 
 
 def test_static_cache_check_runs_on_cpu(tmp_path):
-    from rlnb.gpu_check_scale import check_static_cache_decode_cuda
+    from rlnb.gpu_check.scale import check_static_cache_decode_cuda
 
     out = check_static_cache_decode_cuda(tmp_path, device="cpu", hidden=64, layers=2)
     assert out["same_rows"] == "16/16" and out["tokens_per_s_static_bf16"] > 0
 
 
 def test_lora_bf16_check_runs_on_cpu(tmp_path):
-    from rlnb.gpu_check_scale import check_lora_bf16_cuda
+    from rlnb.gpu_check.scale import check_lora_bf16_cuda
 
     out = check_lora_bf16_cuda(tmp_path, device="cpu", steps=3)
     assert out["steps"] == 3 and out["rollout_model_dtype"] == "bfloat16"
@@ -138,7 +138,7 @@ def test_lora_bf16_check_runs_on_cpu(tmp_path):
 def test_compiled_update_check_runs_on_cpu(tmp_path):
     """``make gpu-check``'s ``lm_compile_cuda`` on CPU at a small size: both runs train and the update compiles
     (the GPU's speed-up is measured there)."""
-    from rlnb.gpu_check_scale import check_lm_compile_cuda
+    from rlnb.gpu_check.scale import check_lm_compile_cuda
 
     out = check_lm_compile_cuda(tmp_path, device="cpu", hidden=64, layers=2, steps=3)
     assert out["compiled"] == "the objective" and out["compile_s"] > 0 and out["speedup"] > 0

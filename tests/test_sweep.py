@@ -58,7 +58,7 @@ SWEEP = {
     "actor.gradient_checkpointing": (GRPO, []),
     "actor.offload": (GRPO, ["actor.strategy=fsdp2"]),
     "rollout.backend": (None, []),  # policy -> PPO, hf and vllm -> GRPO
-    "loop": (None, []),  # embodied and auto -> PPO, grpo -> GRPO
+    "family": (None, []),  # ppo and auto -> PPO, grpo -> GRPO
     "rollout.device": (PPO, []),
     "rollout.weight_sync": (PPO, ["cluster.component_placement={'env,rollout': 0, actor: 1}"]),
     "env.vector_mode": (PPO, []),
@@ -89,7 +89,7 @@ REFUSED = {
     *(("rollout.vllm.dtype", d) for d in ("float32", "bfloat16", "float16")),
     ("rollout.vllm.enforce_eager", False),
 }
-GRPO_CHOICES = {"hf", "vllm", "grpo"}  # of rollout.backend and loop, the choices the GRPO recipe runs
+GRPO_CHOICES = {"hf", "vllm", "grpo"}  # of rollout.backend and family, the choices the GRPO recipe runs
 
 
 def choice_keys(cls=Recipe, prefix="") -> dict[str, list]:

@@ -215,6 +215,8 @@ def math_reward(completion: str, answer: str) -> float:
     gold_text = extract_answer(answer) if ("\\boxed" in answer or "####" in answer) else answer
     if gold_text is None or max(len(pred), len(gold_text)) > MATH_MAX_ANSWER_CHARS:
         return 0.0
+    import math_verify  # noqa: F401  (imported here, not inside the deadline: seconds of sympy on a loaded machine)
+
     result: list[float] = []
     worker = threading.Thread(target=lambda: result.append(_math_equal(gold_text, pred)), daemon=True)
     worker.start()

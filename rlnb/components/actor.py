@@ -13,237 +13,26 @@ Example (in-process; ``PPOActor.launch(cluster, "1", ...)`` places the same on a
 from __future__ import annotations
 
 import copy
-import dataclasses
-import inspect
 import math
 import time
 
 import torch
 
-from rlnb.algorithms.contract import EMBODIED, check_algorithm
+from rlnb.algorithms.contract import check_algorithm
 from rlnb.algorithms.losses import entropy_bonus, value_loss
+from rlnb.components.actor_base import ActorBase, with_settings
 from rlnb.components.batches import EMBODIED_BATCH, check_batch
 from rlnb.components.compile import StepCompiler
 from rlnb.components.fused import FusedPPOStep, fused_ppo_step, same_walk, walk
 from rlnb.components.launch import launcher
-from rlnb.components.optim import ClipAndStep, build_optimizer, without_dynamo_import
+from rlnb.components.optim import ClipAndStep, build_optimizer
 from rlnb.components.rollout import resolve_device
-from rlnb.config.schema import ActorConfig, AlgorithmConfig
-from rlnb.errors import ConfigError, did_you_mean
-from rlnb.files import nonfinite
+from rlnb.components.strategy import Strategy
+from rlnb.config.schema import ActorConfig
+from rlnb.errors import ConfigError
 from rlnb.models.policies import make_policy
-from rlnb.runtime.collective import broadcast_state_dict
-from rlnb.runtime.rank import NonFiniteState, RankInfo, current_rank, local_peer, process_group
+from rlnb.runtime.rank import RankInfo, current_rank
 from rlnb.seeding import rank_seed
-
-
-def constructor_parameters(cls) -> set[str]:
-    """The named arguments ``cls(...)`` takes, through subclasses' ``__init__(self, *args, **kwargs)`` that
-    pass them on to a base class's ``__init__``."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None or klass is object:
-            continue
-        params = inspect.signature(init).parameters.values()
-        names |= {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self"}
-        if not any(p.kind is p.VAR_KEYWORD for p in params):  # passes no further names on
-            break
-    return names
-
-
-def with_settings(actor: ActorConfig, algorithm: AlgorithmConfig, settings: dict, owner: str):
-    """``actor`` and ``algorithm`` with ``settings`` (field names of either) applied; unknown names refused."""
-    actor_fields = {f.name for f in dataclasses.fields(ActorConfig)}
-    algo_fields = {f.name for f in dataclasses.fields(AlgorithmConfig)}
-    for name in settings:
-        if name not in actor_fields | algo_fields:
-            raise ConfigError(
-                f"{owner}: unknown setting {name!r}; settings are fields of ActorConfig or AlgorithmConfig."
-                + did_you_mean(name, actor_fields | algo_fields),
-                name,
-            )
-    actor = dataclasses.replace(actor, **{k: v for k, v in settings.items() if k in actor_fields})
-    algorithm = dataclasses.replace(algorithm, **{k: v for k, v in settings.items() if k in algo_fields})
-    return actor, algorithm
-
-
-class ActorBase:
-    """What every actor component shares: data-parallel set-up, weight publishing, batch intake.
-
-    A subclass has ``self.policy`` (the trained module), ``self.model`` (what its train step calls),
-    ``self.device``, ``self.cfg`` (an :class:`ActorConfig`), ``world_size``, ``optimizer``,
-    ``generator``, ``step``, and implements ``policy_state()`` and ``set_batch(batches)``.
-    """
-
-    CONTRACT = EMBODIED  # what this actor offers the algorithm registries
-    DEFAULT_ALGORITHM: dict = {}  # AlgorithmConfig fields that differ for this actor when none is given
-    DEFAULT_ACTOR: dict = {}  # ActorConfig fields likewise
-    # DDP sends rank 0's buffers (e.g. normalisation statistics) to every rank at each forward: one
-    # collective per call, so every rank must call the model as many times a step
-    DDP_BROADCAST_BUFFERS = True
-
-    @classmethod
-    def algorithm_config(cls, algorithm) -> AlgorithmConfig:
-        """``algorithm`` (an :class:`AlgorithmConfig`, a dict or ``None``) as a config, with this actor's defaults."""
-        if isinstance(algorithm, AlgorithmConfig):
-            return algorithm
-        return AlgorithmConfig(**{**cls.DEFAULT_ALGORITHM, **(algorithm or {})})
-
-    @classmethod
-    def actor_config(cls, actor) -> ActorConfig:
-        """``actor`` (an :class:`ActorConfig`, a dict or ``None``) as a config, with this actor's defaults."""
-        if isinstance(actor, ActorConfig):
-            return actor
-        return ActorConfig(**{**cls.DEFAULT_ACTOR, **(actor or {})})
-
-    @classmethod
-    def prepare_launch(cls, kwargs: dict) -> dict:
-        """On the driver, before launch: resolve the advantage and policy loss into registry entries,
-        which travel by value (so ones registered in a notebook cell reach the workers), and refuse a
-        combination this actor cannot serve before anything starts."""
-        kwargs = dict(kwargs)
-        algorithm = cls.algorithm_config(kwargs.get("algorithm"))
-        params = constructor_parameters(cls)
-        settings = {k: v for k, v in kwargs.items() if k not in params}
-        with_settings(ActorConfig(), algorithm, settings, "actor")  # unknown names refused here
-        advantage = kwargs.pop("advantage_fn", None) or kwargs.get("advantage") or algorithm.advantage
-        loss = kwargs.pop("loss_fn", None) or kwargs.get("policy_loss") or algorithm.policy_loss
-        kwargs["advantage"], kwargs["policy_loss"] = check_algorithm(cls.CONTRACT, advantage, loss)
-        return kwargs
-
-    def setup_data_parallel(self) -> str:
-        """Wrap the policy in DDP over the default process group (call after ``init_process_group``)."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        from rlnb.runtime.rank import process_group
-
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        # torch 2.13 renamed broadcast_buffers (buffers from rank 0 at each forward) forward_sync_buffers
-        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-        buffers = {"forward_sync_buffers" if renamed else "broadcast_buffers": self.DDP_BROADCAST_BUFFERS}
-        self.model = DistributedDataParallel(
-            self.policy, device_ids=ids, process_group=process_group("default"), **buffers
-        )
-        return "ddp"
-
-    def describe(self) -> dict:
-        """The settings a loop reads from its actor (algorithm choices and coefficients)."""
-        return {
-            "advantage": self.advantage.name,
-            "policy_loss": self.loss.name,
-            "algorithm": dataclasses.asdict(self.algo),
-            "actor": self.cfg,
-        }
-
-    def parameter_counts(self) -> dict:
-        """The policy's ``parameters`` and, of them, the ``trainable`` ones (LoRA: the adapters), whole-model
-        counts on every rank, sharded or not.
-
-        Example:
-            >>> actor.parameter_counts()  # doctest: +SKIP
-            {'parameters': 4218432, 'trainable': 4218432}
-        """
-        params = list(self.policy.parameters())
-        return {
-            "parameters": sum(p.numel() for p in params),
-            "trainable": sum(p.numel() for p in params if p.requires_grad),
-        }
-
-    def compile_stats(self) -> dict:
-        """Whether this rank's train step runs compiled (``actor.compile``), its compile time, why it fell
-        back to eager if it did, and dynamo's counters in this process."""
-        compiler = getattr(self, "step_compiler", None)
-        return (
-            compiler.stats()
-            if compiler is not None
-            else {"compiled": False, "compile_s": None, "fallback": None}
-        )
-
-    def set_hyperparameters(self, **values: float) -> dict:
-        """Change ``lr`` (the optimizer's now, and the base of its annealing), ``ent_coef`` or ``clip_coef``
-        between steps; the loop checks the values first. Returns the values now in force."""
-        for key, value in values.items():
-            if key == "lr":
-                self.cfg = dataclasses.replace(self.cfg, lr=value)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = value
-            else:
-                self.algo = dataclasses.replace(self.algo, **{key: value})
-        return {
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "ent_coef": self.algo.ent_coef,
-            "clip_coef": self.algo.clip_coef,
-        }
-
-    def set_total_steps(self, total_steps: int) -> int:
-        """The run's length in training steps, for schedules such as ``anneal_lr`` (a loop sets it)."""
-        self.total_steps = max(1, int(total_steps))
-        return self.total_steps
-
-    def publish_weights(self, channel, keys: list[str], version: int) -> int:
-        """Disaggregated weight sync: put the weights once per rollout rank key (worker to worker)."""
-        state = self.policy_state()
-        for k in keys:
-            channel.put({"state": state, "version": version}, key=k)
-        return version
-
-    def broadcast_weights(self, version: int, group: str) -> int:
-        """Collective weight sync: send this rank's weights, as rank 0 of process group ``group``, to the
-        rollout ranks in it (each calls :meth:`RolloutBase.receive_weights` at the same time)."""
-        broadcast_state_dict(self.policy.state_dict(), 0, process_group(group))
-        return version
-
-    def take_local_batches(self, rollout: str, ranks: list[int]) -> dict:
-        """Collocated hand-off: the batches of rollout ranks in this process, no copy."""
-        return self.set_batch([local_peer(rollout, r).take_batch() for r in ranks])
-
-    def take_channel_batches(self, channel, keys: list[str]) -> dict:
-        """Disaggregated hand-off: one batch per key from a channel."""
-        return self.set_batch([channel.get(key=k) for k in keys])
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict:
-        """Weights, optimizer, both RNGs and the step: what an exact resume needs."""
-        with without_dynamo_import():  # a first checkpoint need not import it (~1 s)
-            optimizer = self.optimizer.state_dict()
-        return {"policy": self.policy.state_dict(), "optimizer": optimizer, **self._rest_state()}
-
-    def _rest_state(self) -> dict:
-        """What :meth:`state_dict` holds besides the weights and the optimizer (:meth:`_load_rest` restores it):
-        RNGs and the step. A sharded actor writes the weights and optimizer through DCP and this apart."""
-        return {
-            "generator": self.generator.get_state(),
-            "torch_rng": torch.get_rng_state(),
-            "step": self.step,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        bad = nonfinite(state["policy"], "policy")
-        if (
-            bad is not None
-        ):  # a diverged or damaged checkpoint: refused, not evaluated, trained on or exported
-            raise NonFiniteState(f"{bad} holds NaN or inf values")
-        self.policy.load_state_dict(state["policy"])
-        with without_dynamo_import():
-            self.optimizer.load_state_dict(state["optimizer"])
-        self._load_rest(state)
-
-    def _load_rest(self, state: dict) -> None:
-        """What :meth:`load_state_dict` restores besides the weights and the optimizer: RNGs and the step."""
-        self.generator.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
-        self.step = state["step"]
-
-    def _mean_over_ranks(self, value: float) -> float:
-        if self.world_size == 1:
-            return value
-        from rlnb.runtime.collective import all_reduce_
-        from rlnb.runtime.rank import process_group
-
-        return float(
-            all_reduce_(torch.tensor([value], device=self.device), process_group("default"), average=True)
-        )
 
 
 class PPOActor(ActorBase):
@@ -296,6 +85,7 @@ class PPOActor(ActorBase):
         self.name = rank_info.component if rank_info else "actor"
         self.seed = seed
         self.device = resolve_device(self.cfg.device, rank_info)
+        self.strategy = Strategy(self.cfg, self.device, self.rank, self.world_size)
         self.policy_spec = self.cfg.model if policy is None else policy
         self.generator = torch.Generator().manual_seed(rank_seed(seed, self.rank, "actor"))
         self.total_steps = max(1, total_steps)

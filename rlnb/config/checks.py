@@ -9,15 +9,18 @@ from dataclasses import dataclass
 
 from rlnb.errors import did_you_mean
 
-LM_BACKENDS = ("hf", "vllm")  # rollout.backend values of the LM loop
+LM_BACKENDS = ("hf", "vllm")  # rollout.backend values of the GRPO family
 # LM backends that generate whole completions: asynchronous mode sends them weights between batches
 WHOLE_COMPLETION_BACKENDS = ("vllm",)
 SFT_TURN_FIELDS = ("expression", "answer", "a", "op", "b")  # data.sft_turns' names for arithmetic problems
 
 
-def infer_loop(backend: str) -> str:
-    """The loop a recipe with no ``loop:`` runs, from its ``rollout.backend``."""
-    return "grpo" if backend in LM_BACKENDS else "embodied"
+def infer_family(backend: str) -> str:
+    """The family a recipe with no ``family:`` runs, from its ``rollout.backend``."""
+    return "grpo" if backend in LM_BACKENDS else "ppo"
+
+
+OLD_LOOPS = {"embodied": "ppo", "grpo": "grpo", "auto": "auto"}  # ``loop:`` of recipes before families
 
 
 def need(errs: list[str], ok, key: str, expected: str, given) -> None:

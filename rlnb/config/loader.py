@@ -26,13 +26,13 @@ from typing import Any, Literal
 
 import yaml
 
-from rlnb.config.checks import infer_loop
+from rlnb.config.checks import OLD_LOOPS, infer_family
 from rlnb.config.schema import Recipe
 from rlnb.errors import ConfigError, did_you_mean
 from rlnb.files import UnsafePathError, read_text_regular
 
 log = logging.getLogger("rlnb")
-_SAID_LOOP: set[str] = set()  # recipe files whose loop was inferred, said once a process
+_SAID_FAMILY: set[str] = set()  # recipe files whose family was inferred, said once a process
 
 
 MAX_MAGNITUDE = 1e15  # the largest number a recipe's float field takes (either sign)
@@ -267,6 +267,9 @@ def to_yaml(obj) -> str:
 
 # ---------------------------------------------------------------------------- overrides
 def _set_dotted(tree: dict, dotted: str, value, errors: list[str]) -> None:
+    if dotted == "loop":  # (the key before families: read as the family it names, see _old_loop_key)
+        tree["loop"] = value
+        return
     parts = dotted.split(".")
     node, cls = tree, Recipe
     for i, part in enumerate(parts):
@@ -400,14 +403,17 @@ def load_recipe(
     items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
     for key, value in items:
         _set_dotted(tree, key, value, errors)
+    _old_loop_key(tree, errors)
     recipe = _build(Recipe, tree, "", errors)
-    if recipe.loop == "auto":  # a recipe that does not say which loop runs it: inferred once, and said once
-        recipe.loop = infer_loop(recipe.rollout.backend)
-        if path is not None and source not in _SAID_LOOP:
-            _SAID_LOOP.add(source)
+    if (
+        recipe.family == "auto"
+    ):  # a recipe that does not say which family runs it: inferred once, and said once
+        recipe.family = infer_family(recipe.rollout.backend)
+        if path is not None and source not in _SAID_FAMILY:
+            _SAID_FAMILY.add(source)
             log.warning(
-                "%s names no loop; rollout.backend=%s runs loop: %s (add `loop: %s` to the recipe to say so)",
-                source, recipe.rollout.backend, recipe.loop, recipe.loop,
+                "%s names no family; rollout.backend=%s runs family: %s (add `family: %s` to the recipe to say so)",
+                source, recipe.rollout.backend, recipe.family, recipe.family,
             )  # fmt: skip
     if check:
         try:
@@ -421,88 +427,21 @@ def load_recipe(
     return recipe
 
 
+def _old_loop_key(tree: dict, errors: list[str]) -> None:
+    """``loop: embodied`` / ``loop: grpo`` (recipes and run directories from before families): the family it names,
+    unless the recipe names one itself."""
+    if "loop" not in tree:
+        return
+    old = tree.pop("loop")
+    if old not in OLD_LOOPS:
+        errors.append(
+            f"loop: expected one of {', '.join(map(repr, OLD_LOOPS))} (now family: ppo or grpo), got {_short(old)}"
+        )
+    elif tree.get("family", "auto") == "auto":
+        tree["family"] = OLD_LOOPS[old]
+
+
 def validate(recipe: Recipe) -> list[str]:
     """Range and cross-field checks that need no cluster (each section's beside its dataclass in
     :mod:`rlnb.config.schema`). Returns the list of problems."""
     return recipe.check()
-
-
-def check_env_id(env_id: str) -> str | None:
-    """An error message if ``env_id`` is not a registered gymnasium id (ManiSkill ids are checked on GPU).
-
-    ``module:id`` (gymnasium's form) imports ``module`` first, where the id is registered; workers do the
-    same when they build the env."""
-    if env_id.startswith("maniskill:"):
-        return None
-    import importlib
-
-    import gymnasium as gym
-
-    import rlnb.envs  # noqa: F401  (registers rlnb/ ids)
-
-    if ":" in env_id:
-        module, _, name = env_id.partition(":")
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            return f"env.id: {env_id!r}: module {module!r} does not import ({e})"
-        if name in gym.registry:
-            return None
-        return f"env.id: {env_id!r}: {module} registers no gymnasium environment {name!r}.{did_you_mean(name, list(gym.registry))}"
-    if env_id in gym.registry:
-        return None
-    return f"env.id: {env_id!r} is not a registered gymnasium environment.{did_you_mean(env_id, list(gym.registry))}"
-
-
-# what gymnasium.make itself takes beside the env's own arguments
-MAKE_KWARGS = ("max_episode_steps", "disable_env_checker", "render_mode")
-
-
-def check_env_kwargs(env_id: str, kwargs) -> str | None:
-    """An error message if ``env.kwargs`` names an argument the registered env's constructor does not take
-    (checked here, before any worker builds it); ``None`` when it may (or the env takes ``**kwargs``)."""
-    if env_id.startswith("maniskill:") or not kwargs or not isinstance(kwargs, dict):
-        return None
-    import gymnasium as gym
-
-    spec = gym.registry.get(env_id.rpartition(":")[2] if ":" in env_id else env_id)
-    if spec is None:
-        return None
-    creator = spec.entry_point or spec.vector_entry_point
-    try:
-        if isinstance(creator, str):
-            creator = gym.envs.registration.load_env_creator(creator)
-        takes = _takes(creator)
-    except Exception:  # (an entry point that does not import here is reported by the worker building it)
-        return None
-    if takes is None:
-        return None
-    unknown = [k for k in kwargs if k not in takes and k not in MAKE_KWARGS]
-    if not unknown:
-        return None
-    takes = [n for n in takes if n not in MAKE_KWARGS]
-    accepted = ", ".join([*takes, *MAKE_KWARGS])
-    return f"env.kwargs: {env_id} takes no argument {unknown[0]!r} (it takes {accepted})." + did_you_mean(
-        str(unknown[0]), [*takes, *MAKE_KWARGS]
-    )
-
-
-def _takes(creator) -> list[str] | None:
-    """The keyword arguments ``creator`` takes, following ``**kwargs`` of a class's ``__init__`` into the base
-    classes' (``HalfCheetahEnv(**kwargs)`` hands them to ``MujocoEnv``); ``None`` where that ends open."""
-    inits = (
-        [c.__dict__["__init__"] for c in creator.__mro__ if "__init__" in c.__dict__]
-        if isinstance(creator, type)
-        else [creator]
-    )
-    takes: list[str] = []
-    for fn in inits:
-        params = inspect.signature(fn).parameters
-        takes += [
-            n
-            for n, p in params.items()
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "self"
-        ]
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            return list(dict.fromkeys(takes))
-    return None

@@ -97,13 +97,13 @@ class RunnerConfig:
         need(errs, lambda: not (isinstance(self.run_dir, str) and not self.run_dir.strip()), "runner.run_dir",
              "a directory (or empty for runs/<recipe>-<time>)", self.run_dir)  # fmt: skip
         if (
-            recipe.loop == "embodied"
+            recipe.family == "ppo"
             and isinstance(self.completions_interval, int)
             and self.completions_interval
         ):
             errs.append(
                 f"runner.completions_interval: {self.completions_interval} logs an LM's completions; this recipe "
-                "trains a policy on an env (loop: embodied): look at its batches with loop.sample() instead"
+                "trains a policy on an env (family: ppo): look at its batches with loop.sample() instead"
             )
         return errs
 
@@ -195,7 +195,7 @@ class AlgorithmConfig:
                 f"groups with a learning signal; with algorithm.max_staleness={a.max_staleness} (asynchronous) groups "
                 "are trained as they finish. Set one of them off"
             )
-        if a.dynamic_sampling is True and recipe.loop == "embodied":
+        if a.dynamic_sampling is True and recipe.family == "ppo":
             errs.append(
                 "algorithm.dynamic_sampling: it filters an LM's groups of completions; this recipe trains a policy on "
                 "an env"
@@ -214,7 +214,7 @@ class AlgorithmConfig:
             from rlnb.algorithms.contract import EMBODIED, LM, check_algorithm
 
             try:  # a combination the loop cannot serve is refused here, before any worker starts
-                check_algorithm(LM if recipe.loop == "grpo" else EMBODIED, a.advantage, a.policy_loss)
+                check_algorithm(LM if recipe.family == "grpo" else EMBODIED, a.advantage, a.policy_loss)
             except ConfigError as err:
                 errs.append(str(err))
         if (
@@ -226,7 +226,7 @@ class AlgorithmConfig:
                 f"algorithm.group_size: {a.advantage} needs at least 2 samples per prompt, got {a.group_size}"
             )
         prompts = recipe.data.prompts_per_step
-        batch = prompts * a.group_size if recipe.loop == "grpo" and isinstance(prompts, int) else 0
+        batch = prompts * a.group_size if recipe.family == "grpo" and isinstance(prompts, int) else 0
         if (
             batch
             and isinstance(a.num_minibatches, int)
@@ -388,18 +388,18 @@ class ActorConfig:
         """This section's range checks."""
         errs: list[str] = []
         errs += self.lora.errors()
-        if recipe.loop == "embodied" and isinstance(self.lora.rank, int) and self.lora.rank > 0:
+        if recipe.family == "ppo" and isinstance(self.lora.rank, int) and self.lora.rank > 0:
             errs.append(
-                "actor.lora.rank: LoRA adapts an LM actor (loop: grpo); set it to 0 for an embodied policy"
+                "actor.lora.rank: LoRA adapts an LM actor (family: grpo); set it to 0 for an embodied policy"
             )
-        if recipe.loop == "embodied" and self.gradient_checkpointing is True:
+        if recipe.family == "ppo" and self.gradient_checkpointing is True:
             errs.append(
-                "actor.gradient_checkpointing: recomputes an LM's decoder layers (loop: grpo); an embodied policy "
+                "actor.gradient_checkpointing: recomputes an LM's decoder layers (family: grpo); an embodied policy "
                 "has none; set it false"
             )
-        if recipe.loop == "embodied" and self.strategy != "ddp":
+        if recipe.family == "ppo" and self.strategy != "ddp":
             errs.append(
-                f"actor.strategy: {self.strategy} shards an LM actor (loop: grpo); an embodied policy trains with "
+                f"actor.strategy: {self.strategy} shards an LM actor (family: grpo); an embodied policy trains with "
                 "ddp; set actor.strategy=ddp"
             )
         if self.hsdp_replicas != 1 and self.strategy != "fsdp2":
@@ -422,12 +422,12 @@ class ActorConfig:
                 "actor.strategy: fsdp2 gathers the weights on every actor rank, which rollout.weight_sync=broadcast "
                 "(from actor rank 0 alone) cannot; use rollout.weight_sync=channel or auto"
             )
-        if recipe.loop == "embodied" and self.dtype != "float32":  # (an embodied run would ignore it)
+        if recipe.family == "ppo" and self.dtype != "float32":  # (an embodied run would ignore it)
             errs.append(
-                f"actor.dtype: {self.dtype} compute is for LM actors (loop: grpo); an embodied policy trains in "
+                f"actor.dtype: {self.dtype} compute is for LM actors (family: grpo); an embodied policy trains in "
                 "float32; set actor.dtype=float32"
             )
-        if recipe.loop == "grpo":
+        if recipe.family == "grpo":
             errs += self._check_lm()
         return errs
 
@@ -437,7 +437,7 @@ class ActorConfig:
         errs = []
         if self.model_path is None:
             errs.append(
-                "actor.model_path: expected a model directory for the LM loop (loop: grpo), got nothing"
+                "actor.model_path: expected a model directory for the LM loop (family: grpo), got nothing"
             )
         elif (
             not self.build_if_missing
@@ -489,8 +489,8 @@ class EnvConfig:
             err = maniskill_misfit(e.num_envs, e.kwargs)
             if err:
                 errs.append(err)
-        if recipe.loop == "embodied" and isinstance(e.id, str):
-            from rlnb.config.loader import check_env_id, check_env_kwargs
+        if recipe.family == "ppo" and isinstance(e.id, str):
+            from rlnb.config.envs import check_env_id, check_env_kwargs
 
             err = check_env_id(e.id) or check_env_kwargs(e.id, e.kwargs)
             if err:
@@ -502,10 +502,11 @@ class EnvConfig:
 class Recipe:
     """A whole recipe."""
 
-    loop: Literal["auto", "embodied", "grpo"] = "auto"
-    """Which loop runs the recipe: ``embodied`` (:class:`rlnb.Loop`: a policy on environments) or ``grpo``
-    (:class:`rlnb.GRPOLoop`: an LM on prompts). ``auto`` (a recipe that does not say) is inferred once from
-    ``rollout.backend`` when the recipe loads, with a message, and recorded in the run's ``recipe.yaml``."""
+    family: Literal["auto", "ppo", "grpo"] = "auto"
+    """The algorithm family that runs the recipe (:mod:`rlnb.loop.families`): ``ppo`` (:class:`rlnb.Loop`: a policy
+    on environments) or ``grpo`` (:class:`rlnb.GRPOLoop`: an LM on prompts). ``auto`` (a recipe that does not say) is
+    inferred once from ``rollout.backend`` when the recipe loads, with a message, and recorded in the run's
+    ``recipe.yaml``. (Recipes written before families said ``loop: embodied`` or ``loop: grpo``: read as the family.)"""
     seed: int = bounded(1, 0, MAX_SEED, "what derives from it stays within numpy's 32 bits")
     """Seed of every RNG (per-rank seeds derive from it)."""
     name: str = "recipe"
@@ -536,15 +537,15 @@ class Recipe:
                 f"starting with '.'), got {self.name[:80]!r}"
             )
         lm_backend = self.rollout.backend in LM_BACKENDS
-        if self.loop == "grpo" and not lm_backend:
+        if self.family == "grpo" and not lm_backend:
             errs.append(
-                f"rollout.backend: loop: grpo samples an LM (rollout.backend {' or '.join(LM_BACKENDS)}), got "
+                f"rollout.backend: family: grpo samples an LM (rollout.backend {' or '.join(LM_BACKENDS)}), got "
                 f"{self.rollout.backend!r}"
             )
-        elif self.loop == "embodied" and lm_backend:
+        elif self.family == "ppo" and lm_backend:
             errs.append(
-                f"rollout.backend: loop: embodied runs a policy on environments (rollout.backend policy), got "
-                f"{self.rollout.backend!r}; an LM trains with loop: grpo"
+                f"rollout.backend: family: ppo runs a policy on environments (rollout.backend policy), got "
+                f"{self.rollout.backend!r}; an LM trains with family: grpo"
             )
         for section in (self.runner, self.data, self.algorithm, self.actor, self.rollout, self.env, self.reward,
                         self.cluster):  # fmt: skip

@@ -131,7 +131,7 @@ class RolloutConfig:
                 "training on an inference engine"
             )
         if isinstance(ro.max_turns, int) and ro.max_turns >= 2:
-            if recipe.loop == "embodied":
+            if recipe.family == "ppo":
                 errs.append(
                     "rollout.max_turns: turns of an LM's conversation; this recipe trains a policy on an env"
                 )
@@ -176,7 +176,7 @@ class RewardConfig:
         from rlnb.algorithms import REWARDS
 
         errs: list[str] = []
-        if self.model_path is not None and recipe.loop == "grpo":
+        if self.model_path is not None and recipe.family == "grpo":
             from rlnb.models.lm import resolve_model
 
             try:  # before any worker starts: a missing directory, or a hub id not in this machine's cache
@@ -192,7 +192,7 @@ class RewardConfig:
                     f"{key}: unknown {REWARDS.kind} {name!r}; registered: {', '.join(REWARDS.names())}."
                     f"{did_you_mean(name, REWARDS.names())}"
                 )
-        if recipe.loop == "grpo" and all(isinstance(r, str) and r in REWARDS for r in rewards):
+        if recipe.family == "grpo" and all(isinstance(r, str) and r in REWARDS for r in rewards):
             from rlnb.algorithms.contract import check_rewards
             from rlnb.algorithms.rewards import recipe_rewards
 
@@ -259,7 +259,7 @@ class DataConfig:
         need(errs, lambda: 0 <= d.min_operand <= d.max_operand, "data.min_operand",
              f"an integer from 0 to data.max_operand ({d.max_operand})", d.min_operand)  # fmt: skip
         errs += _sft_turns_errors(d, recipe.rollout)
-        if recipe.loop != "grpo":
+        if recipe.family != "grpo":
             return errs
         if d.task == "file" and (d.path is None or not Path(d.path).exists()):
             errs.append(

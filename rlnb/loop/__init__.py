@@ -1,16 +1,18 @@
-"""Loops: the phases of one RL step as public calls, and ``run()`` over them."""
+"""Loops: the phases of one RL step as public calls, and ``run()`` over them (a facade over a session, the data
+paths, a family and a schedule: :mod:`rlnb.loop.base`)."""
 
 from rlnb.loop.base import LoopBase
 from rlnb.loop.checkpoint import CheckpointError, TrainingDivergedError, complete_checkpoints
 from rlnb.loop.embodied import Loop
+from rlnb.loop.families import Family
 from rlnb.loop.grpo import GRPOLoop
 from rlnb.loop.runner import Callback, EvaluateEvery, SaveEvery
 from rlnb.loop.steering import STEERABLE
 
 
 def loop_class(recipe) -> type[LoopBase]:
-    """The loop a recipe runs (its ``loop:``): :class:`GRPOLoop` for ``grpo``, :class:`Loop` for ``embodied``."""
-    return GRPOLoop if recipe.loop == "grpo" else Loop
+    """The loop a recipe runs (its family): :class:`GRPOLoop` for ``grpo``, :class:`Loop` for ``ppo``."""
+    return GRPOLoop if recipe.family == "grpo" else Loop
 
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "Callback",
     "CheckpointError",
     "EvaluateEvery",
+    "Family",
     "GRPOLoop",
     "Loop",
     "LoopBase",

@@ -1,283 +1,123 @@
-"""The loop's core: set-up on a cluster (the recipe path launches components, the objects path adopts them),
-the phases of one step and their metrics, and the subclass hooks. Its collaborators, one module each:
-:mod:`.runner` (``run()`` and its callbacks), :mod:`.checkpoint` (save, resume, recover), :mod:`.steering`
-(hyperparameters between steps, pause, stop), :mod:`.links` (weights and batches between actor and rollout)
-and :mod:`.asynchronous` (rollout running ahead of training).
+"""The loop's facade: the public phases (one per notebook cell), ``run()`` with its callbacks, steering, checkpoints
+and views, over four objects, each with one job:
 
-A loop subclass names its components and implements ``_launch``, ``rollout``, ``advantages``,
-``evaluate`` and ``_log_step``; the phases stay public so a notebook can call one per cell.
+- a :class:`~rlnb.loop.session.Session`: the cluster, the groups and channels, the placement, the run directory and
+  its lock, the logger, the step;
+- the :class:`~rlnb.loop.paths.DataPaths`: how weights and batches move between actor and rollout, chosen once from
+  the placement;
+- a :mod:`family <rlnb.loop.families>`: what the algorithm's phases do (embodied PPO, LM GRPO, one of your own);
+- a :mod:`schedule <rlnb.loop.schedules>`: when they run (synchronous, chained, whole batches ahead, streaming),
+  chosen once from the recipe by :func:`~rlnb.loop.schedules.choose_schedule`.
+
+:class:`rlnb.Loop` and :class:`rlnb.GRPOLoop` are this facade with their family and their constructors.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import html
 import logging
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
-
-from rlnb.cluster.cluster import Cluster, default_cpu_slots
-from rlnb.cluster.placement import Placement, resolve_placement
+from rlnb.cluster.cluster import Cluster
 from rlnb.config.loader import load_recipe
-from rlnb.config.schema import AlgorithmConfig, Recipe, RunnerConfig
-from rlnb.errors import (
-    ComponentError,
-    ConfigError,
-    PlacementError,
-    RemoteError,
-)
-from rlnb.loop import run_dir as run_dirs
-from rlnb.loop.asynchronous import Asynchronous
-from rlnb.loop.checkpoint import (
-    CheckpointError,
-    Checkpointing,
-    TrainingDivergedError,
-    complete_checkpoints,
-    default_run_dir,
-)
-from rlnb.loop.links import Links
-from rlnb.loop.runner import Runner
+from rlnb.config.schema import Recipe
+from rlnb.errors import ConfigError
+from rlnb.loop.checkpoint import CheckpointError, Checkpoints, complete_checkpoints
+from rlnb.loop.families import Family
+from rlnb.loop.paths import DataPaths, weight_sync_route
+from rlnb.loop.phase import Phase, count_or_default, mean_dicts
+from rlnb.loop.roles import Capabilities
+from rlnb.loop.runner import Callback, EvaluateEvery, Runner, SaveEvery, view
+from rlnb.loop.schedules import choose_schedule
+from rlnb.loop.session import Session, objects_recipe
 from rlnb.loop.steering import Steering
-from rlnb.metrics import MetricLogger
-from rlnb.runtime.channel import Channel
-from rlnb.runtime.group import SHUTDOWN_TIMEOUT_S, Group, shutdown_groups
 
 log = logging.getLogger("rlnb")
 
-
-def count_or_default(value, name: str, default: int) -> int:
-    """``value``, a count given to a loop's method (``name`` in the error), or ``default`` for ``None``.
-
-    Raises:
-        ConfigError: anything but ``None`` or an integer >= 1.
-    """
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}: expected an integer >= 1, got {value!r}", name)
-    return value
+__all__ = ["LoopBase", "Phase", "count_or_default", "mean_dicts", "objects_recipe"]
 
 
-@dataclasses.dataclass
-class Phase:
-    """One phase being timed by :meth:`LoopBase.timed`."""
-
-    name: str
-    """``sync``, ``rollout``, ``advantages`` or ``train``: the record's ``{name}/...`` and ``time/{name}_s``."""
-    metrics: dict
-    """What the phase reports (numbers go into the step's record; ``version`` stays out)."""
-    duration_s: float | None = None
-    """Its time where measured elsewhere (a chain's call on the worker); else the wall time since it started."""
-    started_s: float = dataclasses.field(default_factory=time.perf_counter)
-    """``time.perf_counter()`` when it started."""
-
-    def elapsed_s(self) -> float:
-        """Its time so far (``duration_s`` where given)."""
-        return time.perf_counter() - self.started_s if self.duration_s is None else self.duration_s
-
-
-def mean_dicts(dicts: list[dict]) -> dict:
-    """Per-key mean of the numeric entries that every rank reported."""
-    if len(dicts) == 1:  # one rank: its numbers as they are (the per-step path of a one-slot loop)
-        return {k: float(v) for k, v in dicts[0].items() if isinstance(v, (int, float))}
-    keys = dicts[0].keys()
-    return {
-        k: float(np.mean([d[k] for d in dicts]))
-        for k in keys
-        if all(isinstance(d.get(k), (int, float)) for d in dicts)
-    }
-
-
-def objects_recipe(name: str, seed: int, runner, **sections) -> Recipe:
-    """The recipe of a loop built from launched components: its runner settings, and what the loop
-    reads from its components (filled in when they are composed)."""
-    if runner is None or isinstance(runner, RunnerConfig):
-        runner = runner or RunnerConfig()
-    elif isinstance(runner, dict):
-        runner = load_recipe(None, {f"runner.{k}": v for k, v in runner.items()}).runner
-    else:
-        raise ConfigError(f"runner: expected a RunnerConfig or a dict, got {type(runner).__name__}", "runner")
-    return Recipe(name=name, seed=seed, runner=runner, **sections)
-
-
-class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
-    """The machinery of a loop; see :class:`rlnb.loop.Loop` and :class:`rlnb.loop.GRPOLoop`.
+class LoopBase:
+    """The steppable facade (see the module's docstring); :class:`rlnb.Loop` and :class:`rlnb.GRPOLoop` give it a family.
 
     Args:
         recipe: a validated :class:`rlnb.config.Recipe`.
-        cluster: a :class:`rlnb.Cluster`; ``None`` starts one from ``recipe.cluster`` (and closes it on ``close()``).
+        cluster: a :class:`rlnb.Cluster`; ``None`` starts one from ``recipe.cluster`` (closed on ``close()``).
         run_dir: where metrics and checkpoints go (default ``recipe.runner.run_dir`` or ``runs/<name>-<time>``).
-        read_only: open ``run_dir`` without writing to it (``rlnb eval``, ``rlnb export``): no lock, no metrics
-            or TensorBoard files, no recipe written, no checkpoint saved.
+        components: the objects path: role -> launched group (the loop owns them from then on).
+        read_only: open ``run_dir`` without writing to it (``rlnb eval``, ``rlnb export``).
+        family: the family class (default the loop's ``FAMILY``); ``family_args``: its further arguments.
     """
 
-    COMPONENTS: tuple[str, ...] = ("rollout", "actor")
-    ROLE_METHODS: dict[str, tuple[str, ...]] = {}  # what the loop calls on each role's component
-    ROLE_BASES: dict[str, str] = {}  # the built-in class to subclass for each role
-    SUMMARY_KEYS: tuple[str, ...] = ()  # metrics shown by _repr_html_ and the progress bar (first one)
-    STATE: dict | None = (
-        None  # the keys of _extra_state() in loop.json, checked on resume (checkpoint.check_state)
-    )
+    FAMILY: type[Family] = Family
 
-    def __init__(
-        self,
-        recipe: Recipe,
-        cluster: Cluster | None = None,
-        run_dir: str | Path | None = None,
-        components: dict[str, Group] | None = None,
-        read_only: bool = False,
-    ):
+    def __init__(self, recipe: Recipe, cluster: Cluster | None = None, run_dir=None, components: dict | None = None,
+                 read_only: bool = False, family: type[Family] | None = None, family_args: dict | None = None):  # fmt: skip
         t0 = time.perf_counter()
-        self.recipe = recipe
-        self.read_only = read_only
-        # steering between steps (the dashboard's controls, or cells while run() goes on in the background)
-        self._steer_lock = threading.Lock()
-        self._steer_queue: dict[str, float] = {}
-        self._running = threading.Event()
-        self._running.set()
-        self._save_requested = False
-        self.steering: list[dict] = []  # applied changes: {"step": first step using them, name: value}
-        c = recipe.cluster
-        comps = self.COMPONENTS
+        self.session = session = Session(recipe, run_dir, read_only)
+        self.paths = DataPaths(session)
+        self.family = (family or self.FAMILY)(session, self.paths, **(family_args or {}))
+        self.steer = Steering(session)
+        self.runner = Runner(self)
+        self.schedule, self.checkpoints = None, None
         self.built_from_objects = components is not None
-        self.cluster = None
-        self._own_cluster = False
-        self.groups: dict[str, Group] = {}
-        self.channels: dict[str, Channel] = {}
-        self.logger = None
+        self.resumed_from: Path | None = None  # the checkpoint this loop was restored from, if any
+        self.restarts = 0  # lost workers run() recovered from (runner.max_restarts per run)
         if components is None:
-            self._check_here()
-        self.run_dir = Path(run_dir or recipe.runner.run_dir or default_run_dir(recipe.name))
-        # the run directory is checked and locked before anything starts (see rlnb.loop.run_dir)
-        self._run_dir_lock = (
-            None if read_only else run_dirs.take(self.run_dir, recipe.runner.resume, recipe.runner.overwrite)
-        )
-        if components is not None:
-            cluster = self._adopt(components)
-        elif cluster is None:
-            # check the placement against the cluster we are about to start, before starting it
-            if c.address is None:
-                planned = resolve_placement(
-                    c.component_placement, c.slots or default_cpu_slots(), required=comps, known=comps
-                )
-                self.check_layout(planned.slots)
-            cluster = Cluster(c.address, slots=c.slots)
-            self._own_cluster = True
-        self.cluster = cluster
+            self.family.check_here()
+        session.lock_run_dir()
         try:
+            if components is not None:
+                session.adopt(components, self.family.ROLES)
+            else:
+                session.start_cluster(cluster, self.family.roles, self.family.check_layout)
+                session.place(self.family.roles)
+                self._check_placement()
+            self.family.prepare()
             if components is None:
-                self.placement = cluster.place(c.component_placement, required=comps, known=comps)
-                for key, dev in (
-                    ("actor.device", recipe.actor.device),
-                    ("rollout.device", recipe.rollout.device),
-                ):
-                    cluster.check_device(dev, key)
-                self._check_rank_counts()
-                self._check_cluster()
-            self._prepare()
-            if components is None:
-                self._launch()
+                self.family.launch()
             self._compose()
-            self._write_recipe()
+            session.write_recipe()
         except BaseException:
             self.close()
             raise
-        self.step = 0
-        self._reset_state()
-        self._pending: dict[str, float] = {}
-        self._stop = False
-        self._run_target: int | None = None  # the step the running run() stops at (None outside run())
-        self._ahead = False  # a step running ahead on the workers, to be taken by step_once (embodied loop)
-        self.resumed_from: Path | None = None  # the checkpoint this loop was restored from, if any
-        self.restarts = 0  # lost workers run() recovered from (runner.max_restarts per run)
-        self._said_lr_is_zero = False  # the warning of a step past runner.steps trained with learning rate 0
-        self.logger = MetricLogger(
-            self.run_dir,
-            recipe.runner.tensorboard,
-            recipe.runner.wandb_project,
-            asdict(self.recipe),
-            read_only=read_only,
-        )
+        session.step = 0
+        self.family.reset_state()
+        self.schedule.reset_state()
+        session.open_logger()
         self.startup_s = time.perf_counter() - t0
-        if recipe.runner.resume:
+        if self.recipe.runner.resume:
             try:
-                self.load_checkpoint(recipe.runner.resume, fallback=recipe.runner.resume_fallback)
+                self.load_checkpoint(self.recipe.runner.resume, fallback=self.recipe.runner.resume_fallback)
             except BaseException:
                 self.close()  # a failed resume leaves no components (and no embedded cluster) running
                 raise
 
-    def _adopt(self, components: dict) -> Cluster:
-        """Take groups launched by the user (``Env.launch(...)``...): check each is a launched group of a
-        class with the methods its role needs, on one cluster, under distinct names."""
-        names = {}
-        for role in self.COMPONENTS:
-            group = components.get(role)
-            if group is None:
-                raise ConfigError(
-                    f"{type(self).__name__}: missing component {role!r}; pass {role}=<Cls>.launch(cluster, slots, ...)",
-                    role,
-                )
-            if not isinstance(group, Group):
-                raise ComponentError(
-                    f"expected a launched group (e.g. {role}=PolicyRollout.launch(cluster, '0', ...)), "
-                    f"got {type(group).__name__}; rlnb.launch(MyClass, cluster, slots, ...) places a class of your own",
-                    role, type(group).__name__, role,
-                )  # fmt: skip
-            missing = [
-                m for m in self.ROLE_METHODS.get(role, ()) if not callable(getattr(group.cls, m, None))
-            ]
-            if missing:
-                raise ComponentError(
-                    f"lacks method(s) {', '.join(missing)} that the {role} of {type(self).__name__} calls; "
-                    f"subclass the built-in {self.ROLE_BASES.get(role, role)} and override what you change",
-                    group.name, group.cls.__name__, missing[0],
-                )  # fmt: skip
-            if group.name in names:
-                raise ConfigError(
-                    f"{role} and {names[group.name]} are both named {group.name!r}; launch one with name=...",
-                    role,
-                )
-            names[group.name] = role
-        clusters = {id(g.cluster) for g in components.values()}
-        if len(clusters) > 1:
-            raise ConfigError("components were launched on different clusters; use one cluster", "cluster")
-        self.groups = {role: components[role] for role in self.COMPONENTS}
-        self.placement = Placement({role: tuple(i.slot for i in g.infos) for role, g in self.groups.items()})
-        return next(iter(components.values())).cluster
+    def _check_placement(self, capabilities: Capabilities | None = None) -> type:
+        """Refuse, before a step, a placement the family or the schedule cannot run; returns the schedule."""
+        s = self.session
+        schedule = choose_schedule(s.recipe, self.family.name, s.placement, capabilities)
+        self.family.check_placement()
+        schedule.check(s.recipe, s.placement)
+        if s.placement["rollout"] != s.placement["actor"]:  # refuses a rollout.weight_sync this cannot serve
+            weight_sync_route(s.recipe, s.placement, s.cluster.slots, s.recipe.algorithm.asynchronous)
+        self.family.check_cluster()
+        return schedule
 
-    def _record_components(self, **sections) -> None:
-        """Objects path: the recipe records what the launched components were built with (the actor's
-        algorithm, ``sections`` the loop read from others, the placement); then the checks the recipe
-        path makes before launching run on it."""
-        described = self.groups["actor"].on(0).describe().result()[0]
-        algorithm = AlgorithmConfig(**described["algorithm"])
-        algorithm.advantage, algorithm.policy_loss = described["advantage"], described["policy_loss"]
-        if described.get("actor") is not None:  # what the actor trains with, not the schema's defaults
-            sections.setdefault("actor", described["actor"])
-        self.recipe = dataclasses.replace(self.recipe, algorithm=algorithm, **sections)
-        self.recipe.cluster.component_placement = {
-            k: ",".join(map(str, v)) for k, v in self.placement.slots.items()
-        }
-        self._check_rank_counts()
-        self._check_cluster()
-
-    def _bind_checked(self, results) -> list:
-        """Results of set-up calls on the user's components; a :class:`ComponentError` raised on a worker
-        is raised here as itself (it names the component, the object and what does not fit)."""
-        try:
-            return [r.result() for r in results]
-        except RemoteError as e:
-            if isinstance(e.__cause__, ComponentError):
-                raise e.__cause__ from None
-            if isinstance(e.__cause__, ConfigError):
-                raise ConfigError(f"{e.component}: {e.__cause__}", e.__cause__.key) from None
-            raise
+    def _compose(self) -> None:
+        """Both paths: the family wires its components; the schedule is chosen once, from the recipe."""
+        family, s = self.family, self.session
+        family.bind()
+        family.capabilities = capabilities = Capabilities.of(self.groups)
+        if self.built_from_objects:  # (the recipe path checked its placement before launching)
+            family.record_components()
+            schedule = self._check_placement(capabilities)
+        else:
+            schedule = choose_schedule(s.recipe, family.name, s.placement, capabilities)
+        family.compose(self.recipe.algorithm.asynchronous)
+        self.schedule = schedule(self.session, self.paths, family, self.steer)
+        self.checkpoints = Checkpoints(self.session, family, self.schedule)
 
     @classmethod
     def from_recipe(cls, recipe, overrides=None, cluster: Cluster | None = None, run_dir=None):
@@ -311,205 +151,256 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
         )
         return cls(recipe, cluster, run_dir, read_only=read_only)
 
-    # ------------------------------------------------------------------ subclass hooks
-    def _prepare(self) -> None:
-        """Driver-side set-up before the components start (data, model files...)."""
+    # ------------------------------------------------------------------ what the loop is made of
+    @property
+    def recipe(self) -> Recipe:
+        return self.session.recipe
 
-    def _launch(self) -> None:
-        """Recipe path: launch each component through its public ``launch`` into ``self.groups``."""
-        raise NotImplementedError
+    @property
+    def step(self) -> int:
+        return self.session.step
 
-    def _compose(self) -> None:
-        """Wire launched components into this loop (both paths): spaces, process groups, channels."""
-        raise NotImplementedError
+    @property
+    def groups(self) -> dict:
+        return self.session.groups
 
-    def _reset_state(self) -> None:
-        """Loop-side state of a fresh run (episode windows, counters...)."""
+    @property
+    def channels(self) -> dict:
+        return self.session.channels
 
-    def _extra_state(self) -> dict:
-        """Loop-side state saved in checkpoints (JSON)."""
-        return {}
+    @property
+    def cluster(self) -> Cluster | None:
+        return self.session.cluster
 
-    def _load_extra_state(self, state: dict) -> None:
-        pass
+    @property
+    def placement(self):
+        return self.session.placement
 
-    def _save_extra(self, directory: Path) -> None:
-        """Extra files in a checkpoint being written (e.g. a Hugging Face export)."""
+    @property
+    def run_dir(self) -> Path:
+        return self.session.run_dir
 
-    def summary(self) -> str:
-        """One line for the CLI at the end of a run."""
-        return f"step {self.step}"
+    @property
+    def read_only(self) -> bool:
+        return self.session.read_only
 
-    def _solved(self) -> bool:
-        return False
+    @property
+    def logger(self):
+        return self.session.logger
 
-    @classmethod
-    def check_layout(cls, slots) -> None:
-        """Refuse, before anything starts, a placement (component -> slots) this loop cannot run."""
-
-    def _check_here(self) -> None:
-        """Refuse, before anything starts or launches, what the recipe's own objects built here show (the
-        recipe path only)."""
-
-    def _check_cluster(self) -> None:
-        """Refuse settings this cluster cannot serve, before launching anything (child processes on
-        daemonic workers, GPU-only backends on CPU slots)."""
-
-    def _check_rank_counts(self) -> None:
-        n_roll, n_act = len(self.placement["rollout"]), len(self.placement["actor"])
-        if n_roll % n_act and n_act % n_roll:
-            raise PlacementError(
-                f"component_placement: {n_roll} rollout rank(s) cannot feed {n_act} actor rank(s) evenly; "
-                "place one on a multiple of the other's slots", "component_placement"
-            )  # fmt: skip
-        if self.placement["rollout"] != self.placement["actor"]:
-            self._weight_sync_route()  # refuses a rollout.weight_sync this placement cannot serve
+    @property
+    def history(self) -> list[dict]:
+        return self.session.logger.history
 
     @property
     def mode(self) -> str:
         """``collocated``, ``disaggregated`` or ``hybrid`` (from the placement)."""
-        return self.placement.mode
+        return self.session.placement.mode
 
-    # ------------------------------------------------------------------ shared phases
+    @property
+    def weight_sync(self) -> str:
+        """How weights reach the rollout ranks: ``local``, ``channel`` or ``broadcast``."""
+        return self.paths.weight_sync
+
+    @property
+    def SUMMARY_KEYS(self) -> tuple:  # (the progress bar and views read it as the loops used to define it)
+        return self.family.SUMMARY_KEYS
+
+    # ------------------------------------------------------------------ the phases, one per cell
     def sync_weights(self) -> dict:
         """Actor -> rollout weights, stamped with the policy version (= training steps done)."""
-        self._apply_steering()
-        with self.timed("sync", version=self.step) as phase:
-            self._sync()
-        return phase.metrics
+        return self.schedule.sync_weights()
 
     def rollout(self) -> dict:
-        raise NotImplementedError
+        """Collect a batch and hand it to the actor ranks (the family's collection, when the schedule says)."""
+        return self.schedule.rollout()
 
     def advantages(self) -> dict:
         """Advantage estimation on each actor rank's batch (``algorithm.advantage``)."""
-        with self.timed("advantages") as phase:
-            phase.metrics.update(mean_dicts(self.groups["actor"].compute_advantages().result()))
+        with self.session.timed("advantages") as phase:
+            self.family.advantages(phase)
         return phase.metrics
 
     def train(self) -> dict:
         """The update (data-parallel over actor ranks); completes and logs the step."""
-        with self.timed("train") as phase:
-            compiled = self._train_summary(self.groups["actor"].train().result, phase)
-        return self._finish_step(phase.metrics, compiled)
-
-    def _train_summary(self, per_rank_result, phase: Phase) -> tuple:
-        """The train phase's metrics into ``phase``, from its call's ``result`` (one value per actor rank),
-        averaged over ranks; a diverged update becomes a :class:`TrainingDivergedError`. Returns the first
-        step's compile time and whether compiling failed (both ``None`` if it did not compile)."""
-        try:
-            per_rank = per_rank_result()
-        except RemoteError as e:
-            if e.cause_type != "FloatingPointError":
-                raise
-            found = complete_checkpoints(self.run_dir)
-            last = str(found[-1]) if found else None
-            raise TrainingDivergedError(
-                f"training diverged at step {self.step + 1}: {e.args[0]}. Nothing was saved after it; "
-                f"last good checkpoint: {last or 'none'} (lower actor.lr or check the rewards)",
-                self.step + 1,
-                last,
-            ) from e
-        summary = mean_dicts(per_rank)
-        if summary.get("lr") == 0.0 and self.step >= self.recipe.runner.steps and not self._said_lr_is_zero:
-            self._said_lr_is_zero = True
-            log.warning(
-                "step %d trained with learning rate 0: actor.anneal_lr decays it to 0 at runner.steps=%d, and "
-                "this step is past it; loop.run(n) extends runner.steps (and the decay) to the steps it runs, "
-                "or set actor.anneal_lr: false", self.step + 1, self.recipe.runner.steps
-            )  # fmt: skip
-        compiled = summary.pop("compile_s", None), summary.pop("compile_failed", None)
-        phase.metrics.update(summary)
-        return compiled
-
-    def _finish_step(self, out: dict, compiled: tuple) -> dict:
-        """After the train phase: the first step's compile time apart from training's, the step counted and
-        logged."""
-        compile_s, compile_failed = compiled
-        if compile_s is not None:  # the first step compiled the train step: its own time, not training's
-            self._pending["time/compile_s"] = compile_s
-            self._pending["time/train_s"] = max(0.0, self._pending["time/train_s"] - compile_s)
-            if compile_failed:
-                reason = self.groups["actor"].on(0).compile_stats().result()[0]["fallback"]
-                log.warning(
-                    "actor.compile: torch.compile failed on the actor's workers (%s); training eager", reason
-                )
-        self.step += 1
-        self._log_step(out)
-        return out
+        with self.session.timed("train") as phase:
+            compiled = self.family.train(phase)
+        return self.family.finish_step(phase.metrics, compiled, self.schedule.SEQUENTIAL)
 
     def step_once(self) -> dict:
         """All phases of one step; returns the step's metric record."""
-        self._apply_steering()
-        self.sync_weights()
-        self.rollout()
-        self.advantages()
-        self.train()
-        return self.logger.history[-1]
+        return self.schedule.step_once(self)
 
-    def evaluate(self, *args, **kwargs) -> dict:
-        raise NotImplementedError
+    def own_phases(self) -> bool:
+        """Whether this loop's phases are the facade's own (not replaced by a subclass)."""
+        cls = type(self)
+        return all(
+            getattr(cls, name) is getattr(LoopBase, name)
+            for name in ("sync_weights", "rollout", "advantages", "train")
+        )
 
-    # ------------------------------------------------------------------ metrics
-    @contextlib.contextmanager
-    def timed(self, name: str, duration_s: float | None = None, **metrics) -> Iterator[Phase]:
-        """Time one phase of the step: the ``with`` block fills in ``phase.metrics``; on leaving it they and the
-        phase's time go into the step's record as ``{name}/...`` and ``time/{name}_s`` (``phase.metrics`` gets
-        ``time_s``). ``duration_s``: the time where it was measured elsewhere (a chain's call on the worker),
-        else the block's wall time. A phase that raises records nothing.
+    def evaluate(self, n: int | None = None) -> dict:
+        """The family's evaluation with the current weights (work running ahead finishes first, and is kept)."""
+        self.schedule.before_evaluate()
+        return self.family.evaluate(n)
+
+    def rollout_status(self) -> dict:
+        """What is in flight and how stale: the newest policy version sent to the rollout ranks, the actor's, and
+        whether rollout work is running ahead now."""
+        return self.schedule.status()
+
+    def summary(self) -> str:
+        """One line for the CLI at the end of a run."""
+        return self.family.summary()
+
+    def _solved(self) -> bool:
+        return self.family.solved()
+
+    # ------------------------------------------------------------------ run() and steering
+    def run(self, steps: int | None = None, progress: bool = True, live: bool = False, background: bool = False,
+            callbacks: list[Callback] | None = None):  # fmt: skip
+        """Run ``steps`` steps (default: up to ``runner.steps``) with evaluation, checkpoints and early stop.
+
+        Args:
+            steps: how many steps (default: the rest of ``runner.steps``).
+            progress: a text progress bar (ignored with ``live``).
+            live: show the notebook dashboard (needs ipywidgets).
+            background: run in a thread and return it at once; the notebook stays responsive and :meth:`stop` ends
+                the run at a step boundary. :meth:`join` waits for it.
+            callbacks: :class:`Callback` objects called around each step, after evaluation and saving.
+
+        A lost worker is recovered from up to ``runner.max_restarts`` times. Returns the step records (or the
+        thread, with ``background``).
 
         Example:
-            >>> with loop.timed("sync", version=loop.step) as phase:  # doctest: +SKIP
-            ...     loop._sync()
+            >>> loop.run(50, live=True)                                    # doctest: +SKIP
         """
-        phase = Phase(name, dict(metrics), duration_s)
-        yield phase
-        dt = phase.elapsed_s()
-        self._pending[f"time/{name}_s"] = dt
-        for k, v in phase.metrics.items():
-            if v is not None and k != "version" and isinstance(v, (int, float)):
-                # memory/... keys are the process's, whichever phase reports them
-                self._pending[k if k.startswith("memory/") else f"{name}/{k}"] = v
-        phase.metrics["time_s"] = dt
+        return self.runner.run(steps, progress, live, background, callbacks)
 
-    def _log_step(self, train_out: dict) -> None:
-        self._log_record({})
-
-    def _log_record(self, record: dict) -> dict:
-        """Merge the pending phase metrics (train/, time/, advantages/...) into ``record`` and log it."""
-        p = self._pending
-        record = {**record, "time/step_s": sum(v for k, v in p.items() if k.startswith("time/"))}
-        for k, v in p.items():
-            if k.startswith(("train/", "time/", "advantages/", "steer/", "memory/")):
-                record[k] = v
-        self._pending = {}
-        return self.logger.log(self.step, record)
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for a background run; re-raise its error, if any."""
+        self.runner.join(timeout)
 
     @property
-    def history(self) -> list[dict]:
-        return self.logger.history
+    def run_outcome(self) -> str | None:
+        """How the latest ``run()`` ended (:data:`rlnb.loop.runner.RUN_OUTCOMES`; ``None`` before or during one)."""
+        return self.runner.run_outcome
+
+    def watch(self, callback: Callback) -> None:
+        """Call ``callback`` in every later ``run()`` too, for as long as something else holds it (weakly held)."""
+        self.runner.watch(callback)
+
+    def unwatch(self, callback: Callback) -> None:
+        self.runner.unwatch(callback)
+
+    def dashboard(self, total: int | None = None, plot_every: int = 10, curves: str = "live"):
+        """A live notebook dashboard of this loop (progress, curves, phase times, metrics, controls);
+        ``curves="png"`` draws a static image every ``plot_every`` steps, for a front end without bqplot."""
+        total = total or self.recipe.runner.steps
+        return view("dashboard_for")(self, total=total, plot_every=plot_every, curves=curves)
+
+    def _default_callbacks(self) -> list[Callback]:
+        """What every ``run()`` does after each step: the family's own first, then evaluate, then checkpoint."""
+        return [*self.family.default_callbacks(), EvaluateEvery(), SaveEvery()]
+
+    def _extend_run(self, steps: int) -> None:
+        """``runner.steps`` grows to ``steps`` for a :meth:`run` that goes past it, and the actor learns of it (the
+        learning-rate decay of ``actor.anneal_lr`` then spans the longer run); written to ``recipe.yaml``."""
+        before, self.recipe.runner.steps = self.recipe.runner.steps, steps
+        self.groups["actor"].set_total_steps(steps).result()
+        self.session.write_recipe()
+        log.info("run() goes to step %d, past runner.steps=%d: runner.steps is now %d (with actor.anneal_lr, the "
+                 "learning rate decays to 0 over the %d steps)", steps, before, steps, steps)  # fmt: skip
+
+    def set_hyperparameters(self, **values: float) -> dict:
+        """Change ``lr``, ``ent_coef`` or ``clip_coef`` between steps (from a cell while ``run()`` goes on in the
+        background, or the dashboard): checked now, applied at the next step boundary, logged as
+        ``steer/<name>`` on the first step that uses it and written to ``recipe.yaml``. Returns what is queued.
+
+        Example:
+            >>> loop.set_hyperparameters(lr=1e-4, ent_coef=0.01)   # doctest: +SKIP
+        """
+        return self.steer.set_hyperparameters(**values)
+
+    @property
+    def steering(self) -> list[dict]:
+        """The changes applied so far: ``{"step": first step using them, name: value}``."""
+        return self.steer.applied
+
+    def pause(self) -> None:
+        """Hold a running ``run()`` at the next step boundary until :meth:`unpause` (or :meth:`stop`); steps the
+        worker already runs ahead (``runner.run_ahead``, about 0.1 s of them) are finished first."""
+        self.steer.pause()
+
+    def unpause(self) -> None:
+        self.steer.unpause()
+
+    @property
+    def paused(self) -> bool:
+        return self.steer.paused
+
+    def request_save(self) -> None:
+        """Have ``run()`` write a checkpoint at the end of the step in progress (the dashboard's "save now")."""
+        self.steer.save_requested = True
+
+    def stop(self) -> None:
+        """Ask a running ``run()`` to stop at the next step boundary (after steps the worker already runs ahead)."""
+        self.steer.stop_requested = True
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the last ``run()`` ended because :meth:`stop` was called."""
+        return self.steer.stop_requested
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> Path:
+        """Write a complete checkpoint atomically: into a temporary directory, then renamed.
+
+        Every rank writes its own component state (big state stays on workers). A failure (disk full...) removes
+        the partial directory and raises :class:`CheckpointError`; the previous complete checkpoint stays the
+        latest. In asynchronous mode ``run()`` checkpoints with nothing in flight at its save steps; a save while
+        rollout runs ahead (a run stopped by a signal or ``stop()``, a notebook's own) waits for that work and keeps
+        it in the checkpoint (``in_flight.pt``), so a resume trains on it next, as the uninterrupted run would have.
+        """
+        return self.checkpoints.save()
+
+    def load_checkpoint(self, which: str | Path = "auto", fallback: bool = False) -> int:
+        """Restore every component and the loop state from ``which`` (a checkpoint directory, or ``"auto"``: the
+        latest complete checkpoint of the run); with ``fallback`` and ``"auto"``, the newest earlier one that can be
+        read (with a warning). Returns the step the loop is at.
+
+        Raises:
+            CheckpointError: it cannot be read; the message names the earlier complete checkpoints.
+        """
+        path = self.checkpoints.load(which, fallback)
+        if path is not None:
+            self.resumed_from = path
+        return self.step
+
+    def recover(self, timeout_s: float = 120.0) -> int:
+        """After a lost worker: rebuild every component on the cluster's (restarted) workers and continue from the
+        latest complete checkpoint (or from scratch if there is none). Returns the step the loop continues from."""
+        s, old = self.session, dict(self.groups)
+        s.free_components()
+        s.cluster.refresh(timeout_s)
+        if self.built_from_objects:  # the same classes and arguments, on the same slots
+            s.groups = {role: g.relaunch() for role, g in old.items()}
+        else:
+            s.place(self.family.roles)
+            self.family.launch()
+        self._compose()
+        s.step, s.pending = 0, {}
+        self.family.reset_state()
+        self.schedule.reset_state()
+        if complete_checkpoints(s.run_dir):
+            return self.load_checkpoint("auto", fallback=True)  # (what the lost worker may have half-written)
+        s.logger.truncate_after(0)
+        return 0
 
     # ------------------------------------------------------------------ lifecycle and display
-    def _free_components(self) -> None:
-        deadline = (
-            time.monotonic() + SHUTDOWN_TIMEOUT_S
-        )  # (one bound for all of it, a hung worker's included)
-        for ch in self.channels.values():
-            with contextlib.suppress(Exception):  # a lost worker took its queues with it
-                ch.close(timeout_s=max(0.1, deadline - time.monotonic()))
-        shutdown_groups(list(self.groups.values()), max(0.1, deadline - time.monotonic()))
-        self.groups, self.channels = {}, {}
-
     def close(self) -> None:
         """Free the groups and channels (and the cluster, if this loop started it)."""
-        self._free_components()
-        if self.logger is not None:
-            self.logger.close()
-        if self._own_cluster and self.cluster is not None:
-            self.cluster.close()
-            self.cluster = None
-        if self._run_dir_lock is not None:
-            self._run_dir_lock.release()
+        self.session.close()
 
     def __enter__(self):
         return self
@@ -518,7 +409,8 @@ class LoopBase(Steering, Runner, Checkpointing, Links, Asynchronous):
         self.close()
 
     def __repr__(self) -> str:
-        return f"<rlnb.{type(self).__name__} {self.recipe.name} step={getattr(self, 'step', 0)} mode={self.placement.mode}>"
+        mode = self.placement.mode if self.placement is not None else "?"
+        return f"<rlnb.{type(self).__name__} {self.recipe.name} step={self.step} mode={mode}>"
 
     def _repr_html_(self) -> str:
         last = self.history[-1] if self.history else {}

@@ -1,5 +1,5 @@
-"""Checkpoints: atomic saves (a temporary directory renamed once complete), exact resume, recovery after a lost
-worker. Every rank writes its own component state; the loop's own state is ``loop.json``."""
+"""Checkpoints: atomic saves (a temporary directory renamed once complete) and exact resume. Every rank writes its
+own component state; the loop's own state is ``loop.json``, checked against a schema before anything is restored."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlnb.config.loader import to_yaml
 from rlnb.errors import ConfigError, RemoteError, RlnbError, WorkerLostError
 from rlnb.files import check_tree, read_text_regular, torch_load_safe, write_private
 from rlnb.runtime.rank import save_state_file
@@ -195,86 +194,89 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class Checkpointing:
-    """A mixin of :class:`rlnb.loop.base.LoopBase` (it holds ``run_dir``, ``groups``, ``placement``, ``step``)."""
+class Checkpoints:
+    """A run's checkpoints: written atomically (a temporary directory renamed once complete), read back exactly.
+    Every rank writes its own component state; the family's and the schedule's state go into ``loop.json``, the
+    schedule's work in flight (asynchronous mode) into ``in_flight.pt``."""
+
+    def __init__(self, session, family, schedule):
+        self.session, self.family, self.schedule = session, family, schedule
 
     @property
-    def checkpoint_dir(self) -> Path:
-        return self.run_dir / "checkpoints"
+    def directory(self) -> Path:
+        return self.session.run_dir / "checkpoints"
+
+    def state_schema(self) -> dict:
+        """The keys of ``loop.json`` beyond the common ones: the family's and the schedule's."""
+        extra = {**(self.family.STATE or {}), **self.schedule.STATE}
+        # (a checkpoint from before in_flight.pt was written said whether it had dropped the batch in flight)
+        return {**extra, "in_flight_dropped?": bool}
 
     def save(self) -> Path:
-        """Write a complete checkpoint atomically: into a temporary directory, then renamed.
-
-        Every rank writes its own component state (big state stays on workers). A failure (disk
-        full...) removes the partial directory and raises :class:`CheckpointError`; the previous
-        complete checkpoint stays the latest. In asynchronous mode ``run()`` checkpoints with nothing in
-        flight at its save steps; a save while rollout runs ahead (a run stopped by a signal or ``stop()``, a
-        notebook's own) waits for that work to finish and keeps it in the checkpoint (``in_flight.pt``: its
-        batches and summaries), so a resume trains on it next, as the uninterrupted run would have.
-        """
-        if self.read_only:
+        """Write a complete checkpoint atomically: into a temporary directory, then renamed (see
+        :meth:`rlnb.Loop.save`)."""
+        s = self.session
+        if s.read_only:
             raise CheckpointError(
-                f"{self.run_dir} was opened read-only (Loop.resume(read_only=True)): nothing is saved"
+                f"{s.run_dir} was opened read-only (Loop.resume(read_only=True)): nothing is saved"
             )
-        final = self.checkpoint_dir / f"step_{self.step:06d}"
-        tmp = self.checkpoint_dir / f".tmp-step_{self.step:06d}-{uuid.uuid4().hex[:6]}"
-        for stale in self.checkpoint_dir.glob(".tmp-step_*"):  # left by a save that was killed
+        final = self.directory / f"step_{s.step:06d}"
+        tmp = self.directory / f".tmp-step_{s.step:06d}-{uuid.uuid4().hex[:6]}"
+        for stale in self.directory.glob(".tmp-step_*"):  # left by a save that was killed
             shutil.rmtree(stale, ignore_errors=True)
         try:
             tmp.mkdir(parents=True, mode=0o700)
             # (first: the work in flight finishes, and the ranks' states are saved after it)
-            in_flight = self._in_flight_state() if self._in_flight is not None else None
-            pending = [g.save_state(str(tmp)) for g in self.groups.values()]
+            in_flight = self.schedule.in_flight_state()
+            pending = [g.save_state(str(tmp)) for g in s.groups.values()]
             for res in pending:
                 res.result()
             state = {
-                "step": self.step,
-                "placement": {k: list(v) for k, v in self.placement.slots.items()},
-                **self._extra_state(),
+                "step": s.step,
+                "placement": {k: list(v) for k, v in s.placement.slots.items()},
+                **self.family.state(),
+                **self.schedule.state(),
             }
             if in_flight is not None:
                 state["in_flight"] = True
                 save_state_file(self, in_flight, str(tmp / IN_FLIGHT))
             _write_synced(tmp / "loop.json", json.dumps(state))
-            self._save_extra(tmp)
+            self.family.save_extra(tmp)
             _write_synced(tmp / "COMPLETE", "ok\n")
             _fsync_dir(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _fsync_dir(self.checkpoint_dir)  # the rename itself survives a power cut
+            _fsync_dir(self.directory)  # the rename itself survives a power cut
         except WorkerLostError:
             shutil.rmtree(tmp, ignore_errors=True)
             raise  # a lost worker, not a disk problem: run() may recover from it
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"could not write checkpoint {final}: {type(e).__name__}: {e}") from e
-        for old in complete_checkpoints(self.run_dir)[: -self.recipe.runner.keep_checkpoints]:
+        for old in complete_checkpoints(s.run_dir)[: -s.recipe.runner.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
-    def load_checkpoint(self, which: str | Path = "auto", fallback: bool = False) -> int:
-        """Restore every component and the loop state.
-
-        Args:
-            which: a checkpoint directory, or ``"auto"``: the latest complete checkpoint of the run.
-            fallback: with ``"auto"``, when the latest cannot be read, restore the newest earlier one that can
-                (with a warning). Off by default: a run silently continuing from older weights hides the fault.
+    def load(self, which: str | Path = "auto", fallback: bool = False) -> Path | None:
+        """Restore every component and the loop's state from ``which`` (a checkpoint directory, or ``"auto"``: the
+        latest complete one; with ``fallback``, the newest earlier one that can be read). Returns the checkpoint
+        restored, or ``None`` where there was none (see :meth:`rlnb.Loop.load_checkpoint`).
 
         Raises:
-            CheckpointError: it cannot be read (a file that is not rlnb's, or one that names code to run: see
-                :func:`rlnb.files.torch_load_safe`); the message names the earlier complete checkpoints.
+            CheckpointError: it cannot be read (naming the earlier complete checkpoints).
         """
+        s = self.session
         if str(which) != "auto":
             path = Path(which)
             if not (path / "COMPLETE").exists():
                 raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
             return self._load_from(path)
-        found = complete_checkpoints(self.run_dir)
+        found = complete_checkpoints(s.run_dir)
         if not found:
-            log.warning("nothing to resume in %s (no complete checkpoint): starting at step 1", self.run_dir)
-            self.logger.truncate_after(0)  # (what an earlier run logged there would be logged again)
-            return self.step
+            log.warning("nothing to resume in %s (no complete checkpoint): starting at step 1", s.run_dir)
+            s.logger.truncate_after(0)  # (what an earlier run logged there would be logged again)
+            return None
         for i, path in enumerate(reversed(found)):
             try:
                 return self._load_from(path)
@@ -290,14 +292,15 @@ class Checkpointing:
                 log.warning("%s; falling back to the previous complete checkpoint", e)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _load_from(self, path: Path) -> int:
+    def _load_from(self, path: Path) -> Path:
+        s = self.session
         try:
             check_tree(path, path)  # nothing read through a link out of the checkpoint, nor from a FIFO
         except OSError as e:
             raise CheckpointError(f"could not restore {path}: {e.strerror or e}") from None
-        state = read_loop_state(path, self.STATE)
+        state = read_loop_state(path, self.state_schema())
         try:
-            for g in self.groups.values():
+            for g in s.groups.values():
                 g.load_state(str(path)).result()
         except RemoteError as e:
             if isinstance(e, WorkerLostError):
@@ -308,48 +311,21 @@ class Checkpointing:
             ) from e
         except (OSError, ValueError) as e:
             raise CheckpointError(f"could not restore {path}: {type(e).__name__}: {e}") from e
-        self.step = state["step"]
-        self._load_extra_state(state)
+        s.step = state["step"]
+        try:
+            self.family.load_state(state)
+            self.schedule.load_state(state)
+        except ConfigError as e:
+            raise CheckpointError(f"could not restore {path}: {e}") from e
         if state.get("in_flight"):
             try:
                 saved = torch_load_safe(path / IN_FLIGHT)
-                check_state(
-                    {k: v for k, v in saved.items() if k != "batches"} if isinstance(saved, dict) else saved,
-                    {"values": ListOf(ListOf(ANY))}, IN_FLIGHT,
-                )  # fmt: skip
+                values = (
+                    {k: v for k, v in saved.items() if k != "batches"} if isinstance(saved, dict) else saved
+                )
+                check_state(values, {"values": ListOf(ListOf(ANY))}, IN_FLIGHT)
+                self.schedule.restore_in_flight(saved)
             except (OSError, ValueError) as e:
                 raise CheckpointError(f"could not restore {path}: {e}") from e
-            self._restore_in_flight(saved)
-        self.logger.truncate_after(self.step)
-        self.resumed_from = path
-        return self.step
-
-    def recover(self, timeout_s: float = 120.0) -> int:
-        """After a lost worker: rebuild every component on the cluster's (restarted) workers and
-        continue from the latest complete checkpoint (or from scratch if there is none).
-
-        Returns the step the loop continues from.
-        """
-        old = dict(self.groups)
-        self._free_components()
-        self.cluster.refresh(timeout_s)
-        if self.built_from_objects:  # the same classes and arguments, on the same slots
-            self.groups = {role: g.relaunch() for role, g in old.items()}
-        else:
-            c = self.recipe.cluster
-            self.placement = self.cluster.place(
-                c.component_placement, required=self.COMPONENTS, known=self.COMPONENTS
-            )
-            self._launch()
-        self._compose()
-        self.step, self._pending = 0, {}
-        self._reset_state()
-        if complete_checkpoints(self.run_dir):
-            return self.load_checkpoint("auto", fallback=True)  # (what the lost worker may have half-written)
-        self.logger.truncate_after(0)
-        return 0
-
-    def _write_recipe(self) -> None:
-        """The run's ``recipe.yaml`` as the recipe is now (a resume continues with it)."""
-        if not self.read_only and self.run_dir is not None and self.run_dir.exists():
-            write_private(self.run_dir / "recipe.yaml", to_yaml(self.recipe))
+        s.logger.truncate_after(s.step)
+        return path

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 
 from rlnb.errors import ComponentError, ConfigError, did_you_mean
+from rlnb.loop.roles import Steerable, missing
 
 log = logging.getLogger("rlnb")
 
@@ -15,23 +17,32 @@ STEERABLE = {
     "ent_coef": ("algorithm", "ent_coef"),
     "clip_coef": ("algorithm", "clip_coef"),
 }
-"""Hyperparameters :meth:`LoopBase.set_hyperparameters` changes between steps, and their recipe section."""
+"""Hyperparameters :meth:`Steering.set_hyperparameters` changes between steps, and their recipe section."""
 
 
 class Steering:
-    """A mixin of :class:`rlnb.loop.base.LoopBase`: its ``__init__`` sets the queue, lock and events."""
+    """What a run is asked between steps: changes queued for the next step boundary, pause, stop, save now.
+
+    Attributes:
+        applied: the changes applied so far: ``{"step": first step using them, name: value}``.
+        stop_requested, save_requested: asked for, not yet done.
+    """
+
+    def __init__(self, session):
+        self.session = session
+        self._lock = threading.Lock()
+        self._queue: dict[str, float] = {}
+        self._running = threading.Event()
+        self._running.set()
+        self.save_requested = False
+        self.stop_requested = False
+        self.applied: list[dict] = []
 
     def set_hyperparameters(self, **values: float) -> dict:
-        """Change ``lr``, ``ent_coef`` or ``clip_coef`` between steps, e.g. from a cell while ``run()`` goes on
-        in the background, or from the dashboard: checked now, applied at the next step boundary (the start
-        of the next :meth:`step_once` or :meth:`sync_weights`), logged as ``steer/<name>`` on the first step
-        that uses it, and written to the run's ``recipe.yaml``. Returns the changes still queued.
-
-        Example:
-            >>> loop.set_hyperparameters(lr=1e-4, ent_coef=0.01)   # doctest: +SKIP
-        """
-        actor = self.groups["actor"]
-        if not callable(getattr(actor.cls, "set_hyperparameters", None)):
+        """Check ``values`` now; apply them at the next step boundary (see :meth:`rlnb.Loop.set_hyperparameters`).
+        Returns the changes still queued."""
+        actor = self.session.groups["actor"]
+        if missing(actor.cls, Steerable):
             raise ComponentError(
                 "lacks method set_hyperparameters, which steering between steps calls; subclass the built-in "
                 "actor (rlnb.PPOActor, rlnb.LMActor)",
@@ -56,53 +67,42 @@ class Steering:
                     f"set_hyperparameters: {key} expected a number {'>= 0' if low_ok else '> 0'}, got {value!r}",
                     key,
                 )
-        with self._steer_lock:
-            self._steer_queue.update({k: float(v) for k, v in values.items()})
-            return dict(self._steer_queue)
+        with self._lock:
+            self._queue.update({k: float(v) for k, v in values.items()})
+            return dict(self._queue)
 
-    def _apply_steering(self) -> None:
-        with self._steer_lock:
-            changes, self._steer_queue = self._steer_queue, {}
+    def apply(self) -> None:
+        """At a step boundary: the queued changes go to the actor ranks and into the recipe."""
+        with self._lock:
+            changes, self._queue = self._queue, {}
         if not changes:
             return
-        self.groups["actor"].set_hyperparameters(**changes).result()
+        s = self.session
+        s.groups["actor"].set_hyperparameters(**changes).result()
         for key, value in changes.items():
             section, field = STEERABLE[key]
-            setattr(getattr(self.recipe, section), field, value)  # the recipe describes the run as it goes on
-            self._pending[f"steer/{key}"] = value
-        self.steering.append({"step": self.step + 1, **changes})
-        self._write_recipe()
-        log.info("step %d trains with %s", self.step + 1, changes)
+            setattr(getattr(s.recipe, section), field, value)  # the recipe describes the run as it goes on
+            s.pending[f"steer/{key}"] = value
+        self.applied.append({"step": s.step + 1, **changes})
+        s.write_recipe()
+        log.info("step %d trains with %s", s.step + 1, changes)
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing asked for between steps: no stop, save, pause or change waiting."""
+        return not (self.stop_requested or self.save_requested or self.paused or self._queue)
 
     def pause(self) -> None:
-        """Hold a running ``run()`` at the next step boundary until :meth:`unpause` (or :meth:`stop`); the
-        steps the worker already runs ahead (``runner.run_ahead``, about 0.1 s of them) are finished first."""
         self._running.clear()
 
     def unpause(self) -> None:
-        """Let a paused ``run()`` go on."""
         self._running.set()
 
     @property
     def paused(self) -> bool:
         return not self._running.is_set()
 
-    def request_save(self) -> None:
-        """Have ``run()`` write a checkpoint at the end of the step in progress (the dashboard's "save now"), or
-        of the last step the worker already runs ahead (``runner.run_ahead``, about 0.1 s of them)."""
-        self._save_requested = True
-
-    def _wait_while_paused(self) -> None:
+    def wait_while_paused(self) -> None:
         while not self._running.wait(0.1):
-            if self._stop:
+            if self.stop_requested:
                 return
-
-    def stop(self) -> None:
-        """Ask a running ``run()`` to stop at the next step boundary (after the steps the worker already runs
-        ahead, if any: ``runner.run_ahead``, about 0.1 s of them)."""
-        self._stop = True
-
-    @property
-    def stopped(self) -> bool:
-        """Whether the last ``run()`` ended because :meth:`stop` was called."""
-        return self._stop

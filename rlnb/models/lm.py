@@ -279,12 +279,20 @@ def load_lm(
     if tok.pad_token_id is None:  # many hub tokenizers have none; generation and batching need one
         tok.pad_token = tok.eos_token
     if empty:
-        from rlnb.components.lm.shard_load import empty_lm
-
         return empty_lm(ref, dtype), tok
     with hf_quiet():
         model = AutoModelForCausalLM.from_pretrained(ref, dtype=DTYPES[dtype]).to(device)
     return model, tok
+
+
+def empty_lm(ref: str, dtype: str = "float32") -> torch.nn.Module:
+    """The causal LM of ``ref`` (a model directory) with no storage: every parameter and buffer on the meta device,
+    in ``dtype`` (a name of :data:`DTYPES`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ref)
+    with torch.device("meta"), hf_quiet():
+        return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
 
 
 def prompt_ids(tok, prompt: str | list[int]) -> list[int]:

@@ -59,3 +59,13 @@ def broadcast_state_dict(
                 t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
     return state_dict
+
+
+def is_sharded(tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (a shard of a tensor spread over ranks, as FSDP2 holds parameters)."""
+    return hasattr(tensor, "full_tensor")
+
+
+def local_part(tensor):
+    """This rank's shard of a DTensor (the tensor itself otherwise): what the rank holds in memory."""
+    return tensor.to_local() if is_sharded(tensor) else tensor

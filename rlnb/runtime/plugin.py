@@ -47,9 +47,8 @@ class WorkerRuntime(WorkerPlugin):
             log.info(
                 "worker %s removed %d shared-memory segment(s) of dead processes", worker.address, self.swept
             )
-        if (
-            self.ignore_sigint
-        ):  # the embedded cluster's: a signal to the driver's process group is the driver's
+        # the embedded cluster's: a signal to the driver's process group is the driver's
+        if self.ignore_sigint:
             leave_stop_signals_to_driver()
         # (the driver decides whether to use it) on TCP, and on TLS where the worker listens on loopback only
         # (the embedded cluster): its tokens reach drivers over TLS, and nobody can read loopback traffic

@@ -381,15 +381,16 @@ class NonFiniteState(ValueError):
 
 
 def _load_state(obj, path: str) -> None:
-    own = getattr(obj, "load_state_from", None)
-    if own is not None:
-        return own(path)
     from rlnb.files import torch_load_safe
 
+    own = getattr(obj, "load_state_from", None)
     try:
+        if own is not None:
+            return own(path)
         obj.load_state_dict(torch_load_safe(path))
     except NonFiniteState as e:  # (named here: the component does not know its file)
         raise ValueError(f"{Path(path).name}: {e}") from None
+    return None
 
 
 def _join(host_obj: RankHost, name, host, port, rank, world_size, backend, timeout_s):

@@ -12,26 +12,27 @@ import torch
 from rlnb.algorithms import kl_penalty
 from rlnb.algorithms.contract import LM, check_algorithm
 from rlnb.algorithms.losses import masked_mean
-from rlnb.components.actor import ActorBase, with_settings
+from rlnb.components.actor_base import ActorBase, with_settings
 from rlnb.components.batches import LM_BATCH, LM_OPTIONAL, check_batch
 from rlnb.components.compile import StepCompiler
 from rlnb.components.launch import launcher
 from rlnb.components.lm.forward import CPU_LENGTH_BUCKETS, Forward
 from rlnb.components.lm.layout import decode_group, join_batches, micro_batches
-from rlnb.components.lm.lora import AdaptersOff, add_adapters
+from rlnb.components.lm.lora import AdaptersOff
 from rlnb.components.lm.sft import WarmStart, adamw
-from rlnb.components.lm.sharding import Sharded, local_part
 from rlnb.components.optim import ClipAndStep
 from rlnb.components.rollout import resolve_device
+from rlnb.components.strategy import Strategy, for_each_bucket
 from rlnb.config.checks import check_field
 from rlnb.config.schema import ActorConfig, LoRAConfig
 from rlnb.errors import ConfigError
-from rlnb.models.lm import DTYPES, base_lm, check_dtype, enable_checkpointing, hf_quiet, load_lm
+from rlnb.models.lm import DTYPES, base_lm, hf_quiet, load_lm
+from rlnb.runtime.collective import local_part
 from rlnb.runtime.rank import RankInfo, current_rank
 from rlnb.seeding import rank_seed
 
 
-class LMActor(Sharded, Forward, WarmStart, ActorBase):
+class LMActor(Forward, WarmStart, ActorBase):
     """Trains a causal LM: SFT warm start, then GRPO/PPO-clip updates with an optional KL to a frozen reference.
 
     Args:
@@ -120,7 +121,6 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         )  # (recorded as what trained)
         cfg = self.cfg
         torch.set_num_threads(cfg.torch_threads)
-        self.dtype = check_dtype(cfg.dtype, "actor.dtype")
         self.share_prompt_forward = share_prompt_forward
         self.skip_zero_advantage = cfg.skip_zero_advantage
         self.shared_forwards = 0  # micro-batches whose prompts went through the model once per prompt
@@ -134,30 +134,23 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         # passes a micro-batch's rows take, grouped by length (padding left out); one on a GPU, which
         # computes a padded position nearly for free next to a pass's fixed cost
         self.length_buckets = buckets or (1 if self.device.type == "cuda" else CPU_LENGTH_BUCKETS)
-        self._check_offload()
+        # parallelism, precision and memory levers: DDP or FSDP2, bf16, checkpointing, offload, LoRA
+        self.strategy = strategy = Strategy(cfg, self.device, self.rank, self.world_size)
+        self.dtype = strategy.dtype
         torch.manual_seed(seed)
         # FSDP2 over several ranks: built with no storage, each rank reads its own shards once sharded
-        self.shard_files = self._rank_by_rank(str(model_path))
-        # with LoRA the base is frozen: held in the compute precision (half the bytes in bf16), the adapters that
-        # train in float32 (PEFT's autocast_adapter_dtype); else float32 master weights
-        master = self.dtype if cfg.lora.rank > 0 else "float32"
-        self.policy, self.tok = load_lm(
-            model_path, self.device, dtype=master, empty=self.shard_files is not None
-        )
-        if cfg.lora.rank > 0:  # (only the adapters train; the reference is the model with them off)
-            self.policy, self.lora = add_adapters(self.policy.requires_grad_(True), cfg.lora), True
-        # (non-reentrant: the recomputed forward sees the same autocast and RNG)
+        empty = strategy.rank_by_rank(str(model_path)) is not None
+        self.policy, self.tok = load_lm(model_path, self.device, dtype=strategy.master_dtype, empty=empty)
+        self.policy = strategy.adapt(self.policy)  # (LoRA: only the adapters train; checkpointing)
         if cfg.gradient_checkpointing:
-            enable_checkpointing(self.policy)
-            self.policy.train()  # (transformers checkpoints in training mode only; the dropouts of its LMs are 0)
             self.share_prompt_forward = False  # (its prefix's KV cache is what checkpointing turns off)
         self.model = self.policy
         self.ref = None
-        if self.algo.kl_coef > 0:
+        if self.algo.kl_coef > 0:  # (with LoRA: the model with its adapters off, never a second copy)
             self.ref = (
                 AdaptersOff(self.policy)
-                if self.lora
-                else load_lm(model_path, self.device, dtype=self.dtype, empty=self.shard_files is not None)[0]
+                if strategy.lora
+                else load_lm(model_path, self.device, dtype=self.dtype, empty=empty)[0]
                 .eval()
                 .requires_grad_(False)
             )
@@ -193,23 +186,25 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
             for k, v in self.full_state().items()
         }
 
+    @property
+    def lora(self) -> bool:
+        """LoRA adapters on the model (``actor.lora.rank > 0``)."""
+        return self.strategy.lora
+
     def setup_data_parallel(self) -> str:
-        """Data-parallel over the actor's ranks: DDP, or with ``actor.strategy: fsdp2`` FSDP2 (:mod:`.sharding`)."""
-        return self._shard() if self.cfg.strategy == "fsdp2" else super().setup_data_parallel()
+        """Data-parallel over the actor's ranks: DDP, or with ``actor.strategy: fsdp2`` FSDP2 (the strategy's).
+        Sharded, every rank computes its micro-batches the same way (FSDP2 gathers each block's parameters in every
+        forward): one pass each, every row, no shared-prompt forward."""
+        made = super().setup_data_parallel()
+        if self.sharded:
+            self.length_buckets, self.share_prompt_forward, self.skip_zero_advantage = 1, False, False
+        return made
 
     def memory_stats(self) -> dict:
         """``memory/actor_state_bytes``: the bytes of parameters, gradients and optimizer state this rank holds
         (its local shards); ``memory/ref_bytes``: those of the KL reference model, where there is one of its own; on a GPU, ``memory/cuda_peak_bytes``: this process's peak allocation since the last
         call (which resets it), the rollout's too when it shares the process."""
-        tensors = [
-            *self.policy.parameters(),
-            *(p.grad for p in self.policy.parameters() if p.grad is not None),
-        ]
-        tensors += [
-            t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)
-        ]
-        held = (local_part(t) for t in tensors)  # (a sharded rank holds its shards)
-        out = {"memory/actor_state_bytes": sum(t.numel() * t.element_size() for t in held)}
+        out = {"memory/actor_state_bytes": self.strategy.held_bytes(self.policy, self.optimizer)}
         if self.ref is not None and not self.lora:  # (with LoRA the reference is the policy, adapters off)
             out["memory/ref_bytes"] = sum(
                 local_part(p).numel() * p.element_size() for p in self.ref.parameters()
@@ -224,7 +219,7 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         columns the update reads, and (where every batch has them) ``truncated`` (mask_truncated_completions)
         and each reward's scores apart (``reward_terms``, for ``sample_group``). Each batch is checked against
         :data:`~rlnb.components.batches.LM_BATCH` first."""
-        self._check_loaded()
+        self.strategy.check_loaded()
         for b in batches:
             check_batch(b, LM_BATCH, LM_OPTIONAL)
         optional = [k for k in ("truncated", "reward_terms", "reward_names") if all(k in b for b in batches)]
@@ -333,7 +328,7 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         rows, weight = self._rows_to_compute(idx)
         if not self.sharded and self.clip_and_step.optimizer is not self.optimizer:  # a subclass replaced it
             self.clip_and_step = ClipAndStep(self.optimizer)
-        self._zero_grad()
+        self.strategy.zero_grad(self.optimizer, self.clip_and_step)
         sums: dict[str, float] = {}
         micro = list(micro_batches(len(rows), self.micro_batch_size))
         # the ratio is to the behaviour policy when the batch is stale or the loss is decoupled
@@ -360,7 +355,7 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
             objective = self.step_compiler.fn if self.step_compiler is not None else self._objective
             mask = micro_batch["mask"]
             sync = self.world_size > 1 and i < len(micro) - 1
-            with self._gradient_sync(not sync):
+            with self.strategy.gradient_sync(self.model, not sync):
                 loss, m = objective(micro_batch)
                 # each micro-batch's share of the minibatch mean (tokens for token-mean, sequences otherwise)
                 share = float(mask.sum() / total_tokens if algo.agg == "token-mean" else len(j) / total_seqs)
@@ -374,7 +369,9 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         # the loss is the whole minibatch's (rows left out add 0); the loss's other metrics are means over
         # the rows computed (in one on-policy pass, ratio-based ones are the same for every row)
         metrics = {k: v if k == "loss" else v / max(computed_share, 1e-12) for k, v in sums.items()}
-        grad_norm = self._clip_and_step(self.max_grad_norm)
+        grad_norm = self.strategy.clip_and_step(
+            self.policy, self.optimizer, self.clip_and_step, self.max_grad_norm
+        )
         metrics["grad_norm"] = float(grad_norm) if math.isfinite(float(grad_norm)) else float("nan")
         metrics["rows_computed_frac"] = len(rows) * weight / max(1, len(idx))
         return metrics
@@ -405,7 +402,7 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         """Forward and loss of one micro-batch (tensors ``[m, L]``): what ``actor.compile`` compiles, its
         backward with it."""
         algo, mask = self.algo, micro_batch["mask"]
-        with self._precision():  # (log-probs come out in float32 either way)
+        with self.strategy.precision():  # (log-probs come out in float32 either way)
             logp = self._token_logprobs(
                 self.model, micro_batch["input_ids"], micro_batch["attention_mask"], mask
             )
@@ -466,6 +463,39 @@ class LMActor(Sharded, Forward, WarmStart, ActorBase):
         with hf_quiet():
             self.policy.save_pretrained(path)
         return str(path)
+
+    def reset_reference(self) -> None:
+        """The KL reference becomes the policy as it is now (after the warm start). Sharded, shard to shard: both are
+        laid out alike, and nothing is gathered."""
+        if self.sharded and not self.lora:
+            self.ref.load_state_dict(self.policy.state_dict())
+        else:
+            self.ref.load_state_dict(self.full_state())
+
+    def _write_buckets(self, directory) -> None:
+        """A sharded model's weights as a Hugging Face checkpoint's safetensors files, one a bucket of
+        :meth:`state_buckets` (the master weights' precision), and their index, into ``directory`` (rank 0; the other
+        ranks give ``None`` and only gather; a failure to write is raised after the last bucket)."""
+        import json
+
+        from safetensors.torch import save_file
+
+        weight_map = {}
+
+        def write(i: int, bucket: dict) -> None:
+            name = f"model-{i + 1:05d}.safetensors"
+            directory.mkdir(parents=True, exist_ok=True)
+            save_file(
+                {k: v.contiguous() for k, v in bucket.items()}, directory / name, metadata={"format": "pt"}
+            )
+            weight_map.update(dict.fromkeys(bucket, name))
+
+        for_each_bucket(
+            self.state_buckets(for_rollout=False, tied=False), write if directory is not None else None
+        )
+        if directory is not None:
+            index = {"metadata": {"total_size": self.strategy.last_sync["bytes"]}, "weight_map": weight_map}
+            (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
     def _rest_state(self) -> dict:
         return {**super()._rest_state(), "ref": self.ref.state_dict() if self.ref is not None else None}

@@ -4,13 +4,12 @@ Every path returns float32 log-probs ``[B, L]`` (exact at response positions, al
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 
 from rlnb.components.lm.layout import micro_batches
-from rlnb.models.lm import DTYPES, first_response_column, shared_prompt_logprobs, token_logprobs
+from rlnb.models.lm import first_response_column, shared_prompt_logprobs, token_logprobs
 
 log = logging.getLogger("rlnb")
 
@@ -26,13 +25,6 @@ class Forward:
     """A mixin of :class:`rlnb.components.LMActor` (it holds ``dtype``, ``device``, ``temperature``,
     ``micro_batch_size``, ``share_prompt_forward``, ``length_buckets`` and ``step_compiler``)."""
 
-    def _precision(self):
-        """The context the model's forward runs in: bf16 autocast for ``dtype="bfloat16"`` (the weights stay
-        float32), else nothing."""
-        if self.dtype == "float32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=DTYPES[self.dtype])
-
     @torch.no_grad()
     def _logprobs(self, model, b: dict, rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, L]`` log-probs of the batch under ``model``; with ``rows``, of those rows only (0 elsewhere)."""
@@ -46,7 +38,7 @@ class Forward:
         out = []
         for sl in micro_batches(b["input_ids"].shape[0], self.micro_batch_size):
             ids, attn = b["input_ids"][sl].to(self.device), b["attention_mask"][sl].to(self.device)
-            with self._precision():
+            with self.strategy.precision():
                 logp = self._token_logprobs(model, ids, attn, b["response_mask"][sl].to(self.device))
             out.append(logp.cpu())
         return torch.cat(out)

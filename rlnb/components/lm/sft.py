@@ -55,7 +55,7 @@ class WarmStart:
         with probability ``wrong_prob``: an imperfect teacher, wrong on every problem now and then
         (``wrong_prompts``: its own contexts of them, where they differ).
         """
-        self._check_loaded()
+        self.strategy.check_loaded()
         rows, marks = self._sft_rows(prompts, answers)
         if wrong_answers is not None:
             wrong_rows, wrong_marks = self._sft_rows(wrong_prompts or prompts, wrong_answers)
@@ -76,7 +76,7 @@ class WarmStart:
                 attn[idx].to(self.device),
                 target[idx].to(self.device),
             )
-            with self._precision():
+            with self.strategy.precision():
                 logp = token_logprobs(self.model, b_ids, b_attn)  # (b, L), float32
             loss = -masked_mean(logp, b_tgt)
             opt.zero_grad(set_to_none=True)

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from rlnb.components.lm.sharding import is_sharded
-from rlnb.models.lm import DTYPES, hf_quiet
+from rlnb.runtime.collective import is_sharded
 
 
 def checkpoint_files(ref: str) -> list[Path] | None:
@@ -29,16 +28,6 @@ def checkpoint_files(ref: str) -> list[Path] | None:
         return [local / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     single = local / "model.safetensors"
     return [single] if single.is_file() else None
-
-
-def empty_lm(ref: str, dtype: str = "float32") -> torch.nn.Module:
-    """The causal LM of ``ref`` (a model directory) with no storage: every parameter and buffer on the meta device,
-    in ``dtype`` (a name of :data:`rlnb.models.lm.DTYPES`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(ref)
-    with torch.device("meta"), hf_quiet():
-        return AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
 
 
 def _tensors_and_names(model: torch.nn.Module) -> list[tuple[torch.Tensor, list[str]]]:

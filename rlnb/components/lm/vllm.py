@@ -28,7 +28,7 @@ import torch
 
 from rlnb.components.lm.layout import pad_left, pad_right
 from rlnb.components.lm.rollout import LMRollout
-from rlnb.components.lm.sharding import weight_buckets
+from rlnb.components.strategy import weight_buckets
 from rlnb.config.sections_lm import VLLMConfig
 from rlnb.errors import ConfigError
 from rlnb.models.lm import load_tokenizer, prompt_ids

@@ -240,7 +240,7 @@ def _shared_prompt_update_cuda(path: str, batch: dict, device: str = "cuda") -> 
 
 
 def check_vllm_rollout(work: Path) -> dict:
-    from rlnb.gpu_check import Skip
+    from rlnb.gpu_check.base import Skip
 
     if importlib.util.find_spec("vllm") is None:
         raise Skip(

@@ -53,7 +53,7 @@ def check_remote_dask_cuda_scheduler(work: Path, device: str = "cuda") -> dict:
     the command line, non-daemonic workers, ``rlnb.Cluster(address)``; PPO CartPole and GRPO on its slot."""
     import rlnb
     from rlnb.cluster import DaskProcesses
-    from rlnb.gpu_check import _ppo
+    from rlnb.gpu_check.base import _ppo
 
     gpu = device == "cuda"
     env = {"DASK_DISTRIBUTED__WORKER__DAEMON": "False"}

