@@ -62,6 +62,24 @@ def test_a_run_directory_owned_by_another_user_or_writable_by_others_is_refused(
     assert not (theirs / ".lock").exists() and not (shared / ".lock").exists()
 
 
+def _without_root_powers() -> list[str]:
+    """A prefix running a command without root's power to write anywhere (root ignores a directory's mode)."""
+    if os.geteuid() != 0:
+        return []
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all"]
+
+
+def test_a_read_only_run_directory_is_said_naming_the_key_not_a_traceback(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o500)
+    r = subprocess.run([*_without_root_powers(), *RLNB, "run", "ppo_cartpole", "--run-dir", str(run_dir), *OFFLINE],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert f"runner.run_dir: {run_dir} is not writable by this user" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (run_dir / ".lock").exists()
+
+
 def test_metrics_file_that_is_a_directory_is_refused_naming_it(tmp_path):
     (tmp_path / "metrics.jsonl").mkdir(parents=True)
     tmp_path.chmod(0o700)
