@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from rlnb.config import Recipe, RecipeError, field_docs, load_recipe, to_dict, to_yaml
+from rlnb.config.loader import recipe_path
 from rlnb.errors import ConfigError
 
 
@@ -128,3 +129,43 @@ def test_env_ids_in_module_form_import_their_module_and_are_checked():
         load_recipe("ppo_cartpole", ["env.id=rlnb.testing:rlnb-test/NaNRewrd-v0"])
     with pytest.raises(ConfigError, match=r"module 'no_such_module' does not import"):
         load_recipe("ppo_cartpole", ["env.id=no_such_module:Env-v0"])
+
+
+def test_a_recipe_names_its_family_and_older_recipes_are_read_as_the_family_they_ran(tmp_path, caplog):
+    old = tmp_path / "old.yaml"  # written before families: `loop:` named the loop class
+    old.write_text("loop: embodied\nenv:\n  num_envs: 4\n")
+    assert load_recipe(old).family == "ppo"
+    bundled = recipe_path("grpo_arith").read_text()
+    assert "family: grpo\n" in bundled
+    old.write_text(bundled.replace("family: grpo\n", "loop: grpo\n"))
+    assert load_recipe(old).family == "grpo"
+    silent = tmp_path / "silent.yaml"  # no family at all: inferred once from the rollout's backend, and said
+    silent.write_text(bundled.replace("family: grpo\n", ""))
+    with caplog.at_level("WARNING", logger="rlnb"):
+        assert load_recipe(silent).family == "grpo"
+    assert "names no family; rollout.backend=hf runs family: grpo" in caplog.text
+    with pytest.raises(RecipeError, match=r"loop: expected one of .* got 'ppo2'"):
+        load_recipe(silent, ["loop=ppo2"])
+    with pytest.raises(RecipeError, match=r"rollout.backend: family: grpo samples an LM"):
+        load_recipe("ppo_cartpole", ["family=grpo"])
+
+
+def test_a_section_of_another_family_is_refused_naming_its_key_not_ignored(tmp_path):
+    """A PPO recipe setting ``data.*`` (GRPO's prompts) would run with it ignored without a word."""
+    with pytest.raises(
+        RecipeError, match=r"data.prompts_per_step: the data section is read by family grpo only"
+    ):
+        load_recipe("ppo_cartpole", ["data.prompts_per_step=8"])
+    with pytest.raises(RecipeError, match=r"env.num_envs: the env section is read by family ppo only"):
+        load_recipe("grpo_arith", ["env.num_envs=3"])
+    with pytest.raises(
+        RecipeError, match=r"reward.name: the reward section .* \(remove it, or set family: grpo\)"
+    ):
+        load_recipe("ppo_mujoco", ["reward.name=math"])
+    for name in (
+        "ppo_cartpole",
+        "grpo_arith",
+    ):  # a run directory's recipe.yaml holds every section: read back
+        written = tmp_path / f"{name}.yaml"
+        written.write_text(to_yaml(load_recipe(name)))
+        assert to_dict(load_recipe(written)) == to_dict(load_recipe(name))

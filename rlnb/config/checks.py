@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from rlnb.errors import did_you_mean
 
 LM_BACKENDS = ("hf", "vllm")  # rollout.backend values of the GRPO family
+# the recipe sections one family alone reads (the others, cluster to rollout, every family reads): a recipe of
+# another family that sets one would have it ignored without a word
+FAMILY_SECTIONS = {"ppo": ("env",), "grpo": ("reward", "data")}
 # LM backends that generate whole completions: asynchronous mode sends them weights between batches
 WHOLE_COMPLETION_BACKENDS = ("vllm",)
 SFT_TURN_FIELDS = ("expression", "answer", "a", "op", "b")  # data.sft_turns' names for arithmetic problems
@@ -21,6 +24,19 @@ def infer_family(backend: str) -> str:
 
 
 OLD_LOOPS = {"embodied": "ppo", "grpo": "grpo", "auto": "auto"}  # ``loop:`` of recipes before families
+
+
+def changed_keys(section, prefix: str) -> list[str]:
+    """The dotted keys of ``section`` (a recipe section's dataclass) whose values differ from its defaults."""
+    default = type(section)()
+    out = []
+    for f in dataclasses.fields(section):
+        mine, theirs = getattr(section, f.name), getattr(default, f.name)
+        if dataclasses.is_dataclass(mine) and type(mine) is type(theirs):
+            out += changed_keys(mine, f"{prefix}{f.name}.")
+        elif mine != theirs:
+            out.append(f"{prefix}{f.name}")
+    return out
 
 
 def need(errs: list[str], ok, key: str, expected: str, given) -> None:

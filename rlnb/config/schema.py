@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rlnb.config.checks import LM_BACKENDS, bounded, bounds_errors, need
+from rlnb.config.checks import FAMILY_SECTIONS, LM_BACKENDS, bounded, bounds_errors, changed_keys, need
 from rlnb.config.sections_lm import DataConfig, RewardConfig, RolloutConfig
 from rlnb.errors import ConfigError, did_you_mean
 
@@ -547,6 +547,14 @@ class Recipe:
                 f"rollout.backend: family: ppo runs a policy on environments (rollout.backend policy), got "
                 f"{self.rollout.backend!r}; an LM trains with family: grpo"
             )
+        for family, names in FAMILY_SECTIONS.items():
+            for name in names if family != self.family else ():
+                changed = changed_keys(getattr(self, name), f"{name}.")
+                if changed:
+                    errs.append(
+                        f"{changed[0]}: the {name} section is read by family {family} only; this recipe runs "
+                        f"family {self.family}, which would ignore it (remove it, or set family: {family})"
+                    )
         for section in (self.runner, self.data, self.algorithm, self.actor, self.rollout, self.env, self.reward,
                         self.cluster):  # fmt: skip
             errs += section.check(self)
