@@ -12,7 +12,7 @@ TEST_WORKERS ?= 2
 # (no bytecode compiled at install: what is imported compiles then, a fraction of the seconds compiling every file)
 PIP := pip install --quiet --no-compile
 
-.PHONY: setup setup-vllm setup-system demo test test-fast test-python notebooks lint docs format bench clean gpu-site \
+.PHONY: setup setup-vllm setup-system demo test test-fast test-python notebooks notebook-copies lint docs format bench clean gpu-site \
 	gpu-check gpu-bench gpu-wheels
 
 setup: $(VENV)/.installed
@@ -54,18 +54,21 @@ $(VLLM_VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/rlnb run recipes/ppo_cartpole.yaml
 
-# the tests, then the notebooks under nbmake, then the docs build, which renders the executed notebooks
-test: setup setup-system lint $(if $(GPU_EXTRAS),,setup-vllm)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
-	$(MAKE) notebooks
+# the tests and the notebooks (nbmake) in one session, a file to a process, the longest first; then the docs build,
+# which renders the executed notebooks
+test: setup setup-system lint $(if $(GPU_EXTRAS),,setup-vllm) notebook-copies
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=15 --nbmake --overwrite tests build/notebooks
 	$(MAKE) docs
 
 # the notebooks as `pytest --nbmake notebooks/` runs them (each ends in a cell of checks, tagged `check`), on
 # copies in build/notebooks that --overwrite leaves executed, outputs included, for the docs site
-notebooks: setup
+notebooks: setup notebook-copies
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --nbmake --overwrite build/notebooks
+
+notebook-copies:
 	rm -rf build/notebooks && mkdir -p build/notebooks
 	cp notebooks/*.ipynb notebooks/conftest.py build/notebooks/
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --nbmake --overwrite build/notebooks
 
 # day-to-day: the tests but the slow ones (notebooks, the browser, long training runs, compiling), a few minutes
 test-fast: setup

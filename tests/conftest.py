@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# a torch thread per process (what the components' torch_threads default to, the driver too): two test processes
+# side by side on 2 cores, each spinning a thread per core, slowed the suite ~15 % more under another program's load
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # this session's own temporary directory: whatever the tests start (workers, kernels, CLI runs) makes its
 # temporary files there, so a check for leftovers looks at what this session made, not at other programs' /tmp
 # (pytest's own tmp_path directories stay where they were: paths under them must stay short enough for the Unix
@@ -49,18 +52,29 @@ SLOW_TESTS = {
 }
 
 
-# the modules that take longest as a whole go first: run side by side (make test: pytest-xdist, whole modules to a
-# process), the suite's end then waits on no one of them alone
-FIRST = ("test_vllm", "test_browser", "test_lm_modes", "test_precision")
+# a notebook the browser tests open in JupyterLab, not one to run as a test (under --nbmake)
+collect_ignore = ["browser"]
+
+# the files that take longest as a whole go first: run side by side (make test: pytest-xdist, whole files to a
+# process, the notebooks too), the suite's end then waits on no one of them alone
+FIRST = (
+    "test_vllm",
+    "02_grpo_arithmetic",
+    "test_browser",
+    "test_lm_modes",
+    "07_async_steering_mujoco",
+    "test_precision",
+)
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        if module in SLOW_MODULES or item.originalname in SLOW_TESTS:
+        if Path(item.path).parent.name == "tests" and (
+            item.path.stem in SLOW_MODULES or getattr(item, "originalname", None) in SLOW_TESTS
+        ):
             item.add_marker(pytest.mark.slow)
     order = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: order.get(item.module.__name__.rsplit(".", 1)[-1], len(FIRST)))  # (stable)
+    items.sort(key=lambda item: order.get(item.path.stem, len(FIRST)))  # (stable)
 
 
 def has_cuda() -> bool:
