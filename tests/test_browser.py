@@ -105,6 +105,24 @@ def _open(page, url: str, timeout_s: float = 60) -> None:
             time.sleep(0.5)
 
 
+def _close_dialogs(page) -> list[str]:
+    """Accept the dialogs JupyterLab put over the notebook (a kernel to pick, a server slow to answer under
+    load: seen on CI, where one took every click), returning what each said."""
+    said = []
+    for _ in range(5):
+        dialog = page.locator(".jp-Dialog")
+        if not dialog.count() or not dialog.first.is_visible():
+            break
+        said.append(" ".join(dialog.first.inner_text().split()))
+        accept = dialog.first.locator(".jp-Dialog-button.jp-mod-accept")
+        if accept.count():
+            accept.first.click(timeout=10_000)
+        else:
+            page.keyboard.press("Escape")
+        page.wait_for_timeout(500)
+    return said
+
+
 def _step(text: str) -> int:
     m = re.search(r"step (\d+)/", text)
     return int(m.group(1)) if m else -1
@@ -221,15 +239,19 @@ def test_dashboard_curves_stream_in_jupyterlab(tmp_path):
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             _open(page, f"http://127.0.0.1:{port}/lab/tree/{NOTEBOOK.name}?token=rlnb-test", timeout_s=120)
             label = page.get_by_text(re.compile(r"step \d+/60"))
+            dialogs = []
             for attempt in range(3):  # a keypress before the notebook or its kernel is ready can be lost
-                page.locator(".jp-Notebook .jp-Cell").first.click()
-                page.keyboard.press("Shift+Enter")
                 try:
+                    dialogs += _close_dialogs(page)
+                    page.locator(".jp-Notebook .jp-Cell").first.click(timeout=30_000)
+                    page.keyboard.press("Shift+Enter")
                     label.wait_for(timeout=90_000)
                     break
-                except PlaywrightTimeout:
+                except PlaywrightTimeout as e:
                     if attempt == 2:
-                        raise
+                        raise AssertionError(
+                            f"no step shown; JupyterLab's dialogs on the way: {dialogs}"
+                        ) from e
             seen, deadline = [], time.time() + 300
             while not seen or (seen[-1][0] < 30 and time.time() < deadline):
                 step, points, spread = page.evaluate(SNAPSHOT)

@@ -383,14 +383,19 @@ def test_workers_reuse_freed_memory_instead_of_mapping_each_tensor(echo):
     import subprocess
     import sys
 
-    code = "from rlnb.testing import mmapped_bytes_of_a_1mib_tensor as f; print(f())"
-    env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": "65536"}  # what a Dask worker starts with
+    code = "from rlnb.testing import mmapped_bytes_of_an_8mib_tensor as f; print(f())"
+    tuning = ("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD")  # (a machine's own allocator settings, left out)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(tuning)}
+    env["MALLOC_TRIM_THRESHOLD_"] = "65536"  # what a Dask worker starts with
     untuned = max(  # (three tries: another allocation of the process may land between the counts once)
         int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout)
         for _ in range(3)
     )
-    assert untuned >= 1 << 20  # the check can tell: a fresh mapping for the tensor
-    assert echo.mmapped_bytes_of_a_1mib_tensor().result(30) == [0, 0]
+    if untuned < 1 << 20:  # (seen once on CI, 0 three times: the check cannot tell there)
+        pytest.skip(
+            f"this C library mapped {untuned} bytes for a new 1 MiB tensor under Dask's setting, not a fresh block"
+        )
+    assert echo.mmapped_bytes_of_an_8mib_tensor().result(30) == [0, 0]
 
 
 def test_calls_work_with_file_descriptors_above_1024(cluster):
