@@ -121,6 +121,41 @@ def test_a_token_sent_a_byte_at_a_time_does_not_keep_a_connection_open(one_slot)
         group.shutdown()
 
 
+def _slow_to_drop(delay_s, dask_worker=None):
+    """On the worker: a closed connection's thread gives its place back ``delay_s`` late (as under load, where
+    the thread of an evicted connection ran after the next accept); ``None`` undoes it."""
+    server = direct._SERVERS[dask_worker.address]
+    server.__dict__.pop("_drop", None)
+    if delay_s is not None:
+        drop = server._drop
+        server._drop = lambda conn: (time.sleep(delay_s), drop(conn))
+
+
+def test_connections_evicted_while_authenticating_make_room_at_once_not_when_their_thread_runs(one_slot):
+    """Under load a driver's connection was refused as over the cap (a WorkerLostError on CI) by connections
+    already evicted, their threads not yet run: an evicted connection gives its place back when evicted."""
+    group = rlnb.Group.launch(Echo, one_slot, "0", name="evicting")
+    address = group._links[0].address
+    one_slot.client.run(
+        _set_limits, None, {"RLNB_DIRECT_MAX_CONNECTIONS": "8"}
+    )  # one may authenticate at once
+    one_slot.client.run(_slow_to_drop, 5.0)
+    raw = []
+    try:
+        for _ in range(8):  # each evicts the one before it
+            raw.append(socket.create_connection(address, timeout=5))
+            time.sleep(0.05)
+        fresh = rlnb.Group.launch(Echo, one_slot, "0", name="after-evictions")
+        assert fresh.add(4).result(10) == [4]
+        fresh.shutdown()
+    finally:
+        one_slot.client.run(_slow_to_drop, None)
+        for s in raw:
+            s.close()
+        one_slot.client.run(_set_limits, None, {"RLNB_DIRECT_MAX_CONNECTIONS": "256"})
+        group.shutdown()
+
+
 def test_an_oversized_header_is_refused_before_anything_is_allocated(one_slot, monkeypatch):
     group = rlnb.Group.launch(Echo, one_slot, "0", name="big")
     link = group._links[0]

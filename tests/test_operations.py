@@ -523,3 +523,17 @@ def test_a_tensorboard_that_cannot_be_imported_is_said_once_not_silently_skipped
     said = [r.getMessage() for r in caplog.records if "TensorBoard cannot be imported" in r.getMessage()]
     assert len(said) == 1 and "runner.tensorboard=false" in said[0], said
     assert not (tmp_path / "a" / "tensorboard").exists() and (tmp_path / "a" / "metrics.jsonl").exists()
+
+
+def test_a_recipes_start_deadline_bounds_how_long_its_components_take_to_start(cluster, tmp_path):
+    """``cluster.start_timeout_s`` reaches every component's launch (a vLLM engine's start on a loaded machine
+    took past the 120 s it was fixed at): a deadline no rank can meet is said naming it, the ranks given back."""
+    before = len(cluster.client.scheduler_info()["workers"])
+    overrides = ["cluster.start_timeout_s=0.001", "runner.tensorboard=false"]
+    with pytest.raises(rlnb.errors.RemoteTimeoutError, match=r"did not start within 0.001 s"):
+        Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path / "run")
+    with Loop.from_recipe(
+        "ppo_cartpole", ["runner.tensorboard=false"], cluster=cluster, run_dir=tmp_path / "ok"
+    ) as loop:
+        loop.step_once()  # the cluster is as it was
+    assert len(cluster.client.scheduler_info()["workers"]) == before

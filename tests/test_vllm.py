@@ -73,6 +73,9 @@ else:
     DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     # vLLM's CPU attention takes head sizes of 32 and up: 128 wide, 2 heads
     TINY = {"hidden_size": 128, "num_layers": 1, "num_heads": 2}
+    # a vLLM engine's start on a worker: imports and engine processes, past the default 120 s on a loaded 2-core
+    # machine (seen on a fresh clone beside another program)
+    START = "cluster.start_timeout_s=600"
 
     @pytest.fixture(scope="module")
     def model(tmp_path_factory):
@@ -201,7 +204,7 @@ else:
             "actor.sft_steps=60", "data.prompts_per_step=4", "algorithm.group_size=4", "data.eval_size=8",
             "runner.tensorboard=false", f"actor.model_path={tmp_path / 'model'}",
             *(f"actor.tiny_lm.{k}={v}" for k, v in TINY.items()),
-            "cluster.component_placement={'actor,rollout,reward': 0}",
+            "cluster.component_placement={'actor,rollout,reward': 0}", START,
         ]  # fmt: skip
         if DEVICE == "cuda":
             overrides += ["actor.device=cuda", "rollout.device=cuda"]
@@ -233,7 +236,7 @@ else:
             "actor.sft_steps=20", "data.prompts_per_step=4", "algorithm.group_size=4", "runner.eval_interval=0",
             "runner.tensorboard=false", f"actor.model_path={tmp_path / 'model'}", "algorithm.max_staleness=1",
             *(f"actor.tiny_lm.{k}={v}" for k, v in TINY.items()),
-            "cluster.component_placement={'rollout,reward': 0, actor: 1}",
+            "cluster.component_placement={'rollout,reward': 0, actor: 1}", START,
         ]  # fmt: skip
         with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
             records = loop.run(progress=False)

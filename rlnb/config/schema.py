@@ -33,6 +33,13 @@ class ClusterConfig:
     """Component (or comma-joined components) -> slots: ``0-1``, ``2,3``, ``all``, ``{node_group: sim, slots: 0-1}``."""
     call_timeout_s: float = bounded(600.0, 0, 1e7, low_open=True)
     """Timeout of every remote call (seconds); a hung or dead worker surfaces as an error after at most this."""
+    start_timeout_s: float = bounded(120.0, 0, 1e5, low_open=True)
+    """How long a component's ranks may take to start (seconds): its import and construction on the workers, a
+    vLLM engine's start included (minutes on a loaded 2-core machine)."""
+
+    def deadlines(self) -> dict[str, float]:
+        """The components' deadlines, as their ``launch`` takes them."""
+        return {"call_timeout_s": self.call_timeout_s, "start_timeout_s": self.start_timeout_s}
 
     def check(self, recipe: Recipe) -> list[str]:
         """A placement given, and a call deadline."""

@@ -113,6 +113,7 @@ class CallServer:
         self._host_conns: dict[str, set[socket.socket]] = {}
         self._busy: set[socket.socket] = set()  # of those, the ones answering a request now
         self._pending: dict[socket.socket, None] = {}  # accepted, token not read yet: oldest first
+        self._evicted: set[socket.socket] = set()  # closed as the oldest pending, their threads not done yet
         # the driver session each authenticated connection speaks for
         self._sessions: dict[socket.socket, str] = {}
         self._logged: set[str] = set()  # kinds of failure already logged (each is logged once)
@@ -235,13 +236,17 @@ class CallServer:
                 continue
             delay_s = 0.0
             with self._lock:
+                evicted = None
+                if len(self._pending) >= max(1, max_connections() // 8):
+                    evicted = next(iter(self._pending))
+                    del self._pending[evicted]
+                    # uncounted now, not when its thread gets round to closing it: under load that came after
+                    # the next accept, which found the cap full and refused a driver's connection
+                    self.connections -= 1
+                    self._evicted.add(evicted)
                 full = self.connections >= max_connections()
                 self.connections += not full
-                evicted = None
                 if not full:
-                    if len(self._pending) >= max(1, max_connections() // 8):
-                        evicted = next(iter(self._pending))
-                        del self._pending[evicted]
                     self._pending[conn] = None
             if evicted is not None:  # (its thread's read fails: it ends and closes it)
                 self._log_once("evict", "too many connections authenticating at once; closing the oldest")
@@ -274,7 +279,10 @@ class CallServer:
 
     def _closed_connection(self, conn: socket.socket) -> None:
         with self._lock:
-            self.connections -= 1
+            if conn in self._evicted:  # (uncounted when it was evicted)
+                self._evicted.discard(conn)
+            else:
+                self.connections -= 1
             self._sessions.pop(conn, None)
 
     def _drop(self, conn: socket.socket) -> None:

@@ -62,8 +62,9 @@ class Echo(demo.Echo):
 def mmapped_bytes_of_an_8mib_tensor() -> int:
     """Bytes glibc ``mmap``-ed to hold one new 8 MiB tensor (``mallinfo2().hblkhd`` before and after):
     ~8 MiB under Dask's ``MALLOC_TRIM_THRESHOLD_`` (each such tensor is a fresh mapping whose pages
-    fault in on first touch), 0 once freed heap memory is reused. (8 MiB, not less: a free chunk the imports
-    left in the heap can hold a smaller one, mapping nothing even untuned, as on one CI machine.)"""
+    fault in on first touch), 0 once freed heap memory is reused. (8 MiB, not less: compiling the modules on
+    their first import, as on a fresh clone, leaves free chunks in the heap that hold a 1 MiB one, mapping nothing
+    even untuned.)"""
     import ctypes
 
     class MallInfo2(ctypes.Structure):

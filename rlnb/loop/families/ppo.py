@@ -108,19 +108,19 @@ class PPO(Family):
         """The recipe path: the same public ``launch`` calls a notebook makes."""
         s = self.session
         r, cl, p = s.recipe, s.cluster, s.placement
-        timeout = r.cluster.call_timeout_s
+        deadlines = r.cluster.deadlines()
         s.groups["env"] = Env.launch(
-            cl, p["env"], config=r.env, seed=r.seed, gamma=r.algorithm.gamma, call_timeout_s=timeout
+            cl, p["env"], config=r.env, seed=r.seed, gamma=r.algorithm.gamma, **deadlines
         )
         s.groups["rollout"] = PolicyRollout.launch(
             cl, p["rollout"], model=r.actor.model, gamma=r.algorithm.gamma, seed=r.seed,
-            torch_threads=r.actor.torch_threads, device=r.rollout.device, call_timeout_s=timeout,
+            torch_threads=r.actor.torch_threads, device=r.rollout.device, **deadlines,
         )  # fmt: skip
         # registry entries resolved here travel by value: ones registered in a notebook cell work too
         advantage, loss = check_algorithm(EMBODIED, r.algorithm.advantage, r.algorithm.policy_loss)
         s.groups["actor"] = PPOActor.launch(
             cl, p["actor"], actor=r.actor, algorithm=r.algorithm, total_steps=r.runner.steps, seed=r.seed,
-            advantage=advantage, policy_loss=loss, call_timeout_s=timeout,
+            advantage=advantage, policy_loss=loss, **deadlines,
         )  # fmt: skip
 
     def bind(self) -> None:

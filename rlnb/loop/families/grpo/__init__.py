@@ -172,7 +172,7 @@ class GRPO(Family):
         """The recipe path: the same public ``launch`` calls a notebook makes."""
         s = self.session
         r, cl, p = s.recipe, s.cluster, s.placement
-        timeout, ro = r.cluster.call_timeout_s, r.rollout
+        deadlines, ro = r.cluster.deadlines(), r.rollout
         if ro.backend == "vllm":
             rollout_cls, extra = VLLMRollout, {"vllm": ro.vllm}
         else:
@@ -183,18 +183,18 @@ class GRPO(Family):
         if ro.max_turns > 1:  # the entry travels by value: one registered in a notebook cell works too
             extra.update(max_turns=ro.max_turns, interaction=check_interaction(ro.interaction, fields))
         s.groups["rollout"] = rollout_cls.launch(
-            cl, p["rollout"], call_timeout_s=timeout, model_path=self.model_path, max_new_tokens=ro.max_new_tokens,
+            cl, p["rollout"], **deadlines, model_path=self.model_path, max_new_tokens=ro.max_new_tokens,
             temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, seed=r.seed, device=ro.device,
             torch_threads=r.actor.torch_threads, **extra,
         )  # fmt: skip
         # registry entries resolved here travel by value: ones registered in a notebook cell work too
         advantage, loss = check_algorithm(LM, r.algorithm.advantage, r.algorithm.policy_loss)
         s.groups["actor"] = LMActor.launch(
-            cl, p["actor"], call_timeout_s=timeout, model_path=self.model_path, actor=r.actor, algorithm=r.algorithm,
+            cl, p["actor"], **deadlines, model_path=self.model_path, actor=r.actor, algorithm=r.algorithm,
             temperature=ro.temperature, seed=r.seed, advantage=advantage, policy_loss=loss,
         )  # fmt: skip
         s.groups["reward"] = RewardWorker.launch(
-            cl, p["reward"], call_timeout_s=timeout, weights=r.reward.weights, fields=fields,
+            cl, p["reward"], **deadlines, weights=r.reward.weights, fields=fields,
             fn=recipe_rewards(r.reward.name, r.reward.model_path, r.reward.model_batch_size),
         )  # fmt: skip
 
