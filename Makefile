@@ -6,9 +6,9 @@ VENV   ?= .venv
 # The CPU wheel of torch 2.13.0 lies on disk on our machines; elsewhere this pulls the PyPI build.
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
-# test processes: the suite runs its modules side by side (pytest-xdist), most of its time waiting on workers and
-# subprocesses rather than computing; the notebooks likewise
-TEST_WORKERS ?= 2
+# test processes: the suite runs its files side by side (pytest-xdist), much of its time waiting on workers and
+# subprocesses starting rather than computing, so three on 2 cores
+TEST_WORKERS ?= 3
 # (no bytecode compiled at install: what is imported compiles then, a fraction of the seconds compiling every file)
 PIP := pip install --quiet --no-compile
 
@@ -54,11 +54,12 @@ $(VLLM_VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/rlnb run recipes/ppo_cartpole.yaml
 
-# the tests and the notebooks (nbmake) in one session, a file to a process, the longest first; then the docs build,
-# which renders the executed notebooks
-test: setup setup-system lint $(if $(GPU_EXTRAS),,setup-vllm) notebook-copies
+# the set-up side by side (the two environments, the system packages), then the tests and the notebooks (nbmake)
+# in one session, a file to a process, the longest first; then the docs build, which renders the executed notebooks
+test:
+	$(MAKE) -j3 setup setup-system lint $(if $(GPU_EXTRAS),,setup-vllm) notebook-copies
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
-		--durations=15 --nbmake --overwrite tests build/notebooks
+		--durations=30 --nbmake --overwrite tests build/notebooks
 	$(MAKE) docs
 
 # the notebooks as `pytest --nbmake notebooks/` runs them (each ends in a cell of checks, tagged `check`), on
