@@ -321,8 +321,8 @@ def test_a_run_ahead_stops_where_the_driver_would_and_leaves_the_workers_in_step
             ends[run_ahead] = (loop.step, loop.steps_ahead)
     assert ends[True][0] == ends[False][0] < 40 and ends[True][1] > 0 and ends[False][1] == 0
     # steps of a few ms: the steps run ahead came in blocks, fewer requests than steps (how many fewer depends on
-    # the driver's pace against the worker's: a half here, 5 for 9 on a fresh clone beside another program)
-    assert 0 < len(requests) < ends[True][1] and max(len(r.chains) for r in requests) > 2
+    # the driver's pace against the worker's: a half alone, 5 or 7 for 9 with three test processes on 2 cores)
+    assert 0 < len(requests) < ends[True][1] and max(len(r.chains) for r in requests) >= 2
 
     requests.clear()  # a driver slower than the worker (a listener taking 40 ms a step) paces the blocks
     with collocated_loop(cluster, tmp_path / "paced", steps=16, update_epochs=1) as loop:
