@@ -126,6 +126,10 @@ def _open_bucket(kind: str, payload) -> dict[str, torch.Tensor]:
     raise ValueError(f"rlnb_load_weights: unknown kind {kind!r}")
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _check_cpu_head_size(model_path: str, config) -> None:
     """vLLM's CPU attention runs a few head sizes only: refuse another before the engine starts (it would fail at
     its first step), naming what to change."""
@@ -135,7 +139,7 @@ def _check_cpu_head_size(model_path: str, config) -> None:
         supported = CPUAttentionBackend.get_supported_head_sizes()
     except (ImportError, AttributeError):  # (another vLLM's layout: its engine says it)
         return
-    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head = _head_dim(config)
     if head not in supported:
         raise ConfigError(
             f"actor.model_path: {model_path} has attention heads of size {head}, and vLLM's CPU build runs "
@@ -152,7 +156,7 @@ def cpu_kv_cache_bytes(config, cfg: VLLMConfig) -> int:
     """The KV cache an engine on CPUs takes when ``vllm.kv_cache_bytes`` is not set: what ``max_num_seqs``
     sequences of the model's whole context need (keys and values of every layer), at most
     ``gpu_memory_utilization`` of the host's memory."""
-    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head = _head_dim(config)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dtype = cfg.dtype if cfg.dtype != "auto" else str(getattr(config, "torch_dtype", None) or "float32")
     item = 4 if "32" in dtype else 2
