@@ -537,3 +537,35 @@ def test_a_recipes_start_deadline_bounds_how_long_its_components_take_to_start(c
     ) as loop:
         loop.step_once()  # the cluster is as it was
     assert len(cluster.client.scheduler_info()["workers"]) == before
+
+
+class _StartsAChildThenHangs:
+    """A component whose start begins a child process (as a vLLM engine does) and then takes longer than its
+    rank's start deadline."""
+
+    def __init__(self, pid_file: str):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        Path(pid_file).write_text(str(child.pid))
+        time.sleep(600)
+
+
+def test_processes_a_worker_started_end_when_the_cluster_closes_after_a_start_given_up_on(tmp_path):
+    """A vLLM rank whose start passed its deadline left the engine's processes (and their shared memory) running
+    after the run: what the workers started ends with the embedded cluster."""
+    import psutil
+
+    from rlnb.runtime.group import Group
+
+    pid_file = tmp_path / "child.pid"
+    with rlnb.Cluster(slots=1, gpus=False) as c:
+        with pytest.raises(rlnb.errors.RemoteTimeoutError, match="did not start within"):
+            Group.launch(_StartsAChildThenHangs, c, "0", args=(str(pid_file),), start_timeout_s=5)
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        child = psutil.Process(int(pid_file.read_text()))
+    try:
+        child.wait(timeout=10)
+    except psutil.TimeoutExpired:
+        child.kill()
+        pytest.fail("the child process a worker started outlived the cluster")

@@ -26,6 +26,33 @@ log = logging.getLogger("rlnb")
 _CAPACITY_RESOURCES = {"GPU", "CPU", "MEMORY", "gpu", "cpu", "memory", "TPU"}
 
 
+def _descendants(pids: list[int]) -> list:
+    """The processes below ``pids`` (children, theirs, ...), as ``psutil.Process`` objects."""
+    import psutil
+
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            found += psutil.Process(pid).children(recursive=True)
+    return found
+
+
+def _end_processes(procs: list, grace_s: float = 5.0) -> None:
+    """SIGTERM those of ``procs`` still running, then SIGKILL what is left after ``grace_s`` (one bound for all)."""
+    import psutil
+
+    alive = [p for p in procs if p.is_running()]
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, left = psutil.wait_procs(alive, timeout=grace_s)
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    if alive:
+        log.info("ended %d process(es) the cluster's workers had started and left running", len(alive))
+
+
 @dataclass(frozen=True)
 class Slot:
     """One device: a GPU worker when the cluster has GPUs, else one CPU worker process.
@@ -611,8 +638,12 @@ class Cluster:
                     if slot.address in self.unresponsive and slot.pid:
                         with contextlib.suppress(OSError):
                             os.kill(slot.pid, signal.SIGKILL)
+                # what the workers started (a vLLM engine still starting when its rank's start was given up on)
+                # outlives a killed worker, holding memory and shared-memory segments: ended after the workers
+                children = _descendants([slot.pid for slot in self.slots if slot.pid])
                 self._local.close()
                 self._local = None
+                _end_processes(children)
 
     def save_credentials(self, directory: str | os.PathLike) -> Path:
         """Write the embedded cluster's TLS credentials into ``directory`` (created ``0700``, files ``0600``), so
