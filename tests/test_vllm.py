@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +40,19 @@ def test_an_engine_on_cpus_takes_the_kv_cache_its_sequences_need_not_a_share_of_
         cpu_kv_cache_bytes(tiny, VLLMConfig(dtype="bfloat16", max_num_seqs=4096))
         == 4096 * 128 * 2 * 2 * 64 * 2
     )
+    # a checkpoint's own dtype (``auto``), read without transformers' log that ``torch_dtype`` is deprecated (once
+    # a process: a fresh one)
+    probe = (
+        "from transformers import Qwen2Config\n"
+        "from rlnb.components.lm.vllm import cpu_kv_cache_bytes\n"
+        "from rlnb.config.sections_lm import VLLMConfig\n"
+        "half = Qwen2Config(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,\n"
+        "                   max_position_embeddings=128, dtype='bfloat16')\n"
+        "print(cpu_kv_cache_bytes(half, VLLMConfig(max_num_seqs=4096)))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert r.stdout.split() == [str(4096 * 128 * 2 * 2 * 64 * 2)] and "deprecated" not in r.stderr, r.stderr
     big = Qwen2Config(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                       max_position_embeddings=32768)  # (Qwen2.5-1.5B: 245 GB for 256 whole contexts)  # fmt: skip
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -152,13 +152,19 @@ def _check_cpu_head_size(model_path: str, config) -> None:
 MIN_CPU_KV_CACHE_BYTES = 64 * 2**20  # (a few blocks of vLLM's CPU cache for the smallest model)
 
 
+def _config_dtype(config):
+    """A transformers config's dtype: ``dtype`` where it has one (reading ``torch_dtype`` there warns that it is
+    deprecated), ``torch_dtype`` in releases before it."""
+    return getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+
+
 def cpu_kv_cache_bytes(config, cfg: VLLMConfig) -> int:
     """The KV cache an engine on CPUs takes when ``vllm.kv_cache_bytes`` is not set: what ``max_num_seqs``
     sequences of the model's whole context need (keys and values of every layer), at most
     ``gpu_memory_utilization`` of the host's memory."""
     head = _head_dim(config)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    dtype = cfg.dtype if cfg.dtype != "auto" else str(getattr(config, "torch_dtype", None) or "float32")
+    dtype = cfg.dtype if cfg.dtype != "auto" else str(_config_dtype(config) or "float32")
     item = 4 if "32" in dtype else 2
     per_token = 2 * config.num_hidden_layers * kv_heads * head * item
     need = cfg.max_num_seqs * config.max_position_embeddings * per_token
