@@ -59,7 +59,7 @@ demo: setup
 test:
 	$(MAKE) -j3 setup setup-system lint $(if $(GPU_EXTRAS),,setup-vllm) notebook-copies
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
-		--durations=60 --nbmake --overwrite tests build/notebooks
+		--durations=100 --nbmake --overwrite tests build/notebooks
 	$(MAKE) docs
 
 # the notebooks as `pytest --nbmake notebooks/` runs them (each ends in a cell of checks, tagged `check`), on
