@@ -17,22 +17,19 @@ PIP := pip install --quiet --no-compile
 
 setup: $(VENV)/.installed
 
-# what the tests need from the system: Debian's chromium for the real-browser tests. Installed with apt where this
-# runs as root (CI, a fresh machine); elsewhere it says what is missing, and those tests skip with that reason.
+# what the tests need from the system (Debian's chromium for the real-browser tests, a Vulkan driver for ManiSkill's
+# simulator): installed with apt where this runs as root (CI, a fresh machine); elsewhere it says what is missing,
+# and those tests skip with that reason
 setup-system:
-	@if command -v chromium >/dev/null 2>&1; then :; \
-	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
-			|| echo "note: chromium could not be installed; the browser tests will skip"; \
-	else echo "note: no chromium (as root: apt-get install chromium); the browser tests will skip"; fi
+	@bash .ci/setup-system
 
 # on a machine with an NVIDIA GPU, the GPU extras too, so their tests run instead of skipping
-GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo ",cuda,vllm,maniskill")
+GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo ",cuda,vllm")
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/$(PIP) "$(TORCH)"
-	$(BIN)/$(PIP) -e ".[dev$(GPU_EXTRAS)]"
+	$(BIN)/$(PIP) -e ".[dev,maniskill$(GPU_EXTRAS)]"
 	# (ipykernel stages the spec in a temporary directory it leaves behind, empty: staged in one removed here)
 	t=$$(mktemp -d) && TMPDIR=$$t $(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null; \
 		s=$$?; rm -rf "$$t"; exit $$s
