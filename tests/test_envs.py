@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import rlnb
 from rlnb.components import Env
 from rlnb.config import EnvConfig
 from rlnb.errors import ConfigError
@@ -393,19 +394,77 @@ def test_an_env_class_with_spaces_the_component_cannot_take_is_refused_naming_th
     assert info.value.key == member
 
 
-def test_maniskills_cpu_simulation_with_more_than_one_env_a_process_is_refused_naming_the_key():
-    """ManiSkill's CPU simulation (physx_cpu, for a machine without SAPIEN's GPU PhysX library) runs one env in a
-    process: more is refused naming env.num_envs, by the recipe before anything starts and by the env component
-    before ManiSkill is imported (it is not installed here); one env, or the GPU simulation, is not."""
-    from rlnb.config import load_recipe
-    from rlnb.config.loader import RecipeError
-    from rlnb.envs.gym_envs import ManiSkillVector
+def _maniskill_skip_reason() -> str | None:
+    from rlnb.envs.gym_envs import maniskill_problem
 
-    with pytest.raises(
-        RecipeError, match=r"env.num_envs: ManiSkill's CPU simulation .*physx_cpu.* got env.num_envs=8"
+    return maniskill_problem("PickCube-v1")
+
+
+# ManiSkill's CPU simulation, on the workers here: state observations, one env to a subprocess
+MANISKILL_CPU = [
+    "env.kwargs.sim_backend=physx_cpu", "env.vector_mode=async", "env.num_envs=2", "actor.device=cpu",
+    "rollout.device=cpu", "rollout.steps_per_rollout=25", "algorithm.num_minibatches=2", "runner.steps=2",
+    "runner.eval_interval=0", "runner.tensorboard=false", "actor.model.hidden_sizes=[64,64]",
+]  # fmt: skip
+
+
+def test_maniskills_cpu_simulation_with_more_than_one_env_a_process_is_refused_naming_the_key():
+    """ManiSkill's CPU simulation (physx_cpu: a machine without SAPIEN's GPU PhysX library) runs one env in a
+    process: more than one in the env rank's own process is refused naming env.vector_mode, by the recipe before
+    anything starts and by the env builder before ManiSkill is imported; a subprocess each (async), one env, or
+    the GPU simulation is not refused."""
+    from rlnb.config.loader import RecipeError
+    from rlnb.envs.gym_envs import make_vector_env
+
+    def problems(overrides) -> str:
+        try:
+            rlnb.config.load_recipe("ppo_maniskill", overrides)
+        except RecipeError as e:
+            return str(e)
+        return ""
+
+    cpu = "env.kwargs.sim_backend=physx_cpu"
+    assert re.search(
+        r"env.vector_mode: ManiSkill's CPU simulation .*physx_cpu.* got env.num_envs=8",
+        problems([cpu, "env.num_envs=8"]),
+    )
+    for fits in (
+        [cpu, "env.num_envs=1"],
+        [cpu, "env.num_envs=8", "env.vector_mode=async"],
+        ["env.num_envs=8"],
     ):
-        load_recipe("ppo_maniskill", ["env.kwargs.sim_backend=physx_cpu", "env.num_envs=8"])
-    load_recipe("ppo_maniskill", ["env.kwargs.sim_backend=physx_cpu", "env.num_envs=1"])
-    load_recipe("ppo_maniskill", ["env.num_envs=8"])  # (the GPU simulation batches them)
-    with pytest.raises(ConfigError, match="env.num_envs: ManiSkill's CPU simulation"):
-        ManiSkillVector("PickCube-v1", 4, {"sim_backend": "cpu"})
+        assert "env.vector_mode" not in problems(fits)  # (ManiSkill missing here is another problem)
+    with pytest.raises(ConfigError, match="env.vector_mode: ManiSkill's CPU simulation"):
+        make_vector_env("maniskill:PickCube-v1", 4, "sync", {"sim_backend": "cpu"})
+
+
+def test_a_maniskill_task_that_cannot_run_here_is_refused_before_launch_saying_what_to_do():
+    """An unknown task (with the nearest one named), and ManiSkill missing or without a Vulkan driver SAPIEN
+    accepts: each refused by the recipe's checks, before any worker starts."""
+    from rlnb.config.loader import RecipeError
+
+    reason = _maniskill_skip_reason()
+    if reason is not None:
+        with pytest.raises(RecipeError, match="env.id: maniskill:PickCube-v1") as info:
+            rlnb.config.load_recipe("ppo_maniskill", [])
+        assert reason in str(info.value)
+        pytest.skip(reason)
+    with pytest.raises(RecipeError, match=r"ManiSkill has no task 'PickCub-v1'. Did you mean 'PickCube-v1'"):
+        rlnb.config.load_recipe("ppo_maniskill", ["env.id=maniskill:PickCub-v1"])
+
+
+def test_ppo_steps_a_maniskill_task_on_its_cpu_simulation_on_the_workers(cluster, tmp_path):
+    """PickCube on ManiSkill's CPU simulation, two envs in subprocesses of an env rank on a Dask worker: steps
+    of the recipe's PPO, the episodes' success read from ManiSkill's own ``success``."""
+    reason = _maniskill_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    from rlnb.loop import Loop
+
+    overrides = [*MANISKILL_CPU, "rollout.steps_per_rollout=50"]
+    with Loop.from_recipe("ppo_maniskill", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        records = loop.run(progress=False)
+        assert loop.env_spec["config"].id == "maniskill:PickCube-v1"
+    assert len(records) == 2 and all(np.isfinite(r["train/loss"]) for r in records), records
+    ended = [r for r in records if "env/success_rate" in r]
+    assert ended and all(0.0 <= r["env/success_rate"] <= 1.0 for r in ended), records

@@ -9,12 +9,15 @@ from rlnb.errors import did_you_mean
 
 
 def check_env_id(env_id: str) -> str | None:
-    """An error message if ``env_id`` is not a registered gymnasium id (ManiSkill ids are checked on GPU).
+    """An error message if ``env_id`` is not a registered gymnasium id, or a ManiSkill task (``maniskill:``) that
+    cannot run here (:func:`rlnb.envs.gym_envs.maniskill_problem`).
 
     ``module:id`` (gymnasium's form) imports ``module`` first, where the id is registered; workers do the
     same when they build the env."""
     if env_id.startswith("maniskill:"):
-        return None
+        from rlnb.envs.gym_envs import maniskill_problem
+
+        return maniskill_problem(env_id.removeprefix("maniskill:"))
     import importlib
 
     import gymnasium as gym

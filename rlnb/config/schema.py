@@ -493,7 +493,7 @@ class EnvConfig:
         if isinstance(e.id, str) and e.id.startswith("maniskill:") and isinstance(e.kwargs, dict):
             from rlnb.envs.gym_envs import maniskill_misfit
 
-            err = maniskill_misfit(e.num_envs, e.kwargs)
+            err = maniskill_misfit(e.num_envs, e.kwargs, e.vector_mode)
             if err:
                 errs.append(err)
         if recipe.family == "ppo" and isinstance(e.id, str):

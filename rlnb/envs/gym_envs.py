@@ -52,7 +52,16 @@ def make_vector_env(
     if callable(env_id):
         fns = [functools.partial(env_id, **(kwargs or {})) for _ in range(num_envs)]
     elif env_id.startswith("maniskill:"):
-        return ManiSkillVector(env_id.removeprefix("maniskill:"), num_envs, kwargs)
+        task, kw = env_id.removeprefix("maniskill:"), kwargs or {}
+        if kw.get("sim_backend") not in MANISKILL_CPU_SIMS:
+            return ManiSkillVector(task, num_envs, kwargs)
+        misfit = maniskill_misfit(num_envs, kw, mode)
+        if misfit:  # (before importing ManiSkill: a recipe refuses it too, before anything starts)
+            from rlnb.errors import ConfigError
+
+            raise ConfigError(misfit, "env.vector_mode")
+        # the CPU simulation: one env per process (gymnasium's async vector env), as numpy arrays unbatched
+        fns = [functools.partial(make_maniskill_cpu_env, task, kw) for _ in range(num_envs)]
     elif _vector_only(env_id):
         spec = gym.registry[env_id]
         creator = spec.vector_entry_point
@@ -177,17 +186,94 @@ def restore_sim_state(vec_env, states: list[dict] | None) -> None:
 MANISKILL_CPU_SIMS = ("physx_cpu", "cpu")
 
 
-def maniskill_misfit(num_envs, kwargs: dict) -> str | None:
+# ManiSkill's defaults where a recipe says nothing: state observations, and no renderer to set up for them
+MANISKILL_DEFAULTS = {"obs_mode": "state", "control_mode": "pd_joint_delta_pos"}
+
+
+def maniskill_misfit(num_envs, kwargs: dict, vector_mode: str = "sync") -> str | None:
     """Why a ManiSkill env rank of ``num_envs`` environments with ``env.kwargs`` cannot be built, or ``None``:
-    ManiSkill's CPU simulation runs one environment in a process (its GPU one batches them)."""
+    ManiSkill's CPU simulation runs one environment in a process (its GPU one batches them), so more than one
+    needs ``env.vector_mode=async`` (a subprocess each)."""
     sim = kwargs.get("sim_backend")
-    if sim in MANISKILL_CPU_SIMS and isinstance(num_envs, int) and num_envs > 1:
+    if sim in MANISKILL_CPU_SIMS and isinstance(num_envs, int) and num_envs > 1 and vector_mode != "async":
         return (
-            f"env.num_envs: ManiSkill's CPU simulation (env.kwargs.sim_backend={sim}) runs one environment in a "
-            f"process, got env.num_envs={num_envs}; set env.num_envs=1 and place more env ranks "
-            "(cluster.component_placement) for more environments, or simulate on the GPU (sim_backend=physx_cuda)"
+            f"env.vector_mode: ManiSkill's CPU simulation (env.kwargs.sim_backend={sim}) runs one environment in a "
+            f"process, got env.num_envs={num_envs} in one (env.vector_mode={vector_mode}); set "
+            "env.vector_mode=async (a process for each env), or env.num_envs=1, or simulate on the GPU "
+            "(sim_backend=physx_cuda)"
         )
     return None
+
+
+_MANISKILL_PROBE = """
+import sys
+try:
+    import sapien
+    sapien.render.get_device_summary()
+except Exception as e:
+    print("vulkan", type(e).__name__, e)
+    sys.exit(0)
+import mani_skill.envs
+from mani_skill.utils.registration import REGISTERED_ENVS
+print("tasks", *sorted(REGISTERED_ENVS))
+"""
+
+
+def maniskill_problem(task: str) -> str | None:
+    """Why ManiSkill's ``task`` cannot run here, said before anything launches, or ``None``: ManiSkill not
+    installed, no Vulkan driver SAPIEN accepts (it needs one even for state observations: Mesa >= 24.3's
+    lavapipe without a GPU), or a task ManiSkill does not have. Probed in a child process (ManiSkill's import
+    takes seconds, and a broken driver may take the process with it), once a process."""
+    import importlib.util
+
+    from rlnb.errors import did_you_mean
+
+    key = f"env.id: maniskill:{task}"
+    if importlib.util.find_spec("mani_skill") is None:
+        return f"{key} needs ManiSkill, which is not installed here: pip install 'rlnb[maniskill]'"
+    words = _maniskill_probe()
+    if words[:1] == ["timeout"]:
+        return f"{key}: importing ManiSkill took past 300 s here"
+    if words[:1] == ["vulkan"]:
+        return (
+            f"{key}: ManiSkill's simulator (SAPIEN) finds no Vulkan device it can use ({' '.join(words[1:])}); "
+            "without a GPU, install Mesa's software driver, 24.3 or later (Debian 12: apt-get install -t "
+            "bookworm-backports mesa-vulkan-drivers; `make setup-system` does it as root)"
+        )
+    if words[:1] != ["tasks"]:
+        return f"{key}: ManiSkill does not import here: {' '.join(words[1:])[-800:]}"
+    if task not in words[1:]:
+        return f"{key}: ManiSkill has no task {task!r}." + did_you_mean(task, words[1:])
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _maniskill_probe() -> list[str]:
+    """What the probe said (``vulkan ...``, ``tasks ...``), ``["timeout"]``, or ``["error", its stderr]``."""
+    import subprocess
+    import sys
+
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", _MANISKILL_PROBE], capture_output=True, text=True, timeout=300
+        )
+    except subprocess.TimeoutExpired:
+        return ["timeout"]
+    words = r.stdout.split()
+    return words if words[:1] in (["vulkan"], ["tasks"]) else ["error", r.stderr.strip()]
+
+
+def make_maniskill_cpu_env(task: str, kwargs: dict) -> gym.Env:
+    """One ManiSkill ``task`` on its CPU simulation, as a plain gymnasium env: numpy arrays without the batch
+    dimension (ManiSkill's ``CPUGymWrapper``), ``info["success"]`` at each step. With state observations it sets
+    up no renderer (``render_backend="none"``)."""
+    import mani_skill.envs  # noqa: F401  (registers the ManiSkill tasks)
+    from mani_skill.utils.wrappers.gymnasium import CPUGymWrapper
+
+    kw = {**MANISKILL_DEFAULTS, **kwargs}
+    if kw["obs_mode"] in ("state", "state_dict") and "render_mode" not in kw:
+        kw.setdefault("render_backend", "none")
+    return CPUGymWrapper(gym.make(task, num_envs=1, **kw))
 
 
 class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN); its tests skip without one
@@ -202,21 +288,11 @@ class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN)
     """
 
     def __init__(self, task: str, num_envs: int, kwargs: dict | None = None):
-        misfit = maniskill_misfit(num_envs, kwargs or {})
-        if misfit:  # (before importing ManiSkill: a recipe refuses it too, before anything starts)
-            from rlnb.errors import ConfigError
-
-            raise ConfigError(misfit, "env.num_envs")
         import mani_skill.envs  # noqa: F401  (registers the ManiSkill tasks)
         import torch
         from mani_skill.vector.wrappers.gymnasium import ManiSkillVectorEnv
 
-        kw = {
-            "obs_mode": "state",
-            "control_mode": "pd_joint_delta_pos",
-            "sim_backend": "physx_cuda",
-            **(kwargs or {}),
-        }
+        kw = {**MANISKILL_DEFAULTS, "sim_backend": "physx_cuda", **(kwargs or {})}
         self._torch = torch
         if kw["sim_backend"] in ("physx_cuda", "gpu"):
             _check_physx_gpu_library()
