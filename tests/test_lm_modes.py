@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 
@@ -254,12 +255,14 @@ def final_answer(completion: str, answer: str) -> float:
     return 1.0 if completion.rsplit(";", 1)[-1].strip() == answer else 0.0
 
 
-def test_grpo_learns_to_call_the_calculator_right_on_workers(cluster, tmp_path):
-    """Agentic RL with a tool on workers: two-digit products the tiny model cannot compute, a ``calculator``
-    interaction on the rollout ranks, and a warm start from a teacher that calls it wrong (``calc(a+b)``) 65 %
-    of the time and copies its result after. Held-out greedy accuracy: 0.0 after the warm start, the model
-    calling the wrong expression; seeded, 60 GRPO steps on two data-parallel ranks take it to 0.99 (threshold
-    0.8), the reward rewarding only the final answer."""
+def test_the_calculator_on_the_objects_path_trains_on_tool_transcripts_on_workers(cluster, tmp_path):
+    """Agentic RL with a tool, built from objects: two-digit products the tiny model cannot compute, a
+    ``calculator`` interaction named on the rollout ranks, a reward function from this file, and a warm start
+    (``actor.sft`` with an imperfect teacher's rows) that calls the tool wrong (``calc(a+b)``) 65 % of the time and
+    copies its result after. Held-out greedy accuracy after the warm start: 0.0, the model calling the wrong
+    expression through the tool; then GRPO steps train on the transcripts on two data-parallel ranks. (That GRPO
+    learns the right call is the recipe's test below and notebook 02's: the same run twice more was 4 minutes of
+    the suite under load.)"""
     import random
 
     from rlnb.models import build_tiny_lm
@@ -284,15 +287,17 @@ def test_grpo_learns_to_call_the_calculator_right_on_workers(cluster, tmp_path):
         wrong = [f"calc({a}+{b})" for a, b in train] + [str(a * b) for a, b in train]
         actor.sft(calls + copies, right, 300, 32, 3e-3, wrong, 0.65).result()
         before = loop.evaluate()["eval/accuracy"]
-        wrong_calls = sum("+" in text for _, text, _ in loop.last_samples)
-        loop.run(60, progress=False)
-        after = loop.evaluate()["eval/accuracy"]
-        samples = loop.last_samples
+        shown = loop.last_samples
+        records_ = loop.run(3, progress=False)
+    wrong_calls = sum("+" in text for _, text, _ in shown)
     assert before <= 0.2 and wrong_calls >= 6, (before, wrong_calls)  # it calls calc(a+b)
-    assert after >= 0.8, after
-    for prompt, text, answer in samples:  # each through the tool: the call, its result, the answer copied
-        if final_answer(text, answer):
-            assert text == f"calc({prompt[:-1]}) = {answer};{answer}", text
+    calls = [(m, text) for _, text, _ in shown if (m := re.match(r"calc\((\d+)([+*])(\d+)\)", text))]
+    assert len(calls) >= 6, shown
+    for m, text in calls:  # each through the tool: the call, then the calculator's reply after it
+        a, op, b = int(m[1]), m[2], int(m[3])
+        assert text.startswith(f"{m[0]} = {a + b if op == '+' else a * b};"), text
+    assert len(records_) == 3 and all(math.isfinite(r["train/loss"]) for r in records_), records_
+    assert all(r["rollout/turns_mean"] > 1 for r in records_), records_  # the tool's turn in every batch
 
 
 def test_the_calculator_recipe_warm_starts_on_tool_transcripts_and_grpo_learns_the_right_call_on_workers(
