@@ -1,5 +1,6 @@
 """Operations: the CLI, Ctrl-C, a killed driver resumed exactly, lost workers, NaN, corrupt and full disks."""
 
+import asyncio
 import json
 import os
 import random
@@ -12,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -390,6 +392,27 @@ def test_loop_built_from_objects_recovers_by_relaunching_its_components(own_clus
         assert loop.step == 5 and own_cluster.slots[1].address != address  # a restart happened
         assert loop.groups["env"].name == "my-env" and loop.groups["env"].infos[0].address != address
         assert (tmp_path / "checkpoints" / "step_000004" / "my-actor_rank0.pt").exists()
+
+
+def test_a_refresh_right_after_a_worker_dies_waits_for_its_restart(own_cluster, monkeypatch):
+    # A loaded scheduler lists a killed worker for a moment: a refresh that only counted workers saw two, then
+    # renumbered the slots from a list of one (a recover's placement then said "slot 1 is beyond the cluster").
+    scheduler = own_cluster._local.scheduler
+    remove_worker = scheduler.remove_worker
+
+    async def slow_remove_worker(*args, **kwargs):
+        await asyncio.sleep(1.0)  # the scheduler's pace under load, from CI
+        return await remove_worker(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "remove_worker", slow_remove_worker)
+    for _ in range(2):
+        dead = own_cluster.slots[1].address
+        process = psutil.Process(own_cluster.slots[1].pid)
+        process.kill()
+        process.wait(30)  # as a loop that saw the loss: the process is gone
+        slots = own_cluster.refresh(60)
+        assert len(slots) == 2 and dead not in {s.address for s in slots}
+        assert sorted(own_cluster.client.run(os.getpid)) == sorted(s.address for s in slots)
 
 
 def test_max_restarts_recovers_automatically(own_cluster, tmp_path):

@@ -10,6 +10,7 @@ import os
 import platform
 import signal
 import socket
+import time
 import uuid
 import warnings
 from collections import defaultdict
@@ -24,6 +25,16 @@ log = logging.getLogger("rlnb")
 
 # Worker resources that describe capacity, not a node group.
 _CAPACITY_RESOURCES = {"GPU", "CPU", "MEMORY", "gpu", "cpu", "memory", "TPU"}
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process ``pid`` of this machine runs (a zombie does not)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _descendants(pids: list[int]) -> list:
@@ -500,17 +511,26 @@ class Cluster:
             for i, (host, _o, addr, w, probe, groups) in enumerate(rows)
         ]
 
+    def _wait_for_restarted_workers(self, timeout_s: float) -> None:
+        # The scheduler may still list a dead worker for a moment: counting workers alone let a refresh see
+        # the dead one, then a list without it. Wait until the dead ones are gone and every worker is back.
+        n, deadline = len(self._local.worker_spec), time.monotonic() + timeout_s
+        dead = {s.address for s in self.slots if not _alive(s.pid)}
+        while True:
+            listed = set(self.client.scheduler_info(n_workers=-1)["workers"])
+            if len(listed) >= n and not listed & dead:
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"only {len(listed - dead)} of the {n} embedded workers came back within {timeout_s:g} s"
+                )
+            time.sleep(0.05)
+
     def refresh(self, timeout_s: float = 60.0) -> list[Slot]:
         """Re-read the workers after a failure: waits for the embedded cluster's restarted workers
         (the Nanny restarts a killed worker at a new address), then renumbers the slots."""
         if self._local is not None:
-            n = len(self._local.worker_spec)
-            try:
-                self.client.wait_for_workers(n, timeout=timeout_s)
-            except TimeoutError:
-                raise ClusterError(
-                    f"only some of the {n} embedded workers came back within {timeout_s:g} s"
-                ) from None
+            self._wait_for_restarted_workers(timeout_s)
         self._placed.clear()
         self.slots = self._discover_slots()
         return self.slots

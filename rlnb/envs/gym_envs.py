@@ -186,7 +186,8 @@ def restore_sim_state(vec_env, states: list[dict] | None) -> None:
 MANISKILL_CPU_SIMS = ("physx_cpu", "cpu")
 
 
-# ManiSkill's defaults where a recipe says nothing: state observations, and no renderer to set up for them
+# ManiSkill's defaults where a recipe says nothing: state observations and joint-delta control (the renderer
+# a state env can skip is chosen where the env is made, `make_maniskill_cpu_env`)
 MANISKILL_DEFAULTS = {"obs_mode": "state", "control_mode": "pd_joint_delta_pos"}
 
 
