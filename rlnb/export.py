@@ -85,6 +85,12 @@ class TrainedPolicy:
             ValueError: an observation that is not shaped as the observation space (or a batch of it).
         """
 
+        from rlnb.envs.obs import layout_of
+
+        layout = layout_of(self.observation_space)
+        if layout is not None and isinstance(obs, dict):  # a dict observation (or a dict of batches): packed
+            single = not layout.batched(obs)
+            obs = layout.pack(obs) if single else layout.pack_batch(obs)
         obs = np.asarray(obs)
         shape = tuple(self.observation_space.shape)
         single = obs.shape == shape
@@ -358,13 +364,23 @@ def _env_spec_from(state: dict, trust: bool):
 
 
 def space_to_data(space) -> dict:
-    """A ``gymnasium`` space as plain data (``Box``, ``Discrete``, ``MultiDiscrete``, ``MultiBinary``).
+    """A ``gymnasium`` space as plain data (``Box``, ``Discrete``, ``MultiDiscrete``, ``MultiBinary``, and the
+    dict observations of :class:`rlnb.envs.obs.PackedBox`: ``Dict`` of ``Box`` and ``Text``).
 
     Raises:
         PolicyFileError: another kind of space.
     """
     import gymnasium as gym
 
+    from rlnb.envs.obs import PackedBox
+
+    if isinstance(space, PackedBox):  # dict observations, packed: the dict space they pack
+        return {"kind": "Packed", "space": space_to_data(space.dict_space)}
+    if isinstance(space, gym.spaces.Dict):
+        return {"kind": "Dict", "spaces": {str(k): space_to_data(v) for k, v in space.spaces.items()}}
+    if isinstance(space, gym.spaces.Text):
+        return {"kind": "Text", "min_length": int(space.min_length), "max_length": int(space.max_length),
+                "charset": "".join(sorted(space.character_set))}  # fmt: skip
     if isinstance(space, gym.spaces.Box):
         return {"kind": "Box", "low": space.low, "high": space.high, "dtype": str(space.dtype)}
     if isinstance(space, gym.spaces.Discrete):
@@ -382,7 +398,15 @@ def space_from_data(data: dict):
     """The space :func:`space_to_data` described."""
     import gymnasium as gym
 
+    from rlnb.envs.obs import PackedBox
+
     kind = data["kind"]
+    if kind == "Packed":
+        return PackedBox(space_from_data(data["space"]))
+    if kind == "Dict":
+        return gym.spaces.Dict({k: space_from_data(v) for k, v in data["spaces"].items()})
+    if kind == "Text":
+        return gym.spaces.Text(data["max_length"], min_length=data["min_length"], charset=data["charset"])
     if kind == "Box":
         return gym.spaces.Box(data["low"], data["high"], dtype=np.dtype(data["dtype"]))
     if kind == "Discrete":

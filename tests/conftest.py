@@ -49,6 +49,7 @@ SLOW_TESTS = {
     "test_grpo_through_the_cli_with_two_rewards_shows_rlnb_progress_only",
     "test_asynchronous_grpo_with_a_retry_raises_the_final_answers_reward_on_workers",
     "test_a_killed_async_grpo_run_resumes_without_training_a_problem_twice_or_skipping_one",
+    "test_ppo_steps_a_maniskill_task_from_camera_images_and_state_on_the_workers",
 }
 
 

@@ -171,8 +171,8 @@ def test_an_env_whose_observations_are_not_one_array_is_refused_naming_env_id(tm
     )  # fmt: skip
     assert (
         done.returncode == 2
-        and "env.id: the built-in policy (actor.model) takes observations that are one "
-        "array (a Box space), got Tuple("
+        and "env.id: the built-in policy (actor.model) takes observations that are one array (a Box space) or a "
+        "dict of vectors, images and texts (a Dict space), got Tuple("
         in done.stderr
         and "Traceback" not in done.stderr
     ), done.stderr

@@ -28,6 +28,7 @@ from rlnb.envs.gym_envs import (
     restore_sim_state,
     space_problem,
 )
+from rlnb.envs.obs import layout_of
 from rlnb.envs.state import capture_state, restore_state
 from rlnb.errors import ComponentError, ConfigError, did_you_mean
 from rlnb.runtime.rank import RankInfo, current_rank
@@ -139,6 +140,13 @@ class Env:
         self.ep_return, self.ep_len = np.zeros(n), np.zeros(n, dtype=np.int64)
         self._ones = np.ones(n, dtype=np.int64)  # (adding an array of ones takes half the time of adding 1)
         self.finished: list[tuple] = []  # episodes finished since the last pop_episodes()
+        self.layout = layout_of(self.observation_space)  # dict observations: where their parts lie
+        if self.layout is not None and self.cfg.normalize_obs:
+            raise ConfigError(
+                f"env.normalize_obs: {self.label!r} gives dict observations ({', '.join(p.key for p in self.layout.parts)}), "
+                "which are not normalised: set env.normalize_obs=false (images are scaled to [0, 1] by the policy)",
+                "normalize_obs",
+            )
         self.obs_rms = RunningMeanStd(self.observation_space.shape) if self.cfg.normalize_obs else None
         self.obs_rms_frozen = False  # evaluation: normalise with training's statistics, unchanged
         self.ret_rms = RunningMeanStd(()) if self.cfg.normalize_reward else None
@@ -271,6 +279,13 @@ class Env:
                 f"env(s) x the observation space's {tuple(self.observation_space.shape or ())})"
             )
         values = obs.detach().cpu().numpy() if isinstance(obs, torch.Tensor) else np.asarray(obs)
+        bad_part = self.layout.nonfinite(values) if self.layout is not None else None
+        if bad_part is not None:
+            key, row = bad_part
+            raise ValueError(
+                f"env.id {label!r}: observations hold NaN or infinite values in their part {key!r} (env {row} of "
+                f"this stage), e.g. {self.layout.unpack(values[row : row + 1])[key].ravel()[:6].tolist()}"
+            )
         if np.issubdtype(values.dtype, np.floating) and not np.isfinite(values).all():
             bad = sorted({int(i) for i in np.argwhere(~np.isfinite(values))[:, 0]})
             raise ValueError(

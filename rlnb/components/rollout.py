@@ -20,6 +20,7 @@ import torch
 from rlnb.components.env import Env
 from rlnb.components.fused import FusedAct, fused_act
 from rlnb.components.launch import launcher
+from rlnb.envs.obs import layout_of
 from rlnb.models.policies import make_policy
 from rlnb.runtime.collective import broadcast_state_dict
 from rlnb.runtime.rank import RankInfo, current_rank, local_peer, process_group
@@ -248,6 +249,7 @@ class PolicyRollout(RolloutBase):
         self.device = resolve_device(device, rank_info)
         self.policy_spec = model if policy is None else policy
         self.policy = None
+        self.layout = None  # dict observations: where their parts lie (bind_spaces)
         self.gamma = gamma
         self.seed = rank_seed(seed, self.rank, "rollout")
         self.generator = torch.Generator(self.device).manual_seed(self.seed)
@@ -264,6 +266,7 @@ class PolicyRollout(RolloutBase):
             self.policy.requires_grad_(False)
             torch.manual_seed(self.seed)  # policies sampling from torch.distributions use the global RNG
         self.discrete = isinstance(act_space, gym.spaces.Discrete)
+        self.layout = layout_of(obs_space)  # dict observations: where their parts lie
         # continuous actions are sampled unbounded (their log-prob is of that sample) and clipped for the env
         self.low = getattr(act_space, "low", None)
         self.high = getattr(act_space, "high", None)
@@ -338,6 +341,14 @@ class PolicyRollout(RolloutBase):
         """Refuse a collected batch whose observations hold NaN or inf (``source``'s: an env's overflow), before
         anything trains on them."""
         obs = self.batch["obs"]
+        bad_part = self.layout.nonfinite(obs) if self.layout is not None else None
+        if bad_part is not None:
+            key, row = bad_part
+            t, i = divmod(row, obs.shape[1])
+            raise ValueError(
+                f"env.id {source!r}: observations hold NaN or infinite values in their part {key!r} (first at step "
+                f"{t} of this rollout, env {i})"
+            )
         if obs.is_floating_point() and not bool(torch.isfinite(obs).all()):
             t, i = (int(x) for x in torch.nonzero(~torch.isfinite(obs))[0][:2])
             raise ValueError(

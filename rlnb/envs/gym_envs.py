@@ -11,6 +11,8 @@ import numpy as np
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
 
+from rlnb.envs.obs import dict_space_problem, packed
+
 
 class SlowCartPole(CartPoleEnv):
     """CartPole whose step busy-waits ``step_cost_ms``: a stand-in for an expensive simulator."""
@@ -31,6 +33,8 @@ if "rlnb/SlowCartPole-v1" not in gym.registry:
         "rlnb/SlowCartPole-v1", entry_point=SlowCartPole, max_episode_steps=500, reward_threshold=475.0
     )
 
+import rlnb.envs.pixel  # noqa: E402, F401  (registers rlnb/PixelReach-v0 where envs are made)
+
 
 def make_vector_env(
     env_id, num_envs: int, mode: str = "sync", kwargs: dict | None = None
@@ -50,7 +54,7 @@ def make_vector_env(
     if isinstance(env_id, type) and issubclass(env_id, gym.vector.VectorEnv):
         return env_id(num_envs=num_envs, **(kwargs or {}))
     if callable(env_id):
-        fns = [functools.partial(env_id, **(kwargs or {})) for _ in range(num_envs)]
+        fns = [functools.partial(packed, env_id, **(kwargs or {})) for _ in range(num_envs)]
     elif env_id.startswith("maniskill:"):
         task, kw = env_id.removeprefix("maniskill:"), kwargs or {}
         if kw.get("sim_backend") not in MANISKILL_CPU_SIMS:
@@ -59,9 +63,9 @@ def make_vector_env(
         if misfit:  # (before importing ManiSkill: a recipe refuses it too, before anything starts)
             from rlnb.errors import ConfigError
 
-            raise ConfigError(misfit, "env.vector_mode")
+            raise ConfigError(misfit, misfit.split(":")[0].removeprefix("env."))
         # the CPU simulation: one env per process (gymnasium's async vector env), as numpy arrays unbatched
-        fns = [functools.partial(make_maniskill_cpu_env, task, kw) for _ in range(num_envs)]
+        fns = [functools.partial(packed, make_maniskill_cpu_env, task, kw) for _ in range(num_envs)]
     elif _vector_only(env_id):
         spec = gym.registry[env_id]
         creator = spec.vector_entry_point
@@ -69,10 +73,12 @@ def make_vector_env(
             creator = gym.envs.registration.load_env_creator(creator)
         return creator(num_envs=num_envs, **{**spec.kwargs, **(kwargs or {})})
     else:
-        fns = [functools.partial(gym.make, env_id, **(kwargs or {})) for _ in range(num_envs)]
+        fns = [functools.partial(packed, gym.make, env_id, **(kwargs or {})) for _ in range(num_envs)]
     if mode == "sync":
         return SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
-    return AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP, shared_memory=True)
+    # a process forked after the parent's env set up SAPIEN's renderer hangs in it: ManiSkill's start fresh
+    context = "forkserver" if isinstance(env_id, str) and env_id.startswith("maniskill:") else None
+    return AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP, shared_memory=True, context=context)
 
 
 def probe_env(env_id: str, kwargs: dict | None) -> tuple[gym.Space, gym.Space] | None:
@@ -120,15 +126,26 @@ def probe_env(env_id: str, kwargs: dict | None) -> tuple[gym.Space, gym.Space] |
 
 def space_problem(obs_space: gym.Space, act_space: gym.Space) -> tuple[str, str, gym.Space] | None:
     """The one rule on spaces that the env component and the built-in policy share: observations one array
-    (``Box``), actions ``Discrete`` or ``Box``. Returns the space that breaks it (its attribute's name, what was
-    expected, the space), or ``None``.
+    (``Box``) or a dict of vectors, images and texts (:func:`rlnb.envs.obs.dict_space_problem`; its envs are
+    packed, :class:`rlnb.envs.obs.PackObservation`), actions ``Discrete`` or ``Box``. Returns the space that
+    breaks it (its attribute's name, or the dict part's, what was expected, the space), or ``None``.
 
     Example:
         >>> space_problem(gym.spaces.Box(-1, 1, (3,)), gym.spaces.MultiBinary(2))
         ('action_space', 'a Discrete or Box action space', MultiBinary(2))
+        >>> space_problem(gym.spaces.Dict({"rgb": gym.spaces.Box(0, 1, (4, 4, 2, 2))}), gym.spaces.Discrete(2))[0]
+        "observation_space['rgb']"
     """
-    if not isinstance(obs_space, gym.spaces.Box):
-        return "observation_space", "observations that are one array (a Box space)", obs_space
+    if isinstance(obs_space, gym.spaces.Dict):
+        problem = dict_space_problem(obs_space)
+        if problem is not None:
+            return problem
+    elif not isinstance(obs_space, gym.spaces.Box):
+        return (
+            "observation_space",
+            "observations that are one array (a Box space) or a dict of vectors, images and texts (a Dict space)",
+            obs_space,
+        )
     if not isinstance(act_space, (gym.spaces.Discrete, gym.spaces.Box)):
         return "action_space", "a Discrete or Box action space", act_space
     return None
@@ -190,12 +207,23 @@ MANISKILL_CPU_SIMS = ("physx_cpu", "cpu")
 # a state env can skip is chosen where the env is made, `make_maniskill_cpu_env`)
 MANISKILL_DEFAULTS = {"obs_mode": "state", "control_mode": "pd_joint_delta_pos"}
 
+# the observation modes of a CPU env: ManiSkill's flat state; "rgb", the cameras' images side by side along the
+# channels (``{"rgb": H x W x 3k}``), as ManiSkill's own ``ppo_rgb.py`` takes them; "rgb+state", both
+# (``{"rgb", "state"}``, that script's default)
+MANISKILL_CPU_OBS_MODES = ("state", "rgb", "rgb+state")
+
 
 def maniskill_misfit(num_envs, kwargs: dict, vector_mode: str = "sync") -> str | None:
     """Why a ManiSkill env rank of ``num_envs`` environments with ``env.kwargs`` cannot be built, or ``None``:
     ManiSkill's CPU simulation runs one environment in a process (its GPU one batches them), so more than one
     needs ``env.vector_mode=async`` (a subprocess each)."""
     sim = kwargs.get("sim_backend")
+    obs_mode = kwargs.get("obs_mode", MANISKILL_DEFAULTS["obs_mode"])
+    if sim in MANISKILL_CPU_SIMS and obs_mode not in MANISKILL_CPU_OBS_MODES:
+        return (
+            f"env.kwargs.obs_mode: expected one of {', '.join(MANISKILL_CPU_OBS_MODES)} for ManiSkill's CPU "
+            f"simulation (a flat state, a dict of the cameras' images, or both), got {obs_mode!r}"
+        )
     if sim in MANISKILL_CPU_SIMS and isinstance(num_envs, int) and num_envs > 1 and vector_mode != "async":
         return (
             f"env.vector_mode: ManiSkill's CPU simulation (env.kwargs.sim_backend={sim}) runs one environment in a "
@@ -274,7 +302,13 @@ def make_maniskill_cpu_env(task: str, kwargs: dict) -> gym.Env:
     kw = {**MANISKILL_DEFAULTS, **kwargs}
     if kw["obs_mode"] in ("state", "state_dict") and "render_mode" not in kw:
         kw.setdefault("render_backend", "none")
-    return CPUGymWrapper(gym.make(task, num_envs=1, **kw))
+    if kw["obs_mode"] not in ("rgb", "rgb+state"):
+        return CPUGymWrapper(gym.make(task, num_envs=1, **kw))
+    from mani_skill.utils.wrappers.flatten import FlattenRGBDObservationWrapper
+
+    with_state = kw["obs_mode"] == "rgb+state"
+    env = gym.make(task, num_envs=1, **{**kw, "obs_mode": "rgb"})
+    return CPUGymWrapper(FlattenRGBDObservationWrapper(env, rgb=True, depth=False, state=with_state))
 
 
 class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN); its tests skip without one

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributions import Normal
 
 from rlnb.envs.gym_envs import space_problem
+from rlnb.envs.obs import layout_of
 from rlnb.errors import ConfigError
 
 
@@ -108,6 +109,57 @@ class NatureCNN(nn.Module):
         return self.head(self.conv(x))
 
 
+def image_encoder(shape_chw: tuple[int, int, int], out_dim: int = 256) -> nn.Module:
+    """A trunk for ``(C, H, W)`` images: :class:`NatureCNN` from 36 pixels a side (its kernels need them), else
+    stride-2 3x3 convolutions down to 8 pixels or fewer, then a linear layer."""
+    _, h, w = shape_chw
+    if min(h, w) >= 36:
+        return NatureCNN(shape_chw, out_dim)
+    return SmallCNN(shape_chw, out_dim)
+
+
+class SmallCNN(nn.Module):
+    """Stride-2 3x3 convolutions (32 channels) until the image is 8 pixels a side or fewer, for small images."""
+
+    def __init__(self, obs_shape: tuple[int, ...], out_dim: int = 256):
+        super().__init__()
+        c, h, w = obs_shape
+        layers: list[nn.Module] = []
+        while max(h, w) > 8:
+            layers += [layer_init(nn.Conv2d(c, 32, 3, stride=2, padding=1)), nn.ReLU()]
+            c, h, w = 32, (h + 1) // 2, (w + 1) // 2
+        self.conv = nn.Sequential(*layers, nn.Flatten())
+        self.head = nn.Sequential(layer_init(nn.Linear(c * h * w, out_dim)), nn.ReLU())
+        self.out_dim = out_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, out_dim)
+        if x.dtype == torch.uint8:
+            x = x.float() / 255.0
+        return self.head(self.conv(x))
+
+
+class MultiInputEncoder(nn.Module):
+    """The trunk of dict observations (packed, :class:`rlnb.envs.obs.PackedBox`), as SB3's
+    ``CombinedExtractor`` and ManiSkill's ``ppo_rgb.py`` build it: a CNN for each image part (``H x W x C``,
+    :func:`image_encoder`), the vector parts as they are, concatenated. Text parts (an instruction) are not read:
+    a policy that reads them is a vision-language one."""
+
+    def __init__(self, layout, image_dim: int = 256):
+        super().__init__()
+        self.layout = layout
+        self.cnns = nn.ModuleList(
+            image_encoder((p.shape[2], p.shape[0], p.shape[1]), image_dim) for p in layout.images
+        )
+        self.vector_dim = sum(int(np.prod(p.shape)) for p in layout.vectors)
+        self.out_dim = image_dim * len(self.cnns) + self.vector_dim
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:  # (B, nbytes) uint8 -> (B, out_dim)
+        parts = self.layout.unpack(rows)
+        feats = [cnn(parts[p.key].permute(0, 3, 1, 2)) for cnn, p in zip(self.cnns, self.layout.images)]
+        feats += [parts[p.key].reshape(rows.shape[0], -1) for p in self.layout.vectors]
+        return torch.cat(feats, -1)
+
+
 def check_spaces(obs_space: gym.Space, act_space: gym.Space) -> None:
     """Raise :class:`~rlnb.errors.ConfigError` (key ``env.id``) unless the built-in policy takes these spaces
     (:func:`rlnb.envs.gym_envs.space_problem`). The driver checks this on a probe env before anything starts
@@ -117,7 +169,9 @@ def check_spaces(obs_space: gym.Space, act_space: gym.Space) -> None:
         return
     which, expected, got = problem
     message = f"env.id: expected {expected}, got {got}"
-    if which == "observation_space":
+    if which.startswith("observation_space["):
+        message = f"env.id: {which}: the built-in policy (actor.model) takes {expected}, got {got}"
+    elif which == "observation_space":
         message = (
             f"env.id: the built-in policy (actor.model) takes {expected}, got {got}; flatten them "
             "(gymnasium.wrappers.FlattenObservation, in an env class of your own) or give a policy of your own "
@@ -127,7 +181,8 @@ def check_spaces(obs_space: gym.Space, act_space: gym.Space) -> None:
 
 
 class ActorCritic(nn.Module):
-    """Policy and value heads over MLP trunks (shared or separate) or a CNN trunk.
+    """Policy and value heads over MLP trunks (shared or separate), a CNN trunk, or for dict observations a
+    :class:`MultiInputEncoder` feeding an MLP each.
 
     ``forward(obs, actions)`` returns ``(logprob [B], entropy [B], value [B])``, the one call a
     train step needs (so ``DistributedDataParallel`` can wrap the module).
@@ -151,7 +206,13 @@ class ActorCritic(nn.Module):
         act_dim = int(act_space.n) if self.discrete else int(np.prod(act_space.shape))
         self.act_shape = () if self.discrete else tuple(act_space.shape)
         sizes = list(hidden_sizes)
-        if kind == "cnn":
+        layout = layout_of(obs_space)
+        if layout is not None:  # dict observations: their encoder, then an MLP each for actor and critic
+            self.trunk = MultiInputEncoder(layout)
+            self.actor_trunk = mlp([self.trunk.out_dim, *sizes], activation)
+            self.critic_trunk = mlp([self.trunk.out_dim, *sizes], activation)
+            feat = sizes[-1]
+        elif kind == "cnn":
             trunk = NatureCNN(tuple(obs_space.shape))
             self.trunk, self.actor_trunk, self.critic_trunk = trunk, nn.Identity(), nn.Identity()
             feat = trunk.out_dim
@@ -221,7 +282,7 @@ class ActorCritic(nn.Module):
 
 def build_policy(model_cfg, obs_space: gym.Space, act_space: gym.Space) -> ActorCritic:
     """An :class:`ActorCritic` from a :class:`rlnb.config.ModelConfig`."""
-    if model_cfg.kind == "cnn" and len(obs_space.shape) != 3:
+    if model_cfg.kind == "cnn" and layout_of(obs_space) is None and len(obs_space.shape) != 3:
         raise ConfigError(
             f"actor.model.kind: 'cnn' needs (C, H, W) observations, got shape {obs_space.shape}",
             "actor.model.kind",

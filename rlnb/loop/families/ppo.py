@@ -12,11 +12,14 @@ import time
 from collections import deque
 from pathlib import Path
 
+import gymnasium as gym
+
 from rlnb.algorithms.contract import EMBODIED, check_algorithm
 from rlnb.components.actor import PPOActor
 from rlnb.components.env import Env, success_rate
 from rlnb.components.rollout import PolicyRollout
 from rlnb.envs.gym_envs import probe_env
+from rlnb.envs.obs import layout_of
 from rlnb.errors import ConfigError, PlacementError
 from rlnb.loop.checkpoint import MAX_STEP, ListOf, Num
 from rlnb.loop.families import Family
@@ -73,6 +76,12 @@ class PPO(Family):
         spaces = probe_env(env.id, env.kwargs) if isinstance(env.id, str) else None
         if spaces is not None:
             check_spaces(*spaces)
+        if spaces is not None and isinstance(spaces[0], gym.spaces.Dict) and env.normalize_obs:
+            raise ConfigError(
+                f"env.normalize_obs: {env.id} gives dict observations ({', '.join(spaces[0].spaces)}), which are not "
+                "normalised: set env.normalize_obs=false (the policy scales images to [0, 1] itself)",
+                "env.normalize_obs",
+            )
 
     def check_placement(self) -> None:
         super().check_placement()
@@ -327,8 +336,9 @@ class PPO(Family):
         where the actor does not show its own."""
         n = count_or_default(n, "n", 4)
         groups = self.session.groups
-        if self.capabilities.actor_samples:
-            got = groups["actor"].on(0).sample(n).result()[0]
-            if got:
-                return got
-        return groups["rollout"].on(0).sample(n).result()[0]
+        got = groups["actor"].on(0).sample(n).result()[0] if self.capabilities.actor_samples else None
+        got = got or groups["rollout"].on(0).sample(n).result()[0]
+        layout = layout_of(self.spaces[0]) if got and "obs" in got else None
+        if layout is not None:  # dict observations: their parts by name, [n, N, ...] each
+            got["obs"] = layout.unpack(got["obs"])
+        return got
