@@ -29,7 +29,7 @@ GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/d
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/$(PIP) "$(TORCH)"
-	$(BIN)/$(PIP) -e ".[dev,maniskill$(GPU_EXTRAS)]"
+	$(BIN)/$(PIP) -e ".[dev,maniskill,video$(GPU_EXTRAS)]"
 	# (ipykernel stages the spec in a temporary directory it leaves behind, empty: staged in one removed here)
 	t=$$(mktemp -d) && TMPDIR=$$t $(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null; \
 		s=$$?; rm -rf "$$t"; exit $$s

@@ -193,6 +193,48 @@ class TrainedPolicy:
         finally:
             env.close()
 
+    def record_episode(
+        self, path: str | os.PathLike, seed: int = 0, make_env=None, max_steps: int = 1000, fps: int = 20
+    ):
+        """Play one deterministic episode on a fresh env in this process and write its video to the MP4 file
+        ``path`` (:func:`rlnb.video.write_mp4`): the observation's camera images, or for envs without images
+        their ``render()`` (built with ``render_mode="rgb_array"``). Returns an :class:`rlnb.video.EpisodeVideo`,
+        which a notebook shows inline.
+
+        Raises:
+            ValueError: ``max_steps`` or ``fps`` out of range; the env does not fit the policy or cannot render.
+            ImportError: the ``video`` extra is missing.
+        """
+        from rlnb.components.env import Env
+        from rlnb.envs.obs import layout_of
+        from rlnb.video import EpisodeVideo, episode_frames, write_mp4
+
+        for name, value, top in (("max_steps", max_steps, 1_000_000), ("fps", fps, 240)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+                raise ValueError(f"record_episode: {name} expected an integer in [1, {top}], got {value!r}")
+        spec = self.env_spec or {} if make_env is None else {}
+        config = spec.get("config")
+        settings: dict = {"num_envs": 1, "pipeline_stages": 1, "vector_mode": "sync"}
+        layout = layout_of(self.observation_space)
+        if layout is None or not layout.images:  # no camera in the observations: the env draws its frames
+            kwargs = dict(config.kwargs) if config is not None else {}
+            settings["kwargs"] = {**kwargs, "render_mode": "rgb_array"}
+        env = Env(
+            config, seed=seed, make_env=make_env if make_env is not None else spec.get("make_env"), **settings
+        )
+        try:
+            if self.obs_normalization is not None:
+                env.normalize_obs_with(self.obs_normalization)
+            try:
+                frames, ret, length, success = episode_frames(self, env, max_steps)
+            except (AttributeError, TypeError) as e:
+                raise ValueError(
+                    f"record_episode: the env {env.label!r} gives no frames to record ({e})"
+                ) from e
+        finally:
+            env.close()
+        return EpisodeVideo(write_mp4(frames, path, fps), len(frames), ret, length, success)
+
     def save(self, path: str | os.PathLike) -> Path:
         """Write this policy to ``path`` atomically (a temporary file, then renamed); returns the path.
 

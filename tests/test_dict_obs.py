@@ -2,6 +2,7 @@
 read back by name where a policy or a person looks at them, and trained on by PPO on the cluster's workers."""
 
 import gymnasium as gym
+import imageio.v2 as imageio
 import numpy as np
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from rlnb.components import Env
 from rlnb.envs.obs import ObsLayout, PackedBox, dict_space_problem
 from rlnb.errors import ComponentError, ConfigError
+from rlnb.files import UnsafePathError
 from rlnb.loop import Loop
 from tests.conftest import without_wall_clock
 
@@ -79,12 +81,25 @@ def test_ppo_learns_from_pixels_on_workers_and_sample_shows_the_parts(cluster, t
     overrides = [*PIXEL, "env.num_envs=16", "runner.steps=60", "algorithm.update_epochs=4",
                  "algorithm.num_minibatches=4", "algorithm.gamma=0.95", "algorithm.gae_lambda=0.9",
                  "algorithm.ent_coef=0.01", "actor.lr=0.00025", "actor.model.activation=relu"]  # fmt: skip
-    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
         before = loop.evaluate(episodes=50)["eval/success_rate"]
         loop.run(progress=False)
         after = loop.evaluate(episodes=50)["eval/success_rate"]
         sample = loop.sample(2)
+        video = loop.record_episode()  # the camera's frames of one evaluation episode
+        assert "data:video/mp4;base64," in video._repr_html_()  # (a notebook plays it)
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "run" / "videos").rename(tmp_path / "kept")
+        (tmp_path / "run" / "videos").symlink_to(tmp_path / "elsewhere")  # planted: must not lead the video out
+        with pytest.raises(UnsafePathError):
+            loop.record_episode()
     assert before < 0.3 and after > before + 0.4, (before, after)
+    assert video.path == tmp_path / "run" / "videos" / "step_000060.mp4" and video.frames == video.length + 1
+    frames = list(imageio.get_reader(tmp_path / "kept" / "step_000060.mp4").iter_data())
+    assert len(frames) == video.frames and frames[0].shape == (160, 160, 3)  # 20 px scaled up 8 times
+    green = (frames[0][..., 1] > 150) & (frames[0][..., 0] < 100)
+    assert 0.01 < green.mean() < 0.1  # the agent's square, as the camera saw it
+    assert not list((tmp_path / "elsewhere").iterdir())
     assert sample["obs"]["rgb"].shape == (2, 16, 20, 20, 3) and sample["obs"]["rgb"].dtype == torch.uint8
     assert sample["obs"]["state"].shape == (2, 16, 2)
     assert sample["obs"]["instruction"][0][0] == "move the green square onto the red square"
@@ -106,3 +121,21 @@ def test_normalising_dict_observations_is_refused_before_launch(tmp_path):
     with pytest.raises(ConfigError) as e:
         Loop.from_recipe("ppo_cartpole", [*PIXEL, "env.normalize_obs=true"], run_dir=tmp_path)
     assert e.value.key == "env.normalize_obs" and "rgb" in str(e.value)
+
+
+def test_an_env_without_a_camera_is_recorded_from_its_own_render(cluster, tmp_path):
+    overrides = [
+        "runner.steps=1",
+        "runner.tensorboard=false",
+        "env.num_envs=2",
+        "rollout.steps_per_rollout=8",
+    ]
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+        loop.run(progress=False)
+        video = loop.record_episode(tmp_path / "cartpole.mp4", max_steps=30)
+        with pytest.raises(ValueError, match="max_steps expected an integer in"):
+            loop.record_episode(max_steps=0)
+    frames = list(imageio.get_reader(video.path).iter_data())
+    # the first frame, and one after each step but an episode's last (the env has reset by then)
+    assert len(frames) == video.frames == (video.length if video.length < 30 else 31)
+    assert frames[0].shape == (400, 600, 3) and video.episode_return == video.length

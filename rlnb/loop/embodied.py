@@ -125,6 +125,18 @@ class Loop(LoopBase):
         """
         return self.family.export(path)
 
+    def record_episode(self, path=None, seed: int | None = None, max_steps: int = 1000, fps: int = 20):
+        """Play one deterministic evaluation episode with the current weights and write its video (MP4, the
+        ``video`` extra) to ``path``, by default ``<run_dir>/videos/step_<step>.mp4``. The frames are the
+        observations' camera images, or the env's ``render()`` where it has none. Returns an
+        :class:`rlnb.video.EpisodeVideo`: the last expression of a cell, it plays there.
+
+        Example:
+            >>> loop.record_episode()                                                 # doctest: +SKIP
+            EpisodeVideo('runs/.../videos/step_000060.mp4', return=0.96, length=5, success=True)
+        """
+        return self.family.record_episode(path, seed, max_steps, fps)
+
     def obs_normalization(self):
         """Env rank 0's observation statistics as they are now (``env.normalize_obs``), else ``None``."""
         return self.family.obs_normalization()

@@ -278,6 +278,26 @@ class PPO(Family):
         )
         return policy.save(Path(path) if path is not None else s.run_dir / "policy.pt")
 
+    def record_episode(self, path=None, seed: int | None = None, max_steps: int = 1000, fps: int = 20):
+        """One deterministic episode with actor rank 0's weights, on a fresh env in the driver's process, written
+        as MP4 to ``path`` (default ``<run_dir>/videos/step_<step>.mp4``); an :class:`rlnb.video.EpisodeVideo`."""
+        from rlnb.export import TrainedPolicy
+        from rlnb.files import check_inside
+
+        s = self.session
+        module = s.groups["actor"].on(0).policy_module().result()[0]
+        policy = TrainedPolicy(
+            module, *self.spaces, self.obs_normalization(), step=s.step, env_spec=self.env_spec
+        )
+        if path is None:
+            path = s.run_dir / "videos" / f"step_{s.step:06d}.mp4"
+            if (
+                path.parent.exists()
+            ):  # (a link planted there must not lead the video out of the run directory)
+                check_inside(path.parent, s.run_dir)
+        seed = s.recipe.seed + 1_000_003 if seed is None else seed  # as evaluate's envs: apart from training
+        return policy.record_episode(path, seed=seed, max_steps=max_steps, fps=fps)
+
     def obs_normalization(self):
         """Env rank 0's observation statistics as they are now (``env.normalize_obs``), else ``None``: what an
         evaluation and an exported policy normalise with."""
