@@ -21,7 +21,7 @@ SPACE = gym.spaces.Dict(
         "state": gym.spaces.Box(-1, 1, (3,), np.float32),
     }
 )
-PIXEL = ["env.id=rlnb/PixelReach-v0", "runner.tensorboard=false", "runner.stop_return=100000"]
+PIXEL = ["runner.tensorboard=false"]
 
 
 def test_a_dict_observation_packs_into_one_row_and_reads_back_by_name_without_a_copy():
@@ -77,11 +77,9 @@ def test_a_policy_file_of_a_dict_observation_policy_acts_on_dicts(tmp_path):
 
 
 def test_ppo_learns_from_pixels_on_workers_and_sample_shows_the_parts(cluster, tmp_path):
-    """PixelReach's target is only in the image: the success rate rises only if the CNN reads the pixels."""
-    overrides = [*PIXEL, "env.num_envs=16", "runner.steps=60", "algorithm.update_epochs=4",
-                 "algorithm.num_minibatches=4", "algorithm.gamma=0.95", "algorithm.gae_lambda=0.9",
-                 "algorithm.ent_coef=0.01", "actor.lr=0.00025", "actor.model.activation=relu"]  # fmt: skip
-    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+    """The ppo_pixelreach recipe as shipped: PixelReach's target is only in the image, so the success rate rises
+    only if the CNN reads the pixels (README: about 0.1 -> 0.9)."""
+    with Loop.from_recipe("ppo_pixelreach", PIXEL, cluster=cluster, run_dir=tmp_path / "run") as loop:
         before = loop.evaluate(episodes=50)["eval/success_rate"]
         loop.run(progress=False)
         after = loop.evaluate(episodes=50)["eval/success_rate"]
@@ -90,7 +88,9 @@ def test_ppo_learns_from_pixels_on_workers_and_sample_shows_the_parts(cluster, t
         assert "data:video/mp4;base64," in video._repr_html_()  # (a notebook plays it)
         (tmp_path / "elsewhere").mkdir()
         (tmp_path / "run" / "videos").rename(tmp_path / "kept")
-        (tmp_path / "run" / "videos").symlink_to(tmp_path / "elsewhere")  # planted: must not lead the video out
+        (tmp_path / "run" / "videos").symlink_to(
+            tmp_path / "elsewhere"
+        )  # planted: must not lead the video out
         with pytest.raises(UnsafePathError):
             loop.record_episode()
     assert before < 0.3 and after > before + 0.4, (before, after)
@@ -108,9 +108,9 @@ def test_ppo_learns_from_pixels_on_workers_and_sample_shows_the_parts(cluster, t
 def test_a_dict_observation_run_resumes_exactly(cluster, tmp_path):
     base = [*PIXEL, "runner.steps=4", "runner.save_interval=2", "runner.eval_interval=0", "env.num_envs=4",
             "rollout.steps_per_rollout=16"]  # fmt: skip
-    with Loop.from_recipe("ppo_cartpole", base, cluster=cluster, run_dir=tmp_path / "full") as loop:
+    with Loop.from_recipe("ppo_pixelreach", base, cluster=cluster, run_dir=tmp_path / "full") as loop:
         full = [without_wall_clock(r) for r in loop.run(progress=False)]
-    with Loop.from_recipe("ppo_cartpole", base, cluster=cluster, run_dir=tmp_path / "cut") as loop:
+    with Loop.from_recipe("ppo_pixelreach", base, cluster=cluster, run_dir=tmp_path / "cut") as loop:
         loop.run(2, progress=False)
     with Loop.resume(tmp_path / "cut", cluster=cluster) as loop:
         resumed = [without_wall_clock(r) for r in loop.run(progress=False)]
@@ -119,7 +119,7 @@ def test_a_dict_observation_run_resumes_exactly(cluster, tmp_path):
 
 def test_normalising_dict_observations_is_refused_before_launch(tmp_path):
     with pytest.raises(ConfigError) as e:
-        Loop.from_recipe("ppo_cartpole", [*PIXEL, "env.normalize_obs=true"], run_dir=tmp_path)
+        Loop.from_recipe("ppo_pixelreach", [*PIXEL, "env.normalize_obs=true"], run_dir=tmp_path)
     assert e.value.key == "env.normalize_obs" and "rgb" in str(e.value)
 
 

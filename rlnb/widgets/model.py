@@ -34,6 +34,13 @@ CURVES = (
         ("env/episode_return_mean", "reward/mean", "eval/return_mean", "eval/accuracy", "reward/accuracy"),
         "return per episode / reward",
     ),
+    Panel(
+        "success rate",
+        ("env/success_rate", "eval/success_rate"),
+        "fraction of episodes",
+        floor=0.0,
+        ceiling=1.0,
+    ),  # envs that say whether an episode succeeded (ManiSkill, LIBERO, PixelReach)
     Panel("policy loss", ("train/policy_loss",), "loss"),
     Panel("loss", ("train/loss",), "loss", unless="train/policy_loss"),  # (LM actors log the total alone)
     Panel("value loss", ("train/value_loss",), "squared error", floor=0.0),
