@@ -32,12 +32,16 @@ def _maniskill_env(task: str, obs_mode: str, camera_px: int):
     if obs_mode == "state":
         return CPUGymWrapper(gym.make(task, num_envs=1, obs_mode="state", render_backend="none"))
     env = gym.make(task, num_envs=1, obs_mode="rgb", sensor_configs={"width": camera_px, "height": camera_px})
-    return CPUGymWrapper(FlattenRGBDObservationWrapper(env, rgb=True, depth=False, state=obs_mode == "rgb+state"))
+    return CPUGymWrapper(
+        FlattenRGBDObservationWrapper(env, rgb=True, depth=False, state=obs_mode == "rgb+state")
+    )
 
 
 def peer_steps_per_s(task: str, obs_mode: str, n: int, steps: int, camera_px: int) -> float:
     fns = [functools.partial(_maniskill_env, task, obs_mode, camera_px) for _ in range(n)]
-    vec = gym.vector.AsyncVectorEnv(fns, context="forkserver", autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    vec = gym.vector.AsyncVectorEnv(
+        fns, context="forkserver", autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
+    )
     try:
         vec.reset(seed=list(range(n)))
         vec.action_space.seed(0)

@@ -42,6 +42,15 @@ def test_a_dict_observation_packs_into_one_row_and_reads_back_by_name_without_a_
     assert layout.nonfinite(rows) == ("state", 1)
 
 
+def test_a_batch_of_tensors_packs_on_its_device_as_each_observation_packs():
+    """A GPU simulator's dict of batched tensors (ManiSkill's physx_cuda with cameras) is packed where it is."""
+    layout = ObsLayout.of(gym.spaces.Dict({k: v for k, v in SPACE.spaces.items() if k != "instruction"}))
+    obs = [{"rgb": np.random.default_rng(i).integers(0, 255, (6, 5, 3), dtype=np.uint8),
+            "state": np.array([i, -1, 0.5], np.float32)} for i in range(4)]  # fmt: skip
+    batch = {k: torch.from_numpy(np.stack([o[k] for o in obs])) for k in ("rgb", "state")}
+    assert torch.equal(layout.pack_tensors(batch), torch.from_numpy(np.stack([layout.pack(o) for o in obs])))
+
+
 def test_a_dict_part_no_policy_can_take_is_refused_naming_it():
     nested = gym.spaces.Dict({"agent": gym.spaces.Dict({"qpos": gym.spaces.Box(-1, 1, (7,))})})
     which, expected, _ = dict_space_problem(nested)

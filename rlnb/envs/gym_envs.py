@@ -11,7 +11,7 @@ import numpy as np
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
 
-from rlnb.envs.obs import dict_space_problem, packed
+from rlnb.envs.obs import PackedBox, dict_space_problem, packed
 
 
 class SlowCartPole(CartPoleEnv):
@@ -331,13 +331,20 @@ class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN)
         self._torch = torch
         if kw["sim_backend"] in ("physx_cuda", "gpu"):
             _check_physx_gpu_library()
-        self.env = ManiSkillVectorEnv(
-            gym.make(task, num_envs=num_envs, **kw),
-            auto_reset=True,
-            ignore_terminations=False,
-            record_metrics=True,
-        )
+        images = kw["obs_mode"] in ("rgb", "rgb+state")
+        env = gym.make(task, num_envs=num_envs, **({**kw, "obs_mode": "rgb"} if images else kw))
+        if images:  # the cameras' images (and the state): a dict, packed on the GPU (rlnb.envs.obs)
+            from mani_skill.utils.wrappers.flatten import FlattenRGBDObservationWrapper
+
+            env = FlattenRGBDObservationWrapper(
+                env, rgb=True, depth=False, state=kw["obs_mode"] == "rgb+state"
+            )
+        self.env = ManiSkillVectorEnv(env, auto_reset=True, ignore_terminations=False, record_metrics=True)
         self.single_observation_space = self.env.single_observation_space
+        self.layout = None
+        if images:
+            self.single_observation_space = PackedBox(self.env.single_observation_space)
+            self.layout = self.single_observation_space.layout
         self.single_action_space = self.env.single_action_space
         self.num_envs = num_envs
 
@@ -347,7 +354,10 @@ class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN)
 
     def reset(self, seed=None):
         obs, info = self.env.reset(seed=seed[0] if isinstance(seed, list) else seed)
-        return obs, info
+        return self._packed(obs), info
+
+    def _packed(self, obs):
+        return obs if self.layout is None else self.layout.pack_tensors(obs)
 
     def step(self, actions):
         obs, reward, terminated, truncated, info = self.env.step(
@@ -355,12 +365,12 @@ class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN)
         )
         out = {}
         if "final_observation" in info:
-            out["final_obs"] = info["final_observation"]
+            out["final_obs"] = self._packed(info["final_observation"])
             out["_final_obs"] = info["_final_observation"]
         final = info.get("final_info")
         if isinstance(final, dict) and "success" in final:  # the ended episodes' success (env/success_rate)
             out["final_info"] = {"success": final["success"]}
-        return obs, reward, terminated, truncated, out
+        return self._packed(obs), reward, terminated, truncated, out
 
     def state_dict(self) -> dict:
         """The simulator's state through ManiSkill's API, its step counters, episode metrics and RNGs."""

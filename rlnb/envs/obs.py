@@ -145,6 +145,22 @@ class ObsLayout:
         n = len(first)
         return np.stack([self.pack({p.key: obs[p.key][i] for p in self.parts}) for i in range(n)])
 
+    def pack_tensors(self, parts: dict) -> torch.Tensor:
+        """A batch of observations given as tensors (``[B, ...]`` each, on any device: a GPU simulator's) as
+        ``[B, nbytes]`` uint8 on that device, without leaving it; text parts stay empty (a batched simulator gives
+        none)."""
+        first = next(parts[p.key] for p in self.parts if p.kind != "text")
+        n = first.shape[0]
+        rows = torch.zeros((n, self.nbytes), dtype=torch.uint8, device=first.device)
+        for p in self.parts:
+            if (
+                p.kind == "vector"
+            ):  # (float32-aligned: vectors come first and the row is a multiple of 4 bytes)
+                rows[:, p.offset : p.offset + p.nbytes].view(torch.float32).copy_(parts[p.key].reshape(n, -1))
+            elif p.kind == "image":
+                rows[:, p.offset : p.offset + p.nbytes].copy_(parts[p.key].reshape(n, -1))
+        return rows
+
     def unpack(self, rows) -> dict:
         """The parts of packed observations ``rows`` (``[..., nbytes]``, a numpy array or a torch tensor): views
         ``[..., *shape]`` (float32 vectors, uint8 images), and for text parts the strings (nested lists shaped as the

@@ -39,6 +39,7 @@ from rlnb.gpu_check.embodied import (  # PPO, the cluster and the runtime on the
     check_cluster,
     check_cuda_ipc_channel,
     check_maniskill_pickcube,
+    check_maniskill_pickcube_rgb,
     check_nccl_broadcast_two_groups,
     check_ppo_cartpole_cuda,
     check_ppo_cartpole_cuda_compiled,
@@ -88,6 +89,7 @@ CHECKS = [
     ("static_cache_decode_cuda", check_static_cache_decode_cuda),
     ("vllm_rollout", check_vllm_rollout),
     ("maniskill_pickcube", check_maniskill_pickcube),
+    ("maniskill_pickcube_rgb", check_maniskill_pickcube_rgb),
 ]
 
 # what a dry run imports: every module a check uses (GPU-only packages are reported, not required)

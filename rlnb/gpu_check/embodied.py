@@ -307,3 +307,39 @@ def check_maniskill_pickcube(work: Path) -> dict:
     finally:
         resumed.close()
     return out
+
+
+def check_maniskill_pickcube_rgb(work: Path) -> dict:
+    """PickCube with camera images and state (``obs_mode=rgb+state``): on ``physx_cuda`` the dict observations are
+    packed on the GPU and stay there; offline (no PhysX GPU library), the CPU simulation renders on the GPU."""
+    if importlib.util.find_spec("mani_skill") is None:
+        raise Skip("mani-skill is not installed")
+    import rlnb
+    from rlnb.config import load_recipe
+    from rlnb.envs.gym_envs import _check_physx_gpu_library
+
+    overrides = ["runner.steps=2", "runner.eval_interval=0", "runner.save_interval=0",
+                 "env.kwargs.obs_mode=rgb+state", "env.kwargs.sensor_configs={width: 64, height: 64}",
+                 "algorithm.num_minibatches=4"]  # fmt: skip
+    try:
+        _check_physx_gpu_library()
+        overrides.append("env.num_envs=32")
+        sim = "physx_cuda"
+    except RuntimeError as e:
+        overrides += ["env.kwargs.sim_backend=physx_cpu", "env.num_envs=2", "env.vector_mode=async"]
+        sim = f"physx_cpu ({e})"[:200]
+    loop = rlnb.Loop.from_recipe(load_recipe("ppo_maniskill", overrides), run_dir=work / "maniskill_rgb")
+    try:
+        t0 = time.perf_counter()
+        loop.run(progress=False)
+        obs = loop.sample(1)["obs"]
+        return {
+            "sim_backend": sim,
+            "steps": loop.step,
+            "wall_s": round(time.perf_counter() - t0, 1),
+            "rgb_shape": list(obs["rgb"].shape),
+            "state_shape": list(obs["state"].shape),
+            "rendered": bool(obs["rgb"].float().std() > 0),
+        }
+    finally:
+        loop.close()
