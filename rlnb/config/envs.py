@@ -9,8 +9,9 @@ from rlnb.errors import did_you_mean
 
 
 def check_env_id(env_id: str) -> str | None:
-    """An error message if ``env_id`` is not a registered gymnasium id, or a ManiSkill task (``maniskill:``) that
-    cannot run here (:func:`rlnb.envs.gym_envs.maniskill_problem`).
+    """An error message if ``env_id`` is not a registered gymnasium id, or a ManiSkill task (``maniskill:``) or a
+    LIBERO task (``libero:``) that cannot run here (:func:`rlnb.envs.gym_envs.maniskill_problem`,
+    :func:`rlnb.envs.libero.libero_problem`).
 
     ``module:id`` (gymnasium's form) imports ``module`` first, where the id is registered; workers do the
     same when they build the env."""
@@ -18,6 +19,10 @@ def check_env_id(env_id: str) -> str | None:
         from rlnb.envs.gym_envs import maniskill_problem
 
         return maniskill_problem(env_id.removeprefix("maniskill:"))
+    if env_id.startswith("libero:"):
+        from rlnb.envs.libero import libero_problem
+
+        return libero_problem(env_id)
     import importlib
 
     import gymnasium as gym
@@ -49,16 +54,21 @@ def check_env_kwargs(env_id: str, kwargs) -> str | None:
         return None
     import gymnasium as gym
 
-    spec = gym.registry.get(env_id.rpartition(":")[2] if ":" in env_id else env_id)
-    if spec is None:
-        return None
-    creator = spec.entry_point or spec.vector_entry_point
-    try:
-        if isinstance(creator, str):
-            creator = gym.envs.registration.load_env_creator(creator)
-        takes = _takes(creator)
-    except Exception:  # (an entry point that does not import here is reported by the worker building it)
-        return None
+    if env_id.startswith("libero:"):  # LiberoEnv's own settings (the suite and task come from the id)
+        from rlnb.envs.libero import LiberoEnv
+
+        takes = [n for n in _takes(LiberoEnv) or [] if n not in ("suite", "task")] + ["max_episode_steps"]
+    else:
+        spec = gym.registry.get(env_id.rpartition(":")[2] if ":" in env_id else env_id)
+        if spec is None:
+            return None
+        creator = spec.entry_point or spec.vector_entry_point
+        try:
+            if isinstance(creator, str):
+                creator = gym.envs.registration.load_env_creator(creator)
+            takes = _takes(creator)
+        except Exception:  # (an entry point that does not import here is reported by the worker building it)
+            return None
     if takes is None:
         return None
     unknown = [k for k in kwargs if k not in takes and k not in MAKE_KWARGS]

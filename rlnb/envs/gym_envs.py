@@ -66,6 +66,12 @@ def make_vector_env(
             raise ConfigError(misfit, misfit.split(":")[0].removeprefix("env."))
         # the CPU simulation: one env per process (gymnasium's async vector env), as numpy arrays unbatched
         fns = [functools.partial(packed, make_maniskill_cpu_env, task, kw) for _ in range(num_envs)]
+    elif env_id.startswith(
+        "libero:"
+    ):  # (each env ~1 GB and 10 CPU-s to build: env.vector_mode=async for several)
+        from rlnb.envs.libero import make_libero_env
+
+        fns = [functools.partial(packed, make_libero_env, env_id, kwargs) for _ in range(num_envs)]
     elif _vector_only(env_id):
         spec = gym.registry[env_id]
         creator = spec.vector_entry_point
@@ -77,7 +83,10 @@ def make_vector_env(
     if mode == "sync":
         return SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
     # a process forked after the parent's env set up SAPIEN's renderer hangs in it: ManiSkill's start fresh
-    context = "forkserver" if isinstance(env_id, str) and env_id.startswith("maniskill:") else None
+    fresh = isinstance(env_id, str) and env_id.startswith(
+        ("maniskill:", "libero:")
+    )  # (renderers' contexts too)
+    context = "forkserver" if fresh else None
     return AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP, shared_memory=True, context=context)
 
 
@@ -96,7 +105,7 @@ def probe_env(env_id: str, kwargs: dict | None) -> tuple[gym.Space, gym.Space] |
     """
     from rlnb.errors import ConfigError
 
-    if env_id.startswith("maniskill:") or _vector_only(
+    if env_id.startswith(("maniskill:", "libero:")) or _vector_only(
         env_id.rpartition(":")[2] if ":" in env_id else env_id
     ):
         return None
