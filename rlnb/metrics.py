@@ -102,6 +102,7 @@ GLOSSARY: dict[str, str] = {
     "eval/return_std": "Standard deviation of those returns.",
     "eval/len_mean": "Mean length of the evaluation episodes.",
     "eval/accuracy": "Greedy accuracy on held-out problems.",
+    "eval/video": "An evaluation episode's video (loop.record_episode()): its MP4 under videos/ in the run directory; in TensorBoard an animated GIF (Images), in W&B a video. Not in metrics.jsonl.",
     "eval/reward_mean": "Mean reward of the greedy held-out answers.",
     "eval/size": "Held-out problems evaluated.",
     "sft/loss_first": "Warm-start loss at its first step.",
@@ -145,6 +146,10 @@ _PATTERNS = [(k.split("/"), v) for k, v in GLOSSARY.items() if "<name>" in k]
 def undocumented(keys) -> list[str]:
     """The metric names in ``keys`` that :data:`GLOSSARY` does not explain."""
     return sorted(k for k in keys if explain(k) is None)
+
+
+VIDEO_MAX_FRAMES = 300
+"""The most frames of an episode's video TensorBoard gets (an animated GIF holds every frame uncompressed)."""
 
 
 class MetricLogger:
@@ -214,6 +219,34 @@ class MetricLogger:
         for fn in list(self._listeners):
             fn(record)
         return record
+
+    def log_video(self, step: int, tag: str, path: str | Path, fps: int = 20) -> None:
+        """An episode's video (an MP4 file :func:`rlnb.video.write_mp4` wrote) at ``step``: to TensorBoard as an
+        animated GIF in an image summary (what TensorBoard's own ``add_video`` writes, without moviepy; at most
+        :data:`VIDEO_MAX_FRAMES` frames, evenly taken), to W&B as a ``wandb.Video``. The file stays where it is."""
+        if self.read_only or (self._tb is None and self._wandb is None):
+            return
+        if self._tb is not None:
+            import io
+
+            import imageio.v2 as imageio
+            import numpy as np
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            frames = list(imageio.get_reader(path).iter_data())  # (its length is unknown up front)
+            keep = np.linspace(0, len(frames) - 1, min(len(frames), VIDEO_MAX_FRAMES)).round().astype(int)
+            gif = io.BytesIO()
+            imageio.mimwrite(gif, [frames[i] for i in keep], format="GIF", duration=1000 / fps, loop=0)
+            h, w = frames[0].shape[:2]
+            image = Summary.Image(height=h, width=w, colorspace=3, encoded_image_string=gif.getvalue())
+            self._tb._get_file_writer().add_summary(
+                Summary(value=[Summary.Value(tag=tag, image=image)]), step
+            )
+            self._tb.flush()
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({tag: wandb.Video(str(path), fps=fps, format="mp4")}, step=step)
 
     def _append(self, line: str) -> None:
         """Append ``line`` to ``metrics.jsonl``, kept open between records (opening it for each record cost

@@ -132,13 +132,10 @@ def test_normalising_dict_observations_is_refused_before_launch(tmp_path):
     assert e.value.key == "env.normalize_obs" and "rgb" in str(e.value)
 
 
-def test_an_env_without_a_camera_is_recorded_from_its_own_render(cluster, tmp_path):
-    overrides = [
-        "runner.steps=1",
-        "runner.tensorboard=false",
-        "env.num_envs=2",
-        "rollout.steps_per_rollout=8",
-    ]
+def test_an_env_without_a_camera_is_recorded_from_its_own_render_and_logged_to_tensorboard(cluster, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    overrides = ["runner.steps=1", "env.num_envs=2", "rollout.steps_per_rollout=8"]
     with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
         loop.run(progress=False)
         video = loop.record_episode(tmp_path / "cartpole.mp4", max_steps=30)
@@ -148,3 +145,7 @@ def test_an_env_without_a_camera_is_recorded_from_its_own_render(cluster, tmp_pa
     # the first frame, and one after each step but an episode's last (the env has reset by then)
     assert len(frames) == video.frames == (video.length if video.length < 30 else 31)
     assert frames[0].shape == (400, 600, 3) and video.episode_return == video.length
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    [logged] = events.Images("eval/video")  # an animated GIF, as TensorBoard's own add_video writes
+    assert logged.step == 1 and logged.encoded_image_string.startswith(b"GIF89a") and logged.width == 600

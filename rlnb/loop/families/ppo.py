@@ -296,7 +296,9 @@ class PPO(Family):
             ):  # (a link planted there must not lead the video out of the run directory)
                 check_inside(path.parent, s.run_dir)
         seed = s.recipe.seed + 1_000_003 if seed is None else seed  # as evaluate's envs: apart from training
-        return policy.record_episode(path, seed=seed, max_steps=max_steps, fps=fps)
+        video = policy.record_episode(path, seed=seed, max_steps=max_steps, fps=fps)
+        s.logger.log_video(s.step, "eval/video", video.path, fps)  # (TensorBoard's and W&B's video panels)
+        return video
 
     def obs_normalization(self):
         """Env rank 0's observation statistics as they are now (``env.normalize_obs``), else ``None``: what an
