@@ -112,6 +112,20 @@ def without_wall_clock(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith("time/") and k not in WALL_CLOCK}
 
 
+def assert_resume_is_exact(recipe: str, overrides: list[str], cluster, tmp_path, cut_at: int = 2) -> None:
+    """A run of ``recipe`` cut after ``cut_at`` steps and resumed logs what the uncut run logged after them,
+    wall-clock figures aside (``overrides`` must save a checkpoint at ``cut_at``)."""
+    from rlnb.loop import Loop
+
+    with Loop.from_recipe(recipe, overrides, cluster=cluster, run_dir=tmp_path / "full") as loop:
+        full = [without_wall_clock(r) for r in loop.run(progress=False)]
+    with Loop.from_recipe(recipe, overrides, cluster=cluster, run_dir=tmp_path / "cut") as loop:
+        loop.run(cut_at, progress=False)
+    with Loop.resume(tmp_path / "cut", cluster=cluster) as loop:
+        resumed = [without_wall_clock(r) for r in loop.run(progress=False)]
+    assert resumed == full[cut_at:]
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """One embedded 2-slot CPU cluster shared by the runtime tests that do not break it."""

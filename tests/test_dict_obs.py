@@ -12,7 +12,7 @@ from rlnb.envs.obs import ObsLayout, PackedBox, dict_space_problem
 from rlnb.errors import ComponentError, ConfigError
 from rlnb.files import UnsafePathError
 from rlnb.loop import Loop
-from tests.conftest import without_wall_clock
+from tests.conftest import assert_resume_is_exact
 
 SPACE = gym.spaces.Dict(
     {
@@ -117,13 +117,7 @@ def test_ppo_learns_from_pixels_on_workers_and_sample_shows_the_parts(cluster, t
 def test_a_dict_observation_run_resumes_exactly(cluster, tmp_path):
     base = [*PIXEL, "runner.steps=4", "runner.save_interval=2", "runner.eval_interval=0", "env.num_envs=4",
             "rollout.steps_per_rollout=16"]  # fmt: skip
-    with Loop.from_recipe("ppo_pixelreach", base, cluster=cluster, run_dir=tmp_path / "full") as loop:
-        full = [without_wall_clock(r) for r in loop.run(progress=False)]
-    with Loop.from_recipe("ppo_pixelreach", base, cluster=cluster, run_dir=tmp_path / "cut") as loop:
-        loop.run(2, progress=False)
-    with Loop.resume(tmp_path / "cut", cluster=cluster) as loop:
-        resumed = [without_wall_clock(r) for r in loop.run(progress=False)]
-    assert resumed == full[2:]
+    assert_resume_is_exact("ppo_pixelreach", base, cluster, tmp_path)
 
 
 def test_normalising_dict_observations_is_refused_before_launch(tmp_path):

@@ -4,6 +4,7 @@ import pytest
 
 import rlnb
 from rlnb.loop import GRPOLoop, Loop
+from tests.conftest import assert_resume_is_exact
 from tests.test_lm import GRPO_SMALL
 
 
@@ -39,18 +40,10 @@ def test_resume_purges_tensorboard_and_tolerates_a_torn_metrics_line(cluster, tm
 
 def test_mujoco_resume_is_exact(cluster, tmp_path):
     """Pickling rebuilt MuJoCo envs from their constructor arguments: physics state and RNG were lost."""
-    from tests.conftest import without_wall_clock
-
     base = ["runner.steps=4", "runner.save_interval=2", "runner.tensorboard=false", "runner.eval_interval=0",
             "runner.stop_return=100000", "rollout.steps_per_rollout=24", "env.num_envs=4",
             "algorithm.update_epochs=2", "algorithm.num_minibatches=2"]  # fmt: skip
-    with Loop.from_recipe("ppo_mujoco", base, cluster=cluster, run_dir=tmp_path / "full") as loop:
-        full = [without_wall_clock(r) for r in loop.run(progress=False)]
-    with Loop.from_recipe("ppo_mujoco", base, cluster=cluster, run_dir=tmp_path / "cut") as loop:
-        loop.run(2, progress=False)
-    with Loop.resume(tmp_path / "cut", cluster=cluster) as loop:
-        resumed = [without_wall_clock(r) for r in loop.run(progress=False)]
-    assert resumed == full[2:]
+    assert_resume_is_exact("ppo_mujoco", base, cluster, tmp_path)
 
 
 @pytest.mark.parametrize("recipe", ["ppo_mujoco", "grpo_arith"])
