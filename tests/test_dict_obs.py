@@ -88,11 +88,22 @@ def test_a_policy_file_of_a_dict_observation_policy_acts_on_dicts(tmp_path):
 def test_ppo_learns_from_pixels_on_workers_and_sample_shows_the_parts(cluster, tmp_path):
     """The ppo_pixelreach recipe as shipped: PixelReach's target is only in the image, so the success rate rises
     only if the CNN reads the pixels (README: about 0.1 -> 0.9)."""
-    with Loop.from_recipe("ppo_pixelreach", PIXEL, cluster=cluster, run_dir=tmp_path / "run") as loop:
+    from rlnb.widgets.dashboard import dashboard_for
+
+    overrides = [*PIXEL, "runner.video_interval=30"]  # an episode's video at steps 30 and 60 of the run
+    with Loop.from_recipe("ppo_pixelreach", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
         before = loop.evaluate(episodes=50)["eval/success_rate"]
         loop.run(progress=False)
         after = loop.evaluate(episodes=50)["eval/success_rate"]
         sample = loop.sample(2)
+        recorded = [(r["step"], r["eval/video"]) for r in loop.history if "eval/video" in r]
+        dashboard = dashboard_for(loop)  # (the history replayed: the latest video shows under the curves)
+        assert (
+            dashboard.model.video == (60, "videos/step_000060.mp4")
+            and dashboard.video_box.layout.display is None
+        )
+        assert dashboard.video.value == (tmp_path / "run" / "videos" / "step_000060.mp4").read_bytes()
+        assert "step 60" in dashboard.video_label.value
         video = loop.record_episode()  # the camera's frames of one evaluation episode
         assert "data:video/mp4;base64," in video._repr_html_()  # (a notebook plays it)
         (tmp_path / "elsewhere").mkdir()
@@ -109,6 +120,8 @@ def test_ppo_learns_from_pixels_on_workers_and_sample_shows_the_parts(cluster, t
     green = (frames[0][..., 1] > 150) & (frames[0][..., 0] < 100)
     assert 0.01 < green.mean() < 0.1  # the agent's square, as the camera saw it
     assert not list((tmp_path / "elsewhere").iterdir())
+    assert recorded == [(30, "videos/step_000030.mp4"), (60, "videos/step_000060.mp4")]
+    assert (tmp_path / "kept" / "step_000030.mp4").stat().st_size > 0
     assert sample["obs"]["rgb"].shape == (2, 16, 20, 20, 3) and sample["obs"]["rgb"].dtype == torch.uint8
     assert sample["obs"]["state"].shape == (2, 16, 2)
     assert sample["obs"]["instruction"][0][0] == "move the green square onto the red square"
@@ -143,3 +156,11 @@ def test_an_env_without_a_camera_is_recorded_from_its_own_render_and_logged_to_t
     events.Reload()
     [logged] = events.Images("eval/video")  # an animated GIF, as TensorBoard's own add_video writes
     assert logged.step == 1 and logged.encoded_image_string.startswith(b"GIF89a") and logged.width == 600
+
+
+def test_recording_episodes_is_refused_for_an_lm_recipe_naming_the_key():
+    from rlnb.config import load_recipe
+    from rlnb.config.loader import RecipeError
+
+    with pytest.raises(RecipeError, match="runner.video_interval: 5 records an env's episodes; this recipe trains"):
+        load_recipe("grpo_arith", ["runner.video_interval=5"])

@@ -68,6 +68,11 @@ class RunnerConfig:
     """How many complete checkpoints to keep."""
     eval_interval: int = bounded(0, 0, 1e9)
     """Evaluate every this many steps (0: never during ``run``)."""
+    video_interval: int = bounded(0, 0, 1e9)
+    """Embodied loop: every this many steps, record one deterministic evaluation episode as MP4 in
+    ``<run_dir>/videos`` (``loop.record_episode()``: the cameras' frames, or the env's ``render()``), shown in the
+    dashboard and logged to TensorBoard and W&B as ``eval/video`` (0: never during ``run``). Needs the ``video``
+    extra."""
     completions_interval: int = bounded(0, 0, 1e9)
     """LM loop: every this many steps, append the first prompt's group of completions the actor trained on
     (prompt, completion, reward, advantage...) to ``<run_dir>/completions.jsonl``, as TRL's ``log_completions``
@@ -111,6 +116,11 @@ class RunnerConfig:
             errs.append(
                 f"runner.completions_interval: {self.completions_interval} logs an LM's completions; this recipe "
                 "trains a policy on an env (family: ppo): look at its batches with loop.sample() instead"
+            )
+        if recipe.family != "ppo" and isinstance(self.video_interval, int) and self.video_interval:
+            errs.append(
+                f"runner.video_interval: {self.video_interval} records an env's episodes; this recipe trains an LM "
+                f"(family: {recipe.family}): see its completions with runner.completions_interval instead"
             )
         return errs
 

@@ -59,6 +59,15 @@ class EvaluateEvery(Callback):
             loop.evaluate()  # (never with a step ahead: step_once does not run past one)
 
 
+class RecordEvery(Callback):
+    """``loop.record_episode()`` every ``runner.video_interval`` steps (an embodied loop's)."""
+
+    def on_step(self, loop, record: dict) -> None:
+        interval = loop.recipe.runner.video_interval
+        if interval and loop.step % interval == 0:
+            loop.record_episode()
+
+
 class SaveEvery(Callback):
     """A checkpoint every ``runner.save_interval`` steps, and where one was asked for (``loop.request_save()``)."""
 

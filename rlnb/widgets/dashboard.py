@@ -7,6 +7,7 @@ import html
 import math
 import threading
 import time
+from pathlib import Path
 
 import ipywidgets as w
 
@@ -92,6 +93,13 @@ class Dashboard(w.VBox):
         self.phases = w.HTML()
         self.metrics = w.HTML()
         self.messages = w.HTML()  # the latest warnings and errors, workers' included
+        # the latest evaluation episode's video (runner.video_interval, loop.record_episode), once there is one
+        self.video = w.Video(
+            format="mp4", autoplay=True, loop=True, controls=True, layout=w.Layout(max_width="480px")
+        )
+        self.video_label = w.HTML()
+        self.video_box = w.VBox([self.video_label, self.video], layout=w.Layout(display="none"))
+        self._shown_video: tuple[int, str] | None = None
         rows = [w.HBox([self.bar, self.label])]
         if controls is not None:
             rows.append(self._control_row(controls))
@@ -108,6 +116,7 @@ class Dashboard(w.VBox):
                     w.VBox([w.HTML("<b>latest metrics</b>"), self.metrics]),
                 ]
             ),
+            self.video_box,
             self.messages,
         ]
         super().__init__(rows)
@@ -222,6 +231,8 @@ class Dashboard(w.VBox):
             if model.messages
             else ""
         )
+        if model.video is not None and model.video != self._shown_video:
+            self._show_video(model)
         if not isinstance(self.plots, w.Image):
             self.plots.update(model)  # live: every step, the series that gained a point (thinned past 2000)
         elif model.updates - self._plotted_at >= self.plot_every or (
@@ -242,6 +253,18 @@ class Dashboard(w.VBox):
             if model.outcome is not None:
                 for fn in list(self.on_finish):
                     fn(self)
+
+    def _show_video(self, model: DashboardModel) -> None:
+        step, path = self._shown_video = model.video
+        where = Path(model.run_dir) / path if model.run_dir is not None else Path(path)
+        try:
+            self.video.value = where.read_bytes()
+        except OSError as e:  # (a video removed since, or a run directory moved: said, not raised in a draw)
+            self.video_label.value = f"<b>evaluation episode, step {step}</b>: {html.escape(str(e))}"
+        else:
+            said = f"return {model.latest.get('eval/video_return', float('nan')):.4g}"
+            self.video_label.value = f"<b>evaluation episode, step {step}</b> ({said}; {html.escape(path)})"
+        self.video_box.layout.display = None
 
     def _controls(self) -> list:
         if self.controls is None:
@@ -366,6 +389,7 @@ def dashboard_for(
     """A dashboard observing ``loop``'s metric logger (history replayed first) and its runs' ends: every later
     ``run()``, or with ``one_run`` the next one only."""
     model = DashboardModel(total=total, start_step=loop.step)
+    model.run_dir = loop.run_dir
     for record in loop.history:
         model.update(record)
     loop.logger.add_listener(model.update)

@@ -158,6 +158,8 @@ class DashboardModel:
         self.outcome: str | None = None  # how the run ended (rlnb.loop.RUN_OUTCOMES), once it has
         self.wall_s: float | None = None  # the run's seconds, once it has ended
         self.run_watch = None  # the RunWatch telling it of the loop's runs (dashboard_for)
+        self.run_dir = None  # where the run's files are (dashboard_for): the videos' paths are relative to it
+        self.video: tuple[int, str] | None = None  # (step, path) of the latest evaluation episode's video
         # training step -> env steps or completions by then (X_COUNTERS)
         self.x_counts: dict[int, float] = {}
         self._x_label = "step"
@@ -174,6 +176,8 @@ class DashboardModel:
             if isinstance(record.get(counter), (int, float)):
                 self.x_counts[step], self._x_label = float(record[counter]), label
         self.step = max(self.step, step)
+        if isinstance(record.get("eval/video"), str):  # (loop.record_episode, runner.video_interval)
+            self.video = (step, record["eval/video"])
         for k, v in record.items():
             if k in ("step", "wall_time") or not isinstance(v, (int, float)) or isinstance(v, bool):
                 continue

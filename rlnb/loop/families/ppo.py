@@ -278,6 +278,12 @@ class PPO(Family):
         )
         return policy.save(Path(path) if path is not None else s.run_dir / "policy.pt")
 
+    def default_callbacks(self) -> list:
+        """An evaluation episode's video every ``runner.video_interval`` steps."""
+        from rlnb.loop.runner import RecordEvery
+
+        return [RecordEvery()]
+
     def record_episode(self, path=None, seed: int | None = None, max_steps: int = 1000, fps: int = 20):
         """One deterministic episode with actor rank 0's weights, on a fresh env in the driver's process, written
         as MP4 to ``path`` (default ``<run_dir>/videos/step_<step>.mp4``); an :class:`rlnb.video.EpisodeVideo`."""
@@ -298,6 +304,11 @@ class PPO(Family):
         seed = s.recipe.seed + 1_000_003 if seed is None else seed  # as evaluate's envs: apart from training
         video = policy.record_episode(path, seed=seed, max_steps=max_steps, fps=fps)
         s.logger.log_video(s.step, "eval/video", video.path, fps)  # (TensorBoard's and W&B's video panels)
+        where = Path(video.path).resolve()
+        inside = where.is_relative_to(Path(s.run_dir).resolve())
+        # the dashboard's record of it: the file, relative to the run directory where it is inside
+        s.logger.log(s.step, {"eval/video": str(where.relative_to(Path(s.run_dir).resolve()) if inside else where),
+                              "eval/video_return": video.episode_return, "eval/video_len": video.length})  # fmt: skip
         return video
 
     def obs_normalization(self):

@@ -95,13 +95,14 @@ class Schedule:
                 "in_flight": False}  # fmt: skip
 
     def drains_at(self, step: int) -> bool:
-        """Whether step ``step`` (the steps done once it is) ends where nothing may be in flight: a checkpoint or an
-        evaluation of ``run()``, or its last step (so checkpoints resume exactly and nothing runs on unused)."""
+        """Whether step ``step`` (the steps done once it is) ends where nothing may be in flight: a checkpoint, an
+        evaluation or a recorded episode of ``run()``, or its last step (so checkpoints resume exactly and nothing runs on unused)."""
         s = self.session
         r = s.recipe.runner
         return bool(
             (r.save_interval and step % r.save_interval == 0)
             or (r.eval_interval and step % r.eval_interval == 0)
+            or (r.video_interval and step % r.video_interval == 0)
             or (s.run_target is not None and step >= s.run_target)
         )
 
