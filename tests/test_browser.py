@@ -180,6 +180,12 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
             # for (playwright's expect retries until it holds), not read once
             expect(page.get_by_role("button", name="stop")).to_be_disabled(timeout=10_000)
             expect(page.get_by_role("button", name="apply")).to_be_disabled(timeout=10_000)
+            # the latest evaluation episode's video (runner.video_interval=30) plays under the curves
+            page.get_by_text(re.compile(r"evaluation episode, step 60")).wait_for(timeout=30_000)
+            page.wait_for_function(
+                "() => { const v = document.querySelector('video'); return v && v.src.startsWith('blob:'); }",
+                timeout=30_000,
+            )
             page.screenshot(path=str(shots / "dashboard_finished.png"), full_page=True)
             figure = page.locator(".bqplot", has_text="return / reward").first
             assert page.evaluate(POINTS) == 60  # one point a step
