@@ -162,5 +162,7 @@ def test_recording_episodes_is_refused_for_an_lm_recipe_naming_the_key():
     from rlnb.config import load_recipe
     from rlnb.config.loader import RecipeError
 
-    with pytest.raises(RecipeError, match="runner.video_interval: 5 records an env's episodes; this recipe trains"):
+    with pytest.raises(
+        RecipeError, match="runner.video_interval: 5 records an env's episodes; this recipe trains"
+    ):
         load_recipe("grpo_arith", ["runner.video_interval=5"])
