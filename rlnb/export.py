@@ -212,7 +212,9 @@ class TrainedPolicy:
         for name, value, top in (("max_steps", max_steps, 1_000_000), ("fps", fps, 240)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
                 raise ValueError(f"record_episode: {name} expected an integer in [1, {top}], got {value!r}")
-        spec = self.env_spec or {} if make_env is None else {}
+        spec = (
+            (self.env_spec or {}) if make_env is None else {}
+        )  # (an env named here: nothing of the policy's)
         config = spec.get("config")
         settings: dict = {"num_envs": 1, "pipeline_stages": 1, "vector_mode": "sync"}
         layout = layout_of(self.observation_space)
@@ -227,7 +229,7 @@ class TrainedPolicy:
                 env.normalize_obs_with(self.obs_normalization)
             try:
                 frames, ret, length, success = episode_frames(self, env, max_steps)
-            except (AttributeError, TypeError) as e:
+            except (AttributeError, TypeError, ImportError) as e:  # (a renderer gymnasium lacks: ImportError)
                 raise ValueError(
                     f"record_episode: the env {env.label!r} gives no frames to record ({e})"
                 ) from e

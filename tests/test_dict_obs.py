@@ -166,3 +166,16 @@ def test_recording_episodes_is_refused_for_an_lm_recipe_naming_the_key():
         RecipeError, match="runner.video_interval: 5 records an env's episodes; this recipe trains"
     ):
         load_recipe("grpo_arith", ["runner.video_interval=5"])
+
+
+def test_a_policy_records_an_episode_on_an_env_named_for_it_without_rebuilding_its_own(tmp_path):
+    """``record_episode(make_env=...)`` plays on that env alone: the policy's own env, pickled in its file by an
+    author this process does not trust, is neither needed nor unpickled."""
+    from rlnb.export import UNTRUSTED_ENV, TrainedPolicy
+    from rlnb.models.policies import ActorCritic
+
+    space = PackedBox(gym.make("rlnb/PixelReach-v0").observation_space)
+    policy = TrainedPolicy(ActorCritic(space, gym.spaces.Discrete(4)), space, gym.spaces.Discrete(4),
+                           env_spec=UNTRUSTED_ENV)  # fmt: skip
+    video = policy.record_episode(tmp_path / "v.mp4", make_env="rlnb/PixelReach-v0", max_steps=5)
+    assert 2 <= video.frames <= 6 and video.path.stat().st_size > 0
