@@ -62,14 +62,20 @@ def _chromium(p):
 
 
 def _kernel_env(tmp_path) -> dict:
-    """The server's environment, its kernels' temporary files in ``tmp_path``: a kernel that started child
-    processes is shut down by SIGTERM (ipykernel waits on multiprocessing's resource tracker, which ignores
-    it, past jupyter_client's deadline), so its exit handlers never remove multiprocessing's temporary
-    directory."""
+    """The server's environment, its kernels' temporary files in a directory of their own, removed with the
+    test process: a kernel that started child processes is shut down by SIGTERM (ipykernel waits on
+    multiprocessing's resource tracker, which ignores it, past jupyter_client's deadline), so its exit handlers
+    never remove multiprocessing's temporary directory. Short, under the system's temporary directory: a
+    socket's path holds at most 107 bytes, and one under pytest's ``tmp_path`` (``pytest-110/popen-gw2/...``)
+    passed that (the kernel's ``rlnb.Cluster()`` failed with "AF_UNIX path too long")."""
+    import atexit
     import os
+    import shutil
+    import tempfile
 
-    (tmp_path / "tmp").mkdir(exist_ok=True)
-    return {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    short = tempfile.mkdtemp(prefix="rlnb-k")
+    atexit.register(shutil.rmtree, short, True)
+    return {**os.environ, "TMPDIR": short}
 
 
 def _multiprocessing_files() -> set:
