@@ -227,9 +227,8 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
     __import__("importlib").util.find_spec("jupyterlab") is None,
     reason="jupyterlab is not installed (dev extra)",
 )
-@pytest.mark.timeout(
-    900
-)  # (35-90 s; a fresh clone's first minutes, beside vLLM and notebook 02, took past 300)
+# (35-90 s here; the bounds inside: 300 s to the first step, 300 s of the run)
+@pytest.mark.timeout(900)
 def test_dashboard_curves_stream_in_jupyterlab(tmp_path):
     """JupyterLab shows the dashboard before its first point (Voila, above, renders it mid-run): the
     curves must still grow and span their axes while the run trains."""
