@@ -61,7 +61,7 @@ def _chromium(p):
     )  # fmt: skip
 
 
-def _kernel_env(tmp_path) -> dict:
+def _kernel_env() -> dict:
     """The server's environment, its kernels' temporary files in a directory of their own, removed with the
     test process: a kernel that started child processes is shut down by SIGTERM (ipykernel waits on
     multiprocessing's resource tracker, which ignores it, past jupyter_client's deadline), so its exit handlers
@@ -155,7 +155,7 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
     voila = subprocess.Popen(
         [sys.executable, "-m", "voila", str(notebook), "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1",
          "--Voila.tornado_settings={'headers': {'Content-Security-Policy': ''}}"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=_kernel_env(tmp_path),
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=_kernel_env(),
     )  # fmt: skip
     try:
         with sync_playwright() as p:
@@ -236,7 +236,7 @@ def test_dashboard_curves_stream_in_jupyterlab(tmp_path):
 
     shutil.copy(NOTEBOOK, tmp_path / NOTEBOOK.name)
     port = _free_port()
-    env = {**_kernel_env(tmp_path), "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+    env = {**_kernel_env(), "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
            "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "ws")}  # fmt: skip
     lab = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
@@ -316,7 +316,7 @@ def test_the_docs_pages_draw_the_notebooks_hvplot_charts_with_no_cdn(tmp_path):
     ]
     src = tmp_path / "src"
     src.mkdir()
-    NotebookClient(nb, timeout=120, kernel_name="python3").execute(env=_kernel_env(tmp_path))
+    NotebookClient(nb, timeout=120, kernel_name="python3").execute(env=_kernel_env())
     nbformat.write(nb, src / "zz_chart.ipynb")
     docs = tmp_path / "docs"
     (page,) = write_notebook_pages(docs / "notebooks", source=src, repository="")

@@ -264,11 +264,18 @@ class PPO(Family):
     def export(self, path=None) -> Path:
         """Write the trained policy to ``path`` (default ``<run_dir>/policy.pt``) with what acts on an env's raw
         observations (see :meth:`rlnb.Loop.export`)."""
+        s = self.session
+        return self.trained_policy().save(Path(path) if path is not None else s.run_dir / "policy.pt")
+
+    def trained_policy(self):
+        """Actor rank 0's policy as it is now, with the env's spaces and observation statistics: a
+        :class:`rlnb.export.TrainedPolicy` in this process (what :meth:`export` writes, what
+        :meth:`record_episode` plays)."""
         from rlnb.export import TrainedPolicy
 
         s = self.session
         module = s.groups["actor"].on(0).policy_module().result()[0]
-        policy = TrainedPolicy(
+        return TrainedPolicy(
             module,
             *self.spaces,
             self.obs_normalization(),
@@ -276,7 +283,6 @@ class PPO(Family):
             source=str(s.run_dir),
             env_spec=self.env_spec,
         )
-        return policy.save(Path(path) if path is not None else s.run_dir / "policy.pt")
 
     def default_callbacks(self) -> list:
         """An evaluation episode's video every ``runner.video_interval`` steps."""
@@ -287,14 +293,10 @@ class PPO(Family):
     def record_episode(self, path=None, seed: int | None = None, max_steps: int = 1000, fps: int = 20):
         """One deterministic episode with actor rank 0's weights, on a fresh env in the driver's process, written
         as MP4 to ``path`` (default ``<run_dir>/videos/step_<step>.mp4``); an :class:`rlnb.video.EpisodeVideo`."""
-        from rlnb.export import TrainedPolicy
         from rlnb.files import check_inside
 
         s = self.session
-        module = s.groups["actor"].on(0).policy_module().result()[0]
-        policy = TrainedPolicy(
-            module, *self.spaces, self.obs_normalization(), step=s.step, env_spec=self.env_spec
-        )
+        policy = self.trained_policy()
         if path is None:
             path = s.run_dir / "videos" / f"step_{s.step:06d}.mp4"
             if (
