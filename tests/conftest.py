@@ -50,6 +50,7 @@ SLOW_TESTS = {
     "test_asynchronous_grpo_with_a_retry_raises_the_final_answers_reward_on_workers",
     "test_a_killed_async_grpo_run_resumes_without_training_a_problem_twice_or_skipping_one",
     "test_ppo_steps_a_maniskill_task_from_camera_images_and_state_on_the_workers",
+    "test_ppo_learns_to_push_a_cube_on_maniskills_cpu_simulation_on_the_workers",
     "test_the_libero_tests_run_in_the_environment_that_has_libero",
 }
 

@@ -178,7 +178,7 @@ def test_gpu_check_dry_run_checks_the_plan_and_imports_without_a_gpu(tmp_path):
     assert plan["imports"]["rlnb.loop"] == "ok" and sorted(plan["recipes"]) == [
         "grpo_arith",
         "ppo_cartpole",
-        "ppo_maniskill",
+        "ppo_maniskill_gpu",
     ]
     bad = subprocess.run(
         [sys.executable, "-m", "rlnb.gpu_check", "--only", "clustr"],

@@ -123,7 +123,7 @@ def dry_run() -> dict:
         "grpo_arith": load_recipe(
             "grpo_arith", ["actor.device=cuda", "rollout.device=cuda", "runner.steps=150"]
         ),
-        "ppo_maniskill": load_recipe("ppo_maniskill", ["runner.steps=3"]),
+        "ppo_maniskill_gpu": load_recipe("ppo_maniskill_gpu", ["runner.steps=3"]),
     }
     failed = [m for m, v in imports.items() if v != "ok" and m not in GPU_ONLY]
     if failed:

@@ -284,7 +284,7 @@ def check_maniskill_pickcube(work: Path) -> dict:
         # offline: PhysX on the CPU (in SAPIEN's wheel), one env a process, GPU rendering
         overrides += ["env.kwargs.sim_backend=physx_cpu", "env.num_envs=1"]
         sim = f"physx_cpu ({e})"[:200]
-    recipe = load_recipe("ppo_maniskill", overrides)
+    recipe = load_recipe("ppo_maniskill_gpu", overrides)
     out: dict = {"sim_backend": sim}
     loop = rlnb.Loop.from_recipe(recipe, run_dir=work / "maniskill")
     try:
@@ -328,7 +328,7 @@ def check_maniskill_pickcube_rgb(work: Path) -> dict:
     except RuntimeError as e:
         overrides += ["env.kwargs.sim_backend=physx_cpu", "env.num_envs=2", "env.vector_mode=async"]
         sim = f"physx_cpu ({e})"[:200]
-    loop = rlnb.Loop.from_recipe(load_recipe("ppo_maniskill", overrides), run_dir=work / "maniskill_rgb")
+    loop = rlnb.Loop.from_recipe(load_recipe("ppo_maniskill_gpu", overrides), run_dir=work / "maniskill_rgb")
     try:
         t0 = time.perf_counter()
         loop.run(progress=False)
