@@ -274,6 +274,8 @@ def _policy_step(path) -> int:
 
 
 def _eval(args) -> int:
+    if args.tasks or args.videos:
+        return _eval_tasks(args)
     loop = _resume(args.run_dir)
     try:
         res = loop.evaluate(args.episodes)
@@ -282,6 +284,46 @@ def _eval(args) -> int:
         )
     finally:
         loop.close()
+    return 0
+
+
+def _eval_tasks(args) -> int:
+    """``rlnb eval RUN --tasks libero:libero_spatial --videos DIR``: the run's policy on each task in this
+    process (its cluster closed first), a success rate a task and one episode's video each, as LIBERO's and
+    OpenVLA's evaluations report them."""
+    from pathlib import Path
+
+    from rlnb.config import load_recipe
+
+    recipe_file = Path(args.run_dir) / "recipe.yaml"
+    if not recipe_file.is_file():
+        raise ConfigError(f"RUN_DIR: {args.run_dir} is not a run directory (no recipe.yaml)", "RUN_DIR")
+    recipe = load_recipe(recipe_file)
+    if recipe.family != "ppo":
+        raise ConfigError(f"--tasks: expected an embodied (ppo) run, got a {recipe.family} run", "--tasks")
+    specs = [t for t in (args.tasks or recipe.env.id).split(",") if t]
+    for spec in specs:  # (before anything starts: a suite that does not exist, LIBERO missing)
+        if spec.startswith("libero:"):
+            from rlnb.envs.libero import task_ids
+
+            try:
+                task_ids(spec)
+            except ValueError as e:
+                raise ConfigError(f"--tasks: {e}", "--tasks") from None
+    loop = _resume(args.run_dir)
+    try:
+        policy, step = loop.family.trained_policy(), loop.step
+    finally:
+        loop.close()
+    episodes = args.episodes or recipe.runner.eval_episodes
+    rows = policy.evaluate_tasks(specs, episodes, video_dir=args.videos)
+    print(f"rlnb: {args.run_dir} at step {step}, {episodes} episodes a task:")
+    for row in rows:
+        figures = ", ".join(f"{k}={v:.3f}" for k, v in row.items() if isinstance(v, float))
+        print(f"  {row['env_id']}: {figures}" + (f"  video: {row['video']}" if "video" in row else ""))
+    rates = [row["success_rate"] for row in rows if "success_rate" in row]
+    if rates:
+        print(f"  mean success_rate over {len(rates)} tasks: {sum(rates) / len(rates):.3f}")
     return 0
 
 
@@ -382,6 +424,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="episodes (default: the recipe's runner.eval_episodes)",
     )
+    p.add_argument(
+        "--tasks",
+        default=None,
+        help="comma-separated env ids to evaluate on, each in turn in this process (libero:<suite> is each task "
+        "of the suite); a success rate a task",
+    )
+    p.add_argument("--videos", default=None, metavar="DIR", help="write one episode's MP4 a task into DIR")
     p.set_defaults(fn=_eval)
     p = sub.add_parser(
         "export",

@@ -154,6 +154,23 @@ def test_rlnb_eval_and_rlnb_export_work_from_a_runs_latest_checkpoint(tmp_path):
     assert bad.returncode == 2 and "--episodes: expected an integer in [1, 1000000], got '0'" in bad.stderr, (
         bad.stderr
     )
+    # on several tasks in turn (a LIBERO suite's way), a success rate and a video each
+    videos = tmp_path / "videos"
+    tasks = subprocess.run(
+        [*RLNB, "eval", str(run), "--episodes", "2", "--tasks", "CartPole-v1,CartPole-v0", "--videos", str(videos)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert tasks.returncode == 0, tasks.stderr[-3000:]
+    for env_id, name in (("CartPole-v1", "CartPole-v1.mp4"), ("CartPole-v0", "CartPole-v0.mp4")):
+        assert f"  {env_id}: return_mean=" in tasks.stdout and f"video: {videos / name}" in tasks.stdout
+        assert (videos / name).stat().st_size > 1000
+    suite = subprocess.run(
+        [*RLNB, "eval", str(run), "--tasks", "libero:libero_spatal"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert suite.returncode == 2 and "--tasks: env.id: libero:libero_spatal" in suite.stderr, suite.stderr
     out = tmp_path / "exported" / "cartpole.pt"
     exported = subprocess.run(
         [*RLNB, "export", str(run), "--out", str(out)], capture_output=True, text=True, timeout=300

@@ -86,6 +86,19 @@ else:
             evaluation = loop.evaluate(1)
             obs = loop.sample(1)["obs"]
             video = loop.record_episode(max_steps=6)
+            policy = loop.family.trained_policy()
+        # LIBERO's protocol: a suite's tasks in turn, a success rate and a video each (rlnb eval RUN --tasks ...)
+        from rlnb.envs.libero import task_ids
+
+        assert task_ids("libero:libero_spatial") == [f"libero:libero_spatial/{i}" for i in range(10)]
+        rows = policy.evaluate_tasks(
+            ["libero:libero_spatial/1", "libero:libero_goal/2"], episodes=1, video_dir=tmp_path / "videos"
+        )
+        assert [r["env_id"] for r in rows] == ["libero:libero_spatial/1", "libero:libero_goal/2"]
+        assert all(r["success_rate"] == 0.0 and r["len_mean"] == 6 for r in rows), (
+            rows
+        )  # (untrained, 6 steps)
+        assert Path(rows[1]["video"]) == tmp_path / "videos" / "libero_libero_goal_2.mp4"
         assert np.isfinite(records[-1]["train/loss"])
         assert evaluation["eval/success_rate"] == 0.0 and evaluation["eval/len_mean"] == 6  # untrained
         assert set(obs) == {"agentview", "wrist", "state", "instruction"} and obs["agentview"].shape[-3:] == (

@@ -39,6 +39,27 @@ def parse_libero_id(env_id: str) -> tuple[str, int]:
     return suite, int(task)
 
 
+def task_ids(spec: str) -> list[str]:
+    """``libero:<suite>`` -> each task of the suite (``libero:<suite>/0`` ...), as LIBERO's benchmark counts them;
+    ``libero:<suite>/<task>`` -> itself.
+
+    Raises:
+        ValueError: not a LIBERO id, LIBERO not installed, or an unknown suite (naming what was expected).
+    """
+    if not spec.startswith("libero:"):
+        raise ValueError(f"expected libero:<suite> or libero:<suite>/<task>, got {spec!r}")
+    if "/" in spec:
+        parse_libero_id(spec)
+        return [spec]
+    problem = libero_problem(f"{spec}/0")
+    if problem is not None:
+        raise ValueError(problem)
+    from libero.libero import benchmark
+
+    suite = spec.removeprefix("libero:")
+    return [f"{spec}/{i}" for i in range(benchmark.get_benchmark_dict()[suite]().get_num_tasks())]
+
+
 def libero_problem(env_id: str) -> str | None:
     """Why ``env.id`` (``libero:<suite>/<task>``) cannot run here, before anything launches, or ``None``: LIBERO
     not installed, an unknown suite (the nearest named), a task beyond the suite, or its assets missing."""
