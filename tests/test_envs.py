@@ -12,7 +12,7 @@ from rlnb.components import Env
 from rlnb.config import EnvConfig
 from rlnb.errors import ConfigError
 from rlnb.seeding import rank_seed
-from tests.conftest import set_spaces
+from tests.conftest import assert_resume_is_exact, set_spaces
 
 
 def test_truncation_returns_final_obs_and_stats():
@@ -477,6 +477,19 @@ def test_ppo_learns_to_push_a_cube_on_maniskills_cpu_simulation_on_the_workers(c
     successes = [r["env/success_rate"] for r in records[-10:]]
     assert all(0.0 <= s <= 1.0 for s in successes)
     assert gain >= 0.8 and max(successes) > 0, (returns, successes)
+
+
+def test_a_resumed_maniskill_run_continues_its_episodes_on_the_cpu_simulation(cluster, tmp_path):
+    """Two PushCube envs in subprocesses, cut mid-episode (30 of 50 steps) and resumed: the envs' state comes
+    back through ManiSkill's own state API (poses, velocities, step counters, RNGs), so the episodes end where
+    the uncut run's did and the metrics after the cut are its own (to within PhysX's solver caches, which the
+    state leaves out), rather than every episode starting again."""
+    if _maniskill_skip_reason() is not None:
+        pytest.skip(_maniskill_skip_reason())
+    overrides = ["env.num_envs=2", "rollout.steps_per_rollout=15", "runner.steps=4", "runner.save_interval=2",
+                 "runner.eval_interval=0", "runner.tensorboard=false", "actor.model.hidden_sizes=[64,64]",
+                 "algorithm.num_minibatches=2"]  # fmt: skip
+    assert_resume_is_exact("ppo_maniskill", overrides, cluster, tmp_path, tolerance=1e-3)
 
 
 def test_ppo_steps_a_maniskill_task_from_camera_images_and_state_on_the_workers(cluster, tmp_path):

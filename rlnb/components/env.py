@@ -415,8 +415,8 @@ class Env:
         goes through MuJoCo's own state API (:func:`rlnb.envs.gym_envs.capture_sim_state`).
         Async vector envs live in subprocesses and are not saved: after a resume they are reset (every
         episode restarts; counters, statistics and normalisation are restored).
-        A vector env with its own ``state_dict()``/``load_state_dict()`` (a GPU simulator: ManiSkill,
-        :class:`rlnb.envs.TorchCartPole`) is saved through them.
+        A vector env with its own ``state_dict()``/``load_state_dict()`` (ManiSkill on the GPU, and on the CPU
+        in subprocesses too; :class:`rlnb.envs.TorchCartPole`) is saved through them.
         """
         own = self._own_state_api()
         captured = self.cfg.vector_mode == "sync" and not own

@@ -80,14 +80,19 @@ def make_vector_env(
         return creator(num_envs=num_envs, **{**spec.kwargs, **(kwargs or {})})
     else:
         fns = [functools.partial(packed, gym.make, env_id, **(kwargs or {})) for _ in range(num_envs)]
+    cpu_maniskill = isinstance(env_id, str) and env_id.startswith(
+        "maniskill:"
+    )  # (the GPU one returned above)
     if mode == "sync":
-        return SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+        sync = ManiSkillCPUSyncVector if cpu_maniskill else SyncVectorEnv
+        return sync(fns, autoreset_mode=AutoresetMode.SAME_STEP)
     # a process forked after the parent's env set up SAPIEN's renderer hangs in it: ManiSkill's start from a fork
     # server (renderers' contexts too), which imports ManiSkill once for all of them
     fresh = isinstance(env_id, str) and env_id.startswith(("maniskill:", "libero:"))
     context = _fork_server_importing("mani_skill.envs") if env_id.startswith("maniskill:") else None
     context = context or ("forkserver" if fresh else None)
-    return AsyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP, shared_memory=True, context=context)
+    vector = ManiSkillCPUVector if cpu_maniskill else AsyncVectorEnv
+    return vector(fns, autoreset_mode=AutoresetMode.SAME_STEP, shared_memory=True, context=context)
 
 
 def _fork_server_importing(module: str) -> str:
@@ -322,12 +327,86 @@ def make_maniskill_cpu_env(task: str, kwargs: dict) -> gym.Env:
     if kw["obs_mode"] in ("state", "state_dict") and "render_mode" not in kw:
         kw.setdefault("render_backend", "none")
     if kw["obs_mode"] not in ("rgb", "rgb+state"):
-        return CPUGymWrapper(gym.make(task, num_envs=1, **kw))
+        return ManiSkillCPUState(CPUGymWrapper(gym.make(task, num_envs=1, **kw)))
     from mani_skill.utils.wrappers.flatten import FlattenRGBDObservationWrapper
 
     with_state = kw["obs_mode"] == "rgb+state"
     env = gym.make(task, num_envs=1, **{**kw, "obs_mode": "rgb"})
-    return CPUGymWrapper(FlattenRGBDObservationWrapper(env, rgb=True, depth=False, state=with_state))
+    flat = FlattenRGBDObservationWrapper(env, rgb=True, depth=False, state=with_state)
+    return ManiSkillCPUState(CPUGymWrapper(flat))
+
+
+def _rng_state(rng):
+    """A ManiSkill episode RNG's state as plain data: a ``BatchedRNG``'s generators each, or one ``RandomState``."""
+    from mani_skill.envs.utils.randomization.batched_rng import BatchedRNG
+
+    if isinstance(rng, BatchedRNG):
+        return [r.get_state() for r in rng.rngs]
+    return rng.get_state() if isinstance(rng, np.random.RandomState) else None
+
+
+def _set_rng_state(rng, state) -> None:
+    from mani_skill.envs.utils.randomization.batched_rng import BatchedRNG
+
+    if isinstance(rng, BatchedRNG):
+        for r, s in zip(rng.rngs, state):
+            r.set_state(s)
+    elif isinstance(rng, np.random.RandomState) and state is not None:
+        rng.set_state(state)
+
+
+class ManiSkillCPUState(gym.Wrapper):
+    """One ManiSkill env on its CPU simulation whose state reads and writes as plain data, through ManiSkill's own
+    API (``get_state_dict``/``set_state_dict``: actors' and articulations' poses and velocities) plus its step
+    counter and its process's RNGs, never by pickling the simulator: ``sim_state``, an attribute that a vector
+    env's ``get_attr``/``set_attr`` reach in its subprocesses (:class:`ManiSkillCPUVector`). PhysX keeps solver
+    caches outside that state, so a restored env continues its episode to within about 1e-5 in 100 steps."""
+
+    @property
+    def sim_state(self) -> dict:
+        import torch
+
+        base = self.env.unwrapped
+        return {
+            "sim": base.get_state_dict(),
+            "elapsed_steps": base._elapsed_steps.clone(),
+            "episode_rng": _rng_state(base._episode_rng),
+            "batched_episode_rng": _rng_state(base._batched_episode_rng),
+            "torch_rng": torch.get_rng_state(),
+            "numpy_rng": np.random.get_state(),
+        }
+
+    @sim_state.setter
+    def sim_state(self, state: dict) -> None:
+        import torch
+
+        base = self.env.unwrapped
+        self.env.reset()  # (a fresh env steps only after a reset: gymnasium's OrderEnforcing; its RNGs come next)
+        base.set_state_dict(state["sim"])
+        base._elapsed_steps = state["elapsed_steps"].clone()
+        _set_rng_state(base._episode_rng, state["episode_rng"])
+        _set_rng_state(base._batched_episode_rng, state["batched_episode_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        np.random.set_state(state["numpy_rng"])
+
+
+class _ManiSkillCPUStateAPI:
+    """``state_dict``/``load_state_dict`` for a vector env of :class:`ManiSkillCPUState` envs (in subprocesses or
+    in this process): what :class:`rlnb.Env` saves in a checkpoint, so a resumed run continues its episodes."""
+
+    def state_dict(self) -> dict:
+        return {"maniskill_cpu": list(self.get_attr("sim_state"))}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.set_attr("sim_state", list(state["maniskill_cpu"]))
+
+
+class ManiSkillCPUVector(_ManiSkillCPUStateAPI, AsyncVectorEnv):
+    """ManiSkill's CPU simulation, one env a subprocess, with its state in checkpoints."""
+
+
+class ManiSkillCPUSyncVector(_ManiSkillCPUStateAPI, SyncVectorEnv):
+    """One ManiSkill CPU env in the rank's own process, with its state in checkpoints."""
 
 
 class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN); its tests skip without one
