@@ -37,6 +37,21 @@ def test_truncation_returns_final_obs_and_stats():
     assert env.pop_episodes() == []
 
 
+def test_an_env_class_runs_in_an_async_vector_env():
+    """An env given as a class (not a registered id) in subprocesses: the choice of a fork server for the
+    simulators named by id must not read a class as a name."""
+    from gymnasium.envs.classic_control.cartpole import CartPoleEnv
+
+    from rlnb.envs.gym_envs import make_vector_env
+
+    vec = make_vector_env(CartPoleEnv, 2, "async")
+    try:
+        obs, _ = vec.reset(seed=0)
+        assert obs.shape == (2, 4) and vec.step(np.zeros(2, dtype=np.int64))[0].shape == (2, 4)
+    finally:
+        vec.close()
+
+
 def test_state_dict_continues_exactly():
     a = Env(EnvConfig(id="CartPole-v1", num_envs=3, pipeline_stages=1), seed=5)
     a.reset()

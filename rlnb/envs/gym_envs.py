@@ -80,17 +80,18 @@ def make_vector_env(
         return creator(num_envs=num_envs, **{**spec.kwargs, **(kwargs or {})})
     else:
         fns = [functools.partial(packed, gym.make, env_id, **(kwargs or {})) for _ in range(num_envs)]
-    cpu_maniskill = isinstance(env_id, str) and env_id.startswith(
-        "maniskill:"
-    )  # (the GPU one returned above)
+    named = env_id if isinstance(env_id, str) else ""  # (a class or factory: none of the simulators below)
+    cpu_maniskill = named.startswith("maniskill:")  # (the GPU one returned above)
     if mode == "sync":
         sync = ManiSkillCPUSyncVector if cpu_maniskill else SyncVectorEnv
         return sync(fns, autoreset_mode=AutoresetMode.SAME_STEP)
-    # a process forked after the parent's env set up SAPIEN's renderer hangs in it: ManiSkill's start from a fork
-    # server (renderers' contexts too), which imports ManiSkill once for all of them
-    fresh = isinstance(env_id, str) and env_id.startswith(("maniskill:", "libero:"))
-    context = _fork_server_importing("mani_skill.envs") if env_id.startswith("maniskill:") else None
-    context = context or ("forkserver" if fresh else None)
+    # a process forked after the parent's env set up SAPIEN's renderer hangs in it: ManiSkill's and LIBERO's start
+    # from a fork server (renderers' contexts too), which for ManiSkill imports it once for all of them
+    context = None
+    if cpu_maniskill:
+        context = _fork_server_importing("mani_skill.envs")
+    elif named.startswith("libero:"):
+        context = "forkserver"
     vector = ManiSkillCPUVector if cpu_maniskill else AsyncVectorEnv
     return vector(fns, autoreset_mode=AutoresetMode.SAME_STEP, shared_memory=True, context=context)
 
