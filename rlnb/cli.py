@@ -289,11 +289,13 @@ def _eval(args) -> int:
 
 def _eval_tasks(args) -> int:
     """``rlnb eval RUN --tasks libero:libero_spatial --videos DIR``: the run's policy on each task in this
-    process (its cluster closed first), a success rate a task and one episode's video each, as LIBERO's and
-    OpenVLA's evaluations report them."""
+    process (read from its latest checkpoint, with no cluster for the built-in policy), a success rate a task and
+    one episode's video each, as LIBERO's and OpenVLA's evaluations report them."""
     from pathlib import Path
 
     from rlnb.config import load_recipe
+    from rlnb.envs.libero import task_ids
+    from rlnb.export import policy_from_checkpoint
 
     recipe_file = Path(args.run_dir) / "recipe.yaml"
     if not recipe_file.is_file():
@@ -301,22 +303,23 @@ def _eval_tasks(args) -> int:
     recipe = load_recipe(recipe_file)
     if recipe.family != "ppo":
         raise ConfigError(f"--tasks: expected an embodied (ppo) run, got a {recipe.family} run", "--tasks")
-    specs = [t for t in (args.tasks or recipe.env.id).split(",") if t]
-    for spec in specs:  # (before anything starts: a suite that does not exist, LIBERO missing)
-        if spec.startswith("libero:"):
-            from rlnb.envs.libero import task_ids
 
-            try:
-                task_ids(spec)
-            except ValueError as e:
-                raise ConfigError(f"--tasks: {e}", "--tasks") from None
-    loop = _resume(args.run_dir)
-    try:
-        policy, step = loop.family.trained_policy(), loop.step
-    finally:
-        loop.close()
+    ids: list[str] = []
+    for spec in (t for t in (args.tasks or recipe.env.id).split(",") if t):
+        try:  # (before anything starts: a suite that does not exist, LIBERO missing)
+            ids += task_ids(spec) if spec.startswith("libero:") else [spec]
+        except ValueError as e:
+            raise ConfigError(f"--tasks: {e}", "--tasks") from None
+    policy = policy_from_checkpoint(args.run_dir)  # (no cluster: the built-in policy's weights)
+    if policy is None:  # a policy class of the user's own: the loop has it
+        loop = _resume(args.run_dir)
+        try:
+            policy = loop.family.trained_policy()
+        finally:
+            loop.close()
+    step = policy.step
     episodes = args.episodes or recipe.runner.eval_episodes
-    rows = policy.evaluate_tasks(specs, episodes, video_dir=args.videos)
+    rows = policy.evaluate_tasks(ids, episodes, video_dir=args.videos)
     print(f"rlnb: {args.run_dir} at step {step}, {episodes} episodes a task:")
     for row in rows:
         figures = ", ".join(f"{k}={v:.3f}" for k, v in row.items() if isinstance(v, float))

@@ -541,10 +541,23 @@ def space_from_data(data: dict):
 
 def export_from_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path | None:
     """Write the policy of an embodied run's latest checkpoint (as :meth:`rlnb.Loop.export` does) without a
-    cluster: the built-in actor-critic rebuilt from the run's recipe and the actor's checkpointed weights, the
-    spaces from one env built here, the observation statistics from env rank 0's state. Returns the path, or
-    ``None`` where the run's policy is not the built-in one (a class of the user's own: export it through the
-    loop, which has it).
+    cluster (:func:`policy_from_checkpoint`). Returns the path, or ``None`` where the run's policy is not the
+    built-in one (a class of the user's own: export it through the loop, which has it).
+
+    Raises:
+        rlnb.loop.CheckpointError: the run has no complete checkpoint, or it cannot be read.
+    """
+    policy = policy_from_checkpoint(run_dir)
+    if policy is None:
+        return None
+    return policy.save(Path(out) if out is not None else Path(run_dir) / "policy.pt")
+
+
+def policy_from_checkpoint(run_dir: str | os.PathLike) -> TrainedPolicy | None:
+    """The policy of an embodied run's latest checkpoint in this process, without a cluster: the built-in
+    actor-critic rebuilt from the run's recipe and the actor's checkpointed weights, the spaces from one env
+    built here, the observation statistics from env rank 0's state; ``None`` where the run's policy is not the
+    built-in one.
 
     Raises:
         rlnb.loop.CheckpointError: the run has no complete checkpoint, or it cannot be read.
@@ -583,8 +596,7 @@ def export_from_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike | 
     except Exception:  # not the built-in policy's weights
         return None
     rms = RunningMeanStd.from_state(env_state.get("obs_rms")) if recipe.env.normalize_obs else None
-    policy = TrainedPolicy(
+    return TrainedPolicy(
         module.eval().requires_grad_(False), *spaces, rms, step=step, source=str(run_dir),
         env_spec={"config": recipe.env, "make_env": None},
     )  # fmt: skip
-    return policy.save(Path(out) if out is not None else run_dir / "policy.pt")
