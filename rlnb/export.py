@@ -331,8 +331,22 @@ class TrainedPolicy:
             raise PolicyFileError(
                 f"the policy's {bad} holds NaN or inf values: nothing to export (it diverged)"
             )
+        from rlnb.models.vla import VLAPolicy
+
+        vla = isinstance(self.module, VLAPolicy)
+        vla_dir = path.with_name(path.stem + ".vla")  # (beside the file: the VLA in save_pretrained's layout)
+        if vla:
+            check_export_target(vla_dir, "directory")
         path.parent.mkdir(parents=True, exist_ok=True)
         builtin = type(self.module) is ActorCritic
+        if vla:
+            import tempfile
+
+            from rlnb.files import replace_dir
+
+            tmp = Path(tempfile.mkdtemp(prefix=f".{vla_dir.name}.", dir=path.parent))
+            self.module.save_pretrained(tmp)
+            replace_dir(tmp, vla_dir)
         spec = self._env_spec
         spec = None if spec == UNTRUSTED_ENV else spec
         plain_spec = isinstance(spec, dict) and (
@@ -342,9 +356,11 @@ class TrainedPolicy:
         state = {
             "format": FORMAT,
             "actor_critic": self.module.config if builtin else None,
-            "weights": self.module.state_dict() if builtin else None,
+            "weights": self.module.state_dict() if builtin else self.module.head_state() if vla else None,
+            # a VLA: its settings, the model in the directory beside (named relative to this file)
+            "vla": {**self.module.config, "path": vla_dir.name} if vla else None,
             # by value where a class is not importable (defined in a notebook cell or a script's __main__)
-            "module_pickle": None if builtin else cloudpickle.dumps(self.module),
+            "module_pickle": None if builtin or vla else cloudpickle.dumps(self.module),
             "observation_space": space_to_data(self.observation_space),
             "action_space": space_to_data(self.action_space),
             "obs_normalization": None
@@ -465,12 +481,40 @@ def _module_from(state: dict, path: Path, trust: bool):
         module = ActorCritic(obs, act, **state["actor_critic"])
         module.load_state_dict(state["weights"])
         return module
+    if state.get("vla") is not None:
+        return _vla_from(state, path)
     if not trust:
         raise PolicyFileError(
             f"load_policy: {path} holds a policy class of its author's own, pickled (unpickling runs code): "
             "load_policy(path, trust=True) reads it if you trust the file"
         )
     return cloudpickle.loads(state["module_pickle"])
+
+
+def _vla_from(state: dict, path: Path):
+    """A VLA policy file's module: the VLA from the directory beside the file (never one elsewhere), its heads'
+    weights from the file."""
+    from rlnb.models.vla import VLAPolicy
+
+    v = state["vla"]
+    name = str(v.get("path", ""))
+    model_dir = path.parent / name
+    if not name or "/" in name or name in (".", "..") or not model_dir.is_dir() or model_dir.is_symlink():
+        raise PolicyFileError(
+            f"load_policy: {path} is a VLA's policy file; its model directory {name!r} is not a directory beside it "
+            "(export writes <name>.vla next to <name>.pt: keep them together)"
+        )
+    obs, act = space_from_data(state["observation_space"]), space_from_data(state["action_space"])
+    module = VLAPolicy(
+        obs, act, str(model_dir), v["head"], v["cameras"], v["instruction"], v["default_instruction"]
+    )
+    missing, unexpected = module.load_state_dict(state["weights"], strict=False)
+    if unexpected or any(not k.startswith("vla.") for k in missing):
+        raise PolicyFileError(
+            f"load_policy: {path}: the heads' weights do not fit the VLA in {model_dir} (missing "
+            f"{[k for k in missing if not k.startswith('vla.')]}, unexpected {unexpected})"
+        )
+    return module
 
 
 def _env_spec_from(state: dict, trust: bool):

@@ -41,6 +41,8 @@ SWEEP = {
     "actor.model.kind": (PPO, []),
     "actor.model.activation": (PPO, []),
     "actor.model.shared_trunk": (PPO, []),
+    "actor.model.vla.build_if_missing": (PPO, []),  # (the VLA on workers: tests/test_vla.py)
+    "actor.model.vla.head": (PPO, []),
     "actor.anneal_lr": (PPO, []),
     "actor.compile": (PPO, []),
     "actor.fused_step": (PPO, []),
@@ -84,6 +86,10 @@ REFUSED = {
     ("data.task", "file"),  # data.path=missing.jsonl: refused as missing
     ("data.task", "arithmetic"),  # with data.path set, which it would ignore
     ("actor.model.kind", "cnn"),  # CartPole's observations are vectors, not (C, H, W) images
+    ("actor.model.kind", "vla"),  # nor camera images with an instruction
+    # a VLA's settings, with the MLP policy: nothing would read them
+    ("actor.model.vla.build_if_missing", False),
+    ("actor.model.vla.head", "chunk"),
     ("actor.build_if_missing", False),  # ./model is not there and nothing may build it
     # the vllm engine's settings, with the hf backend: nothing would read them (tests/test_vllm.py runs them)
     *(("rollout.vllm.dtype", d) for d in ("float32", "bfloat16", "float16")),

@@ -122,6 +122,44 @@ class PPOActor(ActorBase):
             self.step_compiler = StepCompiler.for_device(self.cfg.compile, self.device, "actor")
         return {"policy": type(getattr(self.policy, "module", self.policy)).__name__}
 
+    def behaviour_clone(self, obs, actions, epochs: int = 20, minibatch_size: int = 64, lr: float = 3e-4,
+                        seed: int = 0) -> dict:  # fmt: skip
+        """A warm start before RL: ``epochs`` passes of supervised learning on demonstrations (``obs [N, ...]``,
+        ``actions [N, ...]``), maximising the policy's log-probability of the expert's actions (for a VLA: the
+        sum over an action's tokens, OpenVLA's loss) with Adam at ``lr``, in minibatches shuffled by ``seed`` (every
+        rank the same data and order: data-parallel ranks stay identical). Returns the first and last epoch's
+        mean negative log-likelihood and how often the policy's most likely action is the expert's."""
+        obs = torch.as_tensor(obs, device=self.device)
+        actions = torch.as_tensor(actions, device=self.device)
+        optimizer = torch.optim.Adam(self.policy.parameters(), lr=lr)
+        g = torch.Generator().manual_seed(seed)
+        n, losses = obs.shape[0], []
+        self.policy.train()
+        for _ in range(epochs):
+            total = 0.0
+            for idx in torch.randperm(n, generator=g).split(minibatch_size):
+                idx = idx.to(self.device)
+                logprob, _, _ = self.model(obs[idx], actions[idx])
+                loss = -logprob.mean()
+                optimizer.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.algo.max_grad_norm)
+                optimizer.step()
+                total += loss.item() * len(idx)
+            losses.append(total / n)
+        with torch.no_grad():
+            greedy = torch.cat(
+                [self.policy.act(obs[i : i + 256], deterministic=True)[0] for i in range(0, n, 256)]
+            )
+        same = (greedy.reshape(n, -1) == actions.reshape(n, -1).to(greedy.dtype)).all(-1).float().mean()
+        return {
+            "nll_first": losses[0],
+            "nll": losses[-1],
+            "expert_match": float(same),
+            "epochs": epochs,
+            "samples": n,
+        }
+
     def policy_state(self) -> dict[str, torch.Tensor]:
         """Weights for the rollout: a detached copy on the actor's device (on a GPU they reach the rollout
         by CUDA IPC on one node, with no host round trip)."""

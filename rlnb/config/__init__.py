@@ -20,6 +20,8 @@ from rlnb.config.schema import (
     ModelConfig,
     Recipe,
     RunnerConfig,
+    TinyVLAConfig,
+    VLAConfig,
 )
 from rlnb.config.sections_lm import DataConfig, RewardConfig, RolloutConfig, VLLMConfig
 
@@ -36,6 +38,8 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "RunnerConfig",
+    "TinyVLAConfig",
+    "VLAConfig",
     "VLLMConfig",
     "bundled_recipes",
     "field_docs",

@@ -258,11 +258,52 @@ class AlgorithmConfig:
 
 
 @dataclass
+class TinyVLAConfig:
+    """A small PaliGemma VLA built locally (``rlnb.models.build_tiny_vla``) when ``actor.model.vla.path`` has none."""
+
+    image_size: int = bounded(64, 4, 1024, "a larger side than any released VLA's cameras")
+    """The side camera images are resized to, in pixels."""
+    patch_size: int = bounded(16, 1, 1024)
+    """The vision tower's patch side, in pixels (a divisor of ``image_size``)."""
+    hidden_size: int = bounded(64, 8, 65_536)
+    """Hidden width of the vision tower and the decoder."""
+    num_layers: int = bounded(2, 1, 1024)
+    """Layers of each."""
+    num_heads: int = bounded(2, 1, 1024)
+    """Attention heads (a divisor of ``hidden_size``)."""
+    action_bins: int = bounded(256, 2, 1024, "OpenVLA's 256 bins already resolve 1/128 of an action's range")
+    """Action tokens: the bins each continuous action dimension is cut into (OpenVLA: 256)."""
+
+
+@dataclass
+class VLAConfig:
+    """A vision-language-action policy (``actor.model.kind: vla``, ``rlnb.models.VLAPolicy``)."""
+
+    path: str = "runs/models/tiny-vla"
+    """A VLA's ``save_pretrained`` directory (a VLM with action tokens, as ``build_tiny_vla`` makes or OpenVLA
+    ships), or a hub id where there is a network."""
+    build_if_missing: bool = True
+    """Build an untrained tiny VLA (``tiny``) at ``path`` when nothing is there (a local path only)."""
+    tiny: TinyVLAConfig = field(default_factory=TinyVLAConfig)
+    """The tiny VLA's geometry."""
+    head: Literal["tokens", "chunk"] = "tokens"
+    """``tokens``: one action token a dimension, decoded in turn (OpenVLA); ``chunk``: a Gaussian over a chunk
+    of continuous actions from the prompt's last hidden state (OpenVLA-OFT)."""
+    cameras: list[str] = field(default_factory=list)
+    """The observations' image parts the VLA reads, in order; empty: every image part."""
+    instruction: str = ""
+    """The observations' text part holding the task's instruction; empty: the first text part."""
+    default_instruction: str = ""
+    """The instruction where the observations hold none (an env without a text part)."""
+
+
+@dataclass
 class ModelConfig:
     """The policy network."""
 
-    kind: Literal["mlp", "cnn"] = "mlp"
-    """``mlp`` for vector observations, ``cnn`` for images (C, H, W)."""
+    kind: Literal["mlp", "cnn", "vla"] = "mlp"
+    """``mlp`` for vector observations, ``cnn`` for images (C, H, W), ``vla`` a vision-language-action model
+    (``actor.model.vla``) for dict observations with camera images and an instruction."""
     hidden_sizes: list[int] = bounded(
         low=1,
         high=65_536,
@@ -275,6 +316,8 @@ class ModelConfig:
     """Hidden activation."""
     shared_trunk: bool = False
     """One trunk for actor and critic heads (else separate networks, as CleanRL)."""
+    vla: VLAConfig = field(default_factory=VLAConfig)
+    """With ``kind: vla``: the VLA, its action head and what it reads."""
 
 
 @dataclass
@@ -312,11 +355,28 @@ class LoRAConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    """Embodied: behaviour cloning on the env's scripted expert before RL's first step (RLinf's and SimpleVLA-RL's
+    start from a policy that sometimes succeeds); ``loop.warm_start()`` runs it from a cell."""
+
+    episodes: int = bounded(0, 0, 1_000_000, "a million demonstrations is a dataset, not a warm start")
+    """Expert episodes recorded on the driver (the env's ``expert_action()``); 0: no warm start."""
+    epochs: int = bounded(20, 1, 10_000)
+    """Passes over the demonstrations."""
+    lr: float = bounded(3e-4, 0, 10, "a step this long diverges at once", low_open=True)
+    """Adam's learning rate for the warm start (its own optimizer; RL's starts fresh after it)."""
+    minibatch_size: int = bounded(64, 1, 1_000_000)
+    """Demonstration steps per gradient step."""
+
+
+@dataclass
 class ActorConfig:
     """The training component."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy network."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Embodied: behaviour cloning before RL (``actor.warm_start.episodes`` > 0)."""
     lr: float = bounded(2.5e-4, 0, 10, "a step this long diverges at once", low_open=True)
     """Adam learning rate."""
     anneal_lr: bool = True
@@ -438,6 +498,26 @@ class ActorConfig:
             errs.append(
                 "actor.strategy: fsdp2 gathers the weights on every actor rank, which rollout.weight_sync=broadcast "
                 "(from actor rank 0 alone) cannot; use rollout.weight_sync=channel or auto"
+            )
+        if self.model.kind != "vla":  # settings nothing would read: said, not ignored
+            errs += [
+                f"{key}: a setting of the VLA policy; actor.model.kind={self.model.kind} does not use it; leave it "
+                "out, or set actor.model.kind=vla"
+                for key in changed_keys(self.model.vla, "actor.model.vla.")
+            ]
+        elif recipe.family == "grpo":
+            errs.append(
+                "actor.model.kind: vla is an embodied policy (family: ppo); the LM loop trains actor.model_path"
+            )
+        if recipe.family == "grpo":
+            errs += [
+                f"{key}: the embodied warm start (family: ppo); the LM loop's is actor.sft_steps"
+                for key in changed_keys(self.warm_start, "actor.warm_start.")
+            ]
+        elif self.warm_start.episodes and recipe.env.normalize_obs:
+            errs.append(
+                "actor.warm_start.episodes: the demonstrations are raw observations, which env.normalize_obs would "
+                "scale differently in training; set env.normalize_obs=false for a warm start"
             )
         if recipe.family == "ppo" and self.dtype != "float32":  # (an embodied run would ignore it)
             errs.append(

@@ -62,6 +62,14 @@ class PixelReach(gym.Env):
         reward = 1.0 if reached else -self.step_penalty
         return self._obs(), reward, reached, False, {"is_success": reached}
 
+    def expert_action(self) -> int:
+        """A scripted expert's action (the demonstrations of a behaviour-cloning warm start): along the rows to the
+        target's, then along the columns."""
+        d = self.target - self.agent
+        if d[0]:
+            return 0 if d[0] < 0 else 1
+        return 2 if d[1] < 0 else 3
+
     def render(self) -> np.ndarray:
         c = self.cell_px
         image = np.full((self.grid * c, self.grid * c, 3), 40, np.uint8)

@@ -107,6 +107,21 @@ class Loop(LoopBase):
         """Mean return and length of the last (up to) 20 finished training episodes, ``None`` before any."""
         return self.family.episode_stats()
 
+    def warm_start(self, demos: dict | None = None, episodes: int | None = None, epochs: int | None = None,
+                   lr: float | None = None) -> dict:  # fmt: skip
+        """Behaviour cloning before RL: the policy learns the expert's actions on every actor rank (for a VLA the
+        sum over an action's tokens, OpenVLA's loss), so RL starts from a policy that sometimes succeeds; the
+        rollout gets the weights at the next :meth:`sync_weights`. ``demos``: ``{"obs": [N, ...], "actions": [N,
+        ...]}`` of your own; by default ``episodes`` of the env's scripted expert (``actor.warm_start.*`` for what
+        is not given). ``run()`` does it before step 1 when ``actor.warm_start.episodes`` > 0 and no cell did.
+        Logs ``warm_start/nll`` (the last epoch's negative log-likelihood) and ``warm_start/expert_match`` (how
+        often the greedy action is the expert's).
+
+        Example:
+            >>> loop.warm_start(episodes=300, epochs=20)                              # doctest: +SKIP
+        """
+        return self.family.warm_start(demos, episodes, epochs, lr)
+
     def evaluate(self, episodes: int | None = None) -> dict:
         """Deterministic episodes on fresh envs (seeded apart from training); logs ``eval/return_mean``.
         ``episodes``: default ``runner.eval_episodes``. In asynchronous mode a collection running ahead (a run

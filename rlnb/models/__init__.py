@@ -1,4 +1,5 @@
-"""Policies (MLP/CNN actor-critics) and LM helpers (tiny LM factory, loading by path, token log-probs)."""
+"""Policies (MLP/CNN actor-critics, vision-language-action models) and LM helpers (tiny LM factory, loading by
+path, token log-probs)."""
 
 from rlnb.models.lm import (
     build_char_tokenizer,
@@ -9,14 +10,18 @@ from rlnb.models.lm import (
     token_logprobs,
 )
 from rlnb.models.policies import ActorCritic, build_policy
+from rlnb.models.vla import VLAPolicy, build_tiny_vla, load_vla
 
 __all__ = [
     "ActorCritic",
+    "VLAPolicy",
     "build_char_tokenizer",
     "build_policy",
     "build_tiny_lm",
     "build_tiny_reward_model",
+    "build_tiny_vla",
     "load_lm",
     "load_reward_model",
+    "load_vla",
     "token_logprobs",
 ]

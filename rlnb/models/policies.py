@@ -280,8 +280,17 @@ class ActorCritic(nn.Module):
         return logprob, entropy, self.critic_head(critic_feat).squeeze(-1)
 
 
-def build_policy(model_cfg, obs_space: gym.Space, act_space: gym.Space) -> ActorCritic:
-    """An :class:`ActorCritic` from a :class:`rlnb.config.ModelConfig`."""
+def build_policy(model_cfg, obs_space: gym.Space, act_space: gym.Space) -> nn.Module:
+    """An :class:`ActorCritic` from a :class:`rlnb.config.ModelConfig`, or with ``kind: vla`` a
+    :class:`rlnb.models.vla.VLAPolicy`."""
+    if model_cfg.kind == "vla":
+        from rlnb.config.schema import VLAConfig
+        from rlnb.models.vla import VLAPolicy
+
+        v = model_cfg.vla if isinstance(model_cfg.vla, VLAConfig) else VLAConfig(**model_cfg.vla)
+        return VLAPolicy(
+            obs_space, act_space, v.path, v.head, v.cameras, v.instruction, v.default_instruction
+        )
     if model_cfg.kind == "cnn" and layout_of(obs_space) is None and len(obs_space.shape) != 3:
         raise ConfigError(
             f"actor.model.kind: 'cnn' needs (C, H, W) observations, got shape {obs_space.shape}",

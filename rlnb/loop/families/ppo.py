@@ -7,6 +7,7 @@ observations and actions flow through channels, with ``env.pipeline_stages`` sta
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -25,10 +26,20 @@ from rlnb.loop.checkpoint import MAX_STEP, ListOf, Num
 from rlnb.loop.families import Family
 from rlnb.loop.phase import Phase, count_or_default
 from rlnb.loop.roles import EnvRole, PolicyRolloutRole, PPOActorRole
+from rlnb.loop.runner import Callback
 from rlnb.models.policies import check_spaces
 from rlnb.runtime.channel import Channel
 
+log = logging.getLogger("rlnb")
 EPISODE_WINDOW = 20  # episode statistics over the last 20 finished training episodes, as SB3 reports them
+
+
+class WarmStartFirst(Callback):
+    """Before a run's first step: behaviour cloning (``actor.warm_start.episodes`` > 0), unless a cell did it."""
+
+    def on_run_start(self, loop, steps: int) -> None:
+        if loop.step == 0 and not loop.family.warm_started and loop.recipe.actor.warm_start.episodes > 0:
+            loop.warm_start()
 
 
 class PPO(Family):
@@ -76,6 +87,7 @@ class PPO(Family):
         spaces = probe_env(env.id, env.kwargs) if isinstance(env.id, str) else None
         if spaces is not None:
             check_spaces(*spaces)
+        self._probed = spaces
         if spaces is not None and isinstance(spaces[0], gym.spaces.Dict) and env.normalize_obs:
             raise ConfigError(
                 f"env.normalize_obs: {env.id} gives dict observations ({', '.join(spaces[0].spaces)}), which are not "
@@ -106,6 +118,43 @@ class PPO(Family):
                 f"algorithm.num_minibatches: {recipe.algorithm.num_minibatches} minibatches of a {per_actor}-sample batch "
                 "per actor rank; lower it or raise rollout.steps_per_rollout x env.num_envs", "algorithm.num_minibatches"
             )  # fmt: skip
+
+    def prepare(self) -> None:
+        """The recipe path with ``actor.model.kind: vla``: the VLA built where none is (``build_if_missing``), its
+        path made absolute for the workers, and the env's spaces checked against it before anything launches."""
+        recipe = self.session.recipe
+        if recipe.actor.model.kind != "vla":
+            return
+        from rlnb.envs.obs import PackedBox
+        from rlnb.models.lm import is_hub_id, resolve_model
+        from rlnb.models.vla import build_tiny_vla, check_vla, load_vla, vla_spec
+
+        v, key = recipe.actor.model.vla, "actor.model.vla.path"
+        spaces = getattr(self, "_probed", None)
+        if spaces is not None:
+            obs_space, act_space = spaces
+            spaces = (
+                PackedBox(obs_space) if isinstance(obs_space, gym.spaces.Dict) else obs_space,
+                act_space,
+            )
+            # (what needs no model first: nothing is built for an env a VLA cannot read)
+            check_vla(*spaces, None, v.head, v.cameras, v.instruction, v.default_instruction)
+        if v.build_if_missing and not is_hub_id(v.path) and not (Path(v.path) / "config.json").exists():
+            t = v.tiny
+            log.warning(
+                "%s: no model at %s; building an untrained tiny VLA there (actor.model.vla.tiny: %d px images, "
+                "hidden %d, %d layers; actor.model.vla.build_if_missing=false refuses instead)",
+                key, v.path, t.image_size, t.hidden_size, t.num_layers,
+            )  # fmt: skip
+            build_tiny_vla(
+                Path(v.path).resolve(), t.image_size, t.patch_size, t.hidden_size, t.num_layers, t.num_heads,
+                t.action_bins, seed=recipe.seed,
+            )  # fmt: skip
+        v.path = resolve_model(v.path, key)
+        if spaces is not None:
+            config, processor = load_vla(v.path, key=key, weights=False)
+            check_vla(*spaces, vla_spec(config, processor, key), v.head, v.cameras, v.instruction,
+                      v.default_instruction)  # fmt: skip
 
     def check_cluster(self) -> None:
         if self.session.recipe.env.vector_mode == "async":
@@ -162,6 +211,48 @@ class PPO(Family):
     def reset_state(self) -> None:
         self.global_step = 0
         self.episodes: deque = deque(maxlen=EPISODE_WINDOW)
+        self.warm_started = False  # (run() warm-starts at step 0 unless a cell did)
+
+    def warm_start(self, demos: dict | None = None, episodes: int | None = None, epochs: int | None = None,
+                   lr: float | None = None) -> dict:  # fmt: skip
+        """Behaviour cloning on every actor rank (see :meth:`rlnb.Loop.warm_start`); logs ``warm_start/*``."""
+        from rlnb.config.schema import WarmStartConfig
+        from rlnb.envs.demos import collect_demos
+
+        s = self.session
+        w = s.recipe.actor.warm_start
+        episodes = count_or_default(episodes, "episodes", w.episodes, (WarmStartConfig, "episodes"))
+        epochs = count_or_default(epochs, "epochs", w.epochs, (WarmStartConfig, "epochs"))
+        t0 = time.perf_counter()
+        if demos is None:
+            if not episodes:
+                raise ConfigError(
+                    "actor.warm_start.episodes: 0 expert episodes to learn from; give loop.warm_start(episodes=N) "
+                    "or demos={'obs': ..., 'actions': ...}",
+                    "actor.warm_start.episodes",
+                )
+            env = s.recipe.env
+            demos = collect_demos(env.id, env.kwargs, episodes, seed=s.recipe.seed + 2_000_003)
+        elif not (
+            isinstance(demos, dict)
+            and {"obs", "actions"} <= set(demos)
+            and len(demos["obs"]) == len(demos["actions"]) > 0
+        ):
+            raise ConfigError(
+                "demos: expected {'obs': [N, ...], 'actions': [N, ...]} with N > 0 steps of the env's observations and "
+                f"the expert's actions, got {type(demos).__name__}",
+                "demos",
+            )
+        res = s.groups["actor"].behaviour_clone(
+            demos["obs"], demos["actions"], epochs, w.minibatch_size, lr if lr is not None else w.lr, s.recipe.seed
+        ).result()[0]  # fmt: skip
+        self.warm_started = True
+        record = {f"warm_start/{k}": v for k, v in res.items()}
+        if "success_rate" in demos:
+            record["warm_start/expert_success_rate"] = demos["success_rate"]
+        record["time/warm_start_s"] = time.perf_counter() - t0
+        s.logger.log(s.step, record)
+        return record
 
     def state(self) -> dict:
         return {"global_step": self.global_step, "episodes": list(self.episodes)}
@@ -285,10 +376,11 @@ class PPO(Family):
         )
 
     def default_callbacks(self) -> list:
-        """An evaluation episode's video every ``runner.video_interval`` steps."""
+        """The warm start (``actor.warm_start.episodes``) before a run's first step; an evaluation episode's video
+        every ``runner.video_interval`` steps."""
         from rlnb.loop.runner import RecordEvery
 
-        return [RecordEvery()]
+        return [WarmStartFirst(), RecordEvery()]
 
     def record_episode(self, path=None, seed: int | None = None, max_steps: int = 1000, fps: int = 20):
         """One deterministic episode with actor rank 0's weights, on a fresh env in the driver's process, written

@@ -1,0 +1,264 @@
+"""Vision-language-action policies: a tiny PaliGemma built and loaded as a released VLA is, its two action heads,
+and PPO training it on workers from camera images and an instruction."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+import rlnb.envs.pixel  # noqa: F401  (registers rlnb/PixelReach-v0)
+from rlnb.envs.obs import PackedBox, PackObservation
+from rlnb.errors import ConfigError
+from rlnb.loop import Loop
+from rlnb.models.policies import check_policy
+from rlnb.models.vla import (
+    VLA_FILE,
+    ActionBins,
+    VLAPolicy,
+    build_tiny_vla,
+    check_vla,
+    load_vla,
+    preprocess_images,
+    vla_spec,
+)
+from tests.conftest import assert_resume_is_exact
+
+RLNB = [sys.executable, "-m", "rlnb.cli"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny VLA for PixelReach's 20 px camera: a patch of 4 px is one cell of its grid."""
+    return str(build_tiny_vla(tmp_path_factory.mktemp("vla") / "tiny", image_size=20, patch_size=4))
+
+
+@pytest.fixture(scope="module")
+def env():
+    return PackObservation(gym.make("rlnb/PixelReach-v0"))
+
+
+def observations(env, n=6):
+    return torch.as_tensor(np.stack([env.reset(seed=i)[0] for i in range(n)]))
+
+
+def test_a_tiny_vla_is_a_real_vlm_saved_with_its_processor_and_loads_through_the_auto_classes(tiny):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny)
+    processor = AutoProcessor.from_pretrained(tiny)
+    assert type(model).__name__ == "PaliGemmaForConditionalGeneration"
+    assert type(processor).__name__ == "PaliGemmaProcessor"
+    assert json.loads(Path(tiny, VLA_FILE).read_text())["action_bins"] == 256
+    spec = vla_spec(model.config, processor)
+    assert spec.image_seq_length == 25 and spec.image_size == (20, 20) and len(spec.action_token_ids) == 256
+    tok = processor.tokenizer
+    assert tok.convert_ids_to_tokens(spec.action_token_ids[7]) == "<act7>"
+    # the processor's own prompt for an image: the same image tokens the policy writes
+    inputs = processor(text="pick", images=np.zeros((20, 20, 3), np.uint8), return_tensors="pt")
+    assert (inputs["input_ids"] == spec.image_token_id).sum() == 25
+
+
+def test_images_are_preprocessed_in_torch_as_the_processor_does(tiny):
+    _, processor = load_vla(tiny, weights=False)
+    spec = vla_spec(load_vla(tiny, weights=False)[0], processor)
+    rng = np.random.default_rng(0)
+    same = rng.integers(
+        0, 256, (2, 20, 20, 3), dtype=np.uint8
+    )  # the processor's size: rescaled and normalised
+    want = processor.image_processor(list(same), return_tensors="pt")["pixel_values"]
+    got = preprocess_images(torch.as_tensor(same)[:, None], spec)
+    assert got.shape == (2, 3, 20, 20) and torch.allclose(got, want, atol=1e-5)
+    smooth = np.kron(rng.integers(0, 256, (1, 10, 10, 3)), np.ones((1, 4, 4, 1))).astype(np.uint8)  # 40 px
+    want = processor.image_processor(list(smooth), return_tensors="pt")["pixel_values"]
+    got = preprocess_images(torch.as_tensor(smooth)[:, None], spec)
+    # resized from 40 to 20 px: PIL's and torch's antialiased bilinear filters differ by rounding only
+    assert got.shape == want.shape and (got - want).abs().mean() < 0.02
+
+
+def test_the_token_heads_log_prob_is_the_sum_over_the_actions_tokens(tiny, env):
+    """A Box action of 4 dimensions is 4 tokens decoded in turn (with the KV cache); forward scores them
+    teacher-forced in one pass and gets the same log-probability, the sum of each token's log-softmax over the
+    bins."""
+    box = gym.spaces.Box(-1, 1, (4,), np.float32)
+    policy = VLAPolicy(env.observation_space, box, tiny)
+    check_policy(policy, env.observation_space, box, "rollout", "vla")
+    obs = observations(env)
+    with torch.no_grad():
+        actions, logprob, value = policy.act(obs, torch.Generator().manual_seed(0))
+        again, entropy, value2 = policy(obs, actions)
+    assert (
+        actions.shape == (6, 4)
+        and torch.allclose(logprob, again, atol=1e-5)
+        and torch.allclose(value, value2)
+    )
+    assert ((actions >= -1) & (actions <= 1)).all() and (entropy > 0).all()
+    # by hand: the prompt and the action's tokens, each token's log-softmax over the 256 bin tokens
+    bins = policy.bins.to_bins(actions)
+    ids, _, pixels, _ = policy._inputs(obs)
+    full = torch.cat([ids, policy.action_ids[bins]], 1)
+    with torch.no_grad():
+        logits = policy.vla(
+            input_ids=full,
+            attention_mask=torch.ones_like(full),
+            pixel_values=pixels,
+            token_type_ids=(torch.arange(full.shape[1]) >= ids.shape[1]).long().expand_as(full),
+        ).logits
+    per_token = [
+        torch.log_softmax(logits[:, ids.shape[1] - 1 + d, policy.action_ids], -1).gather(
+            1, bins[:, d : d + 1]
+        )[:, 0]
+        for d in range(4)
+    ]
+    assert torch.allclose(sum(per_token), logprob, atol=1e-4)
+    # a bin's centre maps back to its bin: actions taken are actions scored
+    assert torch.equal(policy.bins.to_bins(policy.bins.to_actions(bins)), bins)
+    greedy, _, _ = policy.act(obs, deterministic=True)
+    assert torch.equal(greedy, policy.act(obs, deterministic=True)[0])
+
+
+def test_a_discrete_action_is_one_token_and_the_chunk_head_a_gaussian_over_k_actions(tiny, env):
+    policy = VLAPolicy(env.observation_space, env.action_space, tiny)
+    assert policy.bins.discrete and policy.bins.dims == 1 and len(policy.action_ids) == 4
+    obs = observations(env)
+    with torch.no_grad():
+        actions, logprob, _ = policy.act(obs)
+        assert actions.shape == (6,) and actions.dtype == torch.long
+        assert torch.allclose(policy(obs, actions)[0], logprob, atol=1e-5)
+    chunk = gym.spaces.Box(-1, 1, (3, 4), np.float32)  # K = 3 future actions of 4 dimensions
+    policy = VLAPolicy(env.observation_space, chunk, tiny, head="chunk")
+    check_policy(policy, env.observation_space, chunk, "rollout", "vla")
+    with torch.no_grad():
+        actions, logprob, _ = policy.act(obs)
+        mean = policy.act(obs, deterministic=True)[0]
+        assert actions.shape == (6, 3, 4) and torch.allclose(policy(obs, actions)[0], logprob, atol=1e-5)
+    # the Gaussian's log-density, by hand
+    std = policy.log_std.exp()
+    by_hand = (
+        -((actions - mean).reshape(6, -1) ** 2) / (2 * std**2) - std.log() - 0.5 * np.log(2 * np.pi)
+    ).sum(-1)
+    assert torch.allclose(by_hand, logprob, atol=1e-4)
+    # gradients reach the VLA's own weights through the head and the value
+    lp, _, value = policy(obs, actions)
+    (lp.mean() + value.mean()).backward()
+    assert policy.vla.get_input_embeddings().weight.grad.abs().sum() > 0
+
+
+def test_what_a_vla_cannot_take_is_refused_naming_the_key(tiny, env, tmp_path):
+    config, processor = load_vla(tiny, weights=False)
+    spec = vla_spec(config, processor)
+    obs, act = env.observation_space, env.action_space
+    flat = gym.spaces.Box(-1, 1, (4,), np.float32)
+    cases = [
+        (lambda: check_vla(flat, act, spec), "actor.model.kind: vla reads camera images"),
+        (
+            lambda: check_vla(obs, act, spec, cameras=["wrist"]),
+            r"actor.model.vla.cameras: .*\(rgb\), got \['wrist'\]",
+        ),
+        (
+            lambda: check_vla(obs, gym.spaces.MultiDiscrete([2, 3]), spec),
+            "env.id: a VLA's action tokens take",
+        ),
+        (lambda: check_vla(obs, gym.spaces.Discrete(300), spec), "env.id: the VLA has 256 action tokens"),
+        (lambda: check_vla(obs, act, spec, head="chunk"), "actor.model.vla.head: the chunk head takes a Box"),
+        (
+            lambda: check_vla(obs, act, spec, instruction="goal"),
+            "actor.model.vla.instruction: expected a text part",
+        ),
+    ]
+    no_text = PackedBox(gym.spaces.Dict({"rgb": gym.spaces.Box(0, 255, (20, 20, 3), np.uint8)}))
+    cases.append(
+        (lambda: check_vla(no_text, act, spec), "actor.model.vla.instruction: the observations have no text")
+    )
+    for call, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            call()
+    check_vla(no_text, act, spec, default_instruction="reach the red square")  # (a fixed instruction instead)
+    from rlnb.models.lm import build_tiny_lm
+
+    lm = build_tiny_lm(tmp_path / "lm", hidden_size=32, num_layers=1, num_heads=2)
+    with pytest.raises(ConfigError, match="actor.model.vla.path: expected a vision-language model"):
+        load_vla(lm, weights=False)
+    with pytest.raises(ConfigError, match=r"patch_size: expected a divisor of image_size, got 7") as e:
+        build_tiny_vla(tmp_path / "odd", image_size=20, patch_size=7)
+    assert e.value.key == "actor.model.vla.tiny.patch_size"
+    assert ActionBins(flat, 8).to_bins(torch.tensor([[-1.0, -0.74, 0.99, 1.0]])).tolist() == [[0, 1, 7, 7]]
+
+
+def test_rlnb_run_refuses_a_camera_the_env_has_not_before_anything_starts(tiny):
+    r = subprocess.run(
+        [*RLNB, "run", "ppo_pixelreach", "actor.model.kind=vla", f"actor.model.vla.path={tiny}",
+         "actor.model.vla.cameras=[wrist]", "--no-progress"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert (
+        r.returncode == 2
+        and "actor.model.vla.cameras: expected image parts of the observations (rgb)" in r.stderr
+    )
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def vla_overrides(tiny, *more):
+    """``ppo_pixelreach`` with the tiny VLA, small enough for a test's few steps."""
+    return ["actor.model.kind=vla", f"actor.model.vla.path={tiny}", "runner.eval_interval=0",
+            "runner.tensorboard=false", "env.num_envs=4", "rollout.steps_per_rollout=8", "algorithm.update_epochs=1",
+            "algorithm.num_minibatches=2", *more]  # fmt: skip
+
+
+def test_ppo_trains_the_vla_on_workers_and_a_cut_run_resumes_exactly(cluster, tmp_path, tiny):
+    """The VLA as the rollout's and the actor's policy on workers (collocated): a step samples action tokens,
+    scores them on the actor, updates; weights reach the rollout; a run cut after its checkpoint and resumed
+    logs what the uncut one did."""
+    overrides = vla_overrides(tiny, "runner.steps=3", "runner.save_interval=1")
+    with Loop.from_recipe("ppo_pixelreach", overrides, cluster=cluster, run_dir=tmp_path / "one") as loop:
+        loop.run(2, progress=False)
+        row = loop.history[-1]
+        actor = loop.groups["actor"].on(0).policy_state().result()[0]
+        exported = loop.export(tmp_path / "export" / "policy.pt")
+    # the export: the VLA in save_pretrained's layout beside the policy file (the heads), reloaded both ways
+    from transformers import AutoModelForImageTextToText
+
+    from rlnb.export import load_policy
+
+    vla = AutoModelForImageTextToText.from_pretrained(exported.with_name("policy.vla"))
+    assert torch.equal(vla.state_dict()["lm_head.weight"], actor["vla.lm_head.weight"])
+    policy = load_policy(exported)
+    obs, _ = gym.make("rlnb/PixelReach-v0").reset(seed=0)
+    assert type(policy.module).__name__ == "VLAPolicy" and policy.predict(obs) in range(4)
+    assert torch.equal(policy.module.state_dict()["value_head.0.weight"], actor["value_head.0.weight"])
+    assert row["global_step"] == 64 and np.isfinite(row["train/policy_loss"]) and row["train/approx_kl"] > 0
+    assert any(k.startswith("vla.model.vision_tower.") for k in actor) and "value_head.0.weight" in actor
+    assert_resume_is_exact("ppo_pixelreach", overrides, cluster, tmp_path / "resume", cut_at=1)
+
+
+def test_the_env_apart_from_the_vla_steps_in_pipeline_stages(cluster, tmp_path, tiny):
+    """Disaggregated (env on one slot, the VLA's rollout and actor on the other) with the env's batch in two
+    stages: one stage's envs step while the VLA infers the other's actions (RLinf's pipelining)."""
+    overrides = vla_overrides(tiny, "runner.steps=2", "env.pipeline_stages=2",
+                              "cluster.component_placement={env: 0, 'actor,rollout': 1}")  # fmt: skip
+    with Loop.from_recipe("ppo_pixelreach", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+        loop.run(progress=False)
+        row = loop.history[-1]
+    assert row["global_step"] == 64 and np.isfinite(row["train/loss"]) and row["time/rollout_s"] > 0
+
+
+def test_a_warm_started_vla_learns_pixelreach_and_ppo_trains_on_from_it(cluster, tmp_path, tiny):
+    """RLinf's way on CPU: behaviour cloning on the env's scripted expert (150 episodes, 25 epochs on the actor's
+    worker) takes the VLA from chance (4 actions: NLL ln 4, the expert's action a quarter of the time) to the
+    expert's action most of the time; PPO then trains from it, its sampled episodes succeeding well above a random
+    policy's ~0.3 (seeded, measured here: NLL 0.82, match 0.62, success 0.55-0.80 over PPO's 15 steps)."""
+    overrides = vla_overrides(tiny, "env.num_envs=8", "rollout.steps_per_rollout=16", "algorithm.update_epochs=2",
+                              "runner.steps=15", "actor.lr=0.0001", "actor.warm_start.episodes=150",
+                              "actor.warm_start.epochs=25")  # fmt: skip
+    with Loop.from_recipe("ppo_pixelreach", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+        loop.run(progress=False)  # (the warm start first: actor.warm_start.episodes)
+        warm = next(r for r in loop.history if "warm_start/nll" in r)
+        success = [r["env/success_rate"] for r in loop.history if "env/success_rate" in r]
+    assert warm["warm_start/expert_success_rate"] == 1.0 and warm["warm_start/samples"] > 300
+    assert abs(warm["warm_start/nll_first"] - np.log(4)) < 0.05 and warm["warm_start/nll"] < 1.1, warm
+    assert warm["warm_start/expert_match"] > 0.5, warm
+    assert len(success) == 15 and np.mean(success[1:]) > 0.45, success
