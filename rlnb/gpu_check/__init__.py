@@ -9,7 +9,7 @@ PPO on the GPU (eager, compiled, a simulator on the GPU); GRPO on the GPU (one t
 prompt prefill, asynchronous chunks, a reward model); CUDA IPC channels and weight sync between processes;
 NCCL between two groups; a remote cluster started with ``dask scheduler`` and ``dask cuda worker``; GRPO in
 bf16, with LoRA in bf16 and with FSDP2's CPU offload; the LM update compiled; the static-cache compiled decode
-(:mod:`rlnb.gpu_check.scale`); vLLM and ManiSkill where installed. A check that cannot run on the machine says
+(:mod:`rlnb.gpu_check.scale`); vLLM and ManiSkill where installed; the tiny VLA's warm start and PPO. A check that cannot run on the machine says
 why in its ``SKIP`` line.
 
 Usage:
@@ -44,6 +44,7 @@ from rlnb.gpu_check.embodied import (  # PPO, the cluster and the runtime on the
     check_ppo_cartpole_cuda,
     check_ppo_cartpole_cuda_compiled,
     check_ppo_gpu_env_obs_stay_on_gpu,
+    check_vla_pixelreach_cuda,
     check_weight_sync_cuda_disaggregated,
 )
 from rlnb.gpu_check.lm import (  # GRPO on the GPU and vLLM
@@ -90,6 +91,7 @@ CHECKS = [
     ("vllm_rollout", check_vllm_rollout),
     ("maniskill_pickcube", check_maniskill_pickcube),
     ("maniskill_pickcube_rgb", check_maniskill_pickcube_rgb),
+    ("vla_pixelreach_cuda", check_vla_pixelreach_cuda),
 ]
 
 # what a dry run imports: every module a check uses (GPU-only packages are reported, not required)
