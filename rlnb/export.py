@@ -612,6 +612,7 @@ def policy_from_checkpoint(run_dir: str | os.PathLike) -> TrainedPolicy | None:
     from rlnb.files import check_tree, nonfinite, torch_load_safe
     from rlnb.loop.checkpoint import CheckpointError, complete_checkpoints, read_loop_state
     from rlnb.models.policies import build_policy
+    from rlnb.models.vla import VLAPolicy
 
     run_dir = Path(run_dir)
     recipe = load_recipe(run_dir / "recipe.yaml")
@@ -636,6 +637,8 @@ def policy_from_checkpoint(run_dir: str | os.PathLike) -> TrainedPolicy | None:
         env.close()
     try:
         module = build_policy(recipe.actor.model, *spaces)
+        if isinstance(module, VLAPolicy):  # (a VLA trained with LoRA: its checkpoint names PEFT's layers)
+            module.adapt(recipe.actor.lora)
         module.load_state_dict(actor["policy"])
     except Exception:  # not the built-in policy's weights
         return None

@@ -34,7 +34,6 @@ multiprocessing.util.Finalize(
 SLOW_MODULES = {"test_browser", "test_notebooks", "test_headlines", "test_sweep", "test_hosts", "test_vllm"}
 SLOW_TESTS = {
     "test_the_calculator_on_the_objects_path_trains_on_tool_transcripts_on_workers",
-    "test_the_calculator_recipe_warm_starts_on_tool_transcripts_and_grpo_learns_the_right_call_on_workers",
     "test_the_compiled_step_runs_on_the_worker_and_trains_as_eager_does",
     "test_the_lm_actor_compiles_its_step_on_the_worker_and_trains_as_eager_does",
     "test_command_line_cluster_check_runs_ppo_and_grpo",

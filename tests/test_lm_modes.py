@@ -300,13 +300,14 @@ def test_the_calculator_on_the_objects_path_trains_on_tool_transcripts_on_worker
     assert all(r["rollout/turns_mean"] > 1 for r in records_), records_  # the tool's turn in every batch
 
 
-def test_the_calculator_recipe_warm_starts_on_tool_transcripts_and_grpo_learns_the_right_call_on_workers(
+def test_the_calculator_recipes_warm_start_rows_are_each_problems_conversation_turn_by_turn(
     cluster, tmp_path
 ):
     """``grpo_calculator``: the warm start's rows are each problem's conversation turn by turn, the calculator
     replying between them as in training (``data.sft_turns``); the imperfect teacher's call is ``calc(a+b)`` on
-    65 % of the first turns and the second turn copies the right result. Held-out greedy accuracy: 0.0 after
-    the warm start (it calls the wrong expression), at least 0.8 after the recipe's 60 steps (runs here: 1.0)."""
+    65 % of the first turns and the second turn copies the right result. (That GRPO then learns the right call,
+    held-out accuracy from at most 0.2 after the warm start to at least 0.8, is notebook 02's check: it runs
+    this recipe as shipped.)"""
     overrides = [
         f"actor.model_path={tmp_path / 'model'}",
         "runner.tensorboard=false",
@@ -317,26 +318,12 @@ def test_the_calculator_recipe_warm_starts_on_tool_transcripts_and_grpo_learns_t
     ) as loop:
         contexts, targets, wrong_contexts, wrong_targets = turn_demonstrations(loop.task, loop.recipe)
         n = len(loop.task.train)
-        assert len(contexts) == len(wrong_contexts) == 2 * n
-        (first, call), (after, answer) = zip(contexts[:2], targets[:2])
-        a, b = map(int, first[:-1].split("*"))
-        assert call == f"calc({a}*{b})" and answer == str(a * b)
-        assert after == [first, call, f" = {a * b};"]  # the calculator's own reply, as in training
-        assert wrong_targets[0] == f"calc({a}+{b})" and (wrong_contexts[1], wrong_targets[1]) == (
-            after,
-            answer,
-        )
-        loop.sft()
-        before = loop.evaluate()["eval/accuracy"]
-        shown = loop.last_samples  # (the first few of the evaluation's transcripts)
-        wrong_calls = sum(f"calc({p[:-1].replace('*', '+')})" in text for p, text, _ in shown)
-        loop.run(progress=False)
-        after = loop.evaluate()["eval/accuracy"]
-        samples = loop.last_samples
-    assert before <= 0.2 and wrong_calls >= len(shown) / 2, (before, wrong_calls, len(shown))
-    assert after >= 0.8, after
-    right = [(p, t, a) for p, t, a in samples if t.rsplit(";", 1)[-1] == a]
-    assert all(t == f"calc({p[:-1]}) = {a};{a}" for p, t, a in right)
+    assert len(contexts) == len(wrong_contexts) == 2 * n
+    (first, call), (after, answer) = zip(contexts[:2], targets[:2])
+    a, b = map(int, first[:-1].split("*"))
+    assert call == f"calc({a}*{b})" and answer == str(a * b)
+    assert after == [first, call, f" = {a * b};"]  # the calculator's own reply, as in training
+    assert wrong_targets[0] == f"calc({a}+{b})" and (wrong_contexts[1], wrong_targets[1]) == (after, answer)
 
 
 @pytest.mark.parametrize(

@@ -262,3 +262,31 @@ def test_a_warm_started_vla_learns_pixelreach_and_ppo_trains_on_from_it(cluster,
     assert abs(warm["warm_start/nll_first"] - np.log(4)) < 0.05 and warm["warm_start/nll"] < 1.1, warm
     assert warm["warm_start/expert_match"] > 0.5, warm
     assert len(success) == 15 and np.mean(success[1:]) > 0.45, success
+
+
+def test_lora_on_the_vla_trains_its_adapters_and_the_heads_and_the_rollout_gets_the_merged_weights(
+    cluster, tmp_path, tiny
+):
+    """``actor.lora.rank`` with ``actor.model.kind=vla``: PEFT's adapters on the VLA's projections and the heads
+    train, the VLA's base weights stay; the rollout samples with the merged weights (``W + B A * alpha / r``); the
+    export is a plain VLA (merged) that from_pretrained reads; ``rlnb eval`` reads the run's checkpoint."""
+    from transformers import AutoModelForImageTextToText
+
+    overrides = vla_overrides(tiny, "runner.steps=2", "runner.save_interval=2", "actor.lr=0.01", "actor.lora.rank=4",
+                              "actor.gradient_checkpointing=true")  # fmt: skip
+    with Loop.from_recipe("ppo_pixelreach", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        loop.run(progress=False)
+        actor = loop.groups["actor"].on(0).policy_state().result()[0]  # (what the rollout gets: merged)
+        exported = loop.export(tmp_path / "export" / "policy.pt")
+    base = AutoModelForImageTextToText.from_pretrained(tiny).state_dict()
+    q = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert not any("lora_" in k for k in actor) and not torch.equal(
+        actor[f"vla.{q}"], base[q]
+    )  # merged, moved
+    emb = "model.language_model.embed_tokens.weight"
+    assert torch.equal(actor[f"vla.{emb}"], base[emb])  # (not a target: frozen)
+    merged = AutoModelForImageTextToText.from_pretrained(exported.with_name("policy.vla")).state_dict()
+    assert torch.allclose(merged[q], actor[f"vla.{q}"])
+    r = subprocess.run([*RLNB, "eval", str(tmp_path / "run"), "--episodes", "2"], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0 and "at step 2: eval/return_mean=" in r.stdout, r.stderr[-2000:]

@@ -31,6 +31,7 @@ from rlnb.components.strategy import Strategy
 from rlnb.config.schema import ActorConfig
 from rlnb.errors import ConfigError
 from rlnb.models.policies import make_policy
+from rlnb.models.vla import VLAPolicy
 from rlnb.runtime.rank import RankInfo, current_rank
 from rlnb.seeding import rank_seed
 
@@ -113,6 +114,8 @@ class PPOActor(ActorBase):
         if self.policy is None:
             torch.manual_seed(self.seed)  # identical initial weights on every rank
             self.policy = make_policy(self.policy_spec, obs_space, act_space, self.name).to(self.device)
+            if isinstance(self.policy, VLAPolicy):  # LoRA and checkpointing apply to the transformer inside
+                self.policy.adapt(self.cfg.lora, self.cfg.gradient_checkpointing is True)
             # fused Adam: one kernel for all parameters (the default on CPU loops over tensors in Python)
             self.optimizer = build_optimizer(
                 torch.optim.Adam, self.policy.parameters(), lr=self.cfg.lr, eps=1e-5, fused=True
@@ -131,7 +134,7 @@ class PPOActor(ActorBase):
         mean negative log-likelihood and how often the policy's most likely action is the expert's."""
         obs = torch.as_tensor(obs, device=self.device)
         actions = torch.as_tensor(actions, device=self.device)
-        optimizer = torch.optim.Adam(self.policy.parameters(), lr=lr)
+        optimizer = torch.optim.Adam([p for p in self.policy.parameters() if p.requires_grad], lr=lr)
         g = torch.Generator().manual_seed(seed)
         n, losses = obs.shape[0], []
         self.policy.train()
@@ -162,8 +165,9 @@ class PPOActor(ActorBase):
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """Weights for the rollout: a detached copy on the actor's device (on a GPU they reach the rollout
-        by CUDA IPC on one node, with no host round trip)."""
-        return {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+        by CUDA IPC on one node, with no host round trip); a VLA with LoRA's merged into its base."""
+        state = self.policy.plain_state() if isinstance(self.policy, VLAPolicy) else self.policy.state_dict()
+        return {k: v.detach().clone() for k, v in state.items()}
 
     def policy_module(self) -> torch.nn.Module:
         """A copy of the policy on the CPU, in eval mode, without gradients (what ``Loop.export`` saves)."""

@@ -465,14 +465,18 @@ class ActorConfig:
         """This section's range checks."""
         errs: list[str] = []
         errs += self.lora.errors()
-        if recipe.family == "ppo" and isinstance(self.lora.rank, int) and self.lora.rank > 0:
+        vla = (
+            self.model.kind == "vla"
+        )  # (an embodied policy with a transformer inside: LoRA and checkpointing)
+        if recipe.family == "ppo" and not vla and isinstance(self.lora.rank, int) and self.lora.rank > 0:
             errs.append(
-                "actor.lora.rank: LoRA adapts an LM actor (family: grpo); set it to 0 for an embodied policy"
+                "actor.lora.rank: LoRA adapts an LM actor (family: grpo) or a VLA (actor.model.kind=vla); set it to 0 "
+                "for this embodied policy"
             )
-        if recipe.family == "ppo" and self.gradient_checkpointing is True:
+        if recipe.family == "ppo" and not vla and self.gradient_checkpointing is True:
             errs.append(
-                "actor.gradient_checkpointing: recomputes an LM's decoder layers (family: grpo); an embodied policy "
-                "has none; set it false"
+                "actor.gradient_checkpointing: recomputes a transformer's layers (an LM actor, or actor.model.kind="
+                "vla); this embodied policy has none; set it false"
             )
         if recipe.family == "ppo" and self.strategy != "ddp":
             errs.append(

@@ -400,6 +400,40 @@ class VLAPolicy(nn.Module):
         self.value_head = nn.Sequential(nn.Linear(feat, 64), nn.Tanh(), nn.Linear(64, 1))
         self._prompts: dict[str, list[int]] = {}
 
+    def adapt(self, lora=None, gradient_checkpointing: bool = False) -> VLAPolicy:
+        """Training levers on the VLA inside (the actor's ``actor.lora``, ``actor.gradient_checkpointing``): LoRA
+        adapters on its linear layers through PEFT, only they and the heads training; activation checkpointing
+        of its layers. Returns ``self``."""
+        if lora is not None and lora.rank > 0:
+            from rlnb.components.lm.lora import add_adapters
+
+            self.vla = add_adapters(self.vla, lora)
+        if gradient_checkpointing:
+            from rlnb.models.lm import enable_checkpointing
+
+            enable_checkpointing(self.vla)
+            self.train()  # (transformers checkpoints in training mode only; the tiny VLA's dropouts are 0)
+        return self
+
+    @property
+    def _base(self):
+        """The ``transformers`` model, under PEFT's wrapper where LoRA is on."""
+        return self.vla.get_base_model() if self.adapted else self.vla
+
+    @property
+    def adapted(self) -> bool:
+        """Whether LoRA adapters are on the VLA (its state dict then names PEFT's layers)."""
+        return hasattr(self.vla, "get_base_model")
+
+    def plain_state(self) -> dict:
+        """The state dict a policy without adapters loads: with LoRA, the VLA's weights merged (``W + B A * alpha /
+        r``) under its own names; what the rollout and an export get."""
+        if not self.adapted:
+            return self.state_dict()
+        from rlnb.components.lm.lora import merged_state
+
+        return {**{f"vla.{k}": v for k, v in merged_state(self.vla).items()}, **self.head_state()}
+
     def save_pretrained(self, directory: str | Path) -> Path:
         """The VLA as trained, with its processor and :data:`VLA_FILE`, in ``directory`` (``save_pretrained``'s
         layout: ``AutoModelForImageTextToText.from_pretrained`` loads it); the heads are not in it (they are
@@ -407,8 +441,13 @@ class VLAPolicy(nn.Module):
         from rlnb.models.lm import hf_quiet
 
         directory = Path(directory)
+        vla = self.vla
+        if self.adapted:  # the adapters merged into a copy: a plain VLA, as from_pretrained reads it
+            import copy
+
+            vla = copy.deepcopy(vla).merge_and_unload()
         with hf_quiet():
-            self.vla.save_pretrained(directory)
+            vla.save_pretrained(directory)
             self.processor.save_pretrained(directory)
         (directory / VLA_FILE).write_text(json.dumps({"action_token": ACTION_TOKEN,
                                                       "action_bins": len(self.spec.action_token_ids)}))  # fmt: skip
@@ -463,7 +502,7 @@ class VLAPolicy(nn.Module):
         then hooks the layers, and a module with those hooks no longer pickles.)"""
         from rlnb.models.lm import cache_kwarg
 
-        trunk = self.vla.model
+        trunk = self._base.model
         extra = cache_kwarg(trunk, cache) if cache is not None else {}
         if cache is None and _takes_token_types(type(trunk)):
             types = torch.ones_like(ids)
@@ -474,7 +513,7 @@ class VLAPolicy(nn.Module):
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's logits of ``hidden [..., H]`` (with Gemma 2's final soft-capping where the model has it)."""
-        logits = self.vla.get_output_embeddings()(hidden)
+        logits = self._base.get_output_embeddings()(hidden)
         cap = getattr(self.vla.config.get_text_config(), "final_logit_softcapping", None)
         return torch.tanh(logits / cap) * cap if cap else logits
 
