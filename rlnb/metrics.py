@@ -47,6 +47,7 @@ GLOSSARY: dict[str, str] = {
     "rollout/interrupted_frac": "Asynchronous LM mode: share of sequences whose generation spanned a weight update.",
     "rollout/weight_swaps": "Asynchronous LM mode: weight updates rollout ranks loaded mid-generation.",
     "rollout/overlap_frac": "Share of rollout time hidden behind training (0: synchronous).",
+    "rollout/pipeline_overlap_frac": "Embodied PPO with the env apart from the rollout (channels, env.pipeline_stages): share of the shorter of env stepping and inference hidden behind the other, (time/env_s + time/inference_s - time/rollout_s) / min of the two, in [0, 1] (0: one after the other).",
     # reward
     "reward/mean": "Mean reward the reward component gave this step's completions.",
     "reward/accuracy": "Share of this step's completions the reward scored >= 1 (with several rewards, the first).",
@@ -89,14 +90,15 @@ GLOSSARY: dict[str, str] = {
     "time/advantages_s": "Seconds in advantages().",
     "time/train_s": "Seconds in train(), compile time excluded.",
     "time/compile_s": "Seconds compiling the train step (torch.compile), on the step it happened.",
-    "time/env_s": "Embodied PPO, collocated: seconds inside the vector envs' own step() during the rollout (the slowest rank).",
-    "time/inference_s": "Embodied PPO, collocated: seconds of policy inference (forward and sampling) during the rollout (the slowest rank).",
+    "time/env_s": "Embodied PPO: seconds inside the vector envs' own step() during the rollout (the slowest rank; with the env apart, the slowest env rank).",
+    "time/inference_s": "Embodied PPO: seconds of policy inference (forward and sampling) during the rollout (the slowest rank).",
     "time/advantages_compute_s": "Embodied PPO: seconds of the advantage estimator's own computation (mean over actor ranks).",
     "time/train_compute_s": "Embodied PPO: seconds of the minibatch updates themselves: forward, loss, backward, optimizer (mean over actor ranks).",
     "time/overhead_frac": "Collocated synchronous PPO: the share of the step outside the work itself (env stepping, inference, advantage and update compute): calls, hand-offs, bookkeeping.",
     "time/step_s": "Seconds of the whole step (the phases above).",
     "time/eval_s": "Seconds in evaluate().",
     "time/sft_s": "Seconds of the supervised warm start.",
+    "time/warm_start_s": "Embodied: seconds of the behaviour-cloning warm start (recording the expert's episodes and training on them).",
     # eval and SFT
     "eval/return_mean": "Mean return of deterministic evaluation episodes on fresh envs.",
     "eval/return_std": "Standard deviation of those returns.",
@@ -110,6 +112,12 @@ GLOSSARY: dict[str, str] = {
     "sft/loss_first": "Warm-start loss at its first step.",
     "sft/loss_last": "Warm-start loss at its last step.",
     "sft/steps": "Warm-start steps run.",
+    "warm_start/nll_first": "Embodied warm start: mean negative log-likelihood of the expert's actions over its first epoch (a VLA: summed over an action's tokens).",
+    "warm_start/nll": "Embodied warm start: the same over its last epoch.",
+    "warm_start/expert_match": "Embodied warm start: share of the demonstrations' steps where the policy's most likely action is the expert's.",
+    "warm_start/epochs": "Embodied warm start: passes over the demonstrations.",
+    "warm_start/samples": "Embodied warm start: demonstration steps trained on.",
+    "warm_start/expert_success_rate": "Embodied warm start: share of the expert's recorded episodes that succeeded.",
 }
 """What every metric the loops log means (``docs/reference/metrics.md`` is generated from it, and the
 dashboard shows it on hover)."""

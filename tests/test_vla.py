@@ -237,13 +237,19 @@ def test_ppo_trains_the_vla_on_workers_and_a_cut_run_resumes_exactly(cluster, tm
 
 def test_the_env_apart_from_the_vla_steps_in_pipeline_stages(cluster, tmp_path, tiny):
     """Disaggregated (env on one slot, the VLA's rollout and actor on the other) with the env's batch in two
-    stages: one stage's envs step while the VLA infers the other's actions (RLinf's pipelining)."""
+    stages: one stage's envs step while the VLA infers the other's actions (RLinf's pipelining), the env's and
+    the inference's seconds logged and the share of one hidden behind the other."""
     overrides = vla_overrides(tiny, "runner.steps=2", "env.pipeline_stages=2",
                               "cluster.component_placement={env: 0, 'actor,rollout': 1}")  # fmt: skip
     with Loop.from_recipe("ppo_pixelreach", overrides, cluster=cluster, run_dir=tmp_path) as loop:
         loop.run(progress=False)
         row = loop.history[-1]
     assert row["global_step"] == 64 and np.isfinite(row["train/loss"]) and row["time/rollout_s"] > 0
+    # each side's own work, timed where it runs, and how much of the shorter the other hid
+    assert (
+        0 < row["time/env_s"] < row["time/rollout_s"] and 0 < row["time/inference_s"] < row["time/rollout_s"]
+    )
+    assert 0 <= row["rollout/pipeline_overlap_frac"] <= 1
 
 
 def test_a_warm_started_vla_learns_pixelreach_and_ppo_trains_on_from_it(cluster, tmp_path, tiny):

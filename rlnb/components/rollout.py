@@ -490,6 +490,7 @@ class PolicyRollout(RolloutBase):
             if k not in self.stage_obs:
                 self.stage_obs[k] = obs_channel.get(key=k)["obs"]
         traj = _Trajectory(steps, len(keys))
+        inference_s, perf_counter = 0.0, time.perf_counter
         for t in range(steps):
             for i, k in enumerate(keys):
                 if t > 0:
@@ -497,15 +498,18 @@ class PolicyRollout(RolloutBase):
                     self._record_step(traj, i, t - 1, out)
                     self.stage_obs[k] = out["obs"]
                 obs = self.stage_obs[k]
+                t0 = perf_counter()
                 actions, logprob, value = self.act(obs)
+                inference_s += perf_counter() - t0
                 traj.act(i, t, obs, actions, logprob, value)
                 act_channel.put(self.env_actions(actions), key=k)
         for i, k in enumerate(keys):
             out = obs_channel.get(key=k)
             self._record_step(traj, i, steps - 1, out)
             self.stage_obs[k] = out["obs"]
-        summary = self._finish(traj, [self.stage_obs[k] for k in keys])[0]
+        summary, last_values_s = self._finish(traj, [self.stage_obs[k] for k in keys])
         self._check_batch_obs(f"env ranks {', '.join(keys)}")
+        summary["inference_s"] = inference_s + last_values_s  # (what the env's stepping may overlap)
         return summary
 
     # ------------------------------------------------------------------ batch hand-off

@@ -289,8 +289,12 @@ class PPO(Family):
             for summary in summaries:
                 self.episodes.extend(summary.pop("episodes"))
             return summaries
-        for finished in self.session.groups["env"].pop_episodes().result():
+        env = self.session.groups["env"]
+        for finished in env.pop_episodes().result():
             self.episodes.extend(finished)
+        env_s = max(env.pop_sim_s().result())  # (the env ranks stepped apart: the slowest one's)
+        for summary in summaries:
+            summary["env_s"] = env_s
         self.paths.hand_batches(batches)
         return summaries
 
@@ -305,9 +309,13 @@ class PPO(Family):
             "episodes_finished": len(self.episodes),
             **extra,
         }
-        for key in ("env_s", "inference_s"):  # the collocated path times its work (the slowest rank's)
+        for key in ("env_s", "inference_s"):  # each path times its work (the slowest rank's)
             if all(key in s for s in summaries):
                 out[key] = max(s[key] for s in summaries)
+        env_s, inference_s = out.get("env_s"), out.get("inference_s")
+        if not self.env_local and env_s and inference_s:  # the env apart: how much of one the other hid
+            hidden = (env_s + inference_s - dt) / min(env_s, inference_s)
+            out["pipeline_overlap_frac"] = min(1.0, max(0.0, hidden))
         out.update(self.episode_stats())
         phase.metrics.update(out)
 
@@ -447,7 +455,7 @@ class PPO(Family):
         if None not in work.values() and sequential:  # collocated: one phase after another
             step_s = sum(v for k, v in p.items() if k.startswith("time/") and k != "time/compile_s")
             record["time/overhead_frac"] = max(0.0, 1.0 - sum(work.values()) / step_s) if step_s > 0 else None
-        for key in ("staleness_mean", "staleness_max", "overlap_frac"):  # versions behind (asynchronous mode)
+        for key in ("staleness_mean", "staleness_max", "overlap_frac", "pipeline_overlap_frac"):
             if f"rollout/{key}" in p:
                 record[f"rollout/{key}"] = p[f"rollout/{key}"]
         s.log_record(record)
