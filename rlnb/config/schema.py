@@ -465,9 +465,8 @@ class ActorConfig:
         """This section's range checks."""
         errs: list[str] = []
         errs += self.lora.errors()
-        vla = (
-            self.model.kind == "vla"
-        )  # (an embodied policy with a transformer inside: LoRA and checkpointing)
+        # a VLA is an embodied policy with a transformer inside: LoRA and checkpointing apply to it
+        vla = self.model.kind == "vla"
         if recipe.family == "ppo" and not vla and isinstance(self.lora.rank, int) and self.lora.rank > 0:
             errs.append(
                 "actor.lora.rank: LoRA adapts an LM actor (family: grpo) or a VLA (actor.model.kind=vla); set it to 0 "

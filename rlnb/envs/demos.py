@@ -26,8 +26,9 @@ def collect_demos(env_id, env_kwargs: dict | None = None, episodes: int = 100, s
 
     from rlnb.envs.obs import packed
 
-    make = gym.make if isinstance(env_id, str) else env_id
-    env = packed(make, env_id, **(env_kwargs or {})) if isinstance(env_id, str) else packed(env_id)
+    kwargs = env_kwargs or {}
+    # (an env class or factory takes the kwargs as make_vector_env gives them)
+    env = packed(gym.make, env_id, **kwargs) if isinstance(env_id, str) else packed(env_id, **kwargs)
     try:
         expert = getattr(env.unwrapped, "expert_action", None)
         if not callable(expert):

@@ -9,8 +9,8 @@ PPO on the GPU (eager, compiled, a simulator on the GPU); GRPO on the GPU (one t
 prompt prefill, asynchronous chunks, a reward model); CUDA IPC channels and weight sync between processes;
 NCCL between two groups; a remote cluster started with ``dask scheduler`` and ``dask cuda worker``; GRPO in
 bf16, with LoRA in bf16 and with FSDP2's CPU offload; the LM update compiled; the static-cache compiled decode
-(:mod:`rlnb.gpu_check.scale`); vLLM and ManiSkill where installed; the tiny VLA's warm start and PPO. A check that cannot run on the machine says
-why in its ``SKIP`` line.
+(:mod:`rlnb.gpu_check.scale`); vLLM and ManiSkill where installed; the tiny VLA's warm start and PPO. A check
+that cannot run on the machine says why in its ``SKIP`` line.
 
 Usage:
     python -m rlnb.gpu_check [--dry-run] [--only NAME ...] [--report PATH]

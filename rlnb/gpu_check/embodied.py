@@ -348,7 +348,7 @@ def check_maniskill_pickcube_rgb(work: Path) -> dict:
 def check_vla_pixelreach_cuda(work: Path) -> dict:
     """The tiny VLA (``vla_pixelreach``: a PaliGemma with action tokens, built here) on the GPU: a short warm start
     on the actor, PPO steps with the rollout sampling action tokens on CUDA, weights synced actor -> rollout each
-    step; the policy's parameters on CUDA on both. (float32: bf16 and LoRA for the VLA actor are not there yet.)"""
+    step; the actor's weights on CUDA. (float32: bf16 for the VLA actor is not there yet.)"""
     import torch
 
     import rlnb
@@ -364,17 +364,15 @@ def check_vla_pixelreach_cuda(work: Path) -> dict:
         t0 = time.perf_counter()
         loop.run(progress=False)
         wall = time.perf_counter() - t0
-        devices = {
-            role: sorted({str(v.device) for v in loop.groups[role].on(0).policy_state().result()[0].values()})
-            for role in ("actor",)
-        }
+        state = loop.groups["actor"].on(0).policy_state().result()[0]
+        devices = sorted({str(v.device) for v in state.values()})
         warm = next(r for r in loop.history if "warm_start/nll" in r)
         last = loop.history[-1]
-    if devices["actor"] != ["cuda:0"]:
-        raise RuntimeError(f"the VLA actor's weights are on {devices['actor']}, expected cuda:0")
+    if devices != ["cuda:0"]:
+        raise RuntimeError(f"the VLA actor's weights are on {devices}, expected cuda:0")
     if not (last.get("train/approx_kl", 0) > 0 and warm["warm_start/nll"] < warm["warm_start/nll_first"]):
         raise RuntimeError(f"the VLA did not train: warm start {warm}, last step {last}")
     return {
         "steps": loop.step, "wall_s": round(wall, 1), "warm_start_nll": round(warm["warm_start/nll"], 3),
-        "step_s": round(last["time/step_s"], 3), "actor_devices": devices["actor"],
+        "step_s": round(last["time/step_s"], 3), "actor_devices": devices,
     }  # fmt: skip

@@ -46,6 +46,7 @@ class PPO(Family):
     """Embodied PPO (see the module's docstring)."""
 
     name = "ppo"
+    _probed: tuple | None = None  # the env's spaces, probed here on the recipe path (check_here)
     ROLES = {
         "env": (EnvRole, "rlnb.Env"),
         "rollout": (PolicyRolloutRole, "rlnb.PolicyRollout"),
@@ -130,7 +131,7 @@ class PPO(Family):
         from rlnb.models.vla import build_tiny_vla, check_vla, load_vla, vla_spec
 
         v, key = recipe.actor.model.vla, "actor.model.vla.path"
-        spaces = getattr(self, "_probed", None)
+        spaces = self._probed
         if spaces is not None:
             obs_space, act_space = spaces
             spaces = (
