@@ -156,6 +156,47 @@ def test_connections_evicted_while_authenticating_make_room_at_once_not_when_the
         group.shutdown()
 
 
+def _slow_to_read_tokens(delay_s, dask_worker=None):
+    """On the worker: a new connection's thread reads its token ``delay_s`` late (as under load, where the
+    thread had not run when the next connection was accepted); ``None`` undoes it."""
+    server = direct._SERVERS[dask_worker.address]
+    server.__dict__.pop("_recv_token", None)
+    if delay_s is not None:
+        recv_token = server._recv_token
+        server._recv_token = lambda conn, deadline: (
+            time.sleep(delay_s),
+            recv_token(conn, deadline + delay_s),
+        )[1]
+
+
+def test_a_connection_whose_token_has_arrived_is_not_evicted_while_its_thread_is_yet_to_read_it(one_slot):
+    """Under load the accept thread of the TCP socket, still working through a backlog of connections, evicted
+    a driver's connection accepted on the Unix socket, token sent, thread not yet run (a WorkerLostError on
+    CI): a connection is evicted only while its token has not all arrived."""
+    group = rlnb.Group.launch(Echo, one_slot, "0", name="token-sent")
+    address = group._links[0].address
+    one_slot.client.run(
+        _set_limits, None, {"RLNB_DIRECT_MAX_CONNECTIONS": "8"}
+    )  # one may authenticate at once
+    one_slot.client.run(_slow_to_read_tokens, 1.0)
+    raw = []
+    try:
+        fresh = rlnb.Group.launch(Echo, one_slot, "0", name="token-sent-fresh")
+        reply = fresh.add(4)  # a new connection, its token sent at once, its thread a second late
+        time.sleep(0.3)
+        raw += [socket.create_connection(address, timeout=5) for _ in range(3)]  # no token, ever
+        assert reply.result(10) == [4]
+        time.sleep(0.3)
+        assert _closed_by_peer(raw[0]) and _closed_by_peer(raw[1])  # the silent ones are still evicted
+        fresh.shutdown()
+    finally:
+        one_slot.client.run(_slow_to_read_tokens, None)
+        for s in raw:
+            s.close()
+        one_slot.client.run(_set_limits, None, {"RLNB_DIRECT_MAX_CONNECTIONS": "256"})
+        group.shutdown()
+
+
 def test_an_oversized_header_is_refused_before_anything_is_allocated(one_slot, monkeypatch):
     group = rlnb.Group.launch(Echo, one_slot, "0", name="big")
     link = group._links[0]

@@ -503,6 +503,45 @@ def test_the_command_ends_without_the_interpreters_teardown_once_the_run_is_clos
     assert not left, f"processes left behind: {left}"
 
 
+HEARTBEAT_CHILD = """
+import sys
+import rlnb
+
+def slow_heartbeat(dask_worker=None):
+    # on the worker: its next heartbeat opens a new connection to the scheduler that takes seconds (as a TLS
+    # handshake under load), so the close finds it connecting
+    import asyncio
+    import distributed.core as core
+
+    connect = core.connect
+
+    async def slow(*args, **kwargs):
+        await asyncio.sleep(30)
+        return await connect(*args, **kwargs)
+
+    core.connect = slow
+    dask_worker.rpc.available.clear()  # (no idle connection to reuse)
+    dask_worker.loop.add_callback(dask_worker.heartbeat)
+
+if __name__ == "__main__":
+    with rlnb.Cluster(slots=1, gpus=False) as cluster:
+        from rlnb.testing import Echo
+        group = rlnb.Group.launch(Echo, cluster, "0", name="echo")  # (rlnb's worker plugin is set up)
+        cluster.client.run(slow_heartbeat)
+    print("closed", file=sys.stderr)
+"""
+
+
+def test_a_heartbeat_still_connecting_when_the_cluster_closes_prints_no_traceback(tmp_path):
+    """Under load a worker's heartbeat was still connecting (a TLS handshake) when the close ended its connection
+    pool, and Dask's traceback for it was printed after a successful ``rlnb run``'s last line (on CI)."""
+    script = tmp_path / "heartbeat.py"
+    script.write_text(HEARTBEAT_CHILD)
+    returncode, err, _ = _run_in_own_group([sys.executable, str(script)], tmp_path, 120)
+    assert returncode == 0, err[-3000:]
+    assert "Failed to communicate" not in err and err.splitlines()[-1] == "closed", err[-3000:]
+
+
 STUCK_CHILD = """
 import sys, threading, time
 from rlnb.cli import _exit_now

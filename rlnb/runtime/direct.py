@@ -46,11 +46,14 @@ Authentication and protocol failures are logged once per worker.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import secrets
 import socket
+import struct
 import sys
+import termios
 import threading
 import time
 import uuid
@@ -112,7 +115,8 @@ class CallServer:
         # closed channel leaves no connection or thread behind on its worker
         self._host_conns: dict[str, set[socket.socket]] = {}
         self._busy: set[socket.socket] = set()  # of those, the ones answering a request now
-        self._pending: dict[socket.socket, None] = {}  # accepted, token not read yet: oldest first
+        # accepted, token not read yet: oldest first, with the token's bytes its thread has read
+        self._pending: dict[socket.socket, int] = {}
         self._evicted: set[socket.socket] = set()  # closed as the oldest pending, their threads not done yet
         # the driver session each authenticated connection speaks for
         self._sessions: dict[socket.socket, str] = {}
@@ -238,7 +242,8 @@ class CallServer:
             with self._lock:
                 evicted = None
                 if len(self._pending) >= max(1, max_connections() // 8):
-                    evicted = next(iter(self._pending))
+                    evicted = self._slowest_pending()
+                if evicted is not None:
                     del self._pending[evicted]
                     # uncounted now, not when its thread gets round to closing it: under load that came after
                     # the next accept, which found the cap full and refused a driver's connection
@@ -247,7 +252,7 @@ class CallServer:
                 full = self.connections >= max_connections()
                 self.connections += not full
                 if not full:
-                    self._pending[conn] = None
+                    self._pending[conn] = 0
             if evicted is not None:  # (its thread's read fails: it ends and closes it)
                 self._log_once("evict", "too many connections authenticating at once; closing the oldest")
                 with contextlib.suppress(OSError):
@@ -263,6 +268,40 @@ class CallServer:
             if conn.family != socket.AF_UNIX:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), name="rlnb-direct-conn", daemon=True).start()
+
+    def _slowest_pending(self) -> socket.socket | None:
+        """(Under the lock.) The oldest pending connection whose token has not all arrived, or ``None``. One
+        whose token is there is only waiting for its thread: under load a driver's was evicted by the backlog of
+        the other listening socket, accepted after it (a WorkerLostError on CI)."""
+        for conn, read in self._pending.items():
+            try:
+                waiting = struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+            except OSError:  # (closed under us: as good as gone)
+                return conn
+            if read + waiting < TOKEN_BYTES:
+                return conn
+        return None
+
+    def _recv_token(self, conn: socket.socket, deadline: float) -> bytes:
+        """The connection's token, whole by ``deadline`` (``time.monotonic()``): one byte every few seconds does
+        not keep a connection open. Each part is taken off the socket under the lock, and counted, so that the
+        accepting thread sees every byte sent (in the socket or read) when it picks a connection to evict."""
+        got = b""
+        while len(got) < TOKEN_BYTES:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("token deadline")
+            conn.settimeout(left)
+            if not conn.recv(1, socket.MSG_PEEK):  # (waits for a byte, taking none)
+                raise EOFError("closed before its token")
+            with self._lock:
+                chunk = conn.recv(TOKEN_BYTES - len(got), socket.MSG_DONTWAIT)
+                if conn in self._pending:
+                    self._pending[conn] += len(chunk)
+            if not chunk:
+                raise EOFError("closed before its token")
+            got += chunk
+        return got
 
     def _log_once(self, kind: str, message: str, *args) -> None:
         if kind not in self._logged:
@@ -312,7 +351,7 @@ class CallServer:
         its first request for a rank (True: the actor thread owns it now)."""
         if first is None:
             try:
-                token = _recv_token(conn, time.monotonic() + TOKEN_TIMEOUT_S)
+                token = self._recv_token(conn, time.monotonic() + TOKEN_TIMEOUT_S)
             except (OSError, EOFError) as e:
                 why = f"no token within {TOKEN_TIMEOUT_S:g} s" if isinstance(e, TimeoutError) else str(e)
                 self._log_once("auth", "a connection closed before authenticating (%s)", why)
@@ -458,22 +497,6 @@ class CallServer:
         except Exception as e:
             reply = ("err", pack_exception(e), time.perf_counter() - t0)
         return _encode_reply(reply)
-
-
-def _recv_token(conn: socket.socket, deadline: float) -> bytes:
-    """The connection's token, whole by ``deadline`` (``time.monotonic()``): one byte every few seconds does
-    not keep a connection open."""
-    got = b""
-    while len(got) < TOKEN_BYTES:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("token deadline")
-        conn.settimeout(left)
-        chunk = conn.recv(TOKEN_BYTES - len(got))
-        if not chunk:
-            raise EOFError("closed before its token")
-        got += chunk
-    return got
 
 
 def _encode_reply(reply: tuple) -> list:

@@ -10,6 +10,7 @@ them (a checkpoint, then a clean shutdown), then stops the workers.
 from __future__ import annotations
 
 import logging
+import weakref
 
 from distributed import WorkerPlugin
 
@@ -47,6 +48,7 @@ class WorkerRuntime(WorkerPlugin):
             log.info(
                 "worker %s removed %d shared-memory segment(s) of dead processes", worker.address, self.swept
             )
+        _quiet_heartbeat_at_close(worker)
         # the embedded cluster's: a signal to the driver's process group is the driver's
         if self.ignore_sigint:
             leave_stop_signals_to_driver()
@@ -64,6 +66,33 @@ class WorkerRuntime(WorkerPlugin):
         if self.server is not None:
             self.server.close()
             self.server = None
+
+
+class _HeartbeatAtClose(logging.Filter):
+    """Drops Dask's "Failed to communicate with scheduler during heartbeat" traceback when the worker itself is
+    closing: a heartbeat still connecting when the close ends the connection pool (under load, a few seconds of
+    TLS handshake) printed it after a successful run's last line. A heartbeat failing while it runs is kept."""
+
+    def __init__(self, worker):
+        super().__init__()
+        self.worker = weakref.ref(worker)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        worker = self.worker()
+        closing = worker is None or worker.status.name in (
+            "closing",
+            "closed",
+            "closing_gracefully",
+            "failed",
+        )
+        return not (closing and record.getMessage().startswith("Failed to communicate with scheduler"))
+
+
+def _quiet_heartbeat_at_close(worker) -> None:
+    logger = logging.getLogger("distributed.worker")
+    for old in [f for f in logger.filters if isinstance(f, _HeartbeatAtClose)]:
+        logger.removeFilter(old)  # (a plugin set up again on the same process: one filter, this worker's)
+    logger.addFilter(_HeartbeatAtClose(worker))
 
 
 def _loopback_tls(address: str) -> bool:
