@@ -22,6 +22,7 @@ import tempfile
 import time
 
 import gymnasium as gym
+import numpy as np
 import torch
 
 from rlnb.envs.pixel import PixelReach
@@ -48,7 +49,10 @@ def plain_seconds_per_env_step(path: str, steps: int) -> float:
 
     torch.set_num_threads(1)
     torch.manual_seed(1)
-    envs = gym.vector.SyncVectorEnv([lambda: PackObservation(gym.make("rlnb/PixelReach-v0"))] * ENVS)
+    envs = gym.vector.SyncVectorEnv(
+        [lambda: PackObservation(gym.make("rlnb/PixelReach-v0"))] * ENVS,
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,  # (rlnb's: the final observation in info, stepped once)
+    )
     policy = VLAPolicy(envs.single_observation_space, envs.single_action_space, path)
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-4, eps=1e-5)
     g = torch.Generator().manual_seed(1)
@@ -61,7 +65,12 @@ def plain_seconds_per_env_step(path: str, steps: int) -> float:
             for _ in range(T):
                 o = torch.as_tensor(obs)
                 a, logp, v = policy.act(o, g)
-                obs, r, term, trunc, _ = envs.step(a.numpy())
+                obs, r, term, trunc, info = envs.step(a.numpy())
+                cut = trunc & ~term  # a truncated episode's last reward bootstraps its value (SB3's, rlnb's)
+                if cut.any():
+                    final = torch.as_tensor(np.stack(info["final_obs"][cut]))
+                    r = r.copy()
+                    r[cut] += GAMMA * policy.value(final).numpy()
                 for k, x in zip(buf, (o, a, logp, v, torch.as_tensor(r, dtype=torch.float32),
                                       torch.as_tensor(term | trunc, dtype=torch.float32))):  # fmt: skip
                     buf[k].append(x)
