@@ -296,3 +296,32 @@ def test_lora_on_the_vla_trains_its_adapters_and_the_heads_and_the_rollout_gets_
     r = subprocess.run([*RLNB, "eval", str(tmp_path / "run"), "--episodes", "2"], capture_output=True, text=True,
                        timeout=300)  # fmt: skip
     assert r.returncode == 0 and "at step 2: eval/return_mean=" in r.stdout, r.stderr[-2000:]
+
+
+def test_bf16_compute_on_the_vla_actor_autocasts_its_forwards_and_keeps_float32_weights(tiny, env):
+    """``actor.dtype=bfloat16`` with ``actor.model.kind=vla`` (refused for the built-in policies): the warm start's
+    and PPO's forwards run the VLA's matmuls in bf16, the loss and the master weights stay float32."""
+    from rlnb.components.actor import PPOActor
+    from rlnb.config.loader import load_recipe
+
+    model = {"kind": "vla", "vla": {"path": tiny}}
+    actor = PPOActor({"model": model, "dtype": "bfloat16"}, {"update_epochs": 1}, env.observation_space,
+                     env.action_space)  # fmt: skip
+    seen = []
+    q = actor.policy.vla.model.language_model.layers[0].self_attn.q_proj
+    q.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    obs = observations(env, 8)
+    result = actor.behaviour_clone(obs, torch.arange(8) % 4, epochs=1, minibatch_size=8)
+    assert seen[0] == torch.bfloat16 and np.isfinite(
+        result["nll"]
+    )  # (its training forward; then a greedy check)
+    with torch.no_grad():
+        actions, logprobs, values = actor.policy.act(obs)
+    mb = {"obs": obs, "actions": actions, "logprobs": logprobs, "values": values,
+          "advantages": torch.randn(8), "returns": torch.randn(8)}  # fmt: skip
+    seen.clear()
+    loss, _ = actor._objective(mb)
+    assert set(seen) == {torch.bfloat16} and loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert q.weight.dtype == torch.float32
+    with pytest.raises(Exception, match="actor.dtype"):  # the built-in policies train in float32
+        load_recipe("ppo_pixelreach", ["actor.dtype=bfloat16"])

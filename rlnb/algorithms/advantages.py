@@ -60,6 +60,63 @@ def gae(rewards, values, dones, last_values, gamma: float = 0.99, gae_lambda: fl
     return advantages, advantages + values
 
 
+@register_advantage("episode_grpo", layouts=("trajectory",))
+def episode_grpo(rewards, dones, group_size: int, scale: str = "group", eps: float = 1e-6):
+    """Embodied GRPO (SimpleVLA-RL, RLinf): each episode's return against the same episode of its group's envs.
+
+    Envs ``[gG, (g+1)G)`` are group ``g``; they start each episode from one state and their episodes last the
+    same number of steps (``rlnb.envs.groups.GroupedEpisodes``), so at each step a group's ``G`` envs are in
+    episodes from the same start. An episode's return ``R`` (the sum of its rewards, undiscounted) gives each of
+    its steps the advantage ``(R - mean_G R) / std_G R`` (``scale`` as :func:`grpo`'s). No value function.
+
+    Args:
+        rewards, dones: ``[T, N]``; ``N`` a multiple of ``group_size``, and the rollout ends its episodes.
+
+    Returns:
+        ``(advantages [T, N], returns [T, N])``: ``returns`` is each step's episode return ``R``.
+    """
+    check_choice("scale", scale, ("group", "batch", "none"))
+    check_tensor("rewards", rewards, 2, "[T, N]")
+    check_same_shape(["rewards", "dones"], [rewards, dones])
+    T, N = rewards.shape
+    if not isinstance(group_size, int) or group_size < 2 or N % group_size:
+        raise ConfigError(
+            f"algorithm.group_size: episode_grpo compares the episodes of groups of at least 2 envs, and "
+            f"{group_size!r} does not divide the rollout's {N} envs", "algorithm.group_size",
+        )  # fmt: skip
+    ended = dones.bool()  # [T, N]
+    if T and not ended[-1].all():
+        raise ConfigError(
+            "rollout.steps_per_rollout: episode_grpo needs whole episodes, and a rollout ended mid-episode; make it "
+            "a multiple of the episodes' fixed length (env.kwargs.max_episode_steps)", "rollout.steps_per_rollout",
+        )  # fmt: skip
+    by_group = ended.view(T, N // group_size, group_size)  # [T, N/G, G]
+    if not (by_group == by_group[..., :1]).all():
+        raise ConfigError(
+            "algorithm.advantage: episode_grpo found a group's envs ending episodes on different steps; their env "
+            "must keep them aligned (rlnb.Env(..., group_size=G) does)", "algorithm.advantage",
+        )  # fmt: skip
+    r = rewards.float()
+    to_go = torch.empty_like(r)  # [T, N] rewards from t to the end of t's episode
+    running = torch.zeros(N, device=r.device)
+    for t in range(T - 1, -1, -1):
+        running = r[t] + running * ~ended[t]
+        to_go[t] = running
+    episode = torch.empty_like(
+        r
+    )  # [T, N] each step's whole-episode return, carried from the episode's first step
+    for t in range(T):
+        episode[t] = to_go[t] if t == 0 else torch.where(ended[t - 1], to_go[t], episode[t - 1])
+    g = episode.view(T, N // group_size, group_size)  # [T, N/G, G]
+    # a group that scored alike is exactly 0: its mean's rounding over a std of 0 + eps would not be
+    centred = torch.where((g == g[..., :1]).all(-1, keepdim=True), 0.0, g - g.mean(dim=-1, keepdim=True))
+    if scale == "group":
+        centred = centred / (g.std(dim=-1, keepdim=True) + eps)
+    elif scale == "batch":
+        centred = centred / (g.std() + eps)
+    return centred.reshape(T, N), episode
+
+
 def _grouped(rewards, group_size: int) -> torch.Tensor:
     check_tensor("rewards", rewards, 1, "[B]")
     if not isinstance(group_size, int) or group_size < 1:

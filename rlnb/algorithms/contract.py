@@ -37,8 +37,10 @@ class LoopContract:
 EMBODIED = LoopContract(
     name="embodied PPO",
     layout="trajectory",
-    # rewards, values, dones [T, N]; last_values [N]
-    advantage_inputs=frozenset({"rewards", "values", "dones", "last_values", "gamma", "gae_lambda"}),
+    # rewards, values, dones [T, N]; last_values [N]; group_size: envs [gG, (g+1)G) start each episode alike
+    advantage_inputs=frozenset(
+        {"rewards", "values", "dones", "last_values", "gamma", "gae_lambda", "group_size", "scale"}
+    ),
     # one minibatch, every tensor [M]; prox_logprobs: the policy at the start of this update
     loss_inputs=frozenset(
         {

@@ -142,8 +142,9 @@ class PPOActor(ActorBase):
             total = 0.0
             for idx in torch.randperm(n, generator=g).split(minibatch_size):
                 idx = idx.to(self.device)
-                logprob, _, _ = self.model(obs[idx], actions[idx])
-                loss = -logprob.mean()
+                with self.strategy.precision():
+                    logprob, _, _ = self.model(obs[idx], actions[idx])
+                loss = -logprob.float().mean()
                 optimizer.zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.algo.max_grad_norm)
@@ -230,7 +231,7 @@ class PPOActor(ActorBase):
         t0 = time.perf_counter()
         advantages, returns = self.advantage(
             rewards=b["rewards"], values=b["values"], dones=b["dones"], last_values=b["last_values"],
-            gamma=algo.gamma, gae_lambda=algo.gae_lambda,
+            gamma=algo.gamma, gae_lambda=algo.gae_lambda, group_size=algo.group_size, scale=algo.scale,
         )  # fmt: skip
         compute_s = time.perf_counter() - t0
         for key, x in (("advantages", advantages), ("returns", returns)):
@@ -366,7 +367,10 @@ class PPOActor(ActorBase):
 
     def _objective(self, mb: dict) -> tuple[torch.Tensor, dict]:
         """Forward and loss of one minibatch: what ``actor.compile`` compiles (its backward with it)."""
-        logprob, entropy, value = self.model(mb["obs"], mb["actions"])
+        with self.strategy.precision():  # (actor.dtype: bf16 autocast for a VLA, float32 master weights)
+            logprob, entropy, value = self.model(mb["obs"], mb["actions"])
+        if logprob.dtype != torch.float32:  # the loss in float32
+            logprob, entropy, value = logprob.float(), entropy.float(), value.float()
         algo, loss_fn = self.algo, self.loss
         advantages = mb["advantages"]
         full_objective = "values" in loss_fn.needs  # the loss has its own value and entropy terms

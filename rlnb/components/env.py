@@ -101,6 +101,9 @@ class Env:
         config: an :class:`rlnb.config.EnvConfig` (or its dict); default ``EnvConfig()``.
         seed: base seed; env ``i`` of rank ``r`` resets with ``rlnb.seeding.rank_seed(seed, r, "env") + i``.
         gamma: discount, for reward normalisation.
+        group_size: ``G > 1``: episodes for embodied GRPO (:mod:`rlnb.envs.groups`): envs ``[gG, (g+1)G)`` of each
+            stage start every episode from one state, and each episode lasts the env's time limit
+            (``env.kwargs.max_episode_steps`` or its registration's); ``1``: episodes as the env makes them.
         make_env: a registered gymnasium id, or a ``gymnasium.Env`` class or factory (called with
             ``config.kwargs``) defined anywhere, a notebook cell included; default ``config.id``.
         **settings: any field of ``EnvConfig`` by name (``num_envs=8``, ``pipeline_stages=2``...).
@@ -116,6 +119,7 @@ class Env:
         rank_info: RankInfo | None = None,
         *,
         make_env=None,
+        group_size: int = 1,
         **settings,
     ):
         rank_info = rank_info or current_rank()  # subclasses need not pass it on
@@ -130,6 +134,13 @@ class Env:
         self.per_stage = self.cfg.num_envs // self.stages
         self.seed = rank_seed(seed, self.rank, "env")
         self.gamma = gamma
+        self.group_size = group_size
+        if group_size > 1 and self.per_stage % group_size:
+            raise ConfigError(
+                f"env.num_envs: {self.cfg.num_envs} envs in {self.stages} pipeline stage(s) of {self.per_stage}, which "
+                f"cannot be split into groups of algorithm.group_size={group_size} envs; use a multiple",
+                "num_envs",
+            )
         self.envs = self._make_envs()
         self.observation_space = self.envs[0].single_observation_space
         self.action_space = self.envs[0].single_action_space
@@ -158,7 +169,7 @@ class Env:
     @classmethod
     def prepare_launch(cls, kwargs: dict) -> dict:
         """On the driver, before launch: refuse unknown settings and a bad ``pipeline_stages``."""
-        named = {"config", "seed", "gamma", "make_env"}
+        named = {"config", "seed", "gamma", "make_env", "group_size"}
         settings = {k: v for k, v in kwargs.items() if k not in named}
         if isinstance(kwargs.get("make_env"), str):
             settings["id"] = kwargs["make_env"]
@@ -180,7 +191,8 @@ class Env:
     def reset(self) -> list[np.ndarray]:
         """Reset every env with its seed; returns the observation of each stage."""
         for s, env in enumerate(self.envs):
-            seeds = [self.seed + s * self.per_stage + i for i in range(self.per_stage)]
+            # (a group's envs the same seed: GroupedEpisodes makes each of their episodes start alike)
+            seeds = [self.seed + (s * self.per_stage + i) // self.group_size for i in range(self.per_stage)]
             obs, _ = env.reset(seed=seeds)
             self.check_obs(obs)
             self.obs[s] = self._norm_obs(obs)
@@ -400,7 +412,11 @@ class Env:
     def _make_envs(self) -> list:
         return [
             make_vector_env(
-                self.make_env or self.cfg.id, self.per_stage, self.cfg.vector_mode, self.cfg.kwargs
+                self.make_env or self.cfg.id,
+                self.per_stage,
+                self.cfg.vector_mode,
+                self.cfg.kwargs,
+                group_horizon=0 if self.group_size > 1 else None,
             )
             for _ in range(self.stages)
         ]

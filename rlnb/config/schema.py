@@ -171,7 +171,8 @@ class AlgorithmConfig:
     ``t - v <= N``. For the LM loop the reward must sit with the rollout; HF generation takes new weights
     mid-way (``rollout.chunk_tokens``), while vLLM (whole completions) takes them between batches."""
     group_size: int = bounded(8, 1, 65_536, "samples of one prompt in one step")
-    """Samples per prompt (GRPO/RLOO)."""
+    """Samples per prompt (GRPO/RLOO); embodied GRPO (``episode_grpo``): envs per group, which start each episode
+    from one state."""
     scale: Literal["group", "batch", "none"] = "group"
     """GRPO advantage scaling: ``group`` std, ``batch`` std or ``none`` (Dr. GRPO)."""
     kl_coef: float = bounded(0.0, 0, 1e6)
@@ -235,7 +236,7 @@ class AlgorithmConfig:
             except ConfigError as err:
                 errs.append(str(err))
         if (
-            a.advantage in ("grpo", "rloo", "reinforce_pp_baseline")
+            a.advantage in ("grpo", "rloo", "reinforce_pp_baseline", "episode_grpo")
             and isinstance(a.group_size, int)
             and a.group_size < 2
         ):
@@ -522,10 +523,12 @@ class ActorConfig:
                 "actor.warm_start.episodes: the demonstrations are raw observations, which env.normalize_obs would "
                 "scale differently in training; set env.normalize_obs=false for a warm start"
             )
-        if recipe.family == "ppo" and self.dtype != "float32":  # (an embodied run would ignore it)
+        if (
+            recipe.family == "ppo" and not vla and self.dtype != "float32"
+        ):  # (an embodied run would ignore it)
             errs.append(
-                f"actor.dtype: {self.dtype} compute is for LM actors (family: grpo); an embodied policy trains in "
-                "float32; set actor.dtype=float32"
+                f"actor.dtype: {self.dtype} compute is for transformers (an LM actor, or actor.model.kind=vla); this "
+                "embodied policy trains in float32; set actor.dtype=float32"
             )
         if recipe.family == "grpo":
             errs += self._check_lm()

@@ -37,7 +37,7 @@ import rlnb.envs.pixel  # noqa: E402, F401  (registers rlnb/PixelReach-v0 where 
 
 
 def make_vector_env(
-    env_id, num_envs: int, mode: str = "sync", kwargs: dict | None = None
+    env_id, num_envs: int, mode: str = "sync", kwargs: dict | None = None, group_horizon: int | None = None
 ) -> gym.vector.VectorEnv:
     """``num_envs`` copies of ``env_id`` in a vector env with ``AutoresetMode.SAME_STEP``.
 
@@ -50,7 +50,20 @@ def make_vector_env(
     On the step an episode ends, the returned obs is already the reset obs and the last obs of the
     episode is in ``info["final_obs"]`` (mask ``info["_final_obs"]``). Built from picklable
     ``functools.partial`` factories, so a sync vector env can be pickled into a checkpoint.
+
+    ``group_horizon``: each env's episodes made for embodied GRPO (:class:`rlnb.envs.groups.GroupedEpisodes`), of
+    that many steps (``0``: the env's own time limit); ``None``: as they are.
     """
+    batched = (isinstance(env_id, type) and issubclass(env_id, gym.vector.VectorEnv)) or (
+        isinstance(env_id, str) and (_vector_only(env_id) or _gpu_maniskill(env_id, kwargs))
+    )
+    if group_horizon is not None and batched:
+        from rlnb.errors import ConfigError
+
+        raise ConfigError(
+            f"algorithm.advantage: a group's envs must start their episodes alike, which needs one env at a time; "
+            f"{env_id} is a batched simulator", "algorithm.advantage",
+        )  # fmt: skip
     if isinstance(env_id, type) and issubclass(env_id, gym.vector.VectorEnv):
         return env_id(num_envs=num_envs, **(kwargs or {}))
     if callable(env_id):
@@ -80,6 +93,10 @@ def make_vector_env(
         return creator(num_envs=num_envs, **{**spec.kwargs, **(kwargs or {})})
     else:
         fns = [functools.partial(packed, gym.make, env_id, **(kwargs or {})) for _ in range(num_envs)]
+    if group_horizon is not None:
+        from rlnb.envs.groups import grouped
+
+        fns = [functools.partial(grouped, fn, group_horizon or None) for fn in fns]
     named = env_id if isinstance(env_id, str) else ""  # (a class or factory: none of the simulators below)
     cpu_maniskill = named.startswith("maniskill:")  # (the GPU one returned above)
     if mode == "sync":
@@ -174,6 +191,10 @@ def space_problem(obs_space: gym.Space, act_space: gym.Space) -> tuple[str, str,
     if not isinstance(act_space, (gym.spaces.Discrete, gym.spaces.Box)):
         return "action_space", "a Discrete or Box action space", act_space
     return None
+
+
+def _gpu_maniskill(env_id: str, kwargs: dict | None) -> bool:
+    return env_id.startswith("maniskill:") and (kwargs or {}).get("sim_backend") not in MANISKILL_CPU_SIMS
 
 
 def _vector_only(env_id: str) -> bool:

@@ -106,6 +106,7 @@ class PPO(Family):
                 "use a multiple", "component_placement"
             )  # fmt: skip
         self.check_layout(placement.slots)
+        self.check_groups()
         envs_per_rollout = recipe.env.num_envs * n_env // n_roll
         if n_act > n_roll and envs_per_rollout % (n_act // n_roll):
             raise PlacementError(
@@ -119,6 +120,42 @@ class PPO(Family):
                 f"algorithm.num_minibatches: {recipe.algorithm.num_minibatches} minibatches of a {per_actor}-sample batch "
                 "per actor rank; lower it or raise rollout.steps_per_rollout x env.num_envs", "algorithm.num_minibatches"
             )  # fmt: skip
+
+    def env_group_size(self) -> int:
+        """``algorithm.group_size`` where the advantage compares a group's episodes (it takes ``group_size``:
+        ``episode_grpo``), so the envs make such groups; else 1."""
+        a = self.session.recipe.algorithm
+        advantage, _ = check_algorithm(EMBODIED, a.advantage, a.policy_loss)
+        return a.group_size if "group_size" in advantage.needs else 1
+
+    def check_groups(self) -> None:
+        """Embodied GRPO's groups fit before launch: whole groups in each pipeline stage, and whole episodes in
+        each rollout."""
+        r = self.session.recipe
+        size = self.env_group_size()
+        if size == 1:
+            return
+        per_stage = r.env.num_envs // r.env.pipeline_stages
+        if per_stage % size:
+            raise ConfigError(
+                f"env.num_envs: {r.env.num_envs} envs in {r.env.pipeline_stages} pipeline stage(s) cannot be split "
+                f"into groups of algorithm.group_size={size}; use a multiple of {size * r.env.pipeline_stages}",
+                "env.num_envs",
+            )
+        from rlnb.envs.groups import episode_horizon
+
+        horizon = episode_horizon(env_id=r.env.id, kwargs=r.env.kwargs)
+        if horizon is None and isinstance(r.env.id, str):
+            raise ConfigError(
+                f"algorithm.advantage: {r.algorithm.advantage} compares episodes of one fixed length, and {r.env.id} "
+                "has none; give one with env.kwargs.max_episode_steps", "algorithm.advantage",
+            )  # fmt: skip
+        if horizon and r.rollout.steps_per_rollout % horizon:
+            raise ConfigError(
+                f"rollout.steps_per_rollout: {r.rollout.steps_per_rollout} is not a multiple of the episodes' "
+                f"{horizon} steps; {r.algorithm.advantage} needs whole episodes in each rollout",
+                "rollout.steps_per_rollout",
+            )
 
     def prepare(self) -> None:
         """The recipe path with ``actor.model.kind: vla``: the VLA built where none is (``build_if_missing``), its
@@ -168,15 +205,16 @@ class PPO(Family):
         s = self.session
         r, cl, p = s.recipe, s.cluster, s.placement
         deadlines = r.cluster.deadlines()
+        # registry entries resolved here travel by value: ones registered in a notebook cell work too
+        advantage, loss = check_algorithm(EMBODIED, r.algorithm.advantage, r.algorithm.policy_loss)
         s.groups["env"] = Env.launch(
-            cl, p["env"], config=r.env, seed=r.seed, gamma=r.algorithm.gamma, **deadlines
-        )
+            cl, p["env"], config=r.env, seed=r.seed, gamma=r.algorithm.gamma, group_size=self.env_group_size(),
+            **deadlines,
+        )  # fmt: skip
         s.groups["rollout"] = PolicyRollout.launch(
             cl, p["rollout"], model=r.actor.model, gamma=r.algorithm.gamma, seed=r.seed,
             torch_threads=r.actor.torch_threads, device=r.rollout.device, **deadlines,
         )  # fmt: skip
-        # registry entries resolved here travel by value: ones registered in a notebook cell work too
-        advantage, loss = check_algorithm(EMBODIED, r.algorithm.advantage, r.algorithm.policy_loss)
         s.groups["actor"] = PPOActor.launch(
             cl, p["actor"], actor=r.actor, algorithm=r.algorithm, total_steps=r.runner.steps, seed=r.seed,
             advantage=advantage, policy_loss=loss, **deadlines,
