@@ -53,6 +53,7 @@ SLOW_TESTS = {
     "test_a_resumed_maniskill_run_continues_its_episodes_on_the_cpu_simulation",
     "test_the_libero_tests_run_in_the_environment_that_has_libero",
     "test_a_warm_started_vla_learns_pixelreach_and_ppo_trains_on_from_it",
+    "test_rlnb_run_vla_maniskill_warm_starts_on_the_scripted_expert_and_trains_from_the_command_line",
 }
 
 

@@ -131,7 +131,8 @@ class PPOActor(ActorBase):
         ``actions [N, ...]``), maximising the policy's log-probability of the expert's actions (for a VLA: the
         sum over an action's tokens, OpenVLA's loss) with Adam at ``lr``, in minibatches shuffled by ``seed`` (every
         rank the same data and order: data-parallel ranks stay identical). Returns the first and last epoch's
-        mean negative log-likelihood and how often the policy's most likely action is the expert's."""
+        mean negative log-likelihood, and how often the policy's most likely action is the expert's (discrete actions) or
+        how far it is from it on average (continuous)."""
         obs = torch.as_tensor(obs, device=self.device)
         actions = torch.as_tensor(actions, device=self.device)
         optimizer = torch.optim.Adam([p for p in self.policy.parameters() if p.requires_grad], lr=lr)
@@ -155,14 +156,14 @@ class PPOActor(ActorBase):
             greedy = torch.cat(
                 [self.policy.act(obs[i : i + 256], deterministic=True)[0] for i in range(0, n, 256)]
             )
-        same = (greedy.reshape(n, -1) == actions.reshape(n, -1).to(greedy.dtype)).all(-1).float().mean()
-        return {
-            "nll_first": losses[0],
-            "nll": losses[-1],
-            "expert_match": float(same),
-            "epochs": epochs,
-            "samples": n,
-        }
+        greedy, expert = greedy.reshape(n, -1), actions.reshape(n, -1)
+        if (
+            expert.is_floating_point()
+        ):  # continuous: how far off, in the action space's units (binned: never equal)
+            fit = {"expert_action_error": float((greedy.float() - expert.float()).abs().mean())}
+        else:
+            fit = {"expert_match": float((greedy == expert.to(greedy.dtype)).all(-1).float().mean())}
+        return {"nll_first": losses[0], "nll": losses[-1], **fit, "epochs": epochs, "samples": n}
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """Weights for the rollout: a detached copy on the actor's device (on a GPU they reach the rollout

@@ -1,7 +1,8 @@
 """Demonstrations for a behaviour-cloning warm start (RLinf's and SimpleVLA-RL's way to start RL from a VLA that
 sometimes succeeds): episodes of an env's scripted expert, recorded as the policy sees them.
 
-An env offers an expert with an ``expert_action()`` method on its unwrapped env (``rlnb/PixelReach-v0`` has one);
+An env offers an expert with an ``expert_action()`` method on its unwrapped env (``rlnb/PixelReach-v0`` has one), or
+rlnb has one for it (:mod:`rlnb.envs.experts`: ManiSkill's ``PushCube-v1``);
 the observations are packed as the env component packs them (dict observations: one row of bytes each).
 
 Shapes: ``N`` recorded steps.
@@ -24,18 +25,25 @@ def collect_demos(env_id, env_kwargs: dict | None = None, episodes: int = 100, s
     """
     import gymnasium as gym
 
+    from rlnb.envs.experts import EXPERTS, expert_for
+    from rlnb.envs.gym_envs import make_maniskill_cpu_env
     from rlnb.envs.obs import packed
 
     kwargs = env_kwargs or {}
-    # (an env class or factory takes the kwargs as make_vector_env gives them)
-    env = packed(gym.make, env_id, **kwargs) if isinstance(env_id, str) else packed(env_id, **kwargs)
+    # (an env class or factory takes the kwargs as make_vector_env gives them; a ManiSkill task is made as its
+    # CPU vector env makes each of its envs)
+    if isinstance(env_id, str) and env_id.startswith("maniskill:"):
+        env = packed(make_maniskill_cpu_env, env_id.removeprefix("maniskill:"), kwargs)
+    else:
+        env = packed(gym.make, env_id, **kwargs) if isinstance(env_id, str) else packed(env_id, **kwargs)
     try:
-        expert = getattr(env.unwrapped, "expert_action", None)
-        if not callable(expert):
+        expert = expert_for(env)
+        if expert is None:
+            known = ", ".join(f"{name} ({mode})" for name, (mode, _) in EXPERTS.items())
             raise ConfigError(
                 f"{key}: a warm start needs the env's demonstrations, and {env_id} has no scripted expert (an "
-                "expert_action() method on its unwrapped env); give demonstrations of your own to "
-                "loop.warm_start(demos=...), or set it to 0",
+                f"expert_action() method on its unwrapped env, or one of rlnb's for {known}); give demonstrations "
+                "of your own to loop.warm_start(demos=...), or set it to 0",
                 key,
             )
         obs, actions, successes = [], [], 0
