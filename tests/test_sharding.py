@@ -279,7 +279,7 @@ def test_fsdp2_with_one_actor_rank_says_there_is_nothing_to_shard(cluster, tmp_p
 def test_fsdp2_misfits_are_refused_naming_the_key():
     from rlnb.config import RecipeError
 
-    with pytest.raises(RecipeError, match="actor.strategy: fsdp2 shards an LM actor"):
+    with pytest.raises(RecipeError, match="actor.strategy: fsdp2 shards a transformer"):
         load_recipe("ppo_cartpole", ["actor.strategy=fsdp2"])
     with pytest.raises(RecipeError, match="actor.strategy: fsdp2 gathers the weights"):
         load_recipe("grpo_arith", ["actor.strategy=fsdp2", "rollout.weight_sync=broadcast"])

@@ -357,3 +357,39 @@ def test_rlnb_run_vla_maniskill_warm_starts_on_the_scripted_expert_and_trains_fr
     trained = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in trained] == [1, 2] and all(np.isfinite(r["train/loss"]) for r in trained)
     assert "eval/success_rate" in rows[-1], rows[-1]
+
+
+def test_fsdp2_shards_the_vla_over_two_actor_ranks_and_the_rollout_and_the_export_get_it_whole(
+    cluster, tmp_path, tiny
+):
+    """``actor.strategy=fsdp2`` with ``actor.model.kind=vla``: each actor rank holds a shard of the VLA's layers
+    (FSDP2 over gloo here), trains its rollout ranks' batches, and the rollout samples with the whole weights
+    gathered bucket by bucket; a checkpoint goes through DCP and resumes; the export is the whole VLA."""
+    from transformers import AutoModelForImageTextToText
+
+    overrides = vla_overrides(tiny, "runner.steps=2", "runner.save_interval=1", "actor.strategy=fsdp2",
+                              "cluster.component_placement={'actor,rollout,env': 0-1}")  # fmt: skip
+    with Loop.from_recipe("ppo_pixelreach", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        loop.run(progress=False)
+        row = loop.history[-1]
+        actor = loop.groups["actor"]
+        held = actor.held_bytes().result()
+        params = actor.parameter_counts().result()[0]["parameters"]
+        whole = actor.policy_state().result()[0]  # (every rank gathers together)
+        loop.sync_weights()  # (the run's last sync was before its last update)
+        rollout = loop.groups["rollout"].on(0).state_dict().result()[0]["policy"]
+        exported = loop.export(tmp_path / "export" / "policy.pt")
+    assert row["global_step"] == 128 and np.isfinite(row["train/loss"]) and row["train/approx_kl"] > 0
+    # parameters, gradients and Adam's two moments: 16 bytes a parameter whole, about half of them a rank
+    assert len(held) == 2 and all(b < 0.6 * 16 * params for b in held), (held, params)
+    q = "vla.model.language_model.layers.0.self_attn.q_proj.weight"
+    base = AutoModelForImageTextToText.from_pretrained(tiny).state_dict()
+    assert torch.equal(rollout[q], whole[q]) and not torch.equal(
+        whole[q], base[q[4:]]
+    )  # trained, and sampled with
+    vla = AutoModelForImageTextToText.from_pretrained(exported.with_name("policy.vla"))
+    assert torch.equal(vla.state_dict()[q[4:]], whole[q])
+    with Loop.resume(
+        tmp_path / "run", cluster=cluster, overrides=["runner.steps=3"]
+    ) as loop:  # (through DCP)
+        assert [r["step"] for r in loop.run(progress=False)] == [3]

@@ -112,6 +112,7 @@ class PPOActor(ActorBase):
     def bind_spaces(self, obs_space, act_space) -> dict:
         """Build the policy and its optimizer for these spaces (once; later calls keep them)."""
         if self.policy is None:
+            self.spaces = (obs_space, act_space)
             torch.manual_seed(self.seed)  # identical initial weights on every rank
             self.policy = make_policy(self.policy_spec, obs_space, act_space, self.name).to(self.device)
             if isinstance(self.policy, VLAPolicy):  # LoRA and checkpointing apply to the transformer inside
@@ -168,18 +169,26 @@ class PPOActor(ActorBase):
     def policy_state(self) -> dict[str, torch.Tensor]:
         """Weights for the rollout: a detached copy on the actor's device (on a GPU they reach the rollout
         by CUDA IPC on one node, with no host round trip); a VLA with LoRA's merged into its base."""
+        if self.sharded:  # (every actor rank calls it together: each gathers the whole)
+            return {k: v.detach().clone() for k, v in self.full_state().items()}
         state = self.policy.plain_state() if isinstance(self.policy, VLAPolicy) else self.policy.state_dict()
         return {k: v.detach().clone() for k, v in state.items()}
 
     def policy_module(self) -> torch.nn.Module:
-        """A copy of the policy on the CPU, in eval mode, without gradients (what ``Loop.export`` saves)."""
-        return copy.deepcopy(self.policy).cpu().eval().requires_grad_(False)
+        """A copy of the policy on the CPU, in eval mode, without gradients (what ``Loop.export`` saves); of a sharded
+        one, a whole copy built anew from the gathered weights (every actor rank calls it together)."""
+        if not self.sharded:
+            return copy.deepcopy(self.policy).cpu().eval().requires_grad_(False)
+        whole = {k: v.detach().cpu() for k, v in self.full_state().items()}
+        module = make_policy(self.policy_spec, *self.spaces, self.name)
+        module.load_state_dict(whole)
+        return module.eval().requires_grad_(False)
 
     def copy_policy_into(self, module: torch.nn.Module) -> bool:
         """Copy the policy's weights into ``module`` in this process (a collocated rollout's copy of the same
         architecture) with one ``torch._foreach_copy_``; False, copying nothing, where that would not be
         what :meth:`policy_state` gives (a subclass's own ``policy_state``, other names, shapes or devices)."""
-        if type(self).policy_state is not PPOActor.policy_state:
+        if type(self).policy_state is not PPOActor.policy_state or self.sharded:
             return False
         cached, walks = getattr(self, "_copy_pairs", None), (walk(module), walk(self.policy))
         # the tensors to copy, found again once a layer, parameter or buffer was replaced in either module
@@ -351,7 +360,7 @@ class PPOActor(ActorBase):
                 self.step_compiler.warm_up(self._objective, mb, self.policy)
             objective = self.step_compiler.fn if self.step_compiler is not None else self._objective
             loss, metrics = objective(mb)
-        if self.clip_and_step.optimizer is not self.optimizer:  # a subclass replaced the optimizer
+        if not self.sharded and self.clip_and_step.optimizer is not self.optimizer:  # a subclass replaced it
             self.clip_and_step = ClipAndStep(self.optimizer)
         loss_value = loss.item()
         if not math.isfinite(loss_value):
@@ -359,9 +368,10 @@ class PPOActor(ActorBase):
                 f"non-finite loss {loss_value} at training step {self.step}; metrics {metrics}"
             )
         if fused is None:
-            self.clip_and_step.zero_grad()
+            self.strategy.zero_grad(self.optimizer, self.clip_and_step)
             loss.backward()
-        self.clip_and_step(algo.max_grad_norm)
+        # (sharded, actor.strategy=fsdp2: the norm over every rank's shards, the optimizer over them)
+        self.strategy.clip_and_step(self.policy, self.optimizer, self.clip_and_step, algo.max_grad_norm)
         metrics = {k: float(v) for k, v in metrics.items()}
         metrics["loss"] = loss_value
         return metrics

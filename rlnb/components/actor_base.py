@@ -176,6 +176,10 @@ class ActorBase:
             "actor": self.cfg,
         }
 
+    def held_bytes(self) -> int:
+        """The bytes of parameters, gradients and optimizer state this rank holds (sharded: its shards)."""
+        return self.strategy.held_bytes(self.policy, self.optimizer)
+
     def parameter_counts(self) -> dict:
         """The policy's ``parameters`` and, of them, the ``trainable`` ones (LoRA: the adapters), whole-model
         counts on every rank, sharded or not.

@@ -33,7 +33,10 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The blocks FSDP2 shards one by one: a ``transformers`` model's decoder layers (``model.model.layers``), else
     every direct child."""
     from rlnb.models.lm import base_lm
+    from rlnb.models.vla import VLAPolicy
 
+    if isinstance(model, VLAPolicy):  # (its transformer's layers, not its heads one by one)
+        return model.blocks()
     layers = getattr(getattr(base_lm(model), "model", None), "layers", None)
     return list(layers) if layers is not None else list(model.children())
 
@@ -158,6 +161,9 @@ class Strategy:
         )
         return model, None
 
+    # the methods besides forward() that run a sharded model's parameters: FSDP2 gathers the root's for them too
+    FORWARD_METHODS = {"VLAPolicy": ("act", "value")}
+
     def _shard(self, policy, ref, compiler):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -191,6 +197,10 @@ class Strategy:
         for block in blocks(policy):
             fully_shard(block, mesh=mesh, mp_policy=mp, **extra)
         fully_shard(policy, mesh=mesh, mp_policy=mp, **extra)
+        for method in self.FORWARD_METHODS.get(type(policy).__name__, ()):  # gathered like forward()
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
+            register_fsdp_forward_method(policy, method)
         if ref is not None and not self.lora:  # the KL reference sharded alike: not a whole copy a rank
             for block in blocks(ref):
                 fully_shard(block, mesh=mesh, mp_policy=mp)

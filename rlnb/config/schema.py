@@ -478,10 +478,15 @@ class ActorConfig:
                 "actor.gradient_checkpointing: recomputes a transformer's layers (an LM actor, or actor.model.kind="
                 "vla); this embodied policy has none; set it false"
             )
-        if recipe.family == "ppo" and self.strategy != "ddp":
+        if recipe.family == "ppo" and not vla and self.strategy != "ddp":
             errs.append(
-                f"actor.strategy: {self.strategy} shards an LM actor (family: grpo); an embodied policy trains with "
-                "ddp; set actor.strategy=ddp"
+                f"actor.strategy: {self.strategy} shards a transformer (an LM actor, or actor.model.kind=vla); this "
+                "embodied policy trains with ddp; set actor.strategy=ddp"
+            )
+        if recipe.family == "ppo" and vla and self.strategy == "fsdp2" and self.lora.rank:
+            errs.append(
+                "actor.lora.rank: LoRA adapters on a VLA sharded by actor.strategy=fsdp2 are not supported yet; use "
+                "one of them (LoRA with ddp, or fsdp2 without adapters)"
             )
         if self.hsdp_replicas != 1 and self.strategy != "fsdp2":
             errs.append(

@@ -365,6 +365,12 @@ class VLAPolicy(nn.Module):
         super().__init__()
         key = "actor.model.vla"
         self.vla, processor = load_vla(path, device, f"{key}.path")
+        # SigLIP's pooling head, which a VLA reads past (it takes the patches' states): frozen, so that no optimizer,
+        # DDP's reduction or DCP's checkpoint waits on weights that no loss reaches
+        vision = self.vla.model.vision_tower
+        vision = getattr(vision, "vision_model", vision)  # (a SigLIP model, or its transformer)
+        if isinstance(getattr(vision, "head", None), nn.Module):
+            vision.head.requires_grad_(False)
         self.spec = vla_spec(self.vla.config, processor, f"{key}.path")
         layout, names, self.instruction_key = check_vla(
             obs_space, act_space, self.spec, head, cameras, instruction, default_instruction
@@ -414,6 +420,14 @@ class VLAPolicy(nn.Module):
             enable_checkpointing(self.vla)
             self.train()  # (transformers checkpoints in training mode only; the tiny VLA's dropouts are 0)
         return self
+
+    def blocks(self) -> list[nn.Module]:
+        """What FSDP2 shards one by one (``actor.strategy: fsdp2``): the decoder's layers and the vision tower's
+        encoder layers (the rest, embeddings, projector, norms and heads, goes with the policy: this class calls
+        the VLA's parts, not its forward)."""
+        model = self._base.model
+        vision = getattr(getattr(model.vision_tower, "vision_model", model.vision_tower), "encoder", None)
+        return list(model.language_model.layers) + (list(vision.layers) if vision is not None else [])
 
     @property
     def _base(self):

@@ -412,7 +412,11 @@ class PPO(Family):
         from rlnb.export import TrainedPolicy
 
         s = self.session
-        module = s.groups["actor"].on(0).policy_module().result()[0]
+        actor = s.groups["actor"]
+        if self.paths.actor_gathers():  # (sharded: every rank gathers the whole; rank 0's copy is taken)
+            module = actor.policy_module().result()[0]
+        else:
+            module = actor.on(0).policy_module().result()[0]
         return TrainedPolicy(
             module,
             *self.spaces,
