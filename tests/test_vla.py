@@ -393,3 +393,22 @@ def test_fsdp2_shards_the_vla_over_two_actor_ranks_and_the_rollout_and_the_expor
         tmp_path / "run", cluster=cluster, overrides=["runner.steps=3"]
     ) as loop:  # (through DCP)
         assert [r["step"] for r in loop.run(progress=False)] == [3]
+
+
+def test_embodied_grpo_trains_the_vla_on_workers_with_group_relative_advantages(cluster, tmp_path, tiny):
+    """``algorithm.advantage=episode_grpo`` with the VLA: 8 envs in groups of 4 starting each episode alike, a
+    20-step episode per env a step; each step's advantages are centred within their groups (mean 0), the value
+    head idle (``vf_coef=0``), every episode the time limit long."""
+    overrides = vla_overrides(tiny, "env.num_envs=8", "rollout.steps_per_rollout=20", "runner.steps=2",
+                              "algorithm.advantage=episode_grpo", "algorithm.group_size=4", "algorithm.vf_coef=0",
+                              "algorithm.norm_adv=false")  # fmt: skip
+    with Loop.from_recipe("ppo_pixelreach", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+        records = loop.run(progress=False)
+        batch = loop.groups["actor"].on(0).sample(20).result()[0]
+    assert len(records) == 2 and all(np.isfinite(r["train/loss"]) for r in records), records
+    assert all(abs(r["advantages/advantage_mean"]) < 1e-5 for r in records), records
+    assert all(r["env/episode_len_mean"] == 20 for r in records), records
+    adv, done = batch["advantages"], batch["dones"]  # [20, 8]
+    assert done[-1].all() and not done[:-1].any()  # one whole episode an env, ended together
+    assert torch.allclose(adv.view(20, 2, 4).sum(-1), torch.zeros(20, 2), atol=1e-5)  # centred in each group
+    assert (adv == adv[:1]).all()  # an episode's advantage at each of its steps
