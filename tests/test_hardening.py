@@ -131,29 +131,35 @@ def _slow_to_drop(delay_s, dask_worker=None):
         server._drop = lambda conn: (time.sleep(delay_s), drop(conn))
 
 
+@contextlib.contextmanager
+def _one_authenticating_at_once(one_slot, name: str, patch, delay_s: float):
+    """A group on the worker whose server lets one connection authenticate at once (a cap of 8), with ``patch``
+    applied on the worker (``patch(delay_s)``, undone after); yields the group, its address and a list for raw
+    sockets (closed after)."""
+    group = rlnb.Group.launch(Echo, one_slot, "0", name=name)
+    one_slot.client.run(_set_limits, None, {"RLNB_DIRECT_MAX_CONNECTIONS": "8"})
+    one_slot.client.run(patch, delay_s)
+    raw: list[socket.socket] = []
+    try:
+        yield group, group._links[0].address, raw
+    finally:
+        one_slot.client.run(patch, None)
+        for s in raw:
+            s.close()
+        one_slot.client.run(_set_limits, None, {"RLNB_DIRECT_MAX_CONNECTIONS": "256"})
+        group.shutdown()
+
+
 def test_connections_evicted_while_authenticating_make_room_at_once_not_when_their_thread_runs(one_slot):
     """Under load a driver's connection was refused as over the cap (a WorkerLostError on CI) by connections
     already evicted, their threads not yet run: an evicted connection gives its place back when evicted."""
-    group = rlnb.Group.launch(Echo, one_slot, "0", name="evicting")
-    address = group._links[0].address
-    one_slot.client.run(
-        _set_limits, None, {"RLNB_DIRECT_MAX_CONNECTIONS": "8"}
-    )  # one may authenticate at once
-    one_slot.client.run(_slow_to_drop, 5.0)
-    raw = []
-    try:
+    with _one_authenticating_at_once(one_slot, "evicting", _slow_to_drop, 5.0) as (_, address, raw):
         for _ in range(8):  # each evicts the one before it
             raw.append(socket.create_connection(address, timeout=5))
             time.sleep(0.05)
         fresh = rlnb.Group.launch(Echo, one_slot, "0", name="after-evictions")
         assert fresh.add(4).result(10) == [4]
         fresh.shutdown()
-    finally:
-        one_slot.client.run(_slow_to_drop, None)
-        for s in raw:
-            s.close()
-        one_slot.client.run(_set_limits, None, {"RLNB_DIRECT_MAX_CONNECTIONS": "256"})
-        group.shutdown()
 
 
 def _slow_to_read_tokens(delay_s, dask_worker=None):
@@ -173,14 +179,7 @@ def test_a_connection_whose_token_has_arrived_is_not_evicted_while_its_thread_is
     """Under load the accept thread of the TCP socket, still working through a backlog of connections, evicted
     a driver's connection accepted on the Unix socket, token sent, thread not yet run (a WorkerLostError on
     CI): a connection is evicted only while its token has not all arrived."""
-    group = rlnb.Group.launch(Echo, one_slot, "0", name="token-sent")
-    address = group._links[0].address
-    one_slot.client.run(
-        _set_limits, None, {"RLNB_DIRECT_MAX_CONNECTIONS": "8"}
-    )  # one may authenticate at once
-    one_slot.client.run(_slow_to_read_tokens, 1.0)
-    raw = []
-    try:
+    with _one_authenticating_at_once(one_slot, "token-sent", _slow_to_read_tokens, 1.0) as (_, address, raw):
         fresh = rlnb.Group.launch(Echo, one_slot, "0", name="token-sent-fresh")
         reply = fresh.add(4)  # a new connection, its token sent at once, its thread a second late
         time.sleep(0.3)
@@ -189,12 +188,6 @@ def test_a_connection_whose_token_has_arrived_is_not_evicted_while_its_thread_is
         time.sleep(0.3)
         assert _closed_by_peer(raw[0]) and _closed_by_peer(raw[1])  # the silent ones are still evicted
         fresh.shutdown()
-    finally:
-        one_slot.client.run(_slow_to_read_tokens, None)
-        for s in raw:
-            s.close()
-        one_slot.client.run(_set_limits, None, {"RLNB_DIRECT_MAX_CONNECTIONS": "256"})
-        group.shutdown()
 
 
 def test_an_oversized_header_is_refused_before_anything_is_allocated(one_slot, monkeypatch):
