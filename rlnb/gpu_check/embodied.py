@@ -347,8 +347,8 @@ def check_maniskill_pickcube_rgb(work: Path) -> dict:
 
 def check_vla_pixelreach_cuda(work: Path) -> dict:
     """The tiny VLA (``vla_pixelreach``: a PaliGemma with action tokens, built here) on the GPU: a short warm start
-    on the actor, PPO steps with the rollout sampling action tokens on CUDA, weights synced actor -> rollout each
-    step; the actor's weights on CUDA. (float32: bf16 for the VLA actor is not there yet.)"""
+    on the actor, PPO steps in bf16 (autocast, float32 master weights) with LoRA adapters, the rollout sampling
+    action tokens on CUDA with the merged weights synced actor -> rollout each step; the actor's weights on CUDA."""
     import torch
 
     import rlnb
@@ -358,7 +358,7 @@ def check_vla_pixelreach_cuda(work: Path) -> dict:
     overrides = [
         "actor.device=cuda", "rollout.device=cuda", f"actor.model.vla.path={work / 'tiny-vla'}",
         "actor.warm_start.episodes=20", "actor.warm_start.epochs=2", "runner.steps=3", "runner.eval_interval=0",
-        "runner.tensorboard=false",
+        "runner.tensorboard=false", "actor.dtype=bfloat16", "actor.lora.rank=8",
     ]  # fmt: skip
     with rlnb.Loop.from_recipe("vla_pixelreach", overrides, run_dir=work / "vla") as loop:
         t0 = time.perf_counter()
