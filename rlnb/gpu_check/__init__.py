@@ -46,6 +46,7 @@ from rlnb.gpu_check.embodied import (  # PPO, the cluster and the runtime on the
     check_ppo_gpu_env_obs_stay_on_gpu,
     check_vla_pixelreach_cuda,
     check_weight_sync_cuda_disaggregated,
+    vla_cuda_overrides,
 )
 from rlnb.gpu_check.lm import (  # GRPO on the GPU and vLLM
     check_async_chunks_cuda,
@@ -126,6 +127,7 @@ def dry_run() -> dict:
             "grpo_arith", ["actor.device=cuda", "rollout.device=cuda", "runner.steps=150"]
         ),
         "ppo_maniskill_gpu": load_recipe("ppo_maniskill_gpu", ["runner.steps=3"]),
+        "vla_pixelreach": load_recipe("vla_pixelreach", vla_cuda_overrides(Path("gpu-check"))),
     }
     failed = [m for m, v in imports.items() if v != "ok" and m not in GPU_ONLY]
     if failed:

@@ -345,6 +345,15 @@ def check_maniskill_pickcube_rgb(work: Path) -> dict:
         loop.close()
 
 
+def vla_cuda_overrides(work: Path) -> list[str]:
+    """The VLA check's settings over ``vla_pixelreach`` (the dry run validates them too)."""
+    return [
+        "actor.device=cuda", "rollout.device=cuda", f"actor.model.vla.path={work / 'tiny-vla'}",
+        "actor.warm_start.episodes=20", "actor.warm_start.epochs=2", "runner.steps=3", "runner.eval_interval=0",
+        "runner.tensorboard=false", "actor.dtype=bfloat16", "actor.lora.rank=8",
+    ]  # fmt: skip
+
+
 def check_vla_pixelreach_cuda(work: Path) -> dict:
     """The tiny VLA (``vla_pixelreach``: a PaliGemma with action tokens, built here) on the GPU: a short warm start
     on the actor, PPO steps in bf16 (autocast, float32 master weights) with LoRA adapters, the rollout sampling
@@ -355,12 +364,7 @@ def check_vla_pixelreach_cuda(work: Path) -> dict:
 
     if not torch.cuda.is_available():
         raise Skip("no CUDA GPU")
-    overrides = [
-        "actor.device=cuda", "rollout.device=cuda", f"actor.model.vla.path={work / 'tiny-vla'}",
-        "actor.warm_start.episodes=20", "actor.warm_start.epochs=2", "runner.steps=3", "runner.eval_interval=0",
-        "runner.tensorboard=false", "actor.dtype=bfloat16", "actor.lora.rank=8",
-    ]  # fmt: skip
-    with rlnb.Loop.from_recipe("vla_pixelreach", overrides, run_dir=work / "vla") as loop:
+    with rlnb.Loop.from_recipe("vla_pixelreach", vla_cuda_overrides(work), run_dir=work / "vla") as loop:
         t0 = time.perf_counter()
         loop.run(progress=False)
         wall = time.perf_counter() - t0
