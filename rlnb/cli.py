@@ -351,9 +351,10 @@ def _recipes(args) -> int:
     width = max(60, shutil.get_terminal_size((100, 20)).columns)
     for name, path in bundled_recipes().items():
         pad = " " * 21
-        text = textwrap.fill(
-            recipe_description(path.read_text()), width - 1, initial_indent=pad, subsequent_indent=pad
-        )
+        text = textwrap.fill(  # (whole words: "vision-language-action" is not broken at its hyphens)
+            recipe_description(path.read_text()), width - 1, initial_indent=pad, subsequent_indent=pad,
+            break_on_hyphens=False, break_long_words=False,
+        )  # fmt: skip
         print(f"{name:<20} {text[21:]}")
     return 0
 

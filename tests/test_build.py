@@ -85,7 +85,9 @@ def test_old_names_and_notebook_registrations_resolve():
     assert POLICY_LOSSES.entry("actor_critic") is POLICY_LOSSES.entry("ppo_clip_value_entropy")
     assert POLICY_LOSSES.entry("ppo_actor_critic").name == "ppo_clip_value_entropy"
     assert ADVANTAGES.entry("test_group_mean").needs == {"rewards", "group_size"}
-    with pytest.raises(ConfigError, match="algorithm.advantage.*sequence.*compatible choices: episode_grpo, gae"):
+    with pytest.raises(
+        ConfigError, match="algorithm.advantage.*sequence.*compatible choices: episode_grpo, gae"
+    ):
         check_algorithm(EMBODIED, "grpo", "ppo")
 
 

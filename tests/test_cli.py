@@ -179,6 +179,7 @@ def test_gpu_check_dry_run_checks_the_plan_and_imports_without_a_gpu(tmp_path):
         "grpo_arith",
         "ppo_cartpole",
         "ppo_maniskill_gpu",
+        "vla_pixelreach",
     ]
     bad = subprocess.run(
         [sys.executable, "-m", "rlnb.gpu_check", "--only", "clustr"],
