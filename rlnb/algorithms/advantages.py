@@ -102,9 +102,8 @@ def episode_grpo(rewards, dones, group_size: int, scale: str = "group", eps: flo
     for t in range(T - 1, -1, -1):
         running = r[t] + running * ~ended[t]
         to_go[t] = running
-    episode = torch.empty_like(
-        r
-    )  # [T, N] each step's whole-episode return, carried from the episode's first step
+    # [T, N] each step's whole-episode return, carried from the episode's first step
+    episode = torch.empty_like(r)
     for t in range(T):
         episode[t] = to_go[t] if t == 0 else torch.where(ended[t - 1], to_go[t], episode[t - 1])
     g = episode.view(T, N // group_size, group_size)  # [T, N/G, G]

@@ -158,9 +158,7 @@ class PPOActor(ActorBase):
                 [self.policy.act(obs[i : i + 256], deterministic=True)[0] for i in range(0, n, 256)]
             )
         greedy, expert = greedy.reshape(n, -1), actions.reshape(n, -1)
-        if (
-            expert.is_floating_point()
-        ):  # continuous: how far off, in the action space's units (binned: never equal)
+        if expert.is_floating_point():  # continuous: how far off, in its units (binned: never equal)
             fit = {"expert_action_error": float((greedy.float() - expert.float()).abs().mean())}
         else:
             fit = {"expert_match": float((greedy == expert.to(greedy.dtype)).all(-1).float().mean())}

@@ -21,6 +21,7 @@ import torch
 
 from rlnb.components.launch import launcher
 from rlnb.config.schema import EnvConfig
+from rlnb.envs.groups import group_misfit
 from rlnb.envs.gym_envs import (
     RunningMeanStd,
     capture_sim_state,
@@ -135,12 +136,9 @@ class Env:
         self.seed = rank_seed(seed, self.rank, "env")
         self.gamma = gamma
         self.group_size = group_size
-        if group_size > 1 and self.per_stage % group_size:
-            raise ConfigError(
-                f"env.num_envs: {self.cfg.num_envs} envs in {self.stages} pipeline stage(s) of {self.per_stage}, which "
-                f"cannot be split into groups of algorithm.group_size={group_size} envs; use a multiple",
-                "num_envs",
-            )
+        misfit = group_misfit(self.cfg.num_envs, self.stages, group_size)
+        if misfit is not None:
+            raise ConfigError(misfit, "num_envs")
         self.envs = self._make_envs()
         self.observation_space = self.envs[0].single_observation_space
         self.action_space = self.envs[0].single_action_space

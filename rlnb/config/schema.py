@@ -528,9 +528,8 @@ class ActorConfig:
                 "actor.warm_start.episodes: the demonstrations are raw observations, which env.normalize_obs would "
                 "scale differently in training; set env.normalize_obs=false for a warm start"
             )
-        if (
-            recipe.family == "ppo" and not vla and self.dtype != "float32"
-        ):  # (an embodied run would ignore it)
+        # (an embodied run would ignore it)
+        if recipe.family == "ppo" and not vla and self.dtype != "float32":
             errs.append(
                 f"actor.dtype: {self.dtype} compute is for transformers (an LM actor, or actor.model.kind=vla); this "
                 "embodied policy trains in float32; set actor.dtype=float32"

@@ -27,9 +27,8 @@ def push_cube(env) -> np.ndarray:
     elif not low:
         target = np.array([behind[0], behind[1], 0.02])
     else:
-        target = np.array(
-            [goal[0] + (behind[0] - cube[0]), cube[1], 0.02]
-        )  # (the cube's centre onto the goal's)
+        # (the cube's centre onto the goal's)
+        target = np.array([goal[0] + (behind[0] - cube[0]), cube[1], 0.02])
     move = np.clip((target - tcp) / 0.05, -1.0, 1.0)  # (a 0.1 m action scale: twice the way, clipped)
     return np.concatenate([move, [-1.0]]).astype(np.float32)
 

@@ -18,6 +18,17 @@ from rlnb.errors import ConfigError
 KEY = "algorithm.advantage"
 
 
+def group_misfit(num_envs: int, stages: int, group_size: int) -> str | None:
+    """Why ``num_envs`` envs in ``stages`` pipeline stages cannot be split into groups of ``group_size`` (a group may
+    not straddle two stages), or ``None``."""
+    if group_size > 1 and (num_envs // stages) % group_size:
+        return (
+            f"env.num_envs: {num_envs} envs in {stages} pipeline stage(s) of {num_envs // stages} cannot be split "
+            f"into groups of algorithm.group_size={group_size}; use a multiple of {group_size * stages}"
+        )
+    return None
+
+
 def episode_horizon(env: gym.Env | None = None, env_id=None, kwargs: dict | None = None) -> int | None:
     """The fixed length of an env's episodes: ``env.kwargs.max_episode_steps``, else its registration's (``None``
     where neither says)."""

@@ -70,7 +70,7 @@ def make_vector_env(
         fns = [functools.partial(packed, env_id, **(kwargs or {})) for _ in range(num_envs)]
     elif env_id.startswith("maniskill:"):
         task, kw = env_id.removeprefix("maniskill:"), kwargs or {}
-        if kw.get("sim_backend") not in MANISKILL_CPU_SIMS:
+        if _gpu_maniskill(env_id, kw):
             return ManiSkillVector(task, num_envs, kwargs)
         misfit = maniskill_misfit(num_envs, kw, mode)
         if misfit:  # (before importing ManiSkill: a recipe refuses it too, before anything starts)

@@ -121,11 +121,12 @@ class PPO(Family):
                 "per actor rank; lower it or raise rollout.steps_per_rollout x env.num_envs", "algorithm.num_minibatches"
             )  # fmt: skip
 
-    def env_group_size(self) -> int:
-        """``algorithm.group_size`` where the advantage compares a group's episodes (it takes ``group_size``:
-        ``episode_grpo``), so the envs make such groups; else 1."""
+    def env_group_size(self, advantage=None) -> int:
+        """``algorithm.group_size`` where the advantage (its registry entry; default the recipe's) compares a group's
+        episodes (it takes ``group_size``: ``episode_grpo``), so the envs make such groups; else 1."""
         a = self.session.recipe.algorithm
-        advantage, _ = check_algorithm(EMBODIED, a.advantage, a.policy_loss)
+        if advantage is None:
+            advantage, _ = check_algorithm(EMBODIED, a.advantage, a.policy_loss)
         return a.group_size if "group_size" in advantage.needs else 1
 
     def check_groups(self) -> None:
@@ -135,14 +136,11 @@ class PPO(Family):
         size = self.env_group_size()
         if size == 1:
             return
-        per_stage = r.env.num_envs // r.env.pipeline_stages
-        if per_stage % size:
-            raise ConfigError(
-                f"env.num_envs: {r.env.num_envs} envs in {r.env.pipeline_stages} pipeline stage(s) cannot be split "
-                f"into groups of algorithm.group_size={size}; use a multiple of {size * r.env.pipeline_stages}",
-                "env.num_envs",
-            )
-        from rlnb.envs.groups import episode_horizon
+        from rlnb.envs.groups import episode_horizon, group_misfit
+
+        misfit = group_misfit(r.env.num_envs, r.env.pipeline_stages, size)
+        if misfit is not None:
+            raise ConfigError(misfit, "env.num_envs")
 
         horizon = episode_horizon(env_id=r.env.id, kwargs=r.env.kwargs)
         if horizon is None and isinstance(r.env.id, str):
@@ -208,7 +206,7 @@ class PPO(Family):
         # registry entries resolved here travel by value: ones registered in a notebook cell work too
         advantage, loss = check_algorithm(EMBODIED, r.algorithm.advantage, r.algorithm.policy_loss)
         s.groups["env"] = Env.launch(
-            cl, p["env"], config=r.env, seed=r.seed, gamma=r.algorithm.gamma, group_size=self.env_group_size(),
+            cl, p["env"], config=r.env, seed=r.seed, gamma=r.algorithm.gamma, group_size=self.env_group_size(advantage),
             **deadlines,
         )  # fmt: skip
         s.groups["rollout"] = PolicyRollout.launch(
