@@ -154,6 +154,23 @@ def explain(key: str) -> str | None:
 _PATTERNS = [(k.split("/"), v) for k, v in GLOSSARY.items() if "<name>" in k]
 
 
+def format_value(value) -> str:
+    """A metric's value for people: from 1,000 up with thousands separators and no decimals (``31,740``, never
+    ``3.174e+04``), four significant digits below.
+
+    Example:
+        >>> [format_value(v) for v in (31740.0, 1234567, 0.98765, 12.5, 0.0003, 0, float("nan"), True)]
+        ['31,740', '1,234,567', '0.9877', '12.5', '0.0003', '0', 'nan', 'True']
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if not math.isfinite(value):
+        return str(float(value))
+    if abs(value) >= 1000:  # (a count, or a value whose decimals say nothing at this size)
+        return f"{value:,.0f}"
+    return f"{value:.4g}"
+
+
 def undocumented(keys) -> list[str]:
     """The metric names in ``keys`` that :data:`GLOSSARY` does not explain."""
     return sorted(k for k in keys if explain(k) is None)

@@ -40,6 +40,56 @@ def test_model_state_after_updates():
     assert model.done and model.fraction == 1.0 and model.progress_text().endswith("done")
 
 
+def test_counters_read_as_numbers_not_scientific_notation():
+    """A count of 31,740 env steps was shown as ``3.174e+04`` in the dashboard's table and the progress bar."""
+    from rlnb.loop.runner import ProgressBar
+    from rlnb.metrics import format_value
+
+    assert [format_value(v) for v in (31740.0, 31740, 2.5e6, 0.98765, -12.5, 3e-5, 0.0)] == [
+        "31,740", "31,740", "2,500,000", "0.9877", "-12.5", "3e-05", "0"
+    ]  # fmt: skip
+    model = DashboardModel(total=5)
+    dash = Dashboard(model, title="test", render_interval_s=0)
+    model.update({"step": 1, "env/steps": 31740.0, "train/lr": 0.0003})
+    assert (
+        "31,740" in dash.metrics.value and "e+04" not in dash.metrics.value and "0.0003" in dash.metrics.value
+    )
+
+    class Bar:  # (tqdm's postfix, as the progress bar sets it)
+        n = 0
+
+        def set_postfix_str(self, text, refresh):
+            self.postfix = text
+
+        def update(self, n):
+            self.n += n
+
+    class Run:
+        SUMMARY_KEYS = ("env/steps",)
+        step = 1
+
+    bar = ProgressBar()
+    bar.first, bar.bar = 0, Bar()
+    bar.on_step(Run(), {"env/steps": 31740.0})
+    assert bar.bar.postfix == "steps 31,740"
+
+
+def test_a_paused_run_shows_no_eta_and_its_pause_is_not_counted_in_its_pace():
+    model = DashboardModel(total=10)
+    model.start_run(10, 0)
+    model.started -= 4.0  # four steps in 4 s: 1 s a step
+    for rec in _records(4):
+        model.update(rec)
+    assert model.progress_text().startswith("step 4/10 · ETA 6 s")
+    model.set_paused(True)
+    assert model.eta_s is None and model.progress_text() == "step 4/10 · paused"
+    model.paused_since -= 60.0  # a minute held
+    model.started -= 60.0
+    model.set_paused(False)
+    assert model.paused_s == pytest.approx(60.0, abs=0.5)
+    assert model.progress_text().startswith("step 4/10 · ETA 6 s")  # not (64 s / 4 steps) x 6
+
+
 def test_dashboard_view_follows_the_model():
     model = DashboardModel(total=5)
     dash = Dashboard(model, title="test", render_interval_s=0)  # (drawn at every update)

@@ -8,6 +8,7 @@ import logging
 import weakref
 
 from rlnb.errors import ConfigError, WorkerLostError
+from rlnb.metrics import format_value
 
 log = logging.getLogger("rlnb")
 
@@ -91,7 +92,8 @@ class ProgressBar(Callback):
         key = loop.SUMMARY_KEYS[0] if loop.SUMMARY_KEYS else None
         value = record.get(key) if key else None
         self.bar.set_postfix_str(  # (drawn by update(), at most every 0.1 s: not twice a step)
-            f"{key.split('/')[-1]} {value:.3g}" if isinstance(value, (int, float)) else "", refresh=False
+            f"{key.split('/')[-1]} {format_value(value)}" if isinstance(value, (int, float)) else "",
+            refresh=False,
         )
         self.bar.update(loop.step - self.first - self.bar.n)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import ipywidgets as w
 
 from rlnb.loop.runner import Callback
-from rlnb.metrics import GLOSSARY, WORK_IN_PHASE, explain
+from rlnb.metrics import GLOSSARY, WORK_IN_PHASE, explain, format_value
 from rlnb.widgets.model import (
     RECENT_STEPS,
     DashboardModel,
@@ -173,6 +173,7 @@ class Dashboard(w.VBox):
 
         def on_pause(change):
             loop.pause() if change["new"] else loop.unpause()
+            self.model.set_paused(change["new"])
             self.pause_button.description = "resume" if change["new"] else "pause"
 
         def on_stop(_):
@@ -222,7 +223,7 @@ class Dashboard(w.VBox):
         self.phases.value = _table(rows, {"overhead": GLOSSARY["time/overhead_frac"]})
         keys = [k for k in sorted(model.latest) if not k.startswith("time/")][:16]
         self.metrics.value = _table(
-            [(k, f"{model.latest[k]:.4g}") for k in keys], {k: explain(k) for k in keys}
+            [(k, format_value(model.latest[k])) for k in keys], {k: explain(k) for k in keys}
         )
         self.messages.value = (
             "<b>warnings and errors</b><pre style='white-space:pre-wrap'>"

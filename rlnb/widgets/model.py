@@ -153,6 +153,8 @@ class DashboardModel:
         self._recent: dict[str, deque] = defaultdict(lambda: deque(maxlen=RECENT_STEPS))
         self.latest: dict[str, float] = {}
         self.started = time.perf_counter()
+        self.paused_since: float | None = None  # while the run is paused (the dashboard's button): since when
+        self.paused_s = 0.0  # the seconds this run spent paused, left out of its pace
         self.updates = 0
         self.done = False
         self.outcome: str | None = None  # how the run ended (rlnb.loop.RUN_OUTCOMES), once it has
@@ -203,6 +205,18 @@ class DashboardModel:
         """A ``run()`` begins: progress and ETA count from ``start_step`` to ``total`` (curves carry on)."""
         self.total, self.start_step, self.step = total, start_step, max(self.step, start_step)
         self.started, self.done, self.outcome, self.wall_s = time.perf_counter(), False, None, None
+        self.paused_since, self.paused_s = None, 0.0
+        self._notify()
+
+    def set_paused(self, paused: bool) -> None:
+        """The run holds at its next step (``True``) or goes on: no ETA while it holds, and the time it held
+        is not counted in its pace."""
+        now = time.perf_counter()
+        if paused and self.paused_since is None:
+            self.paused_since = now
+        elif not paused and self.paused_since is not None:
+            self.paused_s += now - self.paused_since
+            self.paused_since = None
         self._notify()
 
     def finish(self, outcome: str, step: int | None = None) -> None:
@@ -227,11 +241,12 @@ class DashboardModel:
 
     @property
     def eta_s(self) -> float | None:
-        """Seconds left at the pace so far (``None`` before the first step)."""
+        """Seconds left at the pace so far, paused time left out (``None`` before the first step and while
+        paused)."""
         done = self.step - self.start_step
-        if not self.total or done <= 0:
+        if not self.total or done <= 0 or self.paused_since is not None:
             return None
-        return (time.perf_counter() - self.started) / done * (self.total - self.step)
+        return (time.perf_counter() - self.started - self.paused_s) / done * (self.total - self.step)
 
     @property
     def x_label(self) -> str:
@@ -269,7 +284,8 @@ class DashboardModel:
         total = f"/{self.total}" if self.total else ""
         eta = self.eta_s
         eta_txt = "" if eta is None else f" · ETA {_duration(eta)}"
-        return f"step {self.step}{total}{eta_txt}{' · done' if self.done else ''}"
+        held = " · paused" if self.paused_since is not None and not self.done else ""
+        return f"step {self.step}{total}{eta_txt}{held}{' · done' if self.done else ''}"
 
 
 def _duration(seconds: float) -> str:
