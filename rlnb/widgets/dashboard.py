@@ -13,6 +13,7 @@ import ipywidgets as w
 
 from rlnb.loop.runner import Callback
 from rlnb.metrics import GLOSSARY, WORK_IN_PHASE, explain, format_value
+from rlnb.widgets.kernel import controls_subshell, route_to_subshell
 from rlnb.widgets.model import (
     RECENT_STEPS,
     DashboardModel,
@@ -200,15 +201,14 @@ class Dashboard(w.VBox):
         self.stop_button.on_click(on_stop)
         self.save_button.on_click(on_save)
         self.apply_button.on_click(on_apply)
-        return w.HBox(
-            [
-                self.pause_button,
-                self.stop_button,
-                self.save_button,
-                *self.hyperparameters.values(),
-                self.apply_button,
-            ]
-        )
+        controls = [
+            self.pause_button, self.stop_button, self.save_button, *self.hyperparameters.values(), self.apply_button
+        ]  # fmt: skip
+        # (answered on a subshell of the kernel's: a run in the foreground holds the main shell)
+        subshell = controls_subshell()
+        if subshell is not None:
+            route_to_subshell(controls, subshell)
+        return w.HBox(controls)
 
     def _render(self, model: DashboardModel) -> None:
         total = sum(model.phase_s.values()) or 1.0
