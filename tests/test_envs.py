@@ -458,6 +458,25 @@ def test_maniskills_cpu_simulation_with_more_than_one_env_a_process_is_refused_n
         make_vector_env("maniskill:PickCube-v1", 4, "sync", {"sim_backend": "cpu"})
 
 
+def test_maniskill_envs_in_groups_take_their_episodes_length_from_the_recipe():
+    """Embodied GRPO on ManiSkill's CPU simulation: the recipe's env.kwargs.max_episode_steps, which the
+    pre-launch check accepted, is the groups' episode length on the worker too (the env's own spec does not
+    carry it: the env's creation was refused there)."""
+    reason = _maniskill_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    from rlnb.envs.gym_envs import make_vector_env
+
+    kwargs = {"sim_backend": "physx_cpu", "obs_mode": "state", "max_episode_steps": 3}
+    envs = make_vector_env("maniskill:PushCube-v1", 1, "sync", kwargs, group_horizon=0)
+    try:
+        envs.reset(seed=1)
+        ends = [bool(envs.step(envs.action_space.sample())[2][0]) for _ in range(3)]
+        assert ends == [False, False, True]
+    finally:
+        envs.close()
+
+
 def test_a_maniskill_task_that_cannot_run_here_is_refused_before_launch_saying_what_to_do():
     """An unknown task (with the nearest one named), and ManiSkill missing or without a Vulkan driver SAPIEN
     accepts: each refused by the recipe's checks, before any worker starts."""

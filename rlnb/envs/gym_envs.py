@@ -94,9 +94,12 @@ def make_vector_env(
     else:
         fns = [functools.partial(packed, gym.make, env_id, **(kwargs or {})) for _ in range(num_envs)]
     if group_horizon is not None:
-        from rlnb.envs.groups import grouped
+        from rlnb.envs.groups import episode_horizon, grouped
 
-        fns = [functools.partial(grouped, fn, group_horizon or None) for fn in fns]
+        # (0: the length the family's pre-launch check read, env.kwargs.max_episode_steps or the registration's;
+        # an env made outside gymnasium's registry, ManiSkill's, does not say it in its own spec)
+        horizon = group_horizon or episode_horizon(env_id=env_id, kwargs=kwargs) or None
+        fns = [functools.partial(grouped, fn, horizon) for fn in fns]
     named = env_id if isinstance(env_id, str) else ""  # (a class or factory: none of the simulators below)
     cpu_maniskill = named.startswith("maniskill:")  # (the GPU one returned above)
     if mode == "sync":
