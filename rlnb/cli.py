@@ -43,7 +43,8 @@ def _info(args) -> int:
     import rlnb
 
     with rlnb.Cluster(args.address, slots=args.slots, timeout_s=args.timeout_s) as cluster:
-        print(cluster.info())
+        # (an embedded cluster's dashboard ends with this command: no address that is gone when it is read)
+        print(cluster.info(dashboard=not cluster.embedded))
         gpus = sorted({s.gpu_name for s in cluster.slots if s.gpu_name})
     found = versions()
     width = max(map(len, found))

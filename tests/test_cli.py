@@ -213,7 +213,8 @@ def test_grpo_through_the_cli_with_two_rewards_shows_rlnb_progress_only(tmp_path
 
 def test_version_info_recipes_and_the_tensorboard_hint(tmp_path):
     """Issue 39's CLI: `--version`; `rlnb info` lists the packages' versions and the GPUs; `rlnb recipes` shows
-    whole descriptions; `rlnb run` says how to open TensorBoard on its run."""
+    whole descriptions; `rlnb run` says how to open TensorBoard on its run. No dashboard address for the embedded
+    cluster `rlnb info` starts and ends."""
     from rlnb.cli import recipe_description
 
     version = subprocess.run([*RLNB, "--version"], capture_output=True, text=True, timeout=60)
@@ -223,6 +224,8 @@ def test_version_info_recipes_and_the_tensorboard_hint(tmp_path):
     for name in ("python", "rlnb", "torch", "transformers", "gymnasium", "dask", "distributed", "dask-cuda",
                  "vllm", "gpus"):  # fmt: skip
         assert any(line.split()[:1] == [name] for line in info.stdout.splitlines()), (name, info.stdout)
+    # an embedded cluster's dashboard is gone once `rlnb info` has ended: no address of it printed
+    assert "rlnb Cluster (embedded)" in info.stdout and "dashboard:" not in info.stdout, info.stdout
     env = {**os.environ, "COLUMNS": "80"}
     listed = subprocess.run([*RLNB, "recipes"], capture_output=True, text=True, timeout=60, env=env)
     flat = " ".join(listed.stdout.split())

@@ -696,8 +696,9 @@ class Cluster:
         self.close()
 
     # ------------------------------------------------------------------ display
-    def info(self) -> str:
-        """A text summary: scheduler, slots, versions (used by ``rlnb info``)."""
+    def info(self, dashboard: bool = True) -> str:
+        """A text summary: scheduler, slots, versions (used by ``rlnb info``), and with ``dashboard`` Dask's
+        dashboard address."""
         import dask
         import distributed
 
@@ -714,7 +715,7 @@ class Cluster:
         lines.append(
             f"python {platform.python_version()}  dask {dask.__version__}  distributed {distributed.__version__}"
         )
-        if self.dashboard_link:
+        if dashboard and self.dashboard_link:
             lines.append(f"dashboard: {self.dashboard_link}")
         return "\n".join(lines)
 
