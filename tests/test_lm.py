@@ -1142,3 +1142,29 @@ def test_gradient_checkpointing_keeps_fewer_activations_and_trains_the_same(tiny
         saved[on], weights[on] = kept[0], {k: v.clone() for k, v in actor.policy.state_dict().items()}
     assert saved[True] < 0.7 * saved[False], saved
     assert all(torch.allclose(weights[True][k], weights[False][k], atol=1e-6) for k in weights[False])
+
+
+def test_a_tiny_lm_shape_other_than_the_one_the_recipe_built_at_its_path_is_refused_not_ignored(
+    cluster, tmp_path
+):
+    """``actor.tiny_lm.*`` changed against a model an earlier run of the recipe built at ``actor.model_path``
+    was silently ignored (the run trained the old shape): refused naming the key, both shapes, and what to do.
+    The same shape, and a model made otherwise (``build_tiny_lm``, a release), go on as before."""
+    model = tmp_path / "model"
+    overrides = [*GRPO_SMALL, f"actor.model_path={model}", "actor.sft_steps=0", "runner.tensorboard=false"]
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "first"):
+        pass  # (built there with the recipe's shape: hidden 64, 4 heads)
+    wider = [*overrides, "actor.tiny_lm.hidden_size=128", "actor.tiny_lm.num_heads=2"]
+    with pytest.raises(ConfigError, match="actor.tiny_lm") as info:
+        GRPOLoop.from_recipe("grpo_arith", wider, cluster=cluster, run_dir=tmp_path / "second")
+    said = str(info.value)
+    assert "hidden_size=128 (the model there: 64)" in said and "num_heads=2 (the model there: 4)" in said, (
+        said
+    )
+    assert f"actor.model_path={model}" in said and "new directory" in said, said
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "third") as loop:
+        assert loop.step == 0
+    other = build_tiny_lm(tmp_path / "made", hidden_size=32, num_layers=1, num_heads=2)
+    made = [*GRPO_SMALL, f"actor.model_path={other}", "actor.sft_steps=0", "runner.tensorboard=false"]
+    with GRPOLoop.from_recipe("grpo_arith", made, cluster=cluster, run_dir=tmp_path / "fourth") as loop:
+        assert loop.step == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import re
 import string
@@ -86,6 +87,43 @@ def build_tiny_lm(
         tie_word_embeddings=True,
     )  # fmt: skip
     return _save_new(cls_model, config, tok, path, seed, dtype, device)
+
+
+TINY_LM_RECORD = "rlnb_tiny_lm.json"
+"""The file a recipe's ``actor.build_if_missing`` leaves beside the tiny LM it built: the shape it was built with
+(``actor.tiny_lm``'s fields), so that a later recipe asking another shape of the same ``actor.model_path`` is
+told rather than ignored (a model made otherwise, by :func:`build_tiny_lm` or a release, has none)."""
+
+
+def tiny_lm_shape(tiny) -> dict:
+    """``actor.tiny_lm``'s fields (a :class:`rlnb.config.schema.TinyLMConfig`) as :data:`TINY_LM_RECORD` keeps them."""
+    return {
+        "arch": tiny.arch,
+        "hidden_size": tiny.hidden_size,
+        "num_layers": tiny.num_layers,
+        "num_heads": tiny.num_heads,
+    }
+
+
+def tiny_lm_mismatch(path: str | Path, wanted: dict) -> str | None:
+    """Why the tiny LM built at ``path`` is not the one ``wanted`` (``actor.tiny_lm``'s fields), or ``None``
+    (the same, or no model there that a recipe built: another is not the recipe's to compare)."""
+    record = Path(path) / TINY_LM_RECORD
+    if not record.is_file():
+        return None
+    try:
+        built = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    differ = {k: (built.get(k), v) for k, v in wanted.items() if built.get(k) != v}
+    if not differ:
+        return None
+    said = ", ".join(f"{k}={v!r} (the model there: {b!r})" for k, (b, v) in differ.items())
+    return (
+        f"actor.tiny_lm: {said}; the tiny LM at actor.model_path={path} was built earlier with another shape. "
+        "Point actor.model_path at a new directory to build this one (or remove the old), or drop the "
+        "actor.tiny_lm overrides to train the one there"
+    )
 
 
 def _save_new(

@@ -144,7 +144,8 @@ def _check_cpu_head_size(model_path: str, config) -> None:
         raise ConfigError(
             f"actor.model_path: {model_path} has attention heads of size {head}, and vLLM's CPU build runs "
             f"{supported}; a tiny model built here has hidden_size / num_heads of that (e.g. "
-            f"actor.tiny_lm.hidden_size=128 with actor.tiny_lm.num_heads=2), or use rollout.backend=hf",
+            f"actor.tiny_lm.hidden_size=128 with actor.tiny_lm.num_heads=2, at a new actor.model_path), or use "
+            "rollout.backend=hf",
             "actor.model_path",
         )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.util
+import json
 import logging
 from pathlib import Path
 
@@ -31,7 +32,15 @@ from rlnb.loop.families.grpo import evaluation, sampling, warm_start
 from rlnb.loop.families.grpo.data import FileTask, shard
 from rlnb.loop.phase import Phase
 from rlnb.loop.roles import LMActorRole, LMRolloutRole, RewardRole
-from rlnb.models.lm import build_tiny_lm, is_hub_id, load_tokenizer, resolve_model
+from rlnb.models.lm import (
+    TINY_LM_RECORD,
+    build_tiny_lm,
+    is_hub_id,
+    load_tokenizer,
+    resolve_model,
+    tiny_lm_mismatch,
+    tiny_lm_shape,
+)
 from rlnb.runtime.group import BOTH
 
 log = logging.getLogger("rlnb")
@@ -145,9 +154,14 @@ class GRPO(Family):
                 "actor.model_path: no model at %s; building an untrained tiny LM there (actor.tiny_lm: hidden %d, "
                 "%d layers; actor.build_if_missing=false refuses instead)", path, t.hidden_size, t.num_layers,
             )  # fmt: skip
-            build_tiny_lm(
+            built = build_tiny_lm(
                 Path(path).resolve(), t.hidden_size, t.num_layers, t.num_heads, t.arch, seed=recipe.seed
             )
+            (built / TINY_LM_RECORD).write_text(json.dumps(tiny_lm_shape(t)))
+        elif recipe.actor.build_if_missing and not is_hub_id(path):
+            mismatch = tiny_lm_mismatch(path, tiny_lm_shape(recipe.actor.tiny_lm))
+            if mismatch:
+                raise ConfigError(mismatch, "actor.tiny_lm")
         self.model_path = resolve_model(path, "actor.model_path")  # before any worker starts
         if d.task == "arithmetic":
             self.task = ArithmeticTask(d.max_operand, d.ops, d.held_out_frac, recipe.seed, d.min_operand)
