@@ -469,3 +469,22 @@ def test_a_run_past_runner_steps_extends_the_learning_rate_decay_instead_of_trai
         "past it; loop.run(n) extends runner.steps (and the decay) to the steps it runs, or set "
         "actor.anneal_lr: false"
     ]
+
+
+def test_a_solved_run_says_so_in_its_summary_and_its_progress_bar(cluster, tmp_path, capsys):
+    """The CLI's bar ended at "32%" on a solved run whose summary never said "solved"."""
+    overrides = [
+        "runner.stop_return=15",
+        "runner.steps=50",
+        "runner.tensorboard=false",
+        "runner.save_interval=0",
+    ]
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
+        loop.run(progress=True)
+        assert loop.run_outcome == "solved" and loop.step < 50
+        summary = loop.summary()
+    bar = capsys.readouterr().err.rstrip().splitlines()[-1]
+    assert f"{loop.step}/50" in bar and bar.endswith("solved]"), bar
+    assert summary.startswith(f"solved at step {loop.step} of 50 (runner.stop_return 15 reached); step"), (
+        summary
+    )

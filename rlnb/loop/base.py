@@ -250,8 +250,14 @@ class LoopBase:
         return self.schedule.status()
 
     def summary(self) -> str:
-        """One line for the CLI at the end of a run."""
-        return self.family.summary()
+        """One line for the CLI at the end of a run: how the last ``run()`` ended where it ended early (``solved
+        at step 32 of 100 (runner.stop_return 475 reached)``, stopped, interrupted), then the family's figures."""
+        line, outcome, runner = self.family.summary(), self.run_outcome, self.recipe.runner
+        if outcome == "solved":
+            return f"solved at step {self.step} of {runner.steps} (runner.stop_return {runner.stop_return:g} reached); {line}"
+        if outcome in ("stopped", "interrupted"):
+            return f"{outcome} at step {self.step} of {runner.steps}; {line}"
+        return line
 
     def _solved(self) -> bool:
         return self.family.solved()

@@ -102,6 +102,10 @@ class ProgressBar(Callback):
         self.bar.refresh()
 
     def on_run_end(self, loop) -> None:
+        outcome = loop.run_outcome
+        if outcome in ("solved", "stopped"):  # (ended before its steps: the bar's last line says why)
+            postfix = self.bar.postfix
+            self.bar.set_postfix_str(f"{postfix}, {outcome}" if postfix else outcome, refresh=False)
         self.bar.close()
 
 
