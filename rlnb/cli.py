@@ -8,6 +8,7 @@ Exit codes: 0 success, 2 bad usage or config, 1 run failure; stopped by a signal
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import sys
@@ -155,13 +156,15 @@ def _run(args) -> int:
         loop.run(progress=not args.no_progress)
         path = loop.save()
         final = loop.evaluate()
-        evals = ", ".join(
-            f"{k}={v:.3f}" for k, v in final.items() if k.startswith("eval/") and isinstance(v, float)
-        )
-        print(
-            f"rlnb: {loop.summary()}; {evals}; checkpoint {path}; metrics {loop.run_dir / 'metrics.jsonl'}",
-            file=sys.stderr,
-        )
+        evals = {k: v for k, v in final.items() if k.startswith("eval/") and isinstance(v, float)}
+        metrics = loop.run_dir / "metrics.jsonl"
+        # the result on stdout (the progress and the log on stderr), as `rlnb eval`'s
+        if args.json:
+            print(json.dumps({"outcome": loop.run_outcome, "step": loop.step, **evals, "checkpoint": str(path),
+                              "metrics": str(metrics)}))  # fmt: skip
+        else:
+            said = ", ".join(f"{k}={v:.3f}" for k, v in evals.items())
+            print(f"rlnb: {loop.summary()}; {said}; checkpoint {path}; metrics {metrics}")
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -280,9 +283,13 @@ def _eval(args) -> int:
     loop = _resume(args.run_dir)
     try:
         res = loop.evaluate(args.episodes)
-        print(
-            f"rlnb: {args.run_dir} at step {loop.step}: " + ", ".join(f"{k}={v:.3f}" for k, v in res.items())
-        )
+        if args.json:
+            print(json.dumps({"run_dir": str(args.run_dir), "step": loop.step, **res}))
+        else:
+            print(
+                f"rlnb: {args.run_dir} at step {loop.step}: "
+                + ", ".join(f"{k}={v:.3f}" for k, v in res.items())
+            )
     finally:
         loop.close()
     return 0
@@ -321,11 +328,16 @@ def _eval_tasks(args) -> int:
     step = policy.step
     episodes = args.episodes or recipe.runner.eval_episodes
     rows = policy.evaluate_tasks(ids, episodes, video_dir=args.videos)
+    rates = [row["success_rate"] for row in rows if "success_rate" in row]
+    if args.json:
+        mean = sum(rates) / len(rates) if rates else None
+        print(json.dumps({"run_dir": str(args.run_dir), "step": step, "episodes": episodes, "tasks": rows,
+                          "mean_success_rate": mean}, default=str))  # fmt: skip
+        return 0
     print(f"rlnb: {args.run_dir} at step {step}, {episodes} episodes a task:")
     for row in rows:
         figures = ", ".join(f"{k}={v:.3f}" for k, v in row.items() if isinstance(v, float))
         print(f"  {row['env_id']}: {figures}" + (f"  video: {row['video']}" if "video" in row else ""))
-    rates = [row["success_rate"] for row in rows if "success_rate" in row]
     if rates:
         print(f"  mean success_rate over {len(rates)} tasks: {sum(rates) / len(rates):.3f}")
     return 0
@@ -418,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=None, help="run directory (default runs/<recipe>-<time>)")
     p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="the result as one JSON object on stdout")
     p.set_defaults(fn=_run)
     p = sub.add_parser(
         "eval", help="evaluate a run's latest checkpoint", description="Evaluate a run directory"
@@ -436,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of the suite); a success rate a task",
     )
     p.add_argument("--videos", default=None, metavar="DIR", help="write one episode's MP4 a task into DIR")
+    p.add_argument("--json", action="store_true", help="the result as one JSON object on stdout")
     p.set_defaults(fn=_eval)
     p = sub.add_parser(
         "export",

@@ -1,5 +1,6 @@
 """Trained policies out of rlnb: written from runs on workers, loaded in processes with no cluster, acting as trained."""
 
+import json
 import os
 import subprocess
 import sys
@@ -140,14 +141,20 @@ def test_rlnb_eval_and_rlnb_export_work_from_a_runs_latest_checkpoint(tmp_path):
     run = tmp_path / "run"
     quiet = ["runner.tensorboard=false", "runner.eval_interval=0"]
     done = subprocess.run(
-        [*RLNB, "run", "ppo_cartpole", "runner.steps=2", *quiet, "--run-dir", str(run), "--no-progress"],
+        [*RLNB, "run", "ppo_cartpole", "runner.steps=2", *quiet, "--run-dir", str(run), "--no-progress", "--json"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    # the results on stdout, one JSON object with --json (the log and the progress on stderr)
+    result = json.loads(done.stdout)
+    assert result["outcome"] == "done" and result["step"] == 2 and result["eval/return_mean"] > 0, result
+    assert result["metrics"] == str(run / "metrics.jsonl") and "step_000002" in result["checkpoint"], result
     evaluated = subprocess.run(
-        [*RLNB, "eval", str(run), "--episodes", "3"], capture_output=True, text=True, timeout=300
+        [*RLNB, "eval", str(run), "--episodes", "3", "--json"], capture_output=True, text=True, timeout=300
     )
-    assert evaluated.returncode == 0 and "at step 2: eval/return_mean=" in evaluated.stdout, evaluated.stderr
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    scores = json.loads(evaluated.stdout)
+    assert scores["step"] == 2 and scores["eval/return_mean"] > 0 and scores["run_dir"] == str(run), scores
     bad = subprocess.run(
         [*RLNB, "eval", str(run), "--episodes", "0"], capture_output=True, text=True, timeout=60
     )
