@@ -397,7 +397,10 @@ def _notebooks(args) -> int:
     for name, path in notebooks.items():
         shutil.copyfile(path, out / name)
         print(f"  {out / name}")
-    print(f"{len(notebooks)} notebooks in {out}/; open them with: jupyter lab {shlex.quote(str(out))}")
+    print(
+        f"{len(notebooks)} notebooks in {out}/; open them with: jupyter lab {shlex.quote(str(out))} (JupyterLab: "
+        "pip install 'rlnb[notebook]')"
+    )
     return 0
 
 
