@@ -11,6 +11,9 @@ started child processes is shut down by SIGTERM, so multiprocessing's exit handl
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import shutil
 import tempfile
@@ -33,7 +36,8 @@ def pytest_runtest_call(item):
     if not getattr(item, "nbmake", False):
         return (yield)
     runs = Path(item.path).parent / "runs"  # the notebooks' loops write run directories here (cwd-relative)
-    runs_before = set(runs.iterdir()) if runs.exists() else set()
+    running = _Running(Path(item.path).parent)
+    running.enter(runs)
     shared_tmp = Path(tempfile.gettempdir())
     pymp_before = set(shared_tmp.glob("pymp-*"))
     old = os.environ.get("TMPDIR")
@@ -47,8 +51,64 @@ def pytest_runtest_call(item):
         else:
             os.environ["TMPDIR"] = old
         shutil.rmtree(kernel_tmp, ignore_errors=True)
-        for made in (set(runs.iterdir()) if runs.exists() else set()) - runs_before:
-            shutil.rmtree(made, ignore_errors=True)  # the runs this test made (a user's own stay)
+        running.leave(runs)
     left = set(shared_tmp.glob("pymp-*")) - pymp_before
     assert not left, f"the notebook's kernel left {sorted(map(str, left))} in {shared_tmp}"
     return result
+
+
+class _Running:
+    """The notebooks running side by side in one directory (pytest-xdist) share its ``runs/``: what they made there
+    (run directories, models) is removed once the last of them ends, never while another still uses it (a
+    notebook's cleanup removed another's run directory mid-run). The entries there before the first began stay
+    (a user's own)."""
+
+    def __init__(self, directory: Path):
+        self.state = directory / ".notebooks-running.json"
+        self.lock = directory / ".notebooks-running.lock"
+
+    @contextlib.contextmanager
+    def _locked(self):
+        with open(self.lock, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
+    def _read(self) -> dict:
+        state = json.loads(self.state.read_text()) if self.state.exists() else {"running": [], "before": []}
+        # (a test process killed mid-notebook left its entry: it runs no notebook any more)
+        state["running"] = [pid for pid in state["running"] if _alive(pid)]
+        return state
+
+    def _write(self, state: dict) -> None:
+        self.state.write_text(json.dumps(state))
+
+    def enter(self, runs: Path) -> None:
+        with self._locked():
+            state = self._read()
+            if not state["running"]:
+                state["before"] = sorted(str(p) for p in runs.iterdir()) if runs.exists() else []
+            state["running"].append(os.getpid())
+            self._write(state)
+
+    def leave(self, runs: Path) -> None:
+        with self._locked():
+            state = self._read()
+            state["running"] = [pid for pid in state["running"] if pid != os.getpid()]
+            if state["running"]:
+                self._write(state)
+                return
+            self.state.unlink(missing_ok=True)
+            before = set(state["before"])
+            for made in runs.iterdir() if runs.exists() else ():
+                if str(made) not in before:
+                    shutil.rmtree(made, ignore_errors=True)  # what the notebooks made (a user's own stay)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -65,9 +65,10 @@ def test_cli_usage_config_errors_and_print_config():
 
 def _run_in_own_group(cmd: list[str], tmp_path: Path, timeout_s: float = 120) -> tuple[int, str, list[int]]:
     """Run ``cmd`` in a session of its own: its exit status, its stderr, and the processes of its group
-    still running after it exited (killed, once listed)."""
-    with open(tmp_path / "err", "w+") as stderr:  # a file: a pipe would wait for every process holding it
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    still running after it exited (killed, once listed). Its stdout goes to ``tmp_path / "out"``."""
+    # (files: a pipe would wait for every process holding it)
+    with open(tmp_path / "err", "w+") as stderr, open(tmp_path / "out", "w") as stdout:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, start_new_session=True)
         proc.wait(timeout=timeout_s)
         stderr.seek(0)
         err = stderr.read()
@@ -495,7 +496,8 @@ def test_the_command_ends_without_the_interpreters_teardown_once_the_run_is_clos
     script.write_text(ENTRY_CHILD)
     returncode, err, left = _run_in_own_group([sys.executable, str(script), str(tmp_path)], tmp_path, 300)
     assert returncode == 0, err[-3000:]
-    assert "checkpoint" in err.splitlines()[-1], err[-3000:]  # the last line, flushed
+    said = (tmp_path / "out").read_text()
+    assert "checkpoint" in said.splitlines()[-1], (said, err[-3000:])  # the result's line, flushed
     records = read_metrics(tmp_path / "run")  # the step and the final evaluation, written out
     assert [r["step"] for r in records] == [1, 1] and "eval/return_mean" in records[1], records
     assert (tmp_path / "atexit").exists()  # exit handlers ran...
