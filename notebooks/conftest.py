@@ -82,18 +82,21 @@ class _Running:
     def _write(self, state: dict) -> None:
         self.state.write_text(json.dumps(state))
 
-    def enter(self, runs: Path) -> None:
+    def enter(self, runs: Path, pid: int | None = None) -> None:
+        """The test process ``pid`` (this one) begins a notebook."""
         with self._locked():
             state = self._read()
             if not state["running"]:
                 state["before"] = sorted(str(p) for p in runs.iterdir()) if runs.exists() else []
-            state["running"].append(os.getpid())
+            state["running"].append(pid or os.getpid())
             self._write(state)
 
-    def leave(self, runs: Path) -> None:
+    def leave(self, runs: Path, pid: int | None = None) -> None:
+        """The test process ``pid`` (this one) ended its notebook: the last to end removes what they made."""
+        pid = pid or os.getpid()
         with self._locked():
             state = self._read()
-            state["running"] = [pid for pid in state["running"] if pid != os.getpid()]
+            state["running"] = [p for p in state["running"] if p != pid]
             if state["running"]:
                 self._write(state)
                 return

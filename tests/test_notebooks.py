@@ -115,3 +115,40 @@ def test_a_widget_output_becomes_its_snapshot_on_the_docs_page_or_a_line_saying_
     assert text.count("![png](99_widgets_files/") == 1, text  # the finished dashboard, as an image
     assert "*[Dashboard: a live widget, shown when the notebook runs]*" in text  # one that gave none
     assert len(list((tmp_path / "out" / "99_widgets_files").glob("*.png"))) == 1
+
+
+def test_notebooks_side_by_side_keep_each_others_runs_until_the_last_ends(tmp_path):
+    """CI: a notebook's cleanup removed the run directory of another notebook still running in the same
+    directory. What they made goes once the last one ends; a user's own entries stay, and a test process that
+    died mid-notebook does not hold the cleanup back for ever."""
+    import subprocess
+
+    sys.path.insert(0, str(ROOT / "notebooks"))
+    try:
+        import conftest as notebook_conftest  # notebooks/conftest.py
+    finally:
+        sys.path.pop(0)
+    runs = tmp_path / "runs"
+    (runs / "users-own").mkdir(parents=True)
+    other = subprocess.Popen(["sleep", "60"])  # another test process, still running its notebook
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        running = notebook_conftest._Running(tmp_path)
+        running.enter(runs)
+        running.enter(runs, pid=other.pid)
+        running.enter(runs, pid=dead.pid)  # (killed mid-notebook: it never leaves)
+        (runs / "ours").mkdir()
+        (runs / "theirs").mkdir()
+        running.leave(runs)
+        assert sorted(p.name for p in runs.iterdir()) == [
+            "ours",
+            "theirs",
+            "users-own",
+        ]  # the other still runs
+        running.leave(runs, pid=other.pid)
+        assert [p.name for p in runs.iterdir()] == ["users-own"]
+        assert not running.state.exists()
+    finally:
+        other.kill()
+        other.wait()
