@@ -93,6 +93,36 @@ def test_notebook_links_to_the_algorithm_reference_land_on_its_entries(tmp_path)
     assert "](../docs/" not in pages
 
 
+def test_every_relative_link_of_the_notebooks_and_the_readme_resolves_in_a_clone(tmp_path):
+    """Opened in Jupyter or on GitHub, a notebook's links land on files a clone has: the generated reference pages
+    are committed (and must be what ``python -m rlnb.docs`` writes now), the source files exist."""
+    import re
+
+    from rlnb.docs import write_reference
+
+    fresh = {p.name: p.read_text() for p in write_reference(tmp_path)}
+    committed = {p.name: p.read_text() for p in (ROOT / "docs" / "reference").glob("*.md")}
+    stale = sorted(name for name in fresh if committed.get(name) != fresh[name])
+    assert not stale, (
+        f"docs/reference/{stale}: out of date; run `python -m rlnb.docs docs/reference` and commit it"
+    )
+    tracked = subprocess.run(
+        ["git", "ls-files", "docs/reference"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert sorted(tracked) == sorted(f"docs/reference/{n}" for n in fresh), tracked
+    sources = [(p, "".join(c.source for c in nbformat.read(p, as_version=4).cells if c.cell_type == "markdown"))
+               for p in NOTEBOOKS] + [(ROOT / "README.md", (ROOT / "README.md").read_text())]  # fmt: skip
+    dead = []
+    for path, text in sources:
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue  # (web addresses; a notebook's own headings)
+            file = (path.parent / target.split("#")[0]).resolve()
+            if not file.exists() or not str(file).startswith(str(ROOT)):
+                dead.append(f"{path.name}: {target}")
+    assert not dead, dead
+
+
 def test_a_widget_output_becomes_its_snapshot_on_the_docs_page_or_a_line_saying_what_it_is(tmp_path):
     import base64
 
