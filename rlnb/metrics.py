@@ -180,8 +180,39 @@ VIDEO_MAX_FRAMES = 300
 """The most frames of an episode's video TensorBoard gets (an animated GIF holds every frame uncompressed)."""
 
 
+X_COUNTERS = {"global_step": "env steps", "samples_total": "completions"}
+"""Logged counters that curves go along, where a loop logs one, and the axis's label: the dashboard's x, and the
+step TensorBoard and W&B get (the training step where a loop logs none)."""
+
+HPARAM_METRICS = ("env/episode_return_mean", "env/success_rate", "eval/return_mean", "eval/success_rate",
+                  "eval/accuracy", "reward/mean")  # fmt: skip
+"""The metrics TensorBoard's HParams tab shows beside the recipe's settings."""
+
+
+def flat_settings(config: dict, prefix: str = "") -> dict:
+    """A recipe as ``{"section.key": value}`` of numbers, strings and booleans (lists, mappings and ``None`` as
+    their JSON), as TensorBoard's hyperparameters take them.
+
+    Example:
+        >>> flat_settings({"actor": {"lr": 0.001, "lora": {"rank": 0}}, "env": {"kwargs": {}}, "seed": None})
+        {'actor.lr': 0.001, 'actor.lora.rank': 0, 'env.kwargs': '{}', 'seed': 'null'}
+    """
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict) and v:
+            out.update(flat_settings(v, f"{prefix}{k}."))
+        elif isinstance(v, (bool, int, float, str)):
+            out[f"{prefix}{k}"] = v
+        else:
+            out[f"{prefix}{k}"] = json.dumps(v, default=str)
+    return out
+
+
 class MetricLogger:
     """Writes one JSON object per step to ``<run_dir>/metrics.jsonl`` and fans out to listeners.
+
+    TensorBoard and W&B get each record at the dashboard's x (:data:`X_COUNTERS`: env steps, completions), and
+    the recipe (``config``) as the run's hyperparameters.
 
     ``read_only``: records go to the listeners and ``history`` only; nothing in ``run_dir`` is written or
     truncated (an evaluation of a run's checkpoint, which may be live).
@@ -212,8 +243,12 @@ class MetricLogger:
         self._listeners: list[Callable[[dict], None]] = []
         self._tb = None
         self._wandb = None
+        self._x_at: dict[int, int] = {}  # training step -> the X_COUNTERS value logged at it
         if tensorboard:
+            fresh = not any((self.run_dir / "tensorboard").glob("events.out.tfevents.*"))
             self._tb = _tensorboard_writer(self.run_dir)
+            if self._tb is not None and fresh and config:
+                self._log_hparams(config)
         if wandb_project:
             import wandb
 
@@ -233,17 +268,41 @@ class MetricLogger:
         if fn in self._listeners:
             self._listeners.remove(fn)
 
+    def _log_hparams(self, config: dict) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        # (into the run's own event file, not the separate one SummaryWriter.add_hparams makes)
+        for summary in hparams(flat_settings(config), dict.fromkeys(HPARAM_METRICS, 0.0)):
+            self._tb._get_file_writer().add_summary(summary)
+
+    def x_at(self, step: int, record: dict | None = None) -> int:
+        """The dashboard's x at training step ``step`` (:data:`X_COUNTERS`, read from ``record`` where it has one):
+        what TensorBoard and W&B log at; the step itself where the loop logs no counter."""
+        for counter in X_COUNTERS:
+            value = (record or {}).get(counter)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._x_at[step] = int(value)
+                return int(value)
+        if step in self._x_at:
+            return self._x_at[step]
+        if not self._x_at:
+            return step
+        earlier = [s for s in self._x_at if s <= step]  # (a record of a step before its counter: the last x)
+        return self._x_at[max(earlier)] if earlier else 0
+
     def log(self, step: int, metrics: dict) -> dict:
         record = {"step": step, "wall_time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
         self._append(json.dumps(record) + "\n")
         self.history.append(record)
+        if self._tb is not None or self._wandb is not None:
+            x = self.x_at(step, record)
         if self._tb is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k not in ("step", "wall_time") and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+                    self._tb.add_scalar(k, v, x)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log(record, step=step)
+            self._wandb.log(record, step=x)
         for fn in list(self._listeners):
             fn(record)
         return record
@@ -268,13 +327,13 @@ class MetricLogger:
             h, w = frames[0].shape[:2]
             image = Summary.Image(height=h, width=w, colorspace=3, encoded_image_string=gif.getvalue())
             self._tb._get_file_writer().add_summary(
-                Summary(value=[Summary.Value(tag=tag, image=image)]), step
+                Summary(value=[Summary.Value(tag=tag, image=image)]), self.x_at(step)
             )
             self._tb.flush()
         if self._wandb is not None:
             import wandb
 
-            self._wandb.log({tag: wandb.Video(str(path), fps=fps, format="mp4")}, step=step)
+            self._wandb.log({tag: wandb.Video(str(path), fps=fps, format="mp4")}, step=self.x_at(step))
 
     def _append(self, line: str) -> None:
         """Append ``line`` to ``metrics.jsonl``, kept open between records (opening it for each record cost
@@ -317,14 +376,17 @@ class MetricLogger:
         events from ``step + 1`` on are purged, so curves do not overlap)."""
         if self.read_only:
             return
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = _tensorboard_writer(self.run_dir, purge_step=step + 1)
         self._close_file()  # (the file is replaced below: the next record opens the new one)
         for table in TABLES:
             _keep_through(self.run_dir / f"{table}.jsonl", step)
         if self.path.exists():
             self.history = _keep_through(self.path, step)
+        self._x_at = {}
+        for record in self.history:
+            self.x_at(int(record.get("step", 0)), record)
+        if self._tb is not None:  # (purged from the x after the step's on: TensorBoard's steps are the x)
+            self._tb.close()
+            self._tb = _tensorboard_writer(self.run_dir, purge_step=self.x_at(step) + 1)
 
     def close(self) -> None:
         self._close_file()

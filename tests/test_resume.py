@@ -26,16 +26,31 @@ def test_resume_purges_tensorboard_and_tolerates_a_torn_metrics_line(cluster, tm
         acc.Reload()
         if "train/policy_loss" in acc.Tags()["scalars"]:
             steps.append([e.step for e in acc.Scalars("train/policy_loss")])
-    assert steps[0][:2] == [1, 2] and steps[-1] == [3, 4]
+    records = [r for r in rlnb.metrics.read_metrics(tmp_path) if "train/policy_loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    # TensorBoard's x is the dashboard's, env steps (16 steps x 4 envs a training step)
+    x = [r["global_step"] for r in records]
+    assert x == [64, 128, 192, 256]
+    assert steps[0][:2] == x[:2] and steps[-1] == x[2:]
     acc = EventAccumulator(str(tmp_path / "tensorboard"))  # the directory, as TensorBoard reads it
     acc.Reload()
-    assert [e.step for e in acc.Scalars("train/policy_loss")] == [1, 2, 3, 4]  # no overlapping points
-    assert [r["step"] for r in rlnb.metrics.read_metrics(tmp_path) if "train/policy_loss" in r] == [
-        1,
-        2,
-        3,
-        4,
-    ]
+    assert [e.step for e in acc.Scalars("train/policy_loss")] == x  # no overlapping points
+    # the recipe as the run's hyperparameters (TensorBoard's HParams tab), written once
+    hparams = acc.PluginTagToContent("hparams")
+    assert (
+        b"actor.lr" in hparams["_hparams_/session_start_info"]
+        and b"env.num_envs" in hparams["_hparams_/session_start_info"]
+    )
+
+    def hparams_in(events) -> bool:
+        try:
+            return "_hparams_/session_start_info" in EventAccumulator(
+                str(events)
+            ).Reload().PluginTagToContent("hparams")
+        except KeyError:  # (no summary of the HParams plugin in that file)
+            return False
+
+    assert sum(map(hparams_in, (tmp_path / "tensorboard").glob("events.*"))) == 1
 
 
 def test_mujoco_resume_is_exact(cluster, tmp_path):

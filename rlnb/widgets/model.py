@@ -8,6 +8,8 @@ import weakref
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
+from rlnb.metrics import X_COUNTERS
+
 
 @dataclass(frozen=True)
 class Panel:
@@ -65,8 +67,6 @@ def panel_for(title: str) -> Panel:
     return PANELS.get(title) or Panel(title, (), "")
 
 
-X_COUNTERS = {"global_step": "env steps", "samples_total": "completions"}
-"""Logged counters the curves' x axis goes along, where a loop logs one, and the axis's label."""
 RECENT_STEPS = 20
 """The phase table shows each phase's mean over this many latest steps (one slow step does not fill it)."""
 
