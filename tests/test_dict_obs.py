@@ -155,7 +155,8 @@ def test_an_env_without_a_camera_is_recorded_from_its_own_render_and_logged_to_t
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0})
     events.Reload()
     [logged] = events.Images("eval/video")  # an animated GIF, as TensorBoard's own add_video writes
-    assert logged.step == 1 and logged.encoded_image_string.startswith(b"GIF89a") and logged.width == 600
+    # at the dashboard's x, as the step's scalars: env steps (2 envs x 8 steps)
+    assert logged.step == 16 and logged.encoded_image_string.startswith(b"GIF89a") and logged.width == 600
 
 
 def test_recording_episodes_is_refused_for_an_lm_recipe_naming_the_key():
