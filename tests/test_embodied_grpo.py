@@ -67,6 +67,56 @@ def test_a_groups_envs_start_every_episode_alike_and_every_episode_lasts_the_tim
     assert e.value.key == "num_envs"
 
 
+@pytest.mark.parametrize("stages", [1, 2])
+def test_steps_held_after_an_episodes_early_end_are_left_out_of_the_loss(stages):
+    """A group's env whose episode ended early holds until the group's episodes end; its actions there did nothing,
+    so the batch's ``loss_mask`` is 0.0 on them (SimpleVLA-RL's and RLinf's mask) and the update is the same
+    whatever they were."""
+    from rlnb.components.actor import PPOActor
+    from rlnb.components.rollout import PolicyRollout
+    from rlnb.runtime import rank as rank_mod
+
+    env = Env(make_env="rlnb/PixelReach-v0", num_envs=8, pipeline_stages=stages, seed=1, group_size=2)
+    rollout = PolicyRollout(None, env.observation_space, env.action_space, seed=0)
+    host = type("Host", (), {"obj": env})()  # (as the worker's registry of rank hosts holds it: weakly)
+    rank_mod._HOSTS[("", f"env-held-{stages}", 0)] = host
+    rollout.collect(40, f"env-held-{stages}")
+    batch, episodes = rollout.batch, env.pop_episodes()
+    mask = batch["loss_mask"]  # [T, N]
+    assert mask.shape == batch["rewards"].shape and set(mask.unique().tolist()) <= {0.0, 1.0}
+    n = batch["rewards"].shape[1]
+    by_episode = mask.view(2, 20, n)  # [episode, step, env]
+    # an episode's steps count up to its real end, then none: ones, then zeros
+    assert (by_episode[:, 1:] <= by_episode[:, :-1]).all() and (by_episode[:, 0] == 1).all()
+    lengths = by_episode.sum(1).T.flatten()  # [env * episode]: each env's episodes, in order
+    # (stages step their envs one after the other: the episodes end, and are counted, stage by stage)
+    order = torch.arange(n).view(stages, n // stages)
+    real = [int(lengths[e * 2 + k]) for k in range(2) for row in order for e in row.tolist()]
+    successes = [e[2] for e in episodes]
+    assert len(successes) == 2 * n and sum(successes) > 0
+    assert all(s == 1.0 for r, s in zip(real, successes) if r < 20)  # held only after reaching the target
+    assert (mask == 0).any()
+    # the update: the same whatever the held steps' actions and advantages were
+    settings = {"update_epochs": 2, "num_minibatches": 2, "advantage": "episode_grpo", "group_size": 2,
+                "norm_adv": False}  # fmt: skip
+
+    def trained(b):
+        actor = PPOActor(None, settings, env.observation_space, env.action_space, seed=3)
+        actor.set_batch([b])
+        actor.train()
+        return dict(actor.policy.named_parameters())
+
+    other = dict(batch)
+    held = mask == 0
+    other["actions"] = torch.where(held, (batch["actions"] + 1) % 4, batch["actions"])
+    other["logprobs"] = torch.where(held, batch["logprobs"] - 0.5, batch["logprobs"])
+    masked, changed = trained(batch), trained(other)
+    assert all(torch.equal(p, changed[name]) for name, p in masked.items())
+    # and without the mask, the held steps would have changed it
+    unmasked = trained({k: v for k, v in other.items() if k != "loss_mask"})
+    assert any(not torch.equal(p, unmasked[name]) for name, p in masked.items())
+
+
 GRPO = ["algorithm.advantage=episode_grpo", "algorithm.vf_coef=0", "algorithm.norm_adv=false",
         "runner.eval_interval=0", "runner.tensorboard=false"]  # fmt: skip
 

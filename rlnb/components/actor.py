@@ -21,7 +21,7 @@ import torch
 from rlnb.algorithms.contract import check_algorithm
 from rlnb.algorithms.losses import entropy_bonus, value_loss
 from rlnb.components.actor_base import ActorBase, with_settings
-from rlnb.components.batches import EMBODIED_BATCH, check_batch
+from rlnb.components.batches import EMBODIED_BATCH, EMBODIED_OPTIONAL, check_batch
 from rlnb.components.compile import StepCompiler
 from rlnb.components.fused import FusedPPOStep, fused_ppo_step, same_walk, walk
 from rlnb.components.launch import launcher
@@ -206,10 +206,16 @@ class PPOActor(ActorBase):
 
     def set_batch(self, batches: list[dict]) -> dict:
         """Take one or more rollout batches (concatenated along the env axis) onto this rank's device, each
-        checked against :data:`~rlnb.components.batches.EMBODIED_BATCH` first."""
+        checked against :data:`~rlnb.components.batches.EMBODIED_BATCH` first; a ``loss_mask`` where one of them has
+        it (the others' steps all count)."""
         for b in batches:
-            check_batch(b, EMBODIED_BATCH)
+            check_batch(b, EMBODIED_BATCH, EMBODIED_OPTIONAL)
         keys = ("obs", "actions", "logprobs", "values", "rewards", "dones")
+        if any("loss_mask" in b for b in batches):
+            batches = [
+                b if "loss_mask" in b else {**b, "loss_mask": torch.ones_like(b["rewards"])} for b in batches
+            ]
+            keys += ("loss_mask",)
         dev = self.device
         # the collocated hand-off: the rollout's tensors as they are, no copy on its device
         if len(batches) == 1:
@@ -281,6 +287,9 @@ class PPOActor(ActorBase):
             k: b[k].reshape(-1, *b[k].shape[2:])
             for k in ("obs", "actions", "logprobs", "values", "advantages", "returns")
         }
+        if "loss_mask" in b:  # steps held after an episode's end did nothing: they leave the loss
+            keep = b["loss_mask"].reshape(-1) > 0
+            flat = {k: v[keep] for k, v in flat.items()}
         self._fused_now = self._fused_step()
         if "prox_logprobs" in self.loss.needs:  # the policy at the start of this update (decoupled PPO)
             with torch.no_grad():
@@ -295,7 +304,8 @@ class PPOActor(ActorBase):
         for _ in range(algo.update_epochs):
             # one minibatch of the whole batch: every term is a mean over samples, so no shuffle
             perm = None if mb_size == n else torch.randperm(n, generator=self.generator)
-            for start in range(0, n - mb_size + 1, mb_size):
+            # (num_minibatches of them on every rank, as DDP needs, whatever each rank's batch left out)
+            for start in range(0, mb_size * min(algo.num_minibatches, n), mb_size):
                 mb = flat if perm is None else {k: v[perm[start : start + mb_size]] for k, v in flat.items()}
                 t0 = perf_counter()
                 history.append(train_minibatch(mb))

@@ -37,6 +37,9 @@ EMBODIED_BATCH = {
     "last_values": ("N",),  # V(s_T), the value after the last step, for bootstrapping
     "version": int,  # the policy version that collected it
 }
+EMBODIED_OPTIONAL = {
+    "loss_mask": ("T", "N")
+}  # 0.0 on steps the loss leaves out (held after an episode's end)
 
 LM_BATCH = {
     "input_ids": ("B", "L"),

@@ -68,6 +68,22 @@ def episode_success(info, ended: np.ndarray) -> list[float | None]:
     return [None] * len(ended)
 
 
+def held_steps(info, done: np.ndarray) -> np.ndarray | None:
+    """``[n]`` bool: which sub-envs' steps were held after their episode's early end (their info's ``held``; an
+    episode's last step's in ``info["final_info"]``, where a same-step autoreset vector env puts it), or ``None``
+    where no env says (:class:`rlnb.envs.groups.GroupedEpisodes` does)."""
+    if not isinstance(info, dict):
+        return None
+    final = info.get("final_info")
+    now, last = info.get("held"), final.get("held") if isinstance(final, dict) else None
+    if now is None and last is None:
+        return None
+    held = np.zeros(len(done), np.bool_) if now is None else _host(now, np.bool_).copy()
+    if last is not None:
+        held[done] = _host(last, np.bool_)[done]
+    return held
+
+
 def success_rate(episodes) -> float | None:
     """The share of ``episodes`` (``(return, length[, success])``, as :meth:`Env.pop_episodes` gives them) that
     succeeded, over those whose env said; ``None`` where none did."""
@@ -209,7 +225,8 @@ class Env:
         Returns a dict: ``obs [n, ...]`` (after autoreset), ``reward [n]`` (float64), ``terminated [n]``,
         ``truncated [n]``, ``done [n]`` (either), and ``final_obs [k, ...]`` with ``final_idx [k]``: the last
         observation of the ``k`` episodes truncated on this step (the rollout bootstraps them with the value
-        function).
+        function); ``held [n]`` (bool) where an env says which of its steps were held after an episode's early end
+        (:class:`rlnb.envs.groups.GroupedEpisodes`), else ``None``.
         """
         if type(actions) is not np.ndarray:
             actions = np.asarray(actions)
@@ -262,7 +279,9 @@ class Env:
         if self.ret_rms is not None:
             reward = self._norm_reward(reward, done, idx)
         self.obs[stage] = obs
+        held = held_steps(info, done)
         return {
+            "held": held,
             "obs": obs,
             "reward": reward,
             "terminated": terminated,

@@ -50,6 +50,7 @@ class _Trajectory:
         self.acted: list[tuple[list, list, list]] = [([], [], []) for _ in range(stages)]
         self.rewards: list = [None] * stages  # per stage: float32 [T, n]
         self.dones: list = [None] * stages  # per stage: float32 [T, n], 1.0 where an episode ended
+        self.held: list = [None] * stages  # per stage: bool [T, n] once its env said which steps were held
 
     def act(self, stage: int, t: int, obs, actions, logprobs, values) -> None:
         """Record what the policy saw and did at step ``t`` (a stage's steps in order)."""
@@ -67,14 +68,22 @@ class _Trajectory:
         acted[1].append(logprobs)
         acted[2].append(values)
 
-    def outcome(self, stage: int, t: int, reward: np.ndarray, done: np.ndarray) -> None:
-        """Record step ``t``'s rewards and done flags (terminated or truncated)."""
+    def outcome(self, stage: int, t: int, reward: np.ndarray, done: np.ndarray, held=None) -> None:
+        """Record step ``t``'s rewards and done flags (terminated or truncated), and which of its steps were held
+        (``held [n]``, where the env says)."""
         rewards = self.rewards[stage]
         if rewards is None:
             rewards = self.rewards[stage] = np.empty((self.steps, len(reward)), np.float32)
             self.dones[stage] = np.empty((self.steps, len(reward)), np.float32)
         rewards[t] = reward
         self.dones[stage][t] = done
+        if held is not None:
+            self.record_held(stage, t, held)
+
+    def record_held(self, stage: int, t: int, held: np.ndarray) -> None:
+        if self.held[stage] is None:
+            self.held[stage] = np.zeros((self.steps, len(held)), np.bool_)
+        self.held[stage][t] = held
 
     def batch(self) -> dict[str, torch.Tensor]:
         """Every column, ``[T, N, ...]`` (the stages side by side along N)."""
@@ -88,6 +97,11 @@ class _Trajectory:
             "rewards": [torch.from_numpy(self.rewards[s]) for s in stages],
             "dones": [torch.from_numpy(self.dones[s]) for s in stages],
         }
+        if any(h is not None for h in self.held):  # 0.0 on held steps, left out of the loss (GroupedEpisodes)
+            columns["loss_mask"] = [
+                torch.ones(self.dones[s].shape) if h is None else torch.from_numpy(~h).float()
+                for s, h in zip(stages, self.held)
+            ]
         return {k: v[0] if len(v) == 1 else torch.cat(v, dim=1) for k, v in columns.items()}
 
 
@@ -323,7 +337,7 @@ class PolicyRollout(RolloutBase):
         done = out.get("done")
         if done is None:  # (an env's own step() that does not say)
             done = np.logical_or(out["terminated"], out["truncated"])
-        traj.outcome(stage, t, out["reward"], done)
+        traj.outcome(stage, t, out["reward"], done, out.get("held"))
         if out["final_obs"] is None or not len(out["final_idx"]):
             return 0.0
         return self._bootstrap(traj.rewards[stage][t], out)
@@ -467,6 +481,8 @@ class PolicyRollout(RolloutBase):
             out = env_step(0, to_env)
             rewards[t] = out["reward"]
             dones[t] = out["done"]
+            if out["held"] is not None:
+                traj.record_held(0, t, out["held"])
             if out["final_obs"] is not None:  # (Env.step gives them only for truncated episodes)
                 inference_s += bootstrap(rewards[t], out)
             o = out["obs"]

@@ -47,7 +47,9 @@ class GroupedEpisodes(gym.Wrapper):
     reseeds with ``(s, episode index)``, so a group's envs reset alike again, whatever their episodes did. An
     episode that ends early (a success, a failure, a time limit) holds its last observation with reward 0 until
     ``horizon`` steps, then ends (``terminated``: a fixed-length episode is not bootstrapped) with the info of its
-    real end (its success)."""
+    real end (its success). A held step's info says ``held: True``: its action did nothing, so the rollout leaves
+    it out of the loss (the batch's ``loss_mask``, as SimpleVLA-RL and RLinf mask the steps after an episode's
+    end)."""
 
     def __init__(self, env: gym.Env, horizon: int | None = None):
         super().__init__(env)
@@ -78,10 +80,10 @@ class GroupedEpisodes(gym.Wrapper):
             obs, reward, terminated, truncated, info = self.env.step(action)
             if terminated or truncated:
                 self.held = (obs, info)
-        else:
-            (obs, info), reward = self.held, 0.0
-        last = self.t >= self.horizon
-        return obs, reward, last, False, (info if last or self.held is None else {})
+            last = self.t >= self.horizon
+            return obs, reward, last, False, (info if last or self.held is None else {})
+        (obs, info), last = self.held, self.t >= self.horizon
+        return obs, 0.0, last, False, {**info, "held": True} if last else {"held": True}
 
 
 def grouped(make, group_horizon: int | None = None) -> gym.Env:
