@@ -204,6 +204,9 @@ def test_grpo_through_the_cli_with_two_rewards_shows_rlnb_progress_only(tmp_path
     assert "Loading weights" not in out.stderr and "Writing model shards" not in out.stderr, out.stderr[
         -3000:
     ]
+    # the warm start has a bar of its own before the run's (it used to run silent for tens of seconds)
+    warm = [line for line in out.stderr.replace("\r", "\n").splitlines() if "grpo_arith warm start" in line]
+    assert warm and "5/5" in warm[-1] and "loss" in warm[-1], out.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "reward/format/mean" in r and "reward/arithmetic/mean" in r] == [
         1,

@@ -747,6 +747,24 @@ def test_the_warm_start_puts_the_answer_on_the_prompt_with_one_bos_for_a_tokeniz
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
 
 
+def test_a_warm_start_in_calls_of_a_few_steps_is_the_warm_start_in_one(tiny_lm):
+    """The driver's progress bar runs the warm start a few steps a call (sft_begin, then sft_steps): the same
+    losses and weights as one sft() call; a call with nothing under way is refused."""
+    algo = AlgorithmConfig(advantage="grpo", policy_loss="ppo", group_size=2)
+    one, chunked = (LMActor(tiny_lm, algo, seed=0) for _ in range(2))
+    args = (["1+1=", "2+2=", "3+3="] * 4, ["2", "4", "6"] * 4)
+    losses = one.sft(*args, steps=7, batch_size=4, lr=1e-3, wrong_answers=["3", "5", "7"] * 4, wrong_prob=0.3)
+    chunked.sft_begin(
+        *args, steps=7, batch_size=4, lr=1e-3, wrong_answers=["3", "5", "7"] * 4, wrong_prob=0.3
+    )
+    parts = [chunked.sft_steps(3), chunked.sft_steps(3), chunked.sft_steps(3)]
+    assert [len(p) for p in parts] == [3, 3, 1] and [x for p in parts for x in p] == losses
+    for p, q in zip(one.policy.parameters(), chunked.policy.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(RuntimeError, match="no warm start is under way"):
+        chunked.sft_steps(1)
+
+
 def test_sft_then_grpo_update_moves_the_right_way(tiny_lm):
     algo = AlgorithmConfig(
         advantage="grpo", policy_loss="ppo", group_size=4, num_minibatches=1, update_epochs=1

@@ -120,9 +120,10 @@ class GRPOLoop(LoopBase):
         """Asynchronous mode: per step, the serials of the problems it trained on."""
         return self.schedule.trained_problems if isinstance(self.schedule, Streaming) else []
 
-    def sft(self, steps: int | None = None) -> dict:
-        """Supervised warm start on the training answers (``actor.sft_steps``); exports ``<run_dir>/sft_model``."""
-        return warm_start.sft(self.family, steps)
+    def sft(self, steps: int | None = None, progress: bool = True) -> dict:
+        """Supervised warm start on the training answers (``actor.sft_steps``); exports ``<run_dir>/sft_model``.
+        ``progress``: a progress bar with the latest loss (``run()`` shows it where it shows its own)."""
+        return warm_start.sft(self.family, steps, progress)
 
     def evaluate(self, size: int | None = None) -> dict:
         """Greedy answers to held-out problems, scored by the reward: logs ``eval/accuracy``.

@@ -119,6 +119,7 @@ class Runner:
         self.run_outcome: str | None = None
         self.watching: weakref.WeakSet | None = None  # callbacks of every run(), held elsewhere (watch())
         self.error: BaseException | None = None  # what ended a background run, raised again by join()
+        self.progress = False  # whether the run under way shows a text progress bar (its warm start's too)
 
     def watch(self, callback: Callback) -> None:
         if not isinstance(callback, Callback):
@@ -149,6 +150,7 @@ class Runner:
         if live:
             view("show_dashboard")(loop, total=loop.step + steps)
             progress = False
+        self.progress = progress
         chosen = [
             *loop._default_callbacks(),
             *([ProgressBar()] if progress else []),

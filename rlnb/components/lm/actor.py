@@ -124,6 +124,7 @@ class LMActor(Forward, WarmStart, ActorBase):
         self.share_prompt_forward = share_prompt_forward
         self.skip_zero_advantage = cfg.skip_zero_advantage
         self.shared_forwards = 0  # micro-batches whose prompts went through the model once per prompt
+        self._sft_run: dict | None = None  # a warm start under way (sft_begin -> sft_steps)
         self.prompt_forward_fallback: str | None = None  # why prompts stopped being shared, if they did
         self.rank = rank_info.rank if rank_info else 0
         self.world_size = rank_info.world_size if rank_info else 1

@@ -53,28 +53,47 @@ class WarmStart:
 
         With ``wrong_answers``, each time a problem is drawn its answer is replaced by the wrong one
         with probability ``wrong_prob``: an imperfect teacher, wrong on every problem now and then
-        (``wrong_prompts``: its own contexts of them, where they differ).
-        """
+        (``wrong_prompts``: its own contexts of them, where they differ). Returns each step's loss.
+
+        The same as :meth:`sft_begin` and then :meth:`sft_steps` called until the ``steps`` are done, in calls of
+        any size (the driver's progress bar takes them a few at a time)."""
+        self.sft_begin(prompts, answers, steps, batch_size, lr, wrong_answers, wrong_prob, wrong_prompts)
+        return self.sft_steps(steps)
+
+    def sft_begin(
+        self, prompts: list, answers: list[str], steps: int, batch_size: int, lr: float,
+        wrong_answers: list[str] | None = None, wrong_prob: float = 0.0, wrong_prompts: list | None = None,
+    ) -> None:  # fmt: skip
+        """Set up a warm start of ``steps`` steps (:meth:`sft`'s arguments); :meth:`sft_steps` runs them."""
         self.strategy.check_loaded()
         rows, marks = self._sft_rows(prompts, answers)
         if wrong_answers is not None:
             wrong_rows, wrong_marks = self._sft_rows(wrong_prompts or prompts, wrong_answers)
             rows, marks = rows + wrong_rows, marks + wrong_marks
-        ids = pad_left(rows, self.tok.pad_token_id)
-        attn = pad_left([[1] * len(r) for r in rows], 0)
-        target = pad_left(marks, 0)
-        n = len(prompts)
         opt = adamw(self.policy, lr, self.device)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / max(1, steps))
+        self._sft_run = {
+            "ids": pad_left(rows, self.tok.pad_token_id), "attn": pad_left([[1] * len(r) for r in rows], 0),
+            "target": pad_left(marks, 0), "n": len(prompts), "wrong": wrong_answers is not None,
+            "wrong_prob": wrong_prob, "batch_size": batch_size, "left": steps, "opt": opt,
+            "sched": torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / max(1, steps)),
+        }  # fmt: skip
+
+    def sft_steps(self, steps: int) -> list[float]:
+        """Up to ``steps`` more steps of the warm start :meth:`sft_begin` set up; their losses. Its last step
+        ends it (the reference model, if any, becomes the warm-started one)."""
+        run = self._sft_run
+        if run is None:
+            raise RuntimeError("sft_steps: no warm start is under way; sft_begin() sets one up")
+        n, batch_size, opt, sched = run["n"], run["batch_size"], run["opt"], run["sched"]
         losses = []
-        for _ in range(steps):
+        for _ in range(min(steps, run["left"])):
             idx = torch.randint(0, n, (batch_size,), generator=self.generator)
-            if wrong_answers is not None:  # the wrong variant of a problem sits at index + n
-                idx = idx + n * (torch.rand(batch_size, generator=self.generator) < wrong_prob).long()
+            if run["wrong"]:  # the wrong variant of a problem sits at index + n
+                idx = idx + n * (torch.rand(batch_size, generator=self.generator) < run["wrong_prob"]).long()
             b_ids, b_attn, b_tgt = (
-                ids[idx].to(self.device),
-                attn[idx].to(self.device),
-                target[idx].to(self.device),
+                run["ids"][idx].to(self.device),
+                run["attn"][idx].to(self.device),
+                run["target"][idx].to(self.device),
             )
             with self.strategy.precision():
                 logp = token_logprobs(self.model, b_ids, b_attn)  # (b, L), float32
@@ -87,6 +106,9 @@ class WarmStart:
             opt.step()
             sched.step()
             losses.append(loss.item())
-        if self.ref is not None:  # the reference is the warm-started model
-            self.reset_reference()
+        run["left"] -= len(losses)
+        if run["left"] <= 0:
+            self._sft_run = None
+            if self.ref is not None:  # the reference is the warm-started model
+                self.reset_reference()
         return losses

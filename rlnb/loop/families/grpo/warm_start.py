@@ -7,6 +7,7 @@ import time
 
 from rlnb.loop.families.grpo.data import turn_demonstrations
 from rlnb.loop.runner import Callback
+from rlnb.metrics import format_value
 
 
 class WarmStartFirst(Callback):
@@ -16,12 +17,17 @@ class WarmStartFirst(Callback):
     def on_run_start(self, loop, steps: int) -> None:
         if loop.step == 0 and not loop.sft_done:
             if loop.recipe.actor.sft_steps > 0:
-                loop.sft()
+                loop.sft(progress=loop.runner.progress)
             loop.evaluate()
 
 
-def sft(family, steps: int | None = None) -> dict:
-    """Supervised warm start on the training answers; exports ``<run_dir>/sft_model``. Returns the logged record."""
+PROGRESS_UPDATES = 20
+"""How many calls a warm start with a progress bar is made in (each a few steps; one call without a bar)."""
+
+
+def sft(family, steps: int | None = None, progress: bool = False) -> dict:
+    """Supervised warm start on the training answers; exports ``<run_dir>/sft_model``. Returns the logged record.
+    ``progress``: a text progress bar (``tqdm``) with the latest loss."""
     t0 = time.perf_counter()
     s = family.session
     recipe = s.recipe
@@ -38,7 +44,21 @@ def sft(family, steps: int | None = None) -> dict:
     actor = s.groups["actor"]
     per_rank = max(1, recipe.actor.sft_batch_size // actor.world_size)
     noise, lr = recipe.data.sft_noise, recipe.actor.sft_lr
-    losses = actor.sft(prompts, answers, steps, per_rank, lr, wrong, noise, wrong_prompts).result()[0]
+    if not progress:
+        losses = actor.sft(prompts, answers, steps, per_rank, lr, wrong, noise, wrong_prompts).result()[0]
+    else:
+        from tqdm.auto import tqdm
+
+        actor.sft_begin(prompts, answers, steps, per_rank, lr, wrong, noise, wrong_prompts).result()
+        losses, chunk = [], max(1, -(-steps // PROGRESS_UPDATES))
+        with tqdm(total=steps, desc=f"{recipe.name} warm start", unit="step") as bar:
+            while len(losses) < steps:
+                done = actor.sft_steps(chunk).result()[0]
+                if not done:  # (the actor's warm start ended early: never loop on nothing)
+                    break
+                losses += done
+                bar.set_postfix_str(f"loss {format_value(done[-1])}", refresh=False)
+                bar.update(len(done))
     family.paths.export_actor(str(s.run_dir / "sft_model"))
     family.sft_done = True
     out = {
