@@ -241,6 +241,7 @@ class MetricLogger:
         self._file = None  # metrics.jsonl, open for appending from the first record until close()
         self._file_lock = threading.Lock()
         self._listeners: list[Callable[[dict], None]] = []
+        self._row_listeners: list[Callable[[str, int, list], None]] = []
         self._tb = None
         self._wandb = None
         self._x_at: dict[int, int] = {}  # training step -> the X_COUNTERS value logged at it
@@ -267,6 +268,14 @@ class MetricLogger:
     def remove_listener(self, fn: Callable[[dict], None]) -> None:
         if fn in self._listeners:
             self._listeners.remove(fn)
+
+    def add_row_listener(self, fn: Callable[[str, int, list], None]) -> None:
+        """Call ``fn(table, step, rows)`` after each :meth:`log_rows` (the dashboard's table of completions)."""
+        self._row_listeners.append(fn)
+
+    def remove_row_listener(self, fn: Callable[[str, int, list], None]) -> None:
+        if fn in self._row_listeners:
+            self._row_listeners.remove(fn)
 
     def _log_hparams(self, config: dict) -> None:
         from torch.utils.tensorboard.summary import hparams
@@ -355,6 +364,8 @@ class MetricLogger:
         :meth:`truncate_after` drops the rows of later steps, as it does records."""
         if table not in TABLES:
             raise ValueError(f"log_rows: expected a table in {TABLES}, got {table!r}")
+        for fn in list(self._row_listeners):
+            fn(table, step, rows)
         if self.read_only:
             return
         lines = "".join(

@@ -461,3 +461,43 @@ def test_an_embodied_runs_curves_go_along_env_steps_with_the_training_step_on_ho
     grpo = DashboardModel()  # GRPO: the completions trained on so far (TRL's samples)
     grpo.update({"step": 2, "samples_total": 256, "reward/mean": 0.5})
     assert grpo.x_label == "completions" and grpo.x(2) == 256.0
+
+
+def test_a_grpo_runs_dashboard_has_panels_of_its_own_smoothed_and_a_table_of_its_completions(tmp_path):
+    """A GRPO run's dashboard shows what TRL's and veRL's users watch (reward, accuracy, response length, KL,
+    entropy, clipping, tokens per second), not PPO's panels with accuracy under "return per episode"; noisy
+    curves are drawn smoothed over their points as logged; the latest logged group of completions is a table."""
+    from rlnb.metrics import MetricLogger
+    from rlnb.widgets.model import EMBODIED_CURVES, LM_CURVES, curves_for, smoothed
+
+    assert curves_for("grpo") is LM_CURVES and curves_for("ppo") is EMBODIED_CURVES
+    model = DashboardModel(total=20, panels=curves_for("grpo"))
+    dash = Dashboard(model, title="grpo", render_interval_s=0)
+    logger = MetricLogger(tmp_path, tensorboard=False)
+    logger.add_listener(model.update)
+    logger.add_row_listener(model.update_rows)
+    noisy = [0.2, 0.8, 0.1, 0.9, 0.3]
+    for i, r in enumerate(noisy, 1):
+        logger.log(i, {"samples_total": 64 * i, "reward/mean": r, "reward/accuracy": r / 2,
+                       "rollout/response_len_mean": 5.0 + i, "train/kl": 0.01, "train/entropy": 1.2,
+                       "train/clip_frac": 0.05, "train/loss": 0.3, "rollout/tokens_per_s": 500.0})  # fmt: skip
+    panels = dash.plots.panels
+    assert list(panels) == ["reward", "accuracy", "response length", "KL", "entropy", "clip fraction", "loss",
+                            "tokens per second"]  # fmt: skip
+    line, points = panels["reward"].lines["reward/mean"]
+    assert list(points.y) == noisy  # the points as logged, the line smoothed (TensorBoard's 0.6)
+    assert list(line.y) == pytest.approx(smoothed(noisy)) and list(line.y) != pytest.approx(noisy)
+    assert (
+        panels["accuracy"].figure.axes[1].label == "fraction correct" and panels["accuracy"].y_scale.max <= 1
+    )
+    assert panels["reward"].figure.axes[0].label == "completions"
+    assert dash.completions.value == ""
+    logger.log_rows("completions", 5, [
+        {"prompt": "2+3=", "completion": "5", "reward": 1.0, "advantage": 0.87},
+        {"prompt": "2+3=", "completion": "<b>6</b>" + "7" * 300, "reward": 0.0, "advantage": -0.87},
+    ])  # fmt: skip
+    table = dash.completions.value
+    assert "completions trained on at step 5" in table and table.count("<tr>") == 3
+    assert "&lt;b&gt;6&lt;/b&gt;" in table and "-0.87" in table and "…" in table  # escaped, long ones cut
+    png = dash.snapshot_png()  # the static form: the same panels
+    assert png[:4] == b"\x89PNG"

@@ -27,7 +27,7 @@ import ipywidgets as w
 import numpy as np
 
 from rlnb.metrics import explain
-from rlnb.widgets.model import nice_ticks, short_name
+from rlnb.widgets.model import nice_ticks, short_name, smoothed
 
 MAX_POINTS = 2000
 """Most points a line is sent (the axes still span every step)."""
@@ -67,13 +67,15 @@ class _Panel:
     axis labelled with what it measures (:class:`rlnb.widgets.model.Panel`), the legend a line of names above
     the plot, in the lines' colours, so it never covers a curve."""
 
-    def __init__(self, title: str):
+    def __init__(self, title: str, spec=None):
         from rlnb.widgets.model import panel_for
 
-        self.spec = panel_for(title)
+        self.spec = spec or panel_for(title)
         self.x_scale, self.y_scale = bq.LinearScale(), bq.LinearScale()
         self.lines: dict[str, tuple[bq.Lines, bq.Scatter]] = {}
         self.sent: dict[str, int] = {}  # metric -> points the page holds
+        # a smoothed panel's metric -> (its smoothed values so far, the average's state: smoothed())
+        self.smooth: dict[str, tuple[list, list]] = {}
         self.figure = bq.Figure(
             title=title,
             marks=[],
@@ -108,6 +110,12 @@ class _Panel:
             ],
             layout=w.Layout(width="100%"),
         )
+
+    def smoothed(self, metric: str, values: np.ndarray) -> np.ndarray:
+        """``values`` (a metric's whole series) smoothed, the values new since the last call only."""
+        done, state = self.smooth.setdefault(metric, ([], []))
+        done += smoothed(values[len(done) :].tolist(), state=state)
+        return np.asarray(done)
 
     def _on_zoom(self, change) -> None:
         scales = {"x": [self.x_scale], "y": [self.y_scale]}
@@ -152,7 +160,7 @@ class _Panel:
                                  formats=[",.0f", "", ".4~g"])  # fmt: skip
             points = bq.Scatter(
                 x=np.zeros(0), y=np.zeros(0), scales=scales, colors=[color], default_size=14, tooltip=tip,
-                display_names=False,
+                display_names=False, default_opacities=[0.35 if self.spec.smooth else 1.0],
             )  # fmt: skip
             self.figure.axes[0].label = x_label
             self.lines[metric] = (line, points)
@@ -177,7 +185,7 @@ class LiveCurves(w.GridBox):
         added = False
         for title, data in model.curves():
             if title not in self.panels:
-                self.panels[title] = _Panel(title)
+                self.panels[title] = _Panel(title, model.panel(title))
                 added = True
             panel = self.panels[title]
             if all(panel.sent.get(metric) == len(series) for metric, series in data.items()):
@@ -189,8 +197,10 @@ class LiveCurves(w.GridBox):
                     drawn = thin(values)
                     xs = np.fromiter((model.x(int(s)) for s in steps[drawn]), float, len(drawn))
                     line, points = panel.line(metric, model.x_label)
+                    # (a noisy metric's line smoothed, TensorBoard's way; its points as logged)
+                    ys = panel.smoothed(metric, values)[drawn] if panel.spec.smooth else values[drawn]
                     with line.hold_sync():  # x and y in one message, so the page never sees them unequal
-                        line.x, line.y = xs, values[drawn]
+                        line.x, line.y = xs, ys
                     with points.hold_sync():
                         if model.x_counts:
                             points.names = [str(int(s)) for s in steps[drawn]]

@@ -12,16 +12,48 @@ from pathlib import Path
 import ipywidgets as w
 
 from rlnb.loop.runner import Callback
-from rlnb.metrics import GLOSSARY, WORK_IN_PHASE, explain, format_value
+from rlnb.metrics import GLOSSARY, WORK_IN_PHASE, explain, format_value, read_table
 from rlnb.widgets.kernel import controls_subshell, route_to_subshell
 from rlnb.widgets.model import (
     RECENT_STEPS,
     DashboardModel,
+    curves_for,
     nice_range,
     panel_for,
     short_name,
+    smoothed,
     watch_messages,
 )
+
+COMPLETION_CHARS = 160
+"""A prompt or completion longer than this is cut in the dashboard's table (the whole text is its tooltip)."""
+
+
+def completions_table(rows: list[dict]) -> str:
+    """HTML of the latest group of completions an LM run trained on: prompt, completion, reward, advantage."""
+    if not rows:
+        return ""
+
+    def cell(text) -> str:
+        text = str(text)
+        short = text if len(text) <= COMPLETION_CHARS else text[: COMPLETION_CHARS - 1] + "…"
+        return f"<td title='{html.escape(text, quote=True)}' style='white-space:pre-wrap'>{html.escape(short)}</td>"
+
+    head = "".join(
+        f"<th style='text-align:left'>{h}</th>" for h in ("prompt", "completion", "reward", "advantage")
+    )
+    body = "".join(
+        "<tr>" + cell(r.get("prompt", "")) + cell(r.get("completion", ""))
+        + "".join(f"<td>{format_value(r[k]) if isinstance(r.get(k), (int, float)) else ''}</td>"
+                  for k in ("reward", "advantage"))
+        + "</tr>"
+        for r in rows
+    )  # fmt: skip
+    return (
+        f"<b>completions trained on at step {rows[0].get('step', '?')}</b>"
+        f"<table style='font-size:12px'><tr>{head}</tr>{body}</table>"
+    )
+
 
 BAR_STYLE = {"done": "success", "solved": "success", "stopped": "warning", "interrupted": "warning"}
 """The progress bar's colour once a run has ended, by how it ended (``failed``: ``danger``)."""
@@ -94,6 +126,8 @@ class Dashboard(w.VBox):
         self.phases = w.HTML()
         self.metrics = w.HTML()
         self.messages = w.HTML()  # the latest warnings and errors, workers' included
+        self.completions = w.HTML()  # an LM run's latest logged completions (runner.completions_interval)
+        self._shown_completions: list | None = None
         # the latest evaluation episode's video (runner.video_interval, loop.record_episode), once there is one
         self.video = w.Video(
             format="mp4", autoplay=True, loop=True, controls=True, layout=w.Layout(max_width="480px")
@@ -118,6 +152,7 @@ class Dashboard(w.VBox):
                 ]
             ),
             self.video_box,
+            self.completions,
             self.messages,
         ]
         super().__init__(rows)
@@ -234,6 +269,9 @@ class Dashboard(w.VBox):
         )
         if model.video is not None and model.video != self._shown_video:
             self._show_video(model)
+        if model.completions is not self._shown_completions:
+            self._shown_completions = model.completions
+            self.completions.value = completions_table(model.completions)
         if not isinstance(self.plots, w.Image):
             self.plots.update(model)  # live: every step, the series that gained a point (thinned past 2000)
         elif model.updates - self._plotted_at >= self.plot_every or (
@@ -300,13 +338,16 @@ class Dashboard(w.VBox):
         curves = model.curves()
         if not curves:
             return
-        self.plots.value = render_curves_png(curves, None, model.x, model.x_label)
+        self.plots.value = render_curves_png(curves, None, model.x, model.x_label, model.panel)
 
 
-def render_curves_png(curves, heading: str | None = None, x=float, x_label: str = "step") -> bytes:
+def render_curves_png(
+    curves, heading: str | None = None, x=float, x_label: str = "step", panel=panel_for
+) -> bytes:
     """PNG bytes of the dashboard's curve panels (2 per row) under an optional ``heading``, each metric logged
     at step ``s`` drawn at ``x(s)`` on an axis of ``x_label`` (:meth:`DashboardModel.x`), drawn with matplotlib's
-    object API (no pyplot state, so a background run's thread can draw while the notebook works)."""
+    object API (no pyplot state, so a background run's thread can draw while the notebook works). ``panel``:
+    a title's :class:`~rlnb.widgets.model.Panel` (a smoothed one draws its line smoothed over faint points)."""
     import io
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -318,17 +359,20 @@ def render_curves_png(curves, heading: str | None = None, x=float, x_label: str 
     FigureCanvasAgg(fig)
     for index, (title, data) in enumerate(curves):
         ax = fig.add_subplot(rows, cols, index + 1)
-        spec = panel_for(title)
+        spec = panel(title)
         finite = []
         for metric, points in data.items():
             steps, values = zip(*points)
+            xs = [x(s) for s in steps]
             finite += [v for v in values if math.isfinite(v)]
+            if spec.smooth:  # the points as logged, faint; the line smoothed
+                dots = ax.plot(xs, values, linestyle="none", marker=".", alpha=0.3)
+                ax.plot(
+                    xs, smoothed(values), label=short_name(metric), linewidth=1.2, color=dots[0].get_color()
+                )
+                continue
             ax.plot(
-                [x(s) for s in steps],
-                values,
-                label=short_name(metric),
-                linewidth=1.2,
-                marker="." if len(points) < 20 else None,
+                xs, values, label=short_name(metric), linewidth=1.2, marker="." if len(points) < 20 else None
             )
         if finite:
             ax.set_ylim(*nice_range(min(finite), max(finite), spec.floor, spec.ceiling))
@@ -369,6 +413,7 @@ class RunWatch(Callback):
         if self.one_run:
             if loop.logger is not None:
                 loop.logger.remove_listener(self.model.update)
+                loop.logger.remove_row_listener(self.model.update_rows)
             loop.unwatch(self)
 
 
@@ -389,11 +434,19 @@ def dashboard_for(
 ) -> Dashboard:
     """A dashboard observing ``loop``'s metric logger (history replayed first) and its runs' ends: every later
     ``run()``, or with ``one_run`` the next one only."""
-    model = DashboardModel(total=total, start_step=loop.step)
+    model = DashboardModel(total=total, start_step=loop.step, panels=curves_for(loop.recipe.family))
     model.run_dir = loop.run_dir
     for record in loop.history:
         model.update(record)
+    if loop.run_dir is not None:  # the latest completions logged before (runner.completions_interval)
+        logged = read_table(loop.run_dir)
+        last = [r for r in logged if r.get("step") == logged[-1].get("step")] if logged else []
+        if last:
+            model.update_rows(
+                "completions", last[0]["step"], [{k: v for k, v in r.items() if k != "step"} for r in last]
+            )
     loop.logger.add_listener(model.update)
+    loop.logger.add_row_listener(model.update_rows)
     watch_messages(model)
     model.run_watch = RunWatch(model, one_run=one_run)  # (the loop holds it weakly: it lives with the model)
     loop.watch(model.run_watch)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
 from collections import defaultdict, deque
@@ -27,10 +28,18 @@ class Panel:
     """The axis never goes above this (a fraction: 1)."""
     unless: str | None = None
     """Not shown where this metric is logged (a total loss, where the policy loss has its own panel)."""
+    smooth: bool = False
+    """A noisy metric: the line is drawn smoothed (:func:`smoothed`, TensorBoard's), the points as logged."""
 
+
+_KL = Panel("KL", ("train/approx_kl", "train/kl"), "KL (nats)", smooth=True)
+_CLIP = Panel("clip fraction", ("train/clip_frac",), "fraction clipped", floor=0.0, ceiling=1.0, smooth=True)
+_LOSS = Panel(
+    "loss", ("train/loss",), "loss", unless="train/policy_loss", smooth=True
+)  # (an LM actor's total)
 
 # shown when present, in this order; losses of different sizes, and KL and clipping, each on their own axis
-CURVES = (
+EMBODIED_CURVES = (
     Panel(
         "return / reward",
         ("env/episode_return_mean", "reward/mean", "eval/return_mean", "eval/accuracy", "reward/accuracy"),
@@ -44,10 +53,10 @@ CURVES = (
         ceiling=1.0,
     ),  # envs that say whether an episode succeeded (ManiSkill, LIBERO, PixelReach)
     Panel("policy loss", ("train/policy_loss",), "loss"),
-    Panel("loss", ("train/loss",), "loss", unless="train/policy_loss"),  # (LM actors log the total alone)
+    _LOSS,
     Panel("value loss", ("train/value_loss",), "squared error", floor=0.0),
-    Panel("KL", ("train/approx_kl", "train/kl"), "KL (nats)"),
-    Panel("clip fraction", ("train/clip_frac",), "fraction clipped", floor=0.0, ceiling=1.0),
+    _KL,
+    _CLIP,
     Panel("throughput", ("rollout/steps_per_s", "rollout/tokens_per_s"), "per second", floor=0.0),
     Panel(
         "staleness (versions behind)",
@@ -59,7 +68,69 @@ CURVES = (
         "rollout hidden behind training", ("rollout/overlap_frac",), "fraction of rollout time", 0.0, 1.0
     ),  # max_staleness >= 1
 )
-PANELS = {p.title: p for p in CURVES}
+
+_ASYNC = EMBODIED_CURVES[-2:]  # staleness and overlap, when asynchronous
+LM_CURVES = (
+    Panel("reward", ("reward/mean",), "reward per completion", smooth=True),
+    Panel(
+        "accuracy",
+        ("reward/accuracy", "eval/accuracy"),
+        "fraction correct",
+        floor=0.0,
+        ceiling=1.0,
+        smooth=True,
+    ),
+    Panel("response length", ("rollout/response_len_mean",), "tokens per completion", floor=0.0, smooth=True),
+    _KL,
+    Panel("entropy", ("train/entropy",), "nats per token", floor=0.0, smooth=True),
+    _CLIP,
+    _LOSS,
+    Panel("tokens per second", ("rollout/tokens_per_s",), "tokens per second", floor=0.0),
+    *_ASYNC,
+)
+"""The GRPO family's panels: what TRL's and veRL's users watch (reward, accuracy, response length, KL, entropy,
+clipping, throughput), the noisy ones smoothed."""
+CURVES = EMBODIED_CURVES
+"""The panels a dashboard shows by default (an embodied run's; :func:`curves_for` gives a family's)."""
+FAMILY_CURVES = {"ppo": EMBODIED_CURVES, "grpo": LM_CURVES}
+
+
+def curves_for(family: str) -> tuple[Panel, ...]:
+    """The dashboard panels of a recipe's ``family`` (an embodied run's for a family without its own)."""
+    return FAMILY_CURVES.get(family, EMBODIED_CURVES)
+
+
+SMOOTHING = 0.6
+"""The weight of the past in :func:`smoothed` (TensorBoard's default)."""
+
+
+def smoothed(values, weight: float = SMOOTHING, state: list | None = None) -> list[float]:
+    """TensorBoard's smoothing: an exponential moving average, debiased at the start (so the first point is the
+    first value); NaN and inf are left as they are and do not enter the average. ``state`` (a list, empty at
+    first): where the average of earlier values is kept, so a growing series is smoothed a new value at a time.
+
+    Example:
+        >>> smoothed([1.0, 0.0, 0.0, 1.0])
+        [1.0, 0.375, 0.18367346938775508, 0.5588235294117647]
+    """
+    if state is None:
+        state = []
+    if not state:
+        state += [0.0, 0]  # the average so far (biased), and how many values it holds
+    last, n = state
+    out = []
+    for v in values:
+        if not math.isfinite(v):
+            out.append(v)
+            continue
+        last, n = last * weight + (1 - weight) * v, n + 1
+        out.append(last / (1 - weight**n))
+    state[:] = [last, n]
+    return out
+
+
+PANELS = {p.title: p for p in (*EMBODIED_CURVES, *LM_CURVES)}
+"""Every panel by its title (a title names one panel in every family)."""
 
 
 def panel_for(title: str) -> Panel:
@@ -144,8 +215,12 @@ class DashboardModel:
         (1, [(1, 20.0)])
     """
 
-    def __init__(self, total: int | None = None, start_step: int = 0):
+    def __init__(self, total: int | None = None, start_step: int = 0, panels: tuple[Panel, ...] = CURVES):
         self.total, self.start_step = total, start_step
+        self.panels = panels  # the family's curve panels (curves_for)
+        self.completions: list[
+            dict
+        ] = []  # the latest logged group of completions (an LM run's), with its step
         self.step = start_step
         self.series: dict[str, list[tuple[int, float]]] = defaultdict(list)
         self.phase_s: dict[str, float] = {}  # each phase's mean seconds over the last RECENT_STEPS steps
@@ -171,6 +246,15 @@ class DashboardModel:
     def observe(self, fn) -> None:
         """Call ``fn(model)`` after every update (the view re-renders)."""
         self._listeners.append(fn)
+
+    def update_rows(self, table: str, step: int, rows: list[dict]) -> None:
+        """A logged group of rows (:meth:`rlnb.metrics.MetricLogger.log_rows`): the ``completions`` an LM run
+        trained on replace those shown."""
+        if table == "completions":
+            self.completions = [{"step": step, **r} for r in rows]
+            self.updates += 1
+            for fn in list(self._listeners):
+                fn(self)
 
     def update(self, record: dict) -> None:
         step = int(record.get("step", self.step))
@@ -264,10 +348,14 @@ class DashboardModel:
         last = max(self.x_counts)
         return self.x_counts[last] / last * step if last else float(step)
 
+    def panel(self, title: str) -> Panel:
+        """The panel of that title among this model's (:func:`panel_for` for another)."""
+        return next((p for p in self.panels if p.title == title), None) or panel_for(title)
+
     def curves(self) -> list[tuple[str, dict[str, list[tuple[int, float]]]]]:
         """Panels with data: ``[(title, {metric: [(step, value), ...]})]``."""
         out = []
-        for panel in CURVES:
+        for panel in self.panels:
             if panel.unless is not None and self.series.get(panel.unless):
                 continue
             data = {k: self.series[k] for k in panel.keys if self.series.get(k)}
