@@ -257,6 +257,18 @@ def _export(args) -> int:
                 f"load it with rlnb.load_policy({str(path)!r}).predict(obs)"
             )
             return 0
+    else:
+        from rlnb.export import lm_export_from_checkpoint
+        from rlnb.loop.checkpoint import complete_checkpoints, read_loop_state
+
+        path = lm_export_from_checkpoint(args.run_dir, args.out)  # (no cluster: the actor's rank file)
+        if path is not None:
+            step = read_loop_state(complete_checkpoints(args.run_dir)[-1])["step"]
+            print(
+                f"rlnb: exported {args.run_dir} at step {step} to {path} (no cluster started); load it with "
+                f"transformers.AutoModelForCausalLM.from_pretrained({str(path)!r})"
+            )
+            return 0
     loop = _resume(args.run_dir)
     try:
         path = loop.export(args.out)

@@ -597,6 +597,48 @@ def export_from_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike | 
     return policy.save(Path(out) if out is not None else Path(run_dir) / "policy.pt")
 
 
+def lm_export_from_checkpoint(
+    run_dir: str | os.PathLike, out: str | os.PathLike | None = None
+) -> Path | None:
+    """Write the model of an LM run's latest checkpoint in Hugging Face format (as :meth:`rlnb.GRPOLoop.export`
+    does, LoRA merged) without a cluster: the actor built in this process from the run's recipe, its weights read
+    from the checkpoint's actor rank file. Returns the directory, or ``None`` where the weights are DCP shards of
+    several ranks (``actor.strategy: fsdp2``: exported through the loop, whose ranks gather them).
+
+    Raises:
+        rlnb.loop.CheckpointError: the run has no complete checkpoint, or it cannot be read.
+    """
+    from rlnb.algorithms.contract import LM, check_algorithm
+    from rlnb.components.lm import LMActor
+    from rlnb.config import load_recipe
+    from rlnb.files import check_tree, torch_load_safe
+    from rlnb.loop.checkpoint import CheckpointError, complete_checkpoints, read_loop_state
+    from rlnb.models.lm import resolve_model
+
+    run_dir = Path(run_dir)
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    found = complete_checkpoints(run_dir)
+    if not found:
+        raise CheckpointError(f"{run_dir} has no complete checkpoint to export")
+    checkpoint = found[-1]
+    read_loop_state(checkpoint)  # (refused here, as the loop's resume would, where it cannot be read)
+    rank_file = checkpoint / "actor_rank0.pt"
+    try:
+        check_tree(checkpoint, checkpoint)
+        if torch_load_safe(rank_file).get("shards") == "dcp":
+            return None
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{rank_file}: cannot be read ({e})") from e
+    r = recipe
+    advantage, loss = check_algorithm(LM, r.algorithm.advantage, r.algorithm.policy_loss)
+    actor = LMActor(
+        resolve_model(r.actor.model_path), actor=r.actor, algorithm=r.algorithm, temperature=r.rollout.temperature,
+        seed=r.seed, advantage=advantage, policy_loss=loss, device="cpu",
+    )  # fmt: skip
+    actor.load_state_from(str(rank_file))
+    return Path(actor.export_hf(str(Path(out) if out is not None else run_dir / "model")))
+
+
 def policy_from_checkpoint(run_dir: str | os.PathLike) -> TrainedPolicy | None:
     """The policy of an embodied run's latest checkpoint in this process, without a cluster: the built-in
     actor-critic rebuilt from the run's recipe and the actor's checkpointed weights, the spaces from one env

@@ -257,3 +257,41 @@ def test_export_from_a_checkpoint_needs_no_cluster_and_equals_the_loops_export(c
     assert from_checkpoint.step == through_loop.step == 2
     np.testing.assert_array_equal(from_checkpoint.obs_normalization.mean, through_loop.obs_normalization.mean)
     assert from_checkpoint.evaluate(2, seed=5) == through_loop.evaluate(2, seed=5)
+
+
+def test_an_lm_runs_export_from_its_checkpoint_needs_no_cluster_and_equals_the_loops_export(
+    cluster, tmp_path
+):
+    """`rlnb export` of an LM run started a cluster (about 22 s) to write what the actor's checkpoint holds: the
+    actor is built in the exporting process instead, and writes the same model (LoRA merged)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlnb.export import lm_export_from_checkpoint
+    from rlnb.loop import GRPOLoop
+
+    run = tmp_path / "run"
+    overrides = ["data.max_operand=5", "actor.sft_steps=2", "actor.tiny_lm.hidden_size=32",
+                 "actor.tiny_lm.num_layers=1", "runner.steps=1", "runner.eval_interval=0", "data.eval_size=4",
+                 "data.prompts_per_step=2", "runner.tensorboard=false", "actor.lora.rank=4",
+                 f"actor.model_path={tmp_path / 'model'}"]  # fmt: skip
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=run) as loop:
+        loop.run(progress=False)
+        loop.save()
+        through_loop = loop.export(tmp_path / "loop")
+    before = {p.relative_to(run) for p in run.rglob("*")}
+    started = subprocess.run(
+        [*RLNB, "export", str(run), "--out", str(tmp_path / "cli")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert started.returncode == 0, started.stderr[-3000:]
+    assert "at step 1 to" in started.stdout and "(no cluster started)" in started.stdout, started.stdout
+    assert {p.relative_to(run) for p in run.rglob("*")} == before  # nothing written in the run directory
+    for exported in (tmp_path / "cli", lm_export_from_checkpoint(run, tmp_path / "here")):
+        ours, theirs = (load_file(d / "model.safetensors") for d in (exported, through_loop))
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+        assert not any("lora" in k for k in ours)  # merged
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "cli")
+    assert model.config.hidden_size == 32
