@@ -610,10 +610,34 @@ def lm_export_from_checkpoint(
     """
     from rlnb.algorithms.contract import LM, check_algorithm
     from rlnb.components.lm import LMActor
+    from rlnb.loop.checkpoint import CheckpointError
+    from rlnb.models.lm import resolve_model
+
+    r, checkpoint, _step, actor_state = _latest_checkpoint(run_dir)
+    if actor_state.get("shards") == "dcp":
+        return None
+    advantage, loss = check_algorithm(LM, r.algorithm.advantage, r.algorithm.policy_loss)
+    actor = LMActor(
+        resolve_model(r.actor.model_path), actor=r.actor, algorithm=r.algorithm, temperature=r.rollout.temperature,
+        seed=r.seed, advantage=advantage, policy_loss=loss, device="cpu",
+    )  # fmt: skip
+    try:
+        actor.load_state_dict(actor_state)
+    except ValueError as e:  # (NaN or inf weights: refused, never exported)
+        raise CheckpointError(f"could not read {checkpoint}: actor_rank0.pt: {e}") from e
+    return Path(actor.export_hf(str(Path(out) if out is not None else Path(run_dir) / "model")))
+
+
+def _latest_checkpoint(run_dir: str | os.PathLike) -> tuple:
+    """``(recipe, checkpoint directory, step, actor rank 0's state)`` of a run's latest complete checkpoint, read
+    without running anything and without following links out of it.
+
+    Raises:
+        rlnb.loop.CheckpointError: the run has no complete checkpoint, or it cannot be read.
+    """
     from rlnb.config import load_recipe
     from rlnb.files import check_tree, torch_load_safe
     from rlnb.loop.checkpoint import CheckpointError, complete_checkpoints, read_loop_state
-    from rlnb.models.lm import resolve_model
 
     run_dir = Path(run_dir)
     recipe = load_recipe(run_dir / "recipe.yaml")
@@ -621,22 +645,12 @@ def lm_export_from_checkpoint(
     if not found:
         raise CheckpointError(f"{run_dir} has no complete checkpoint to export")
     checkpoint = found[-1]
-    read_loop_state(checkpoint)  # (refused here, as the loop's resume would, where it cannot be read)
-    rank_file = checkpoint / "actor_rank0.pt"
+    step = read_loop_state(checkpoint)["step"]
     try:
         check_tree(checkpoint, checkpoint)
-        if torch_load_safe(rank_file).get("shards") == "dcp":
-            return None
-    except (OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{rank_file}: cannot be read ({e})") from e
-    r = recipe
-    advantage, loss = check_algorithm(LM, r.algorithm.advantage, r.algorithm.policy_loss)
-    actor = LMActor(
-        resolve_model(r.actor.model_path), actor=r.actor, algorithm=r.algorithm, temperature=r.rollout.temperature,
-        seed=r.seed, advantage=advantage, policy_loss=loss, device="cpu",
-    )  # fmt: skip
-    actor.load_state_from(str(rank_file))
-    return Path(actor.export_hf(str(Path(out) if out is not None else run_dir / "model")))
+        return recipe, checkpoint, step, torch_load_safe(checkpoint / "actor_rank0.pt")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"could not read {checkpoint}: {e}") from e
 
 
 def policy_from_checkpoint(run_dir: str | os.PathLike) -> TrainedPolicy | None:
@@ -649,23 +663,14 @@ def policy_from_checkpoint(run_dir: str | os.PathLike) -> TrainedPolicy | None:
         rlnb.loop.CheckpointError: the run has no complete checkpoint, or it cannot be read.
     """
     from rlnb.components.env import Env
-    from rlnb.config import load_recipe
     from rlnb.envs.gym_envs import RunningMeanStd
-    from rlnb.files import check_tree, nonfinite, torch_load_safe
-    from rlnb.loop.checkpoint import CheckpointError, complete_checkpoints, read_loop_state
+    from rlnb.files import nonfinite, torch_load_safe
+    from rlnb.loop.checkpoint import CheckpointError
     from rlnb.models.policies import build_policy
     from rlnb.models.vla import VLAPolicy
 
-    run_dir = Path(run_dir)
-    recipe = load_recipe(run_dir / "recipe.yaml")
-    found = complete_checkpoints(run_dir)
-    if not found:
-        raise CheckpointError(f"{run_dir} has no complete checkpoint to export")
-    checkpoint = found[-1]
-    step = read_loop_state(checkpoint)["step"]
+    recipe, checkpoint, step, actor = _latest_checkpoint(run_dir)
     try:
-        check_tree(checkpoint, checkpoint)
-        actor = torch_load_safe(checkpoint / "actor_rank0.pt")
         env_state = torch_load_safe(checkpoint / "env_rank0.pt")
         bad = nonfinite(actor.get("policy"), "policy")
         if bad is not None:
