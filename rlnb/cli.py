@@ -292,6 +292,25 @@ def _policy_step(path) -> int:
 def _eval(args) -> int:
     if args.tasks or args.videos:
         return _eval_tasks(args)
+    from pathlib import Path
+
+    from rlnb.config import load_recipe
+
+    recipe_file = Path(args.run_dir) / "recipe.yaml"
+    if recipe_file.is_file() and load_recipe(recipe_file).family == "grpo":
+        from rlnb.loop.families.grpo.evaluation import evaluate_checkpoint
+
+        res = evaluate_checkpoint(args.run_dir, args.episodes)  # (no cluster: the actor's rank file, in here)
+        if res is not None:
+            step = res.pop("step")
+            if args.json:
+                print(json.dumps({"run_dir": str(args.run_dir), "step": step, **res}))
+            else:
+                print(
+                    f"rlnb: {args.run_dir} at step {step} (no cluster started): "
+                    + ", ".join(f"{k}={v:.3f}" for k, v in res.items())
+                )
+            return 0
     loop = _resume(args.run_dir)
     try:
         res = loop.evaluate(args.episodes)

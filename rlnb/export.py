@@ -597,23 +597,21 @@ def export_from_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike | 
     return policy.save(Path(out) if out is not None else Path(run_dir) / "policy.pt")
 
 
-def lm_export_from_checkpoint(
-    run_dir: str | os.PathLike, out: str | os.PathLike | None = None
-) -> Path | None:
-    """Write the model of an LM run's latest checkpoint in Hugging Face format (as :meth:`rlnb.GRPOLoop.export`
-    does, LoRA merged) without a cluster: the actor built in this process from the run's recipe, its weights read
-    from the checkpoint's actor rank file. Returns the directory, or ``None`` where the weights are DCP shards of
-    several ranks (``actor.strategy: fsdp2``: exported through the loop, whose ranks gather them).
+def lm_actor_from_checkpoint(run_dir: str | os.PathLike) -> tuple | None:
+    """``(actor, recipe, step)``: an LM run's actor at its latest checkpoint, built in this process (no cluster)
+    from the run's recipe, its weights read from the checkpoint's actor rank file; ``None`` where they are DCP
+    shards of several ranks (``actor.strategy: fsdp2``: the loop's ranks gather them).
 
     Raises:
-        rlnb.loop.CheckpointError: the run has no complete checkpoint, or it cannot be read.
+        rlnb.loop.CheckpointError: the run has no complete checkpoint, it cannot be read, or its weights hold
+            NaN or inf.
     """
     from rlnb.algorithms.contract import LM, check_algorithm
     from rlnb.components.lm import LMActor
     from rlnb.loop.checkpoint import CheckpointError
     from rlnb.models.lm import resolve_model
 
-    r, checkpoint, _step, actor_state = _latest_checkpoint(run_dir)
+    r, checkpoint, step, actor_state = _latest_checkpoint(run_dir)
     if actor_state.get("shards") == "dcp":
         return None
     advantage, loss = check_algorithm(LM, r.algorithm.advantage, r.algorithm.policy_loss)
@@ -623,9 +621,25 @@ def lm_export_from_checkpoint(
     )  # fmt: skip
     try:
         actor.load_state_dict(actor_state)
-    except ValueError as e:  # (NaN or inf weights: refused, never exported)
+    except ValueError as e:  # (NaN or inf weights: refused, never evaluated or exported)
         raise CheckpointError(f"could not read {checkpoint}: actor_rank0.pt: {e}") from e
-    return Path(actor.export_hf(str(Path(out) if out is not None else Path(run_dir) / "model")))
+    return actor, r, step
+
+
+def lm_export_from_checkpoint(
+    run_dir: str | os.PathLike, out: str | os.PathLike | None = None
+) -> Path | None:
+    """Write the model of an LM run's latest checkpoint in Hugging Face format (as :meth:`rlnb.GRPOLoop.export`
+    does, LoRA merged) without a cluster (:func:`lm_actor_from_checkpoint`). Returns the directory, or ``None``
+    where the weights are DCP shards of several ranks (exported through the loop, whose ranks gather them).
+
+    Raises:
+        rlnb.loop.CheckpointError: the run has no complete checkpoint, or it cannot be read.
+    """
+    found = lm_actor_from_checkpoint(run_dir)
+    if found is None:
+        return None
+    return Path(found[0].export_hf(str(Path(out) if out is not None else Path(run_dir) / "model")))
 
 
 def _latest_checkpoint(run_dir: str | os.PathLike) -> tuple:

@@ -259,11 +259,10 @@ def test_export_from_a_checkpoint_needs_no_cluster_and_equals_the_loops_export(c
     assert from_checkpoint.evaluate(2, seed=5) == through_loop.evaluate(2, seed=5)
 
 
-def test_an_lm_runs_export_from_its_checkpoint_needs_no_cluster_and_equals_the_loops_export(
-    cluster, tmp_path
-):
-    """`rlnb export` of an LM run started a cluster (about 22 s) to write what the actor's checkpoint holds: the
-    actor is built in the exporting process instead, and writes the same model (LoRA merged)."""
+def test_an_lm_runs_export_and_eval_need_no_cluster_and_equal_the_loops(cluster, tmp_path):
+    """`rlnb export` and `rlnb eval` of an LM run started a cluster (about 22 s each) for what the actor's
+    checkpoint holds: the actor is built in the CLI's process instead, and writes the same model (LoRA merged),
+    and its greedy held-out answers score as the loop's evaluation did."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -271,7 +270,7 @@ def test_an_lm_runs_export_from_its_checkpoint_needs_no_cluster_and_equals_the_l
     from rlnb.loop import GRPOLoop
 
     run = tmp_path / "run"
-    overrides = ["data.max_operand=5", "actor.sft_steps=2", "actor.tiny_lm.hidden_size=32",
+    overrides = ["data.max_operand=9", "actor.sft_steps=150", "actor.tiny_lm.hidden_size=64",
                  "actor.tiny_lm.num_layers=1", "runner.steps=1", "runner.eval_interval=0", "data.eval_size=4",
                  "data.prompts_per_step=2", "runner.tensorboard=false", "actor.lora.rank=4",
                  f"actor.model_path={tmp_path / 'model'}"]  # fmt: skip
@@ -279,7 +278,24 @@ def test_an_lm_runs_export_from_its_checkpoint_needs_no_cluster_and_equals_the_l
         loop.run(progress=False)
         loop.save()
         through_loop = loop.export(tmp_path / "loop")
+        in_loop = loop.evaluate(size=16)
     before = {p.relative_to(run) for p in run.rglob("*")}
+    evaluated = subprocess.run(
+        [*RLNB, "eval", str(run), "--episodes", "16", "--json"], capture_output=True, text=True, timeout=300
+    )
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    scores = json.loads(evaluated.stdout)
+    assert scores["step"] == 1 and scores["eval/size"] == 16, scores
+    assert scores["eval/accuracy"] > 0 and (scores["eval/accuracy"], scores["eval/reward_mean"]) == (
+        in_loop["eval/accuracy"],
+        in_loop["eval/reward_mean"],
+    )
+    assert (
+        "(no cluster started)"
+        in subprocess.run(
+            [*RLNB, "eval", str(run), "--episodes", "4"], capture_output=True, text=True, timeout=300
+        ).stdout
+    )
     started = subprocess.run(
         [*RLNB, "export", str(run), "--out", str(tmp_path / "cli")],
         capture_output=True,
@@ -294,4 +310,4 @@ def test_an_lm_runs_export_from_its_checkpoint_needs_no_cluster_and_equals_the_l
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
         assert not any("lora" in k for k in ours)  # merged
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "cli")
-    assert model.config.hidden_size == 32
+    assert model.config.hidden_size == 64

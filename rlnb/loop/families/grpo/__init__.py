@@ -17,26 +17,18 @@ from rlnb.algorithms.contract import LM, check_algorithm
 from rlnb.algorithms.interactions import check_interaction
 from rlnb.algorithms.rewards import recipe_rewards
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
-from rlnb.data.prompts import (
-    ArithmeticTask,
-    Problem,
-    chat_prompts,
-    common_fields,
-    load_qa_file,
-    problems_from_records,
-)
+from rlnb.data.prompts import Problem, common_fields, problems_from_records
 from rlnb.errors import ClusterError, ConfigError, PlacementError
 from rlnb.loop.checkpoint import MAX_STEP, Num
 from rlnb.loop.families import Family
 from rlnb.loop.families.grpo import evaluation, sampling, warm_start
-from rlnb.loop.families.grpo.data import FileTask, shard
+from rlnb.loop.families.grpo.data import FileTask, recipe_task, shard
 from rlnb.loop.phase import Phase
 from rlnb.loop.roles import LMActorRole, LMRolloutRole, RewardRole
 from rlnb.models.lm import (
     TINY_LM_RECORD,
     build_tiny_lm,
     is_hub_id,
-    load_tokenizer,
     resolve_model,
     tiny_lm_mismatch,
     tiny_lm_shape,
@@ -163,24 +155,7 @@ class GRPO(Family):
             if mismatch:
                 raise ConfigError(mismatch, "actor.tiny_lm")
         self.model_path = resolve_model(path, "actor.model_path")  # before any worker starts
-        if d.task == "arithmetic":
-            self.task = ArithmeticTask(d.max_operand, d.ops, d.held_out_frac, recipe.seed, d.min_operand)
-        else:
-            self.task = FileTask(
-                load_qa_file(d.path, d.question_key, d.answer_key), d.held_out_frac, recipe.seed
-            )
-        conversations = [p for p in self.task.train + self.task.held_out if not isinstance(p.prompt, str)]
-        if conversations and not d.chat_template:
-            raise ConfigError(
-                f"data.chat_template: {len(conversations)} record(s) of {d.path} are conversations (lists of "
-                "messages, as TRL's conversational records), which only a chat template makes a prompt of; set "
-                "data.chat_template=true",
-                "data.chat_template",
-            )
-        if d.chat_template:  # (the split and the sampling order stay those of the bare questions)
-            self.chat = load_tokenizer(self.model_path)
-            self.task.train = chat_prompts(self.task.train, self.chat, d.system_prompt)
-            self.task.held_out = chat_prompts(self.task.held_out, self.chat, d.system_prompt)
+        self.task, self.chat = recipe_task(recipe, self.model_path)
 
     def launch(self) -> None:
         """The recipe path: the same public ``launch`` calls a notebook makes."""

@@ -69,6 +69,34 @@ class FileTask:
         self.position = state["position"]
 
 
+def recipe_task(recipe, model_path: str) -> tuple:
+    """``(task, chat tokenizer or None)``: the problems of a recipe's ``data`` section, split into ``train`` and
+    ``held_out`` as every run of it splits them (by ``seed``), through the model's chat template where
+    ``data.chat_template`` says."""
+    from rlnb.data.prompts import ArithmeticTask, chat_prompts, load_qa_file
+    from rlnb.models.lm import load_tokenizer
+
+    d = recipe.data
+    if d.task == "arithmetic":
+        task = ArithmeticTask(d.max_operand, d.ops, d.held_out_frac, recipe.seed, d.min_operand)
+    else:
+        task = FileTask(load_qa_file(d.path, d.question_key, d.answer_key), d.held_out_frac, recipe.seed)
+    conversations = [p for p in task.train + task.held_out if not isinstance(p.prompt, str)]
+    if conversations and not d.chat_template:
+        raise ConfigError(
+            f"data.chat_template: {len(conversations)} record(s) of {d.path} are conversations (lists of "
+            "messages, as TRL's conversational records), which only a chat template makes a prompt of; set "
+            "data.chat_template=true",
+            "data.chat_template",
+        )
+    chat = None
+    if d.chat_template:  # (the split and the sampling order stay those of the bare questions)
+        chat = load_tokenizer(model_path)
+        task.train = chat_prompts(task.train, chat, d.system_prompt)
+        task.held_out = chat_prompts(task.held_out, chat, d.system_prompt)
+    return task, chat
+
+
 def turn_demonstrations(task, recipe) -> tuple[list, list, list | None, list | None]:
     """``data.sft_turns``: the warm start's rows, ``(contexts, targets)``, one per turn of each training
     problem's conversation, the interaction replying between turns as in training; and the imperfect

@@ -42,16 +42,68 @@ def evaluate(family, size: int | None = None) -> dict:
         )
         .result()[0]
     )
+    record = eval_record(scored, t0)
+    s.logger.log(s.step, record)
+    family.last_samples = [(p.prompt, t, p.answer) for p, t in zip(problems[:8], texts[:8])]
+    return record
+
+
+def eval_record(scored: dict, t0: float) -> dict:
+    """The evaluation's record from the reward's ``score_terms`` of the greedy answers (begun at ``t0``): accuracy
+    (the first reward's score >= 1), mean reward, how many problems, seconds."""
     scores, first = scored["rewards"], next(iter(scored["terms"].values()))
-    record = {
+    return {
         "eval/accuracy": sum(1.0 for x in first if x >= 1.0) / len(first),
         "eval/reward_mean": sum(scores) / len(scores),
         "eval/size": len(scores),
         "time/eval_s": time.perf_counter() - t0,
     }
-    s.logger.log(s.step, record)
-    family.last_samples = [(p.prompt, t, p.answer) for p, t in zip(problems[:8], texts[:8])]
-    return record
+
+
+def evaluate_checkpoint(run_dir, size: int | None = None) -> dict | None:
+    """:func:`evaluate` of an LM run's latest checkpoint in this process, without a cluster (``rlnb eval``): the
+    actor's weights (:func:`rlnb.export.lm_actor_from_checkpoint`) in the built-in ``transformers`` rollout, the
+    recipe's held-out problems and rewards. Returns the record with its ``step``, or ``None`` where a cluster is
+    needed (weights in DCP shards; ``rollout.backend: vllm``, whose engine decodes otherwise)."""
+    from rlnb.algorithms.interactions import check_interaction
+    from rlnb.algorithms.rewards import recipe_rewards
+    from rlnb.components.lm import HFRollout, RewardWorker
+    from rlnb.config.sections_lm import DataConfig
+    from rlnb.data.prompts import common_fields
+    from rlnb.export import lm_actor_from_checkpoint
+    from rlnb.loop.families.grpo.data import recipe_task
+
+    t0 = time.perf_counter()
+    found = lm_actor_from_checkpoint(run_dir)
+    if found is None:
+        return None
+    actor, r, step = found
+    if r.rollout.backend != "hf":
+        return None
+    size = count_or_default(size, "size", r.data.eval_size, (DataConfig, "eval_size"))
+    model_path = actor.cfg.model_path
+    task, _chat = recipe_task(r, model_path)
+    problems, ro = task.held_out[:size], r.rollout
+    fields = common_fields(task.train, task.held_out)
+    extra = (
+        {"max_turns": ro.max_turns, "interaction": check_interaction(ro.interaction, fields)}
+        if ro.max_turns > 1
+        else {}
+    )
+    rollout = HFRollout(
+        model_path, max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+        seed=r.seed, device="cpu", torch_threads=r.actor.torch_threads, drop_finished=ro.drop_finished,
+        dtype=r.actor.dtype if ro.dtype == "auto" else ro.dtype, static_cache=ro.static_cache, **extra,
+    )  # fmt: skip
+    rollout.load_weights(actor.policy_state(), 1)
+    prompts, answers = [p.prompt for p in problems], [p.answer for p in problems]
+    texts = rollout.complete(prompts, answers, [p.fields for p in problems])
+    reward = RewardWorker(
+        weights=r.reward.weights, fields=fields,
+        fn=recipe_rewards(r.reward.name, r.reward.model_path, r.reward.model_batch_size),
+    )  # fmt: skip
+    scored = reward.score_terms(texts, answers, prompts, [p.fields for p in problems])
+    return {"step": step, **eval_record(scored, t0)}
 
 
 def try_prompt(family, prompt: str, answer: str, **fields) -> list[dict]:
