@@ -458,6 +458,28 @@ def test_maniskills_cpu_simulation_with_more_than_one_env_a_process_is_refused_n
         make_vector_env("maniskill:PickCube-v1", 4, "sync", {"sim_backend": "cpu"})
 
 
+def test_a_maniskill_camera_on_a_machine_without_cuda_renders_on_the_cpu_without_a_warning_from_each_env():
+    """Every env process of a camera recipe warned that ManiSkill's CUDA renderer was asked for and not found
+    (sixteen lines for sixteen envs) before falling back to the CPU one: on a machine without CUDA it is asked
+    for the CPU renderer."""
+    reason = _maniskill_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    import subprocess
+    import sys
+
+    code = (
+        "from rlnb.envs.gym_envs import make_maniskill_cpu_env\n"
+        "env = make_maniskill_cpu_env('PushCube-v1', {'obs_mode': 'rgb+state', 'sim_backend': 'physx_cpu',"
+        " 'sensor_configs': {'width': 16, 'height': 16}})\n"
+        "obs, _ = env.reset(seed=0)\n"
+        "print(sorted(obs))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rgb" in done.stdout and "CUDA device was not found" not in done.stderr, done.stderr[-3000:]
+
+
 def test_maniskill_envs_in_groups_take_their_episodes_length_from_the_recipe():
     """Embodied GRPO on ManiSkill's CPU simulation: the recipe's env.kwargs.max_episode_steps, which the
     pre-launch check accepted, is the groups' episode length on the worker too (the env's own spec does not

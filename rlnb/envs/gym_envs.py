@@ -351,6 +351,12 @@ def make_maniskill_cpu_env(task: str, kwargs: dict) -> gym.Env:
     kw = {**MANISKILL_DEFAULTS, **kwargs}
     if kw["obs_mode"] in ("state", "state_dict") and "render_mode" not in kw:
         kw.setdefault("render_backend", "none")
+    elif "render_backend" not in kw:
+        import torch
+
+        # (ManiSkill asks for its CUDA renderer and, on a machine without one, says so in a warning from every
+        # env process before it falls back: the CPU one is asked for there)
+        kw["render_backend"] = "gpu" if torch.cuda.is_available() else "cpu"
     if kw["obs_mode"] not in ("rgb", "rgb+state"):
         return ManiSkillCPUState(CPUGymWrapper(gym.make(task, num_envs=1, **kw)))
     from mani_skill.utils.wrappers.flatten import FlattenRGBDObservationWrapper
