@@ -17,6 +17,7 @@ from rlnb.models.lm import (
     build_tiny_lm,
     length_buckets,
     load_lm,
+    load_tokenizer,
     shared_prompt_logprobs,
     token_ends,
     token_logprobs,
@@ -765,6 +766,25 @@ def test_a_warm_start_in_calls_of_a_few_steps_is_the_warm_start_in_one(tiny_lm):
         chunked.sft_steps(1)
 
 
+def test_the_rollout_inspector_shows_the_greedy_completion_token_by_token(tiny_lm):
+    """``loop.inspect`` (a rollout rank's ``inspect``): the greedy completion a token a row, each its log-probability,
+    its distribution's entropy and the top-k tokens; the tokens are those ``complete`` writes, and sampling draws
+    nothing from the rollout's generator."""
+    ro = HFRollout(tiny_lm, max_new_tokens=6, seed=1, temperature=1.0)
+    calls = ro.calls  # (what each sampling call's seed is drawn from)
+    rows = ro.inspect("3+4=", top_k=4)
+    assert 1 <= len(rows) <= 6 and ro.calls == calls
+    text = ro.tok.decode([r["id"] for r in rows], skip_special_tokens=True)
+    assert text == ro.complete(["3+4="])[0]
+    for r in rows:
+        probs = [p for _, p in r["top"]]
+        assert len(probs) == 4 and probs == sorted(probs, reverse=True) and sum(probs) <= 1 + 1e-6
+        assert r["top"][0][0] == r["token"] and math.isclose(math.exp(r["logprob"]), probs[0], rel_tol=1e-5)
+        assert 0 <= r["entropy"] <= math.log(len(ro.tok)) + 1e-6
+    with pytest.raises(ValueError, match="top_k: expected an integer in"):
+        ro.inspect("3+4=", top_k=0)
+
+
 def test_sft_then_grpo_update_moves_the_right_way(tiny_lm):
     algo = AlgorithmConfig(
         advantage="grpo", policy_loss="ppo", group_size=4, num_minibatches=1, update_epochs=1
@@ -909,6 +929,14 @@ def test_a_chat_template_recipe_trains_on_templated_prompts_on_workers(cluster, 
         loop.run(progress=False)
         row = loop.sample_group(0)[0]
         tried = loop.try_prompt("3+4=", "7")
+        inspected = loop.inspect("3+4=", top_k=3)  # the question through the template, as training gives it
+        templated = (
+            loop.groups["rollout"].on(0).template_prompts(["3+4="], "Answer with a number.").result(60)[0]
+        )
+        greedy = loop.groups["rollout"].on(0).complete(templated).result(60)[0][0]
+        tok = load_tokenizer(loop.model_path)
+    assert list(inspected.columns) == ["token", "id", "logprob", "entropy", "top"]
+    assert tok.decode(list(inspected["id"]), skip_special_tokens=True) == greedy
     question = row["prompt"].removeprefix("Answer with a number.\nQ: ").removesuffix("\nA: ")
     assert row["prompt"] == f"Answer with a number.\nQ: {question}\nA: " and question.endswith("=")
     assert row["prompt_tokens"] == f"<bos>{row['prompt']}"  # one <bos>, the template's

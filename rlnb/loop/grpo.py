@@ -141,6 +141,18 @@ class GRPOLoop(LoopBase):
         a reward reads (``tests=[...]``)."""
         return evaluation.try_prompt(self.family, prompt, answer, **fields)
 
+    def inspect(self, prompt: str, top_k: int = 5, max_new_tokens: int | None = None):
+        """The rollout's greedy completion of ``prompt`` token by token, with the rollout's current weights: each
+        token, its log-probability, the entropy (nats) of the distribution it was drawn from and the ``top_k``
+        likeliest tokens with their probabilities, as a ``pandas.DataFrame`` (a row a token). With
+        ``data.chat_template``, the prompt is a question, as :meth:`try_prompt` takes it. Nothing in the run
+        changes.
+
+        Example:
+            >>> loop.inspect("7+6=", top_k=3)                                         # doctest: +SKIP
+        """
+        return evaluation.inspect(self.family, prompt, top_k, max_new_tokens)
+
     def sample_group(self, group: int = 0) -> list[dict]:
         """One prompt's group of completions in the batch actor rank 0 trains on: prompt, completion, reward,
         sampling log-prob and, after :meth:`advantages`, the normalised advantage of each."""

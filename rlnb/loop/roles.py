@@ -143,6 +143,12 @@ class StreamsGeneration(Protocol):
     def stream(self, problems: list, n: int, train_version: int, groups: int, **links: Any) -> list: ...
 
 
+class InspectsTokens(Protocol):
+    """An LM rollout that shows a greedy completion token by token (``loop.inspect``)."""
+
+    def inspect(self, prompt: str, top_k: int = 5, max_new_tokens: int | None = None) -> list: ...
+
+
 class TakesRecords(Protocol):
     """An LM rollout whose ``complete`` and ``sample_completions`` take each prompt's answer and record fields after
     the prompts (a class that does not declare it is given the prompts only)."""
@@ -217,6 +223,8 @@ class Capabilities:
     """The rollout's engine generates whole completions (vLLM): asynchronous mode runs whole batches ahead."""
     takes_records: bool = False
     """The LM rollout takes answers and record fields beside the prompts."""
+    inspects_tokens: bool = False
+    """The LM rollout shows a completion token by token (``loop.inspect``)."""
 
     @classmethod
     def of(cls, groups: dict) -> Capabilities:
@@ -230,4 +238,5 @@ class Capabilities:
             streaming=rollout is not None and chunked and not missing(rollout.cls, StreamsGeneration),
             whole_completions=rollout is not None and not chunked,
             takes_records=rollout is not None and implements(rollout.cls, TakesRecords),
+            inspects_tokens=rollout is not None and implements(rollout.cls, InspectsTokens),
         )

@@ -9,7 +9,7 @@ import torch
 from rlnb.components.lm.decoding import Decoder
 from rlnb.components.lm.rollout import LMRollout
 from rlnb.components.lm.streaming import StreamingPool
-from rlnb.models.lm import check_dtype, encode_prompts, load_lm
+from rlnb.models.lm import check_dtype, encode_prompts, load_lm, prompt_ids
 from rlnb.runtime.rank import RankInfo
 
 
@@ -72,6 +72,36 @@ class HFRollout(StreamingPool, Decoder, LMRollout):
         self._carried = None
         # rollout.static_cache: ((rows, columns), the StaticCache reused while they match)
         self._static = None
+
+    def inspect(self, prompt: str, top_k: int = 5, max_new_tokens: int | None = None) -> list[dict]:
+        """``prompt``'s greedy completion token by token (a rollout inspector): each token with its log-probability
+        and the entropy (nats) of the distribution the rollout samples from (``temperature`` applied), and the
+        ``top_k`` most likely tokens with their probabilities. Nothing of the run changes (no sampling draws)."""
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= len(self.tok):
+            raise ValueError(
+                f"top_k: expected an integer in [1, {len(self.tok)}] (the vocabulary), got {top_k!r}"
+            )
+        steps = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 4096:
+            raise ValueError(f"max_new_tokens: expected an integer in [1, 4096], got {steps!r}")
+        ids = torch.tensor([prompt_ids(self.tok, prompt)], device=self.device)
+        rows, past = [], None
+        with torch.no_grad():
+            for _ in range(steps):
+                out = self.model(ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                logp = torch.log_softmax(out.logits[0, -1].float() / max(self.temperature, 1e-6), -1)  # [V]
+                token = int(logp.argmax())
+                top = logp.topk(top_k)
+                rows.append({
+                    "token": self.tok.decode([token]), "id": token, "logprob": float(logp[token]),
+                    "entropy": float(-(logp.exp() * logp).sum()),
+                    "top": [(self.tok.decode([int(i)]), float(p)) for p, i in zip(top.values.exp(), top.indices)],
+                })  # fmt: skip
+                if token == self.tok.eos_token_id:
+                    break
+                ids = torch.cat([ids, torch.tensor([[token]], device=self.device)], dim=1)
+        return rows
 
     def load_weights(self, state_dict: dict, version: int) -> int:
         self.model.load_state_dict(state_dict)

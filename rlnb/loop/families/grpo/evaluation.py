@@ -106,6 +106,26 @@ def evaluate_checkpoint(run_dir, size: int | None = None) -> dict | None:
     return {"step": step, **eval_record(scored, t0)}
 
 
+def inspect(family, prompt: str, top_k: int, max_new_tokens: int | None):
+    """:meth:`rlnb.GRPOLoop.inspect`: rollout rank 0's token-by-token view of ``prompt``'s greedy completion."""
+    import pandas as pd
+
+    from rlnb.errors import ComponentError
+
+    s = family.session
+    rollout = s.groups["rollout"]
+    if not family.capabilities.inspects_tokens:
+        raise ComponentError(
+            "shows no completion token by token (loop.inspect): its class has no inspect(prompt, top_k, "
+            "max_new_tokens); the built-in transformers rollout (rollout.backend=hf) has",
+            rollout.name, rollout.cls.__name__, "inspect",
+        )  # fmt: skip
+    if family.chat is not None:
+        prompt = chat_prompts([Problem(prompt, "")], family.chat, s.recipe.data.system_prompt)[0].prompt
+    rows = s.bind_checked([rollout.on(0).inspect(prompt, top_k, max_new_tokens)])[0][0]
+    return pd.DataFrame(rows)
+
+
 def try_prompt(family, prompt: str, answer: str, **fields) -> list[dict]:
     """``group_size`` completions of ``prompt`` sampled with the rollout's current weights, scored by the reward and
     normalised by the advantage as a training batch would be (see :meth:`rlnb.GRPOLoop.try_prompt`)."""
