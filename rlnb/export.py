@@ -270,6 +270,44 @@ class TrainedPolicy:
             env.close()
         return EpisodeVideo(write_mp4(frames, path, fps), len(frames), ret, length, success)
 
+    def inspect_episode(self, seed: int = 0, make_env=None, max_steps: int = 1000):
+        """One deterministic episode on a fresh env in this process, step by step (an episode inspector): a
+        ``pandas.DataFrame`` with a row a step, its ``action``, the critic's ``value`` of the observation it was
+        taken on, the action's ``logprob``, the ``reward`` it got and whether the episode ended (``done``).
+
+        Raises:
+            ValueError: ``max_steps`` out of range, or the env does not fit the policy (naming the env).
+        """
+        import pandas as pd
+        import torch
+
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or not 1 <= max_steps <= 1_000_000:
+            raise ValueError(
+                f"inspect_episode: max_steps expected an integer in [1, 1000000], got {max_steps!r}"
+            )
+        env = self._episode_env(make_env, seed, frames=False, who="inspect_episode")
+        rows = []
+        try:
+            obs = env.reset()[0]  # (normalised by the env as in training, where the policy was)
+            for t in range(max_steps):
+                with torch.no_grad():
+                    action, logprob, value = self.module.act(torch.as_tensor(obs), None, True)
+                action = action.numpy()
+                if not self.discrete:
+                    action = np.clip(action, self.action_space.low, self.action_space.high)
+                out = env.step(0, action)
+                rows.append({
+                    "step": t, "action": action[0].tolist() if action.ndim > 1 else action[0].item(),
+                    "value": float(value[0]), "logprob": float(logprob[0]), "reward": float(out["reward"][0]),
+                    "done": bool(out["done"][0]),
+                })  # fmt: skip
+                if out["done"][0]:
+                    break
+                obs = out["obs"]
+        finally:
+            env.close()
+        return pd.DataFrame(rows)
+
     def _episode_env(self, make_env, seed: int, frames: bool, who: str):
         """One env (one stage, in this process) for this policy's deterministic episodes: ``make_env`` (default
         the policy's env; another registered id keeps the policy's env settings, as :meth:`evaluate` does, an env

@@ -146,8 +146,14 @@ def test_an_env_without_a_camera_is_recorded_from_its_own_render_and_logged_to_t
     with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
         loop.run(progress=False)
         video = loop.record_episode(tmp_path / "cartpole.mp4", max_steps=30)
-        with pytest.raises(ValueError, match="max_steps expected an integer in"):
-            loop.record_episode(max_steps=0)
+        steps = loop.inspect_episode(max_steps=30)  # the same episode (the same seed), step by step
+        for call in (loop.record_episode, loop.inspect_episode):
+            with pytest.raises(ValueError, match="max_steps expected an integer in"):
+                call(max_steps=0)
+    assert list(steps.columns) == ["step", "action", "value", "logprob", "reward", "done"]
+    assert len(steps) == video.length and steps["reward"].sum() == video.episode_return
+    assert set(steps["action"]) <= {0, 1} and steps["value"].notna().all() and (steps["logprob"] <= 0).all()
+    assert steps["done"].iloc[-1] == (video.length < 30) and not steps["done"].iloc[:-1].any()
     frames = list(imageio.get_reader(video.path).iter_data())
     # the first frame, and one after each step but an episode's last (the env has reset by then)
     assert len(frames) == video.frames == (video.length if video.length < 30 else 31)

@@ -140,6 +140,16 @@ class Loop(LoopBase):
         """
         return self.family.export(path)
 
+    def inspect_episode(self, seed: int | None = None, max_steps: int = 1000):
+        """Play one deterministic evaluation episode with the current weights, step by step: a
+        ``pandas.DataFrame`` with a row a step, the ``action``, the critic's ``value``, the action's ``logprob``,
+        the ``reward`` and ``done``. Nothing in the run changes (a fresh env in this process, no sampling draws).
+
+        Example:
+            >>> loop.inspect_episode(max_steps=50)                                    # doctest: +SKIP
+        """
+        return self.family.inspect_episode(seed, max_steps)
+
     def record_episode(self, path=None, seed: int | None = None, max_steps: int = 1000, fps: int = 20):
         """Play one deterministic evaluation episode with the current weights and write its video (MP4, the
         ``video`` extra) to ``path``, by default ``<run_dir>/videos/step_<step>.mp4``. The frames are the

@@ -431,6 +431,12 @@ class PPO(Family):
 
         return [WarmStartFirst(), RecordEvery()]
 
+    def inspect_episode(self, seed: int | None = None, max_steps: int = 1000):
+        """One deterministic episode with actor rank 0's weights, on a fresh env in the driver's process, step by
+        step (:meth:`rlnb.export.TrainedPolicy.inspect_episode`)."""
+        seed = self.session.recipe.seed + 1_000_003 if seed is None else seed  # (as record_episode's)
+        return self.trained_policy().inspect_episode(seed=seed, max_steps=max_steps)
+
     def record_episode(self, path=None, seed: int | None = None, max_steps: int = 1000, fps: int = 20):
         """One deterministic episode with actor rank 0's weights, on a fresh env in the driver's process, written
         as MP4 to ``path`` (default ``<run_dir>/videos/step_<step>.mp4``); an :class:`rlnb.video.EpisodeVideo`."""
