@@ -488,3 +488,39 @@ def test_a_solved_run_says_so_in_its_summary_and_its_progress_bar(cluster, tmp_p
     assert summary.startswith(f"solved at step {loop.step} of 50 (runner.stop_return 15 reached); step"), (
         summary
     )
+
+
+def test_a_captured_batch_is_replayed_under_other_settings_and_the_run_goes_on_as_it_would_have(
+    cluster, tmp_path
+):
+    """``loop.capture()`` gives the batch the actor holds as plain data; ``loop.replay(batch, **overrides)`` re-runs
+    the update on it on the worker as the run would and under other settings, without rolling out again, and
+    reports both; the run then trains exactly as it would have without the replay."""
+    overrides = ["runner.steps=3", "runner.tensorboard=false", "runner.eval_interval=0", "env.num_envs=4",
+                 "rollout.steps_per_rollout=32", "algorithm.update_epochs=2", "algorithm.num_minibatches=2"]  # fmt: skip
+    with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        loop.run(1, progress=False)
+        loop.sync_weights()
+        loop.rollout()
+        batch = loop.capture()
+        assert (
+            batch["obs"].shape == (32, 4, 4)
+            and batch["last_values"].shape == (4,)
+            and "advantages" not in batch
+        )
+        same = loop.replay(batch)
+        tighter = loop.replay(batch, clip_coef=0.02, lr=3e-3)
+        for bad, key in (({"clip_coef": -1.0}, "algorithm.clip_coef"), ({"clip_cof": 0.1}, "clip_cof"),
+                         ({"hidden_sizes": [8]}, "hidden_sizes")):  # fmt: skip
+            with pytest.raises(ConfigError) as e:
+                loop.replay(batch, **bad)
+            assert e.value.key == key, e.value
+        loop.advantages()
+        trained = loop.train()
+    assert same["difference"]["policy_loss"] == 0 and same["difference"]["param_change_norm"] == 0
+    as_run = tighter["as_run"]
+    # the update the run then made is the one replayed "as run": the replays left nothing behind
+    assert trained["policy_loss"] == as_run["policy_loss"] and trained["approx_kl"] == as_run["approx_kl"]
+    assert tighter["replayed"]["clip_frac"] > as_run["clip_frac"]  # a tighter clip clips more
+    assert tighter["replayed"]["param_change_norm"] != as_run["param_change_norm"]
+    assert set(tighter["difference"]) >= {"policy_loss", "approx_kl", "clip_frac", "param_change_norm", "lr"}

@@ -13,6 +13,7 @@ Example (in-process; ``PPOActor.launch(cluster, "1", ...)`` places the same on a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 
@@ -237,6 +238,73 @@ class PPOActor(ActorBase):
             for k, v in self.batch.items()
             if k != "last_values"
         }
+
+    def captured_batch(self) -> dict:
+        """This rank's whole batch as plain CPU tensors (``loop.capture()``): what the rollout collected, with
+        ``last_values`` and the policy ``version``, without the advantages (:meth:`replay` computes them again)."""
+        if self.batch is None:
+            raise RuntimeError("capture: the actor holds no batch yet; run the rollout phase first")
+        keep = (*EMBODIED_BATCH, *EMBODIED_OPTIONAL)
+        return {
+            k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
+            for k, v in self.batch.items()
+            if k in keep
+        }
+
+    REPLAY_SETTINGS = ("lr",)
+    """The actor settings :meth:`replay` may change beside the algorithm's (its other fields build the model)."""
+
+    def replay(self, batch: dict, overrides: dict) -> dict:
+        """The update on ``batch`` (:meth:`captured_batch`) run twice from this rank's state now, as the run would
+        (``as_run``) and under ``overrides`` (fields of the algorithm section: ``clip_coef``, ``ent_coef``,
+        ``policy_loss``, ``update_epochs``...; and ``lr``): each one's metrics (loss, gradient norm, KL, clip
+        fraction...) and ``param_change_norm``, how far it moved the policy, and their ``difference``. Nothing of
+        the run changes: weights, optimizer, RNGs, step, settings and batch are what they were."""
+        from rlnb.config.checks import bounds_errors
+
+        if self.world_size > 1:
+            raise ConfigError(
+                f"replay: runs one actor rank's update, and this actor has {self.world_size} (data-parallel ranks "
+                "train together)", "actor",
+            )  # fmt: skip
+        actor_fields = {f.name for f in dataclasses.fields(ActorConfig)}
+        fixed = sorted(k for k in overrides if k in actor_fields and k not in self.REPLAY_SETTINGS)
+        if fixed:
+            raise ConfigError(
+                f"replay: {fixed[0]} is not an update setting; replay changes the algorithm's fields and "
+                f"{', '.join(self.REPLAY_SETTINGS)}", fixed[0],
+            )  # fmt: skip
+        cfg, algo = with_settings(self.cfg, self.algo, overrides, "replay")
+        errors = bounds_errors(algo, "algorithm.") + bounds_errors(cfg, "actor.")
+        if errors:
+            raise ConfigError(f"replay: {errors[0]}", errors[0].split(":")[0])
+        advantage, loss = check_algorithm(self.CONTRACT, algo.advantage, algo.policy_loss)
+        saved = copy.deepcopy(self.state_dict())  # weights, optimizer, RNGs, step
+        kept = (self.cfg, self.algo, self.advantage, self.loss, self.batch, self._explained)
+        start = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
+        out = {}
+        try:
+            for name, settings in (("as_run", kept[:4]), ("replayed", (cfg, algo, advantage, loss))):
+                self.load_state_dict(copy.deepcopy(saved))  # (the optimizer would share, and update, saved's)
+                self.cfg, self.algo, self.advantage, self.loss = settings
+                for group in self.optimizer.param_groups:
+                    group["lr"] = self.cfg.lr
+                self.set_batch([batch])
+                metrics = self.train()
+                moved = sum(
+                    float((v - start[k]).float().pow(2).sum()) for k, v in self.policy.state_dict().items()
+                )
+                out[name] = {**metrics, "param_change_norm": math.sqrt(moved)}
+        finally:
+            self.cfg, self.algo, self.advantage, self.loss = kept[:4]
+            self.load_state_dict(saved)
+            self.batch, self._explained = kept[4:]
+        out["difference"] = {
+            k: out["replayed"][k] - v
+            for k, v in out["as_run"].items()
+            if isinstance(v, (int, float)) and isinstance(out["replayed"].get(k), (int, float))
+        }
+        return out
 
     # ------------------------------------------------------------------ phases
     def compute_advantages(self) -> dict:

@@ -140,6 +140,29 @@ class Loop(LoopBase):
         """
         return self.family.export(path)
 
+    def capture(self) -> dict:
+        """The batch actor rank 0 holds now (after :meth:`rollout`), whole, as plain CPU tensors: ``obs``,
+        ``actions``, ``logprobs``, ``values``, ``rewards``, ``dones``, ``last_values`` and the policy ``version``
+        that collected it; keep it, look at it, and give it to :meth:`replay`.
+
+        Example:
+            >>> loop.rollout(); batch = loop.capture()                               # doctest: +SKIP
+        """
+        return self.family.capture()
+
+    def replay(self, batch: dict, **overrides) -> dict:
+        """Re-run the update on ``batch`` (:meth:`capture`) on actor rank 0, from its state now, twice: as the run
+        would (``as_run``) and under ``overrides`` (the algorithm's fields, ``clip_coef=0.1``, ``ent_coef``,
+        ``policy_loss``, ``update_epochs``...; and ``lr``), without rolling out again. Returns each one's metrics
+        (loss, gradient norm, KL, clip fraction, ``param_change_norm``: how far the update moved the policy) and
+        their ``difference``. Nothing of the run changes: weights, optimizer, RNGs, step and settings stay as they
+        were.
+
+        Example:
+            >>> loop.replay(batch, clip_coef=0.1)["difference"]["approx_kl"]          # doctest: +SKIP
+        """
+        return self.family.replay(batch, overrides)
+
     def inspect_episode(self, seed: int | None = None, max_steps: int = 1000):
         """Play one deterministic evaluation episode with the current weights, step by step: a
         ``pandas.DataFrame`` with a row a step, the ``action``, the critic's ``value``, the action's ``logprob``,

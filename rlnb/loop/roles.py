@@ -143,6 +143,14 @@ class StreamsGeneration(Protocol):
     def stream(self, problems: list, n: int, train_version: int, groups: int, **links: Any) -> list: ...
 
 
+class Replays(Protocol):
+    """An actor that gives its batch as plain data and re-runs an update on one under other settings
+    (``loop.capture()``, ``loop.replay()``)."""
+
+    def captured_batch(self) -> dict: ...
+    def replay(self, batch: dict, overrides: dict) -> dict: ...
+
+
 class InspectsTokens(Protocol):
     """An LM rollout that shows a greedy completion token by token (``loop.inspect``)."""
 

@@ -431,6 +431,32 @@ class PPO(Family):
 
         return [WarmStartFirst(), RecordEvery()]
 
+    def capture(self) -> dict:
+        """Actor rank 0's batch as plain CPU tensors (:meth:`rlnb.Loop.capture`)."""
+        return self.session.bind_checked([self._replaying_actor().captured_batch()])[0][0]
+
+    def replay(self, batch: dict, overrides: dict) -> dict:
+        """Actor rank 0's update re-run on ``batch`` as the run would and under ``overrides``
+        (:meth:`rlnb.Loop.replay`)."""
+        if not isinstance(batch, dict) or "rewards" not in batch:
+            raise ConfigError(
+                f"replay: batch expected the dict loop.capture() gives, got {type(batch).__name__}", "batch"
+            )
+        return self.session.bind_checked([self._replaying_actor().replay(batch, overrides)])[0][0]
+
+    def _replaying_actor(self):
+        from rlnb.errors import ComponentError
+        from rlnb.loop.roles import Replays, missing
+
+        actor = self.session.groups["actor"]
+        lacking = missing(actor.cls, Replays)
+        if lacking:
+            raise ComponentError(
+                f"cannot capture or replay a batch: its class has no {', '.join(lacking)}; subclass the built-in "
+                "rlnb.components.PPOActor", actor.name, actor.cls.__name__, lacking[0],
+            )  # fmt: skip
+        return actor.on(0)
+
     def inspect_episode(self, seed: int | None = None, max_steps: int = 1000):
         """One deterministic episode with actor rank 0's weights, on a fresh env in the driver's process, step by
         step (:meth:`rlnb.export.TrainedPolicy.inspect_episode`)."""
