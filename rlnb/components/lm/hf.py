@@ -9,7 +9,7 @@ import torch
 from rlnb.components.lm.decoding import Decoder
 from rlnb.components.lm.rollout import LMRollout
 from rlnb.components.lm.streaming import StreamingPool
-from rlnb.models.lm import check_dtype, encode_prompts, load_lm, prompt_ids
+from rlnb.models.lm import cache_kwarg, check_dtype, encode_prompts, load_lm, prompt_ids
 from rlnb.runtime.rank import RankInfo
 
 
@@ -88,7 +88,9 @@ class HFRollout(StreamingPool, Decoder, LMRollout):
         rows, past = [], None
         with torch.no_grad():
             for _ in range(steps):
-                out = self.model(ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+                out = self.model(
+                    ids if past is None else ids[:, -1:], use_cache=True, **cache_kwarg(self.model, past)
+                )
                 past = out.past_key_values
                 logp = torch.log_softmax(out.logits[0, -1].float() / max(self.temperature, 1e-6), -1)  # [V]
                 token = int(logp.argmax())
