@@ -490,6 +490,9 @@ def test_a_grpo_runs_dashboard_has_panels_of_its_own_smoothed_and_a_table_of_its
     assert (
         panels["accuracy"].figure.axes[1].label == "fraction correct" and panels["accuracy"].y_scale.max <= 1
     )
+    logger.log(6, {"eval/accuracy": 0.6})
+    logger.log(7, {"eval/accuracy": 0.1})  # an evaluation every few steps: its line as logged, not smoothed
+    assert list(panels["accuracy"].lines["eval/accuracy"][0].y) == [0.6, 0.1]
     assert panels["reward"].figure.axes[0].label == "completions"
     assert dash.completions.value == ""
     logger.log_rows("completions", 5, [

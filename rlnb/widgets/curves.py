@@ -160,7 +160,7 @@ class _Panel:
                                  formats=[",.0f", "", ".4~g"])  # fmt: skip
             points = bq.Scatter(
                 x=np.zeros(0), y=np.zeros(0), scales=scales, colors=[color], default_size=14, tooltip=tip,
-                display_names=False, default_opacities=[0.35 if self.spec.smooth else 1.0],
+                display_names=False, default_opacities=[0.35 if self.spec.smooths(metric) else 1.0],
             )  # fmt: skip
             self.figure.axes[0].label = x_label
             self.lines[metric] = (line, points)
@@ -198,7 +198,9 @@ class LiveCurves(w.GridBox):
                     xs = np.fromiter((model.x(int(s)) for s in steps[drawn]), float, len(drawn))
                     line, points = panel.line(metric, model.x_label)
                     # (a noisy metric's line smoothed, TensorBoard's way; its points as logged)
-                    ys = panel.smoothed(metric, values)[drawn] if panel.spec.smooth else values[drawn]
+                    ys = (
+                        panel.smoothed(metric, values)[drawn] if panel.spec.smooths(metric) else values[drawn]
+                    )
                     with line.hold_sync():  # x and y in one message, so the page never sees them unequal
                         line.x, line.y = xs, ys
                     with points.hold_sync():

@@ -365,7 +365,7 @@ def render_curves_png(
             steps, values = zip(*points)
             xs = [x(s) for s in steps]
             finite += [v for v in values if math.isfinite(v)]
-            if spec.smooth:  # the points as logged, faint; the line smoothed
+            if spec.smooths(metric):  # the points as logged, faint; the line smoothed
                 dots = ax.plot(xs, values, linestyle="none", marker=".", alpha=0.3)
                 ax.plot(
                     xs, smoothed(values), label=short_name(metric), linewidth=1.2, color=dots[0].get_color()

@@ -29,7 +29,12 @@ class Panel:
     unless: str | None = None
     """Not shown where this metric is logged (a total loss, where the policy loss has its own panel)."""
     smooth: bool = False
-    """A noisy metric: the line is drawn smoothed (:func:`smoothed`, TensorBoard's), the points as logged."""
+    """Noisy metrics: each line is drawn smoothed (:func:`smoothed`, TensorBoard's), the points as logged; an
+    evaluation's (``eval/``, a point every few steps) is drawn as logged."""
+
+    def smooths(self, metric: str) -> bool:
+        """Whether ``metric``'s line is drawn smoothed."""
+        return self.smooth and not metric.startswith("eval/")
 
 
 _KL = Panel("KL", ("train/approx_kl", "train/kl"), "KL (nats)", smooth=True)
