@@ -508,8 +508,10 @@ def test_a_captured_batch_is_replayed_under_other_settings_and_the_run_goes_on_a
             and batch["last_values"].shape == (4,)
             and "advantages" not in batch
         )
+        fused_before = loop.groups["actor"].on(0).fused_stats().result(60)[0]
         same = loop.replay(batch)
         tighter = loop.replay(batch, clip_coef=0.02, lr=3e-3)
+        assert loop.groups["actor"].on(0).fused_stats().result(60)[0] == fused_before  # (its counters too)
         for bad, key in (({"clip_coef": -1.0}, "algorithm.clip_coef"), ({"clip_cof": 0.1}, "clip_cof"),
                          ({"hidden_sizes": [8]}, "hidden_sizes")):  # fmt: skip
             with pytest.raises(ConfigError) as e:

@@ -280,7 +280,7 @@ class PPOActor(ActorBase):
             raise ConfigError(f"replay: {errors[0]}", errors[0].split(":")[0])
         advantage, loss = check_algorithm(self.CONTRACT, algo.advantage, algo.policy_loss)
         saved = copy.deepcopy(self.state_dict())  # weights, optimizer, RNGs, step
-        kept = (self.cfg, self.algo, self.advantage, self.loss, self.batch, self._explained)
+        kept = (self.cfg, self.algo, self.advantage, self.loss, self.batch, self._explained, self.fused_steps)
         start = {k: v.detach().clone() for k, v in self.policy.state_dict().items()}
         out = {}
         try:
@@ -298,7 +298,7 @@ class PPOActor(ActorBase):
         finally:
             self.cfg, self.algo, self.advantage, self.loss = kept[:4]
             self.load_state_dict(saved)
-            self.batch, self._explained = kept[4:]
+            self.batch, self._explained, self.fused_steps = kept[4:]
         out["difference"] = {
             k: out["replayed"][k] - v
             for k, v in out["as_run"].items()
