@@ -37,7 +37,11 @@ def _widget(name: str):
     return show
 
 
-VIEWS = {"dashboard_for": _widget("dashboard_for"), "show_dashboard": _widget("show_dashboard")}
+VIEWS = {
+    "dashboard_for": _widget("dashboard_for"),
+    "show_dashboard": _widget("show_dashboard"),
+    "attached_dashboard": _widget("attached_dashboard"),
+}
 """The notebook views a loop shows (``loop.dashboard()``, ``loop.run(live=True)``): the widget layer's, wired here
 so that the loop never imports it. Replace an entry to show another front end."""
 
@@ -58,6 +62,8 @@ _LAZY = {
     "Loop": "rlnb.loop",
     "GRPOLoop": "rlnb.loop",
     "load_policy": "rlnb.export",
+    "attach": "rlnb.loop.control",
+    "AttachedRun": "rlnb.loop.control",
     "TrainedPolicy": "rlnb.export",
 }
 
@@ -102,6 +108,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AttachedRun",
     "Channel",
     "ChannelClosedError",
     "ChannelTimeoutError",
@@ -129,6 +136,7 @@ __all__ = [
     "TrainedPolicy",
     "UnknownNameError",
     "WorkerLostError",
+    "attach",
     "current_rank",
     "init_collective",
     "launch",

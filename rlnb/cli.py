@@ -12,6 +12,7 @@ import json
 import math
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from rlnb.errors import ConfigError, RlnbError
@@ -103,6 +104,8 @@ def _run(args) -> int:
         if not args.run_dir.strip():
             raise ConfigError("--run-dir: expected a directory, got an empty string", "--run-dir")
         overrides.append(f"runner.run_dir={args.run_dir}")
+    if args.detach:
+        return _detach(args, overrides)
     prestarted = False
     if not args.print_config:
         # an embedded cluster's workers (CPU or GPU) fork from a server that imports torch (seconds of a core):
@@ -128,8 +131,10 @@ def _run(args) -> int:
         print(to_yaml(recipe), end="")
         return 0
     from rlnb.loop import loop_class
+    from rlnb.loop.control import ControlServer
 
     loop = loop_class(recipe).from_recipe(recipe)
+    control = ControlServer(loop, loop.run_dir)  # (rlnb ps / attach / stop, rlnb.attach, from its user only)
     resumed = f", resumed at step {loop.step} from {loop.resumed_from.name}" if loop.resumed_from else ""
     print(
         f"rlnb: run directory {loop.run_dir} ({loop.mode}, start-up {loop.startup_s:.1f} s{resumed})",
@@ -168,11 +173,110 @@ def _run(args) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        control.close(loop.run_outcome or "failed")
         loop.close()
     # 128 + the signal, after a checkpoint: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
     if loop.stopped and stopped_by:
         return 128 + stopped_by[0]
     return 130 if loop.stopped else 0
+
+
+def _detach(args, overrides: list[str]) -> int:
+    """``rlnb run --detach``: the same command in a session of its own (no terminal, its output in
+    ``RUN_DIR/driver.log``), returned from once its driver serves the run (or said why it could not start)."""
+    import subprocess
+    from pathlib import Path
+
+    from rlnb.config import load_recipe
+    from rlnb.loop.checkpoint import default_run_dir
+    from rlnb.loop.control import CONTROL_FILE
+
+    recipe = load_recipe(args.recipe, overrides)  # (its errors said here, before anything starts)
+    run_dir = Path(recipe.runner.run_dir or default_run_dir(recipe.name))
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (run_dir / CONTROL_FILE).unlink(missing_ok=True)  # (a resumed run's: from its last driver)
+    argv = [sys.executable, "-m", "rlnb.cli", "run", args.recipe, *args.overrides, "--run-dir", str(run_dir),
+            "--no-progress", *(["--json"] if args.json else [])]  # fmt: skip
+    with open(run_dir / "driver.log", "ab") as log:
+        child = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+        )
+    deadline = (
+        time.monotonic() + recipe.cluster.start_timeout_s + 120
+    )  # (its cluster and components start first)
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            tail = (run_dir / "driver.log").read_text(errors="replace")[-3000:]
+            print(
+                f"rlnb: the detached run ended before it served (exit {child.returncode}):\n{tail}",
+                file=sys.stderr,
+            )
+            return child.returncode or 1
+        if (run_dir / CONTROL_FILE).exists():
+            print(f"rlnb: detached run {run_dir} (pid {child.pid}); follow it with `rlnb attach {run_dir}`, stop it "
+                  f"with `rlnb stop {run_dir}`, steer it from Python with rlnb.attach({str(run_dir)!r})")  # fmt: skip
+            return 0
+        time.sleep(0.2)
+    print(f"rlnb: the detached run (pid {child.pid}) did not serve within its start-up deadline; see "
+          f"{run_dir / 'driver.log'}", file=sys.stderr)  # fmt: skip
+    return 1
+
+
+def _ps(args) -> int:
+    from rlnb.loop.control import live_runs
+
+    runs = live_runs(args.root)
+    if not runs:
+        print(f"rlnb: no live runs under {args.root}")
+        return 0
+    for r in runs:
+        print(f"{r['run_dir']}  {r['recipe']}  pid {r['pid']}  step {r['step']}/{r['total']}"
+              f"{'  paused' if r['paused'] else ''}")  # fmt: skip
+    return 0
+
+
+def _attach(args) -> int:
+    """Follow a live run: a line per new metric record until it ends (Ctrl-C leaves it running)."""
+    from rlnb.loop.control import attach
+    from rlnb.metrics import format_value
+
+    run = attach(args.run_dir)
+    seen = len(run.history)
+    print(f"rlnb: attached to {run!r} (Ctrl-C leaves it running)")
+    try:
+        while True:
+            records = run.history
+            for r in records[seen:]:
+                shown = {
+                    k: v
+                    for k, v in r.items()
+                    if k not in ("step", "wall_time") and isinstance(v, (int, float))
+                }
+                print(
+                    f"step {r.get('step')}: "
+                    + ", ".join(f"{k}={format_value(v)}" for k, v in list(shown.items())[:6])
+                )
+            seen = len(records)
+            if not run.live():
+                print(f"rlnb: the run ended ({run.outcome() or 'unknown'})")
+                return 0
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("rlnb: left the run; it goes on")
+        return 0
+
+
+def _stop(args) -> int:
+    from rlnb.loop.control import attach
+
+    run = attach(args.run_dir)
+    run.stop()
+    outcome = run.wait(args.timeout_s)
+    if outcome is None and run.live():
+        print(f"rlnb: {args.run_dir} did not end within {args.timeout_s:g} s", file=sys.stderr)
+        return 1
+    print(f"rlnb: {args.run_dir} ended ({outcome or 'unknown'})")
+    return 0
 
 
 MAX_EVAL_EPISODES = 1_000_000  # as runner.eval_episodes: more is no evaluation that ends
@@ -465,7 +569,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="the result as one JSON object on stdout")
+    p.add_argument(
+        "--detach", action="store_true",
+        help="run in a session of its own, on after this command and its terminal end (its output in "
+        "RUN_DIR/driver.log); `rlnb attach`, `rlnb stop`, rlnb.attach() reach it",
+    )  # fmt: skip
     p.set_defaults(fn=_run)
+    p = sub.add_parser("ps", help="list the live runs under a directory", description="List live runs")
+    p.add_argument("root", nargs="?", default="runs", help="where the run directories are (default runs)")
+    p.set_defaults(fn=_ps)
+    p = sub.add_parser(
+        "attach",
+        help="follow a live run's progress",
+        description="Follow a live run until it ends (Ctrl-C leaves it)",
+    )
+    p.add_argument("run_dir")
+    p.set_defaults(fn=_attach)
+    p = sub.add_parser(
+        "stop", help="stop a live run at its next step, with a checkpoint", description="Stop a live run"
+    )
+    p.add_argument("run_dir")
+    p.add_argument("--timeout-s", type=_seconds, default=600.0, help="seconds to wait for it to end")
+    p.set_defaults(fn=_stop)
     p = sub.add_parser(
         "eval", help="evaluate a run's latest checkpoint", description="Evaluate a run directory"
     )

@@ -54,6 +54,7 @@ SLOW_TESTS = {
     "test_the_libero_tests_run_in_the_environment_that_has_libero",
     "test_a_warm_started_vla_learns_pixelreach_and_ppo_trains_on_from_it",
     "test_rlnb_run_vla_maniskill_warm_starts_on_the_scripted_expert_and_trains_from_the_command_line",
+    "test_a_detached_run_outlives_its_kernel_and_is_attached_steered_listed_and_stopped_from_elsewhere",
 }
 
 

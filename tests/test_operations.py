@@ -4,8 +4,10 @@ import asyncio
 import json
 import os
 import random
+import re
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -672,3 +674,100 @@ def test_processes_a_worker_started_end_when_the_cluster_closes_after_a_start_gi
     except psutil.TimeoutExpired:
         child.kill()
         pytest.fail("the child process a worker started outlived the cluster")
+
+
+KERNEL = """
+import os, signal, sys
+from rlnb.loop import Loop
+
+if __name__ == "__main__":
+    overrides = ["runner.steps=3000", "runner.stop_return=100000", "runner.eval_interval=0", "runner.tensorboard=false",
+                 "runner.save_interval=0", "env.num_envs=2", "rollout.steps_per_rollout=8", "algorithm.update_epochs=1",
+                 "algorithm.num_minibatches=1"]
+    loop = Loop.from_recipe("ppo_cartpole", overrides, run_dir=sys.argv[1])
+    loop.run(3, progress=False)
+    run = loop.detach()
+    print("DETACHED", run.status()["step"], flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # the kernel dies: the run goes on without it
+"""
+
+
+def test_a_detached_run_outlives_its_kernel_and_is_attached_steered_listed_and_stopped_from_elsewhere(
+    tmp_path,
+):
+    """``loop.detach()`` hands a notebook's run to a driver of its own (``rlnb run --detach`` resuming it from a
+    checkpoint); the kernel killed, another process attaches (``rlnb.attach``), pauses it, changes its lr,
+    resumes it; ``rlnb ps`` lists it, ``rlnb stop`` ends it with a checkpoint; its metrics hold every step once."""
+    run_dir = tmp_path / "runs" / "detached"
+    kernel = tmp_path / "kernel.py"
+    kernel.write_text(KERNEL)
+    k = subprocess.run(
+        [sys.executable, str(kernel), str(run_dir)], capture_output=True, text=True, timeout=300
+    )
+    assert k.returncode == -signal.SIGKILL and "DETACHED" in k.stdout, k.stderr[-3000:]
+    run = rlnb.attach(run_dir)
+    try:
+        run.pause()
+        deadline = time.monotonic() + 60
+        while not run.status()["paused"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # (the step under way ends, then it holds)
+        held = run.status()["step"]
+        time.sleep(1.0)
+        assert run.status()["step"] == held > 3, "a paused run went on"
+        run.set_hyperparameters(lr=1e-4)
+        with pytest.raises(rlnb.RlnbError, match="lr"):
+            run.set_hyperparameters(lr=-1.0)  # checked by its driver, said here
+        run.unpause()
+        deadline = time.monotonic() + 60
+        while run.status()["step"] < held + 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # only its owner steers it: the port's token is in a file of the owner's alone, and a wrong one is refused
+        control = run_dir / "control.json"
+        assert control.stat().st_mode & 0o077 == 0 and run_dir.stat().st_mode & 0o077 == 0
+        with socket.create_connection(
+            ("127.0.0.1", json.loads(control.read_text())["port"]), timeout=30
+        ) as conn:
+            conn.sendall(b'{"token": "guessed", "op": "stop"}\n')
+            assert b"refused" in conn.recv(4096)
+        assert not run.status()["stopping"]
+        listed = subprocess.run(
+            [*RLNB, "ps", str(tmp_path / "runs")], capture_output=True, text=True, timeout=120
+        )
+        assert str(run_dir) in listed.stdout and "ppo_cartpole" in listed.stdout, (
+            listed.stdout + listed.stderr
+        )
+        # its dashboard in this process: curves from its metrics, controls that steer it through its driver
+        dash = run.dashboard(poll_s=0.2)
+        dash.pause_button.value = True
+        deadline = time.monotonic() + 60
+        while not run.status()["paused"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert run.status()["paused"]
+        dash.pause_button.value = False
+        # `rlnb attach` follows it in a terminal, a line a step, until it ends
+        follower = subprocess.Popen([*RLNB, "attach", str(run_dir)], stdout=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while run.status()["step"] < held + 6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stopped = subprocess.run([*RLNB, "stop", str(run_dir)], capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == 0 and "ended (stopped)" in stopped.stdout, stopped.stdout + stopped.stderr
+    followed = follower.communicate(timeout=120)[0]
+    assert "rlnb: attached to AttachedRun(" in followed and "the run ended (stopped)" in followed, followed
+    assert re.search(r"^step \d+: ", followed, flags=re.M), followed
+    assert not run.live() and run.outcome() == "stopped"
+    deadline = time.monotonic() + 30
+    while dash.model.outcome is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (
+        dash.model.outcome == "stopped" and "return / reward" in dash.plots.panels and dash.model.step > held
+    )
+    with pytest.raises(rlnb.loop.control.RunNotLiveError, match="the run ended"):
+        rlnb.attach(run_dir)
+    trained = [r["step"] for r in read_metrics(run_dir) if "train/policy_loss" in r]
+    assert trained == list(range(1, len(trained) + 1)) and len(trained) > held  # every step once, none lost
+    lrs = [r["steer/lr"] for r in read_metrics(run_dir) if "steer/lr" in r]
+    assert lrs and lrs[-1] == 1e-4
+    assert complete_checkpoints(run_dir)[-1].name == f"step_{trained[-1]:06d}"  # stopped with a checkpoint
+    assert (run_dir / "driver.log").exists()

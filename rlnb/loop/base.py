@@ -408,6 +408,44 @@ class LoopBase:
         """Free the groups and channels (and the cluster, if this loop started it)."""
         self.session.close()
 
+    def detach(self, timeout_s: float | None = None):
+        """Hand the run to a driver of its own that outlives this notebook's kernel: a checkpoint now, this loop
+        closed, and ``rlnb run --detach`` resuming the run exactly from that checkpoint in a session of its own
+        (its cluster as the recipe says). Returns its :class:`rlnb.AttachedRun` to steer and watch it; any notebook
+        (or ``rlnb attach``) reaches it later with ``rlnb.attach(run_dir)``. A loop built from objects cannot
+        detach: a new process rebuilds a run from its recipe.
+
+        Example:
+            >>> run = loop.detach(); run.dashboard()                                   # doctest: +SKIP
+        """
+        import subprocess
+        import sys
+
+        from rlnb.errors import ConfigError
+        from rlnb.loop.control import attach
+
+        if self.built_from_objects:
+            raise ConfigError(
+                "detach: a loop built from objects cannot be rebuilt by another process; build it from a recipe "
+                "(Loop.from_recipe) to detach it", "detach",
+            )  # fmt: skip
+        if self.session.read_only:
+            raise ConfigError(
+                "detach: this loop is read-only (an evaluation's): there is no run to hand on", "detach"
+            )
+        run_dir = self.run_dir
+        self.save()
+        self.close()
+        argv = [sys.executable, "-m", "rlnb.cli", "run", str(run_dir / "recipe.yaml"), "runner.resume=auto",
+                "--run-dir", str(run_dir), "--detach"]  # fmt: skip
+        deadline = timeout_s if timeout_s is not None else self.recipe.cluster.start_timeout_s + 180
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=deadline)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"detach: the run's own driver did not start (exit {done.returncode}):\n{done.stderr[-3000:]}"
+            )
+        return attach(run_dir)
+
     def __enter__(self):
         return self
 

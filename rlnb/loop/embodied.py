@@ -159,7 +159,8 @@ class Loop(LoopBase):
         were.
 
         Example:
-            >>> loop.replay(batch, clip_coef=0.1)["difference"]["approx_kl"]          # doctest: +SKIP
+            >>> what_if = loop.replay(batch, clip_coef=0.1)                          # doctest: +SKIP
+            >>> what_if["difference"]                                                 # doctest: +SKIP
         """
         return self.family.replay(batch, overrides)
 

@@ -451,3 +451,35 @@ def dashboard_for(
     model.run_watch = RunWatch(model, one_run=one_run)  # (the loop holds it weakly: it lives with the model)
     loop.watch(model.run_watch)
     return Dashboard(model, title=loop.recipe.name, plot_every=plot_every, controls=loop, curves=curves)
+
+
+def attached_dashboard(run, poll_s: float = 0.5) -> Dashboard:
+    """A dashboard of a run another process drives (:class:`rlnb.loop.control.AttachedRun`): its curves from its
+    metrics file, read again every ``poll_s`` by a thread of its own until the run ends, and its controls steering
+    it through its driver."""
+    from rlnb.metrics import read_metrics
+
+    total = run.recipe.runner.steps
+    model = DashboardModel(total=total, panels=curves_for(run.recipe.family))
+    model.run_dir = run.run_dir
+    seen = 0
+
+    def follow() -> None:
+        nonlocal seen
+        while True:
+            live = run.live()
+            records = read_metrics(run.run_dir)
+            for record in records[seen:]:
+                model.update(record)
+            seen = len(records)
+            if not live:
+                model.finish(run.outcome() or "failed", model.step)
+                return
+            time.sleep(poll_s)
+
+    for record in read_metrics(run.run_dir):  # (the history first, as dashboard_for replays a loop's)
+        model.update(record)
+        seen += 1
+    dash = Dashboard(model, title=run.recipe.name, controls=run)
+    threading.Thread(target=follow, name="rlnb-attached-dashboard", daemon=True).start()
+    return dash

@@ -1,0 +1,281 @@
+"""A run's driver steered from another process: detached runs found, attached and steered from any notebook or
+terminal of the machine (``rlnb.attach``, ``rlnb ps`` / ``attach`` / ``stop``), as tmux's attach or ``ray attach``.
+
+A driver serves its run on a loopback port (:class:`ControlServer`); ``<run_dir>/control.json`` (``0600`` in the
+run's ``0700`` directory) says where, with a random token that every request carries: only the run's owner, who
+can read that file, steers it. Requests and replies are one JSON object a line.
+
+    >>> run = rlnb.attach("runs/ppo_cartpole-20261129-081500")                    # doctest: +SKIP
+    >>> run.pause(); run.set_hyperparameters(lr=1e-4); run.unpause()             # doctest: +SKIP
+    >>> run.wait()                                                                # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+
+from rlnb.errors import ConfigError, RlnbError
+
+log = logging.getLogger("rlnb")
+
+CONTROL_FILE = "control.json"
+"""Where a live driver says how to reach it, in its run directory."""
+REQUEST_BYTES = 1 << 16
+"""The longest request a driver reads (a line of JSON)."""
+CALL_TIMEOUT_S = 30.0
+"""How long a request to a driver may take, its reply included."""
+
+
+class RunNotLiveError(RlnbError):
+    """The run directory has no live driver to steer (it ended, or never served one)."""
+
+
+class ControlServer:
+    """Serves ``loop``'s steering to other processes of its user (see the module's docstring): ``status``,
+    ``pause``, ``unpause``, ``stop``, ``save``, ``set`` (hyperparameters). A thread of its own; requests act at the
+    loop's next step boundary as the dashboard's controls do."""
+
+    def __init__(self, loop, run_dir: str | os.PathLike):
+        from rlnb.files import write_private
+
+        self.loop, self.run_dir = loop, Path(run_dir)
+        self.token = secrets.token_hex(32)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.outcome: str | None = None
+        self._closed = threading.Event()
+        write_private(
+            self.run_dir / CONTROL_FILE,
+            json.dumps(
+                {
+                    "port": self.port,
+                    "token": self.token,
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "recipe": loop.recipe.name,
+                    "started": time.time(),
+                }
+            ),
+        )
+        self.thread = threading.Thread(target=self._serve, name="rlnb-control", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            with conn:
+                conn.settimeout(CALL_TIMEOUT_S)
+                try:
+                    request = json.loads(_read_line(conn))
+                    reply = self._answer(request)
+                except Exception as e:  # a bad request is answered, never ends the server
+                    reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                with contextlib.suppress(OSError):  # (a client gone before its reply)
+                    conn.sendall((json.dumps(reply) + "\n").encode())
+
+    def _answer(self, request: dict) -> dict:
+        if not isinstance(request, dict) or not hmac.compare_digest(
+            str(request.get("token", "")), self.token
+        ):
+            return {"ok": False, "error": "refused: not this run's token"}
+        loop, op = self.loop, request.get("op")
+        if op == "pause":
+            loop.pause()
+        elif op == "unpause":
+            loop.unpause()
+        elif op == "stop":
+            loop.stop()
+            loop.unpause()  # (a paused run ends too)
+        elif op == "save":
+            loop.request_save()
+        elif op == "set":
+            loop.set_hyperparameters(**dict(request.get("values") or {}))
+        elif op != "status":
+            return {"ok": False, "error": f"unknown op {op!r}"}
+        return {"ok": True, "step": loop.step, "total": loop.recipe.runner.steps, "paused": loop.paused,
+                "stopping": loop.stopped, "outcome": self.outcome}  # fmt: skip
+
+    def close(self, outcome: str | None = None) -> None:
+        """Stop serving, and leave ``control.json`` saying how the run ended (``outcome``)."""
+        from rlnb.files import write_private
+
+        self.outcome = outcome
+        self._closed.set()
+        self.thread.join(5)
+        self.sock.close()
+        with contextlib.suppress(OSError):  # (a full disk: the run's end is in its metrics all the same)
+            ended = {"pid": os.getpid(), "outcome": outcome, "ended": time.time()}
+            write_private(self.run_dir / CONTROL_FILE, json.dumps(ended))
+
+
+def _read_line(conn: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+        if len(data) > REQUEST_BYTES:
+            raise ValueError(f"a request longer than {REQUEST_BYTES} bytes")
+    return data.decode()
+
+
+class AttachedRun:
+    """A live run of another process (:func:`attach`): its metrics so far, its state, and the steering the
+    dashboard's controls give (pause, stop, save now, hyperparameters), each acting at its next step boundary.
+    ``dashboard()`` shows it live."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        from rlnb.config import load_recipe
+
+        self.run_dir = Path(run_dir)
+        if not (self.run_dir / "recipe.yaml").is_file():
+            raise ConfigError(f"run_dir: {self.run_dir} is not a run directory (no recipe.yaml)", "run_dir")
+        self.recipe = load_recipe(self.run_dir / "recipe.yaml", check=False)  # (read, not validated: it ran)
+        self._paused = False
+        self.status()  # (refused here if no driver serves it)
+
+    def _control(self) -> dict:
+        from rlnb.files import read_text_regular
+
+        path = self.run_dir / CONTROL_FILE
+        try:
+            found = json.loads(read_text_regular(path, 4096, follow=False))
+        except FileNotFoundError:
+            raise RunNotLiveError(f"{self.run_dir}: no driver serves this run (no {CONTROL_FILE})") from None
+        if "port" not in found:
+            raise RunNotLiveError(
+                f"{self.run_dir}: the run ended ({found.get('outcome') or 'its driver exited'})"
+            )
+        return found
+
+    def _call(self, op: str, **fields) -> dict:
+        found = self._control()
+        try:
+            with socket.create_connection(("127.0.0.1", found["port"]), timeout=CALL_TIMEOUT_S) as conn:
+                conn.sendall((json.dumps({"token": found["token"], "op": op, **fields}) + "\n").encode())
+                reply = json.loads(_read_line(conn) or "{}")
+        except OSError as e:
+            raise RunNotLiveError(
+                f"{self.run_dir}: its driver (pid {found.get('pid')}) does not answer ({e})"
+            ) from None
+        if not reply.get("ok"):
+            raise RlnbError(f"{self.run_dir}: {op}: {reply.get('error', 'no reply')}")
+        return reply
+
+    # ------------------------------------------------------------------ what the dashboard's controls call
+    @property
+    def step(self) -> int:
+        return self.status()["step"]
+
+    def status(self) -> dict:
+        """``step``, ``total``, ``paused``, ``stopping`` and ``outcome`` of the run now."""
+        return self._call("status")
+
+    def pause(self) -> None:
+        self._call("pause")
+
+    def unpause(self) -> None:
+        self._call("unpause")
+
+    def stop(self) -> None:
+        """End the run at its next step boundary, with a checkpoint (a paused run too)."""
+        self._call("stop")
+
+    def request_save(self) -> None:
+        self._call("save")
+
+    def set_hyperparameters(self, **values: float) -> dict:
+        """As :meth:`rlnb.Loop.set_hyperparameters`, on the run's driver (checked there, applied at its next step)."""
+        return self._call("set", values=values)
+
+    # ------------------------------------------------------------------ following it
+    @property
+    def history(self) -> list[dict]:
+        """The run's metric records so far (its ``metrics.jsonl``)."""
+        from rlnb.metrics import read_metrics
+
+        return read_metrics(self.run_dir)
+
+    def live(self) -> bool:
+        """Whether a driver still serves the run."""
+        try:
+            self.status()
+        except RunNotLiveError:
+            return False
+        return True
+
+    def wait(self, timeout_s: float | None = None, poll_s: float = 0.5) -> str | None:
+        """Wait until the run ends (at most ``timeout_s``); its outcome (``done``, ``stopped``...), ``None`` if it is
+        still running at the deadline."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.live():
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(poll_s)
+        return self.outcome()
+
+    def outcome(self) -> str | None:
+        """How the run ended, once it has (``control.json`` says), else ``None``."""
+        from rlnb.files import read_text_regular
+
+        try:
+            return json.loads(read_text_regular(self.run_dir / CONTROL_FILE, 4096, follow=False)).get(
+                "outcome"
+            )
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def dashboard(self, poll_s: float = 0.5):
+        """A live dashboard of the run (curves, phase times, latest metrics, the controls), fed from its metrics file
+        as its driver writes it."""
+        from rlnb import VIEWS
+
+        return VIEWS["attached_dashboard"](self, poll_s)
+
+    def __repr__(self) -> str:
+        try:
+            s = self.status()
+            state = f"step {s['step']}/{s['total']}{', paused' if s['paused'] else ''}"
+        except RunNotLiveError:
+            state = f"ended ({self.outcome() or 'unknown'})"
+        return f"AttachedRun({str(self.run_dir)!r}, {self.recipe.name}, {state})"
+
+
+def attach(run_dir: str | os.PathLike) -> AttachedRun:
+    """The live run in ``run_dir``, driven by another process (``rlnb run --detach``, ``loop.detach()``, or any
+    ``rlnb run``): steer it and watch it as its own notebook would (:class:`AttachedRun`).
+
+    Raises:
+        RunNotLiveError: no driver serves the run (it ended, or it is not reachable from here).
+    """
+    return AttachedRun(run_dir)
+
+
+def live_runs(root: str | os.PathLike = "runs") -> list[dict]:
+    """The runs under ``root`` (its run directories, one level down) whose driver answers: ``run_dir``, ``recipe``,
+    ``pid``, ``step``, ``total``, ``paused``."""
+    out = []
+    root = Path(root)
+    for control in sorted(root.glob(f"*/{CONTROL_FILE}")) if root.is_dir() else []:
+        try:
+            run = AttachedRun(control.parent)
+            s = run.status()
+        except (RlnbError, ConfigError, OSError, ValueError):
+            continue
+        out.append({"run_dir": str(control.parent), "recipe": run.recipe.name, "pid": run._control()["pid"],
+                    "step": s["step"], "total": s["total"], "paused": s["paused"]})  # fmt: skip
+    return out
