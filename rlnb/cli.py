@@ -193,8 +193,12 @@ def _detach(args, overrides: list[str]) -> int:
 
     recipe = load_recipe(args.recipe, overrides)  # (its errors said here, before anything starts)
     run_dir = Path(recipe.runner.run_dir or default_run_dir(recipe.name))
+    if (run_dir / CONTROL_FILE).exists() and _live(run_dir):
+        raise ConfigError(
+            f"--run-dir: {run_dir} is a live run's, driven by another process; `rlnb stop {run_dir}` ends it, or "
+            "give another directory", "--run-dir",
+        )  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    (run_dir / CONTROL_FILE).unlink(missing_ok=True)  # (a resumed run's: from its last driver)
     argv = [sys.executable, "-m", "rlnb.cli", "run", args.recipe, *args.overrides, "--run-dir", str(run_dir),
             "--no-progress", *(["--json"] if args.json else [])]  # fmt: skip
     with open(run_dir / "driver.log", "ab") as log:
@@ -212,7 +216,7 @@ def _detach(args, overrides: list[str]) -> int:
                 file=sys.stderr,
             )
             return child.returncode or 1
-        if (run_dir / CONTROL_FILE).exists():
+        if _serves(run_dir / CONTROL_FILE, child.pid):  # (not an earlier driver's file: this child's)
             print(f"rlnb: detached run {run_dir} (pid {child.pid}); follow it with `rlnb attach {run_dir}`, stop it "
                   f"with `rlnb stop {run_dir}`, steer it from Python with rlnb.attach({str(run_dir)!r})")  # fmt: skip
             return 0
@@ -220,6 +224,28 @@ def _detach(args, overrides: list[str]) -> int:
     print(f"rlnb: the detached run (pid {child.pid}) did not serve within its start-up deadline; see "
           f"{run_dir / 'driver.log'}", file=sys.stderr)  # fmt: skip
     return 1
+
+
+def _live(run_dir) -> bool:
+    """Whether a driver answers for the run in ``run_dir``."""
+    from rlnb.errors import RlnbError
+    from rlnb.loop.control import AttachedRun
+
+    try:
+        return AttachedRun(run_dir).live()
+    except (RlnbError, OSError, ValueError):
+        return False
+
+
+def _serves(control, pid: int) -> bool:
+    """Whether the run's ``control.json`` says that process ``pid`` serves it now."""
+    from rlnb.files import read_text_regular
+
+    try:
+        found = json.loads(read_text_regular(control, 4096, follow=False))
+    except (OSError, ValueError):
+        return False
+    return found.get("pid") == pid and "port" in found
 
 
 def _ps(args) -> int:

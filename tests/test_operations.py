@@ -715,6 +715,12 @@ def test_a_detached_run_outlives_its_kernel_and_is_attached_steered_listed_and_s
         held = run.status()["step"]
         time.sleep(1.0)
         assert run.status()["step"] == held > 3, "a paused run went on"
+        # a second detached driver for the same directory is refused, and leaves the live one reachable (while it is paused)
+        again = subprocess.run([*RLNB, "run", "ppo_cartpole", "--run-dir", str(run_dir), "--detach"],
+                               capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert again.returncode == 2 and "is a live run's" in again.stderr and run.live(), again.stderr[
+            -2000:
+        ]
         run.set_hyperparameters(lr=1e-4)
         with pytest.raises(rlnb.RlnbError, match="lr"):
             run.set_hyperparameters(lr=-1.0)  # checked by its driver, said here
