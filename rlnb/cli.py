@@ -216,7 +216,7 @@ def _detach(args, overrides: list[str]) -> int:
                 file=sys.stderr,
             )
             return child.returncode or 1
-        if _serves(run_dir / CONTROL_FILE, child.pid):  # (not an earlier driver's file: this child's)
+        if _serves(run_dir, child.pid):  # (not an earlier driver's file: this child's)
             print(f"rlnb: detached run {run_dir} (pid {child.pid}); follow it with `rlnb attach {run_dir}`, stop it "
                   f"with `rlnb stop {run_dir}`, steer it from Python with rlnb.attach({str(run_dir)!r})")  # fmt: skip
             return 0
@@ -237,12 +237,12 @@ def _live(run_dir) -> bool:
         return False
 
 
-def _serves(control, pid: int) -> bool:
+def _serves(run_dir, pid: int) -> bool:
     """Whether the run's ``control.json`` says that process ``pid`` serves it now."""
-    from rlnb.files import read_text_regular
+    from rlnb.loop.control import read_control
 
     try:
-        found = json.loads(read_text_regular(control, 4096, follow=False))
+        found = read_control(run_dir)
     except (OSError, ValueError):
         return False
     return found.get("pid") == pid and "port" in found
@@ -264,15 +264,15 @@ def _ps(args) -> int:
 def _attach(args) -> int:
     """Follow a live run: a line per new metric record until it ends (Ctrl-C leaves it running)."""
     from rlnb.loop.control import attach
-    from rlnb.metrics import format_value
+    from rlnb.metrics import MetricsTail, format_value
 
     run = attach(args.run_dir)
-    seen = len(run.history)
+    tail = MetricsTail(run.run_dir)
+    tail.new()  # (what it wrote before: followed from here on)
     print(f"rlnb: attached to {run!r} (Ctrl-C leaves it running)")
     try:
         while True:
-            records = run.history
-            for r in records[seen:]:
+            for r in tail.new():
                 shown = {
                     k: v
                     for k, v in r.items()
@@ -282,7 +282,6 @@ def _attach(args) -> int:
                     f"step {r.get('step')}: "
                     + ", ".join(f"{k}={format_value(v)}" for k, v in list(shown.items())[:6])
                 )
-            seen = len(records)
             if not run.live():
                 print(f"rlnb: the run ended ({run.outcome() or 'unknown'})")
                 return 0
@@ -389,11 +388,10 @@ def _export(args) -> int:
             return 0
     else:
         from rlnb.export import lm_export_from_checkpoint
-        from rlnb.loop.checkpoint import complete_checkpoints, read_loop_state
 
-        path = lm_export_from_checkpoint(args.run_dir, args.out)  # (no cluster: the actor's rank file)
-        if path is not None:
-            step = read_loop_state(complete_checkpoints(args.run_dir)[-1])["step"]
+        found = lm_export_from_checkpoint(args.run_dir, args.out)  # (no cluster: the actor's rank file)
+        if found is not None:
+            path, step = found
             print(
                 f"rlnb: exported {args.run_dir} at step {step} to {path} (no cluster started); load it with "
                 f"transformers.AutoModelForCausalLM.from_pretrained({str(path)!r})"
@@ -565,6 +563,21 @@ def _notebooks(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    """``rlnb plan``: the bytes each slot will hold (:mod:`rlnb.loop.families.grpo.plan`), before anything starts; exit 2 when a slot
+    cannot hold its part, with the levers that would fit."""
+    from rlnb.config import load_recipe
+    from rlnb.loop.families.grpo.plan import alternatives, parse_bytes, plan_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    memory = parse_bytes(args.slot_memory) if args.slot_memory else None
+    plan = plan_recipe(recipe, slot_memory_bytes=memory)
+    print(json.dumps(plan.to_dict()) if args.json else plan)
+    if not plan.fits:
+        plan.check(alternatives(recipe, slot_memory_bytes=memory))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlnb", description="Reinforcement learning, stepped in notebooks, run on Dask."
@@ -601,6 +614,22 @@ def build_parser() -> argparse.ArgumentParser:
         "RUN_DIR/driver.log); `rlnb attach`, `rlnb stop`, rlnb.attach() reach it",
     )  # fmt: skip
     p.set_defaults(fn=_run)
+    p = sub.add_parser(
+        "plan",
+        help="the memory each slot will hold, before launch",
+        description="The bytes of weights, gradients, optimizer state, reference model, activations and KV cache "
+        "each slot of a recipe's placement will hold (an LM recipe), from the model's config on the meta device; "
+        "exit 2 if a slot cannot hold them, naming the levers that would fit.",
+    )
+    p.add_argument("recipe", help="recipe file or bundled name")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.strategy=fsdp2")
+    p.add_argument(
+        "--slot-memory", default=None, metavar="SIZE",
+        help="each slot's memory, e.g. 80GB or 24GiB (default: the embedded cluster's, the machine's memory over "
+        "its workers)",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="the plan as one JSON object on stdout")
+    p.set_defaults(fn=_plan)
     p = sub.add_parser("ps", help="list the live runs under a directory", description="List live runs")
     p.add_argument("root", nargs="?", default="runs", help="where the run directories are (default runs)")
     p.set_defaults(fn=_ps)
@@ -669,7 +698,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line; ``key=value`` overrides and options of ``rlnb run`` mix in any order."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)  # bad usage exits 2 (argparse)
-    if args.command == "run":
+    if args.command in ("run", "plan"):
         unknown = [a for a in extra if "=" not in a or a.startswith("-")]
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -666,10 +666,11 @@ def lm_actor_from_checkpoint(run_dir: str | os.PathLike) -> tuple | None:
 
 def lm_export_from_checkpoint(
     run_dir: str | os.PathLike, out: str | os.PathLike | None = None
-) -> Path | None:
+) -> tuple[Path, int] | None:
     """Write the model of an LM run's latest checkpoint in Hugging Face format (as :meth:`rlnb.GRPOLoop.export`
-    does, LoRA merged) without a cluster (:func:`lm_actor_from_checkpoint`). Returns the directory, or ``None``
-    where the weights are DCP shards of several ranks (exported through the loop, whose ranks gather them).
+    does, LoRA merged) without a cluster (:func:`lm_actor_from_checkpoint`). Returns the directory and the
+    checkpoint's step, or ``None`` where the weights are DCP shards of several ranks (exported through the loop,
+    whose ranks gather them).
 
     Raises:
         rlnb.loop.CheckpointError: the run has no complete checkpoint, or it cannot be read.
@@ -677,7 +678,8 @@ def lm_export_from_checkpoint(
     found = lm_actor_from_checkpoint(run_dir)
     if found is None:
         return None
-    return Path(found[0].export_hf(str(Path(out) if out is not None else Path(run_dir) / "model")))
+    actor, _, step = found
+    return Path(actor.export_hf(str(Path(out) if out is not None else Path(run_dir) / "model"))), step
 
 
 def _latest_checkpoint(run_dir: str | os.PathLike) -> tuple:

@@ -495,12 +495,38 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    records = []
     with open(open_regular(path), encoding="utf-8", errors="replace") as f:  # (never through a link)
-        text = f.read()
+        return _parse_lines(f.read())
+
+
+def _parse_lines(text: str) -> list[dict]:
+    records = []
     for line in text.splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             continue
     return records
+
+
+class MetricsTail:
+    """Follows a run's ``metrics.jsonl`` as its driver writes it: each :meth:`new` gives the records appended since
+    the last one, whole lines only (a line still being written waits for the next call), reading only the new
+    bytes. A file replaced or cut short (a resumed run rewrites it) is read again from its start."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.offset, self.inode = 0, None
+
+    def new(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(open_regular(self.path), "rb") as f:  # (never through a link)
+            st = os.fstat(f.fileno())
+            if st.st_ino != self.inode or st.st_size < self.offset:
+                self.offset, self.inode = 0, st.st_ino
+            f.seek(self.offset)
+            data = f.read()
+        whole = data.rfind(b"\n") + 1
+        self.offset += whole
+        return _parse_lines(data[:whole].decode("utf-8", errors="replace"))

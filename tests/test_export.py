@@ -305,7 +305,9 @@ def test_an_lm_runs_export_and_eval_need_no_cluster_and_equal_the_loops(cluster,
     assert started.returncode == 0, started.stderr[-3000:]
     assert "at step 1 to" in started.stdout and "(no cluster started)" in started.stdout, started.stdout
     assert {p.relative_to(run) for p in run.rglob("*")} == before  # nothing written in the run directory
-    for exported in (tmp_path / "cli", lm_export_from_checkpoint(run, tmp_path / "here")):
+    here, step = lm_export_from_checkpoint(run, tmp_path / "here")
+    assert step == 1
+    for exported in (tmp_path / "cli", here):
         ours, theirs = (load_file(d / "model.safetensors") for d in (exported, through_loop))
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
         assert not any("lora" in k for k in ours)  # merged

@@ -6,6 +6,7 @@ import os
 import random
 import re
 import resource
+import select
 import signal
 import socket
 import subprocess
@@ -324,6 +325,32 @@ def test_the_metrics_file_kept_open_holds_every_record_as_logged_and_follows_a_t
     assert file.closed and logger._file is None
     logger.log(3, {"train/loss": 3.0})  # after close(): the file opens again, for appending
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    logger.close()
+
+
+def test_a_follower_of_the_metrics_file_reads_each_whole_record_once_and_starts_over_after_a_truncation(
+    tmp_path,
+):
+    """What `rlnb attach` and an attached dashboard read each poll: only the records new since the last poll, a
+    line being written held back until it is whole, and a file a resume rewrote (shorter) read from its start."""
+    from rlnb.metrics import MetricsTail
+
+    tail, path = MetricsTail(tmp_path), tmp_path / "metrics.jsonl"
+    assert tail.new() == []  # (no file yet)
+    logger = MetricLogger(tmp_path, tensorboard=False)
+    for step in (1, 2):
+        logger.log(step, {"train/loss": float(step)})
+    assert [r["step"] for r in tail.new()] == [1, 2] and tail.new() == []
+    with open(path, "a") as f:  # a record half written by the driver
+        f.write('{"step": 3, "train/lo')
+    assert tail.new() == []
+    with open(path, "a") as f:
+        f.write('ss": 3.0}\n')
+    assert [r["step"] for r in tail.new()] == [3]
+    logger.truncate_after(1)  # (a resume: the file replaced by its records up to step 1)
+    logger.log(2, {"train/loss": 20.0})
+    logger.log(3, {"train/loss": 30.0})  # (longer than what was read: the replacement is seen all the same)
+    assert [(r["step"], r["train/loss"]) for r in tail.new()] == [(1, 1.0), (2, 20.0), (3, 30.0)]
     logger.close()
 
 
@@ -753,13 +780,16 @@ def test_a_detached_run_outlives_its_kernel_and_is_attached_steered_listed_and_s
         dash.pause_button.value = False
         # `rlnb attach` follows it in a terminal, a line a step, until it ends
         follower = subprocess.Popen([*RLNB, "attach", str(run_dir)], stdout=subprocess.PIPE, text=True)
+        # (attached before the run goes on: a command starting on a loaded machine could find it ended)
+        assert select.select([follower.stdout], [], [], 120)[0], "rlnb attach said nothing within 120 s"
+        attached = follower.stdout.readline()
         deadline = time.monotonic() + 60
         while run.status()["step"] < held + 6 and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
         stopped = subprocess.run([*RLNB, "stop", str(run_dir)], capture_output=True, text=True, timeout=300)
     assert stopped.returncode == 0 and "ended (stopped)" in stopped.stdout, stopped.stdout + stopped.stderr
-    followed = follower.communicate(timeout=120)[0]
+    followed = attached + follower.communicate(timeout=120)[0]
     assert "rlnb: attached to AttachedRun(" in followed and "the run ended (stopped)" in followed, followed
     assert re.search(r"^step \d+: ", followed, flags=re.M), followed
     assert not run.live() and run.outcome() == "stopped"

@@ -21,6 +21,8 @@ def _run(cluster, tmp_path, name: str, extra: list[str]) -> tuple[list[dict], in
     with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / name) as loop:
         records = loop.run(progress=False)
         state_bytes = records[-1]["memory/actor_state_bytes"]
+        planned = loop.plan().actor_state_bytes  # (rlnb plan's estimate, from the config on the meta device)
+    assert abs(planned / state_bytes - 1) < 0.15, (name, planned, state_bytes)
     return records, state_bytes
 
 

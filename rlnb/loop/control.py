@@ -49,8 +49,7 @@ class ControlServer:
 
         self.loop, self.run_dir = loop, Path(run_dir)
         self.token = secrets.token_hex(32)
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
+        self.sock = socket.create_server(("127.0.0.1", 0))  # (accept blocks: close() shuts it down)
         self.port = self.sock.getsockname()[1]
         self.outcome: str | None = None
         self._closed = threading.Event()
@@ -74,7 +73,7 @@ class ControlServer:
         while not self._closed.is_set():
             try:
                 conn, _ = self.sock.accept()
-            except (TimeoutError, OSError):
+            except OSError:  # (shut down by close(); else a connection reset before it was taken)
                 continue
             with conn:
                 conn.settimeout(CALL_TIMEOUT_S)
@@ -114,11 +113,29 @@ class ControlServer:
 
         self.outcome = outcome
         self._closed.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # (wakes the blocked accept on Linux)
         self.thread.join(5)
         self.sock.close()
         with contextlib.suppress(OSError):  # (a full disk: the run's end is in its metrics all the same)
             ended = {"pid": os.getpid(), "outcome": outcome, "ended": time.time()}
             write_private(self.run_dir / CONTROL_FILE, json.dumps(ended))
+
+
+def read_control(run_dir: str | os.PathLike) -> dict:
+    """The run's ``control.json``: where its driver serves it (``port``, ``token``, ``pid``), or how it ended
+    (``outcome``). Read without following a link.
+
+    Raises:
+        FileNotFoundError: no driver ever served the run.
+        ValueError: the file is not JSON (being written, or not rlnb's).
+    """
+    from rlnb.files import read_text_regular
+
+    found = json.loads(read_text_regular(Path(run_dir) / CONTROL_FILE, 4096, follow=False))
+    if not isinstance(found, dict):
+        raise ValueError(f"{CONTROL_FILE} holds no object")
+    return found
 
 
 def _read_line(conn: socket.socket) -> str:
@@ -145,15 +162,11 @@ class AttachedRun:
         if not (self.run_dir / "recipe.yaml").is_file():
             raise ConfigError(f"run_dir: {self.run_dir} is not a run directory (no recipe.yaml)", "run_dir")
         self.recipe = load_recipe(self.run_dir / "recipe.yaml", check=False)  # (read, not validated: it ran)
-        self._paused = False
         self.status()  # (refused here if no driver serves it)
 
     def _control(self) -> dict:
-        from rlnb.files import read_text_regular
-
-        path = self.run_dir / CONTROL_FILE
         try:
-            found = json.loads(read_text_regular(path, 4096, follow=False))
+            found = read_control(self.run_dir)
         except FileNotFoundError:
             raise RunNotLiveError(f"{self.run_dir}: no driver serves this run (no {CONTROL_FILE})") from None
         if "port" not in found:
@@ -230,12 +243,8 @@ class AttachedRun:
 
     def outcome(self) -> str | None:
         """How the run ended, once it has (``control.json`` says), else ``None``."""
-        from rlnb.files import read_text_regular
-
         try:
-            return json.loads(read_text_regular(self.run_dir / CONTROL_FILE, 4096, follow=False)).get(
-                "outcome"
-            )
+            return read_control(self.run_dir).get("outcome")
         except (FileNotFoundError, ValueError):
             return None
 

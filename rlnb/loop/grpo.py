@@ -153,6 +153,20 @@ class GRPOLoop(LoopBase):
         """
         return evaluation.inspect(self.family, prompt, top_k, max_new_tokens)
 
+    def plan(self, slot_memory_bytes: int | None = None):
+        """What each slot of this run holds, estimated from the model's config (:mod:`rlnb.loop.families.grpo.plan`): the bytes of the
+        actor's weights, gradients and AdamW state, the KL reference, a micro-batch's activations, the rollout's
+        weights and KV cache, against each worker's memory limit (or ``slot_memory_bytes``). A
+        :class:`rlnb.loop.families.grpo.plan.Plan` (a table in a notebook); ``plan.check()`` refuses one that does not fit.
+
+        Example:
+            >>> loop.plan()                                                           # doctest: +SKIP
+        """
+        from rlnb.loop.families.grpo.plan import plan_recipe
+
+        slots = self.cluster.slots if self.cluster is not None else None
+        return plan_recipe(self.recipe, slots, slot_memory_bytes)
+
     def sample_group(self, group: int = 0) -> list[dict]:
         """One prompt's group of completions in the batch actor rank 0 trains on: prompt, completion, reward,
         sampling log-prob and, after :meth:`advantages`, the normalised advantage of each."""

@@ -69,7 +69,23 @@ def build_tiny_lm(
     Returns:
         The directory, loadable with :func:`load_lm` (``from_pretrained``), as a real checkpoint is.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    config, tok = tiny_lm_config(hidden_size, num_layers, num_heads, arch, max_positions)
+    cls_model = {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}[arch]
+    return _save_new(cls_model, config, tok, path, seed, dtype, device)
+
+
+def tiny_lm_config(
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    arch: str = "qwen2",
+    max_positions: int = 128,
+):
+    """``(config, tokenizer)`` of the tiny LM :func:`build_tiny_lm` makes, without making it (what
+    :mod:`rlnb.loop.families.grpo.plan` sizes before a recipe builds one)."""
+    from transformers import LlamaConfig, Qwen2Config
 
     if hidden_size % num_heads:
         raise ConfigError(
@@ -77,16 +93,14 @@ def build_tiny_lm(
         )
     tok = build_char_tokenizer(add_bos=arch == "llama")  # (each with its family's tokenizer habit)
     tok.chat_template = TINY_CHAT_TEMPLATE
-    cls_cfg, cls_model = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[
-        arch
-    ]
+    cls_cfg = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
     config = cls_cfg(
         vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=4 * hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_heads, max_position_embeddings=max_positions,
         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         tie_word_embeddings=True,
     )  # fmt: skip
-    return _save_new(cls_model, config, tok, path, seed, dtype, device)
+    return config, tok
 
 
 TINY_LM_RECORD = "rlnb_tiny_lm.json"

@@ -457,29 +457,24 @@ def attached_dashboard(run, poll_s: float = 0.5) -> Dashboard:
     """A dashboard of a run another process drives (:class:`rlnb.loop.control.AttachedRun`): its curves from its
     metrics file, read again every ``poll_s`` by a thread of its own until the run ends, and its controls steering
     it through its driver."""
-    from rlnb.metrics import read_metrics
+    from rlnb.metrics import MetricsTail
 
-    total = run.recipe.runner.steps
-    model = DashboardModel(total=total, panels=curves_for(run.recipe.family))
+    model = DashboardModel(total=run.recipe.runner.steps, panels=curves_for(run.recipe.family))
     model.run_dir = run.run_dir
-    seen = 0
+    tail = MetricsTail(run.run_dir)
 
     def follow() -> None:
-        nonlocal seen
         while True:
-            live = run.live()
-            records = read_metrics(run.run_dir)
-            for record in records[seen:]:
+            live = run.live()  # (asked first: what the run wrote before it ended is read below)
+            for record in tail.new():
                 model.update(record)
-            seen = len(records)
             if not live:
                 model.finish(run.outcome() or "failed", model.step)
                 return
             time.sleep(poll_s)
 
-    for record in read_metrics(run.run_dir):  # (the history first, as dashboard_for replays a loop's)
+    for record in tail.new():  # (the history first, as dashboard_for replays a loop's)
         model.update(record)
-        seen += 1
     dash = Dashboard(model, title=run.recipe.name, controls=run)
     threading.Thread(target=follow, name="rlnb-attached-dashboard", daemon=True).start()
     return dash
