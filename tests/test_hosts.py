@@ -9,8 +9,11 @@ the loop recovers from its last checkpoint.
 Needs root (``ip netns``); skipped with the reason elsewhere.
 """
 
+import contextlib
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -44,8 +47,8 @@ def _veth(ns: str) -> str:
     return f"{PREFIX}{ns[-1]}"  # the bridge-side end of ns's link (short: interface names are <= 15)
 
 
-@pytest.fixture
-def three_hosts(tmp_path):
+def _build_hosts() -> None:
+    """The namespaces of :data:`NAMESPACES` on one bridge, or the test skipped with the reason."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("needs root and iproute2 to build network namespaces")
     try:
@@ -63,6 +66,11 @@ def three_hosts(tmp_path):
     except (subprocess.CalledProcessError, OSError) as e:
         _teardown()
         pytest.skip(f"network namespaces are not permitted here: {getattr(e, 'stderr', '') or e}")
+
+
+@pytest.fixture
+def three_hosts(tmp_path):
+    _build_hosts()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
     scheduler = f"tcp://{NAMESPACES['sched']}:8786"
 
@@ -142,3 +150,64 @@ def test_ppo_across_three_hosts_fails_typed_when_a_link_is_cut_and_recovers_when
             assert loop.step == saved + 1
         finally:
             loop.close()
+
+
+@pytest.fixture
+def hosts():
+    _build_hosts()
+    try:
+        yield
+    finally:
+        _teardown()
+
+
+def _on(ns: str, *argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(["ip", "netns", "exec", f"{PREFIX}-{ns}", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=env)  # fmt: skip
+
+
+ATTACH = """
+import json, sys, time
+import rlnb
+run = rlnb.attach(sys.argv[1])
+run.pause()
+time.sleep(1.0)  # (the step under way ends, then it holds)
+held = run.status()
+time.sleep(1.0)
+still = run.status()
+run.unpause()
+run.stop()
+print(json.dumps({"held": held, "still": still, "outcome": run.wait(120)}))
+"""
+
+
+def test_a_run_served_on_the_network_is_attached_steered_and_stopped_from_another_host(hosts, tmp_path):
+    """``runner.control=network``: a detached ``rlnb run`` on one host, reached from another through the run
+    directory they share (a shared file system here) over TLS with the run's certificate: paused (it holds),
+    resumed, stopped with a checkpoint. Served on loopback (the default), the other host cannot reach it."""
+    rlnb_cli = [sys.executable, "-m", "rlnb.cli"]
+    for control, run_dir in (("network", tmp_path / "net"), ("loopback", tmp_path / "local")):
+        started = _on("hosta", *rlnb_cli, "run", "ppo_cartpole", "runner.steps=100000", "runner.stop_return=1e9",
+                      "runner.tensorboard=false", f"runner.control={control}", "--run-dir", str(run_dir),
+                      "--detach")  # fmt: skip
+        assert started.returncode == 0, started.stderr[-3000:]
+        try:
+            found = json.loads((run_dir / "control.json").read_text())
+            if control == "network":  # the token in clear, not TLS: closed unanswered
+                with socket.create_connection((NAMESPACES["hosta"], found["port"]), timeout=10) as plain:
+                    plain.sendall((json.dumps({"token": found["token"], "op": "stop"}) + "\n").encode())
+                    with contextlib.suppress(ConnectionResetError):
+                        assert plain.recv(4096) == b""
+            attached = _on("hostb", sys.executable, "-c", ATTACH, str(run_dir))
+        finally:
+            _on("hosta", *rlnb_cli, "stop", str(run_dir))  # (already stopped: says so)
+        if control == "loopback":
+            assert "cert" not in found and attached.returncode != 0, attached.stdout
+            assert "does not answer" in attached.stderr, attached.stderr[-2000:]
+            continue
+        assert found["addresses"] == [NAMESPACES["hosta"]] and "BEGIN CERTIFICATE" in found["cert"], found
+        assert attached.returncode == 0, attached.stderr[-3000:]
+        said = json.loads(attached.stdout.splitlines()[-1])
+        assert said["held"]["paused"] and said["still"]["step"] == said["held"]["step"], said
+        assert said["outcome"] == "stopped", said

@@ -121,6 +121,29 @@ def test_the_token_heads_log_prob_is_the_sum_over_the_actions_tokens(tiny, env):
     assert torch.equal(greedy, policy.act(obs, deterministic=True)[0])
 
 
+def test_a_checkpoint_laid_out_as_a_released_openvla_scores_its_vocabularys_last_tokens_as_actions(
+    tmp_path, env
+):
+    """OpenVLA names no action tokens: its config's ``n_action_bins`` says the vocabulary's last 256 tokens are the
+    bins. A checkpoint laid out so (no ``<act0>``..., no rlnb file beside it) loads through the same path, its
+    action ids are those last tokens, and a Box action is scored over them as the named tokens are."""
+    path = build_tiny_vla(tmp_path / "openvla", image_size=20, patch_size=4, action_tokens="last")
+    assert not (path / VLA_FILE).exists()
+    config, processor = load_vla(path, weights=False)
+    assert config.n_action_bins == 256 and "<act0>" not in processor.tokenizer.get_vocab()
+    spec = vla_spec(config, processor)
+    size = config.get_text_config().vocab_size
+    assert spec.action_token_ids == tuple(range(size - 256, size))
+    box = gym.spaces.Box(-1, 1, (2,), np.float32)
+    policy = VLAPolicy(env.observation_space, box, str(path))
+    obs = observations(env)
+    with torch.no_grad():
+        actions, logprob, _ = policy.act(obs, torch.Generator().manual_seed(0))
+        again, entropy, _ = policy(obs, actions)
+    assert actions.shape == (6, 2) and torch.allclose(logprob, again, atol=1e-5) and (entropy > 0).all()
+    assert policy.action_ids.tolist() == list(spec.action_token_ids)
+
+
 def test_a_discrete_action_is_one_token_and_the_chunk_head_a_gaussian_over_k_actions(tiny, env):
     policy = VLAPolicy(env.observation_space, env.action_space, tiny)
     assert policy.bins.discrete and policy.bins.dims == 1 and len(policy.action_ids) == 4
@@ -341,16 +364,18 @@ def test_rlnb_run_vla_maniskill_warm_starts_on_the_scripted_expert_and_trains_fr
     assert "eval/success_rate" in rows[-1], rows[-1]
 
 
+@pytest.mark.parametrize("lora", [[], ["actor.lora.rank=4", "actor.lr=0.01"]], ids=["whole", "lora"])
 def test_fsdp2_shards_the_vla_over_two_actor_ranks_and_the_rollout_and_the_export_get_it_whole(
-    cluster, tmp_path, tiny
+    cluster, tmp_path, tiny, lora
 ):
     """``actor.strategy=fsdp2`` with ``actor.model.kind=vla``: each actor rank holds a shard of the VLA's layers
     (FSDP2 over gloo here), trains its rollout ranks' batches, and the rollout samples with the whole weights
-    gathered bucket by bucket; a checkpoint goes through DCP and resumes; the export is the whole VLA."""
+    gathered bucket by bucket; a checkpoint goes through DCP and resumes; the export is the whole VLA. With LoRA
+    the adapters are sharded with their layers, and the rollout and the export get them merged."""
     from transformers import AutoModelForImageTextToText
 
     overrides = vla_overrides(tiny, "runner.steps=2", "runner.save_interval=1", "actor.strategy=fsdp2",
-                              "cluster.component_placement={'actor,rollout,env': 0-1}")  # fmt: skip
+                              "cluster.component_placement={'actor,rollout,env': 0-1}", *lora)  # fmt: skip
     with Loop.from_recipe("ppo_pixelreach", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
         loop.run(progress=False)
         row = loop.history[-1]

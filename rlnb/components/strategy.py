@@ -283,10 +283,16 @@ class Strategy:
 
     def own_state(self, policy) -> dict[str, torch.Tensor]:
         """The model's state dict under the base model's names (LoRA: the adapters merged in), sharded or not."""
+        from rlnb.models.vla import VLAPolicy
+
         if self.lora:
             from rlnb.components.lm.lora import merged_state
 
             return merged_state(policy)
+        if isinstance(
+            policy, VLAPolicy
+        ):  # (its own adapters, merged into its transformer's names, and its heads)
+            return policy.plain_state()
         return policy.state_dict()
 
     def full_state(self, policy) -> dict[str, torch.Tensor]:

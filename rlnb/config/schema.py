@@ -102,6 +102,12 @@ class RunnerConfig:
     """Also write TensorBoard event files, in ``<run_dir>/tensorboard`` (``tensorboard --logdir`` that folder)."""
     wandb_project: str | None = None
     """Log to this Weights & Biases project (needs ``wandb``)."""
+    control: Literal["loopback", "network"] = "loopback"
+    """Where ``rlnb run``'s driver serves the run's steering (``rlnb attach``, ``rlnb stop``, ``rlnb.attach``):
+    ``loopback``, to its owner's other processes on this machine; ``network``, also to other hosts of the
+    cluster's network that read the run directory (a shared file system), over TLS with a certificate made for
+    the run. Either way the token and the certificate are in the run's ``control.json`` (``0600``): only who can
+    read it steers the run."""
 
     def check(self, recipe: Recipe) -> list[str]:
         """This section's range checks and those it shares with others; every problem, as ``key: ...``."""
@@ -482,11 +488,6 @@ class ActorConfig:
             errs.append(
                 f"actor.strategy: {self.strategy} shards a transformer (an LM actor, or actor.model.kind=vla); this "
                 "embodied policy trains with ddp; set actor.strategy=ddp"
-            )
-        if recipe.family == "ppo" and vla and self.strategy == "fsdp2" and self.lora.rank:
-            errs.append(
-                "actor.lora.rank: LoRA adapters on a VLA sharded by actor.strategy=fsdp2 are not supported yet; use "
-                "one of them (LoRA with ddp, or fsdp2 without adapters)"
             )
         if self.hsdp_replicas != 1 and self.strategy != "fsdp2":
             errs.append(

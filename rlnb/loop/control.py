@@ -3,7 +3,10 @@ terminal of the machine (``rlnb.attach``, ``rlnb ps`` / ``attach`` / ``stop``), 
 
 A driver serves its run on a loopback port (:class:`ControlServer`); ``<run_dir>/control.json`` (``0600`` in the
 run's ``0700`` directory) says where, with a random token that every request carries: only the run's owner, who
-can read that file, steers it. Requests and replies are one JSON object a line.
+can read that file, steers it. With ``runner.control: network`` it serves on every interface of its host, over
+TLS with a certificate made for the run (its private key never leaves the driver's memory; the certificate, in
+``control.json``, is what a client trusts), so that other hosts reading the run directory on a shared file system
+attach too. Requests and replies are one JSON object a line.
 
     >>> run = rlnb.attach("runs/ppo_cartpole-20261129-081500")                    # doctest: +SKIP
     >>> run.pause(); run.set_hyperparameters(lr=1e-4); run.unpause()             # doctest: +SKIP
@@ -44,12 +47,20 @@ class ControlServer:
     ``pause``, ``unpause``, ``stop``, ``save``, ``set`` (hyperparameters). A thread of its own; requests act at the
     loop's next step boundary as the dashboard's controls do."""
 
-    def __init__(self, loop, run_dir: str | os.PathLike):
+    def __init__(self, loop, run_dir: str | os.PathLike, network: bool | None = None):
         from rlnb.files import write_private
 
         self.loop, self.run_dir = loop, Path(run_dir)
         self.token = secrets.token_hex(32)
-        self.sock = socket.create_server(("127.0.0.1", 0))  # (accept blocks: close() shuts it down)
+        if network is None:
+            network = loop.recipe.runner.control == "network"
+        served = {}
+        self.tls = None
+        if network:  # every interface, over TLS: the certificate in control.json is what clients trust
+            cert, self.tls = _tls_server_context()
+            served = {"addresses": _host_addresses(), "cert": cert}
+        # (accept blocks: close() shuts it down)
+        self.sock = socket.create_server(("0.0.0.0" if network else "127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.outcome: str | None = None
         self._closed = threading.Event()
@@ -63,6 +74,7 @@ class ControlServer:
                     "host": socket.gethostname(),
                     "recipe": loop.recipe.name,
                     "started": time.time(),
+                    **served,
                 }
             ),
         )
@@ -75,8 +87,14 @@ class ControlServer:
                 conn, _ = self.sock.accept()
             except OSError:  # (shut down by close(); else a connection reset before it was taken)
                 continue
+            conn.settimeout(CALL_TIMEOUT_S)
+            if self.tls is not None:
+                try:
+                    conn = self.tls.wrap_socket(conn, server_side=True)
+                except OSError:  # (not TLS, or not finished within the deadline)
+                    conn.close()
+                    continue
             with conn:
-                conn.settimeout(CALL_TIMEOUT_S)
                 try:
                     request = json.loads(_read_line(conn))
                     reply = self._answer(request)
@@ -120,6 +138,80 @@ class ControlServer:
         with contextlib.suppress(OSError):  # (a full disk: the run's end is in its metrics all the same)
             ended = {"pid": os.getpid(), "outcome": outcome, "ended": time.time()}
             write_private(self.run_dir / CONTROL_FILE, json.dumps(ended))
+
+
+def _tls_server_context():
+    """``(certificate PEM, server SSLContext)``: a self-signed certificate and key made for this run (ECDSA P-256,
+    valid 30 days); the key is loaded from a private temporary file, removed at once."""
+    import datetime
+    import ssl
+    import tempfile
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "rlnb run control")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    with tempfile.TemporaryDirectory() as tmp:  # (0700: the key readable by this user for an instant)
+        cert_file, key_file = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
+        cert_file.write_bytes(pem)
+        key_file.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        context.load_cert_chain(cert_file, key_file)
+    return pem.decode(), context
+
+
+def _host_addresses() -> list[str]:
+    """This host's IPv4 addresses but loopback's: where another host may reach the driver."""
+    import psutil
+
+    found = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+             if a.family == socket.AF_INET and not a.address.startswith("127.")]  # fmt: skip
+    return found or ["127.0.0.1"]
+
+
+def _connect(found: dict) -> socket.socket:
+    """A connection to the driver ``control.json`` describes: its loopback port, or (served on the network) each of
+    its host's addresses in turn, over TLS trusting the run's certificate alone."""
+    if "cert" not in found:
+        return socket.create_connection(("127.0.0.1", found["port"]), timeout=CALL_TIMEOUT_S)
+    import ssl
+
+    context = ssl.create_default_context(cadata=found["cert"])
+    context.check_hostname = False  # (the pinned certificate is the identity: its addresses may change)
+    last: OSError | None = None
+    for address in [
+        "127.0.0.1",
+        *found.get("addresses", []),
+    ]:  # (another host's loopback is refused, or not TLS)
+        raw = None
+        try:
+            raw = socket.create_connection((address, found["port"]), timeout=min(5.0, CALL_TIMEOUT_S))
+            raw.settimeout(CALL_TIMEOUT_S)
+            return context.wrap_socket(raw)
+        except OSError as e:  # (ssl.SSLError is one)
+            last = e
+            if raw is not None:
+                raw.close()
+    raise last or OSError("no address to reach the driver")
 
 
 def read_control(run_dir: str | os.PathLike) -> dict:
@@ -178,7 +270,7 @@ class AttachedRun:
     def _call(self, op: str, **fields) -> dict:
         found = self._control()
         try:
-            with socket.create_connection(("127.0.0.1", found["port"]), timeout=CALL_TIMEOUT_S) as conn:
+            with _connect(found) as conn:
                 conn.sendall((json.dumps({"token": found["token"], "op": op, **fields}) + "\n").encode())
                 reply = json.loads(_read_line(conn) or "{}")
         except OSError as e:

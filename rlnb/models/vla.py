@@ -47,7 +47,7 @@ VLA_FILE = "rlnb_vla.json"
 
 def build_tiny_vla(
     path: str | Path, image_size: int = 64, patch_size: int = 16, hidden_size: int = 64, num_layers: int = 2,
-    num_heads: int = 2, action_bins: int = 256, seed: int = 0,
+    num_heads: int = 2, action_bins: int = 256, seed: int = 0, action_tokens: str = "named",
 ) -> Path:  # fmt: skip
     """Build a small PaliGemma (a SigLIP vision tower and a Gemma decoder) with random weights and a local
     tokenizer (the tiny LM's characters, ``<image>`` and ``action_bins`` action tokens ``<act0>`` ...), and
@@ -58,6 +58,8 @@ def build_tiny_vla(
         patch_size: the vision tower's patch side; ``(image_size / patch_size) ** 2`` image tokens a camera.
         hidden_size, num_layers, num_heads: of both the vision tower and the decoder.
         action_bins: the action tokens: bins a continuous action dimension is cut into.
+        action_tokens: ``named`` (``<act0>``... in the tokenizer) or ``last``, as a released OpenVLA lays them
+            out: the vocabulary's last ``action_bins`` tokens, said by ``n_action_bins`` in the config.
     Returns:
         The directory, loadable with :func:`load_vla` (``AutoModelForImageTextToText.from_pretrained``).
     """
@@ -80,17 +82,19 @@ def build_tiny_vla(
         ),
         ("num_heads", num_heads >= 1 and hidden_size % num_heads == 0, "a divisor of hidden_size"),
         ("action_bins", 2 <= action_bins <= 1024, "in [2, 1024]"),
+        ("action_tokens", action_tokens in ("named", "last"), "named or last"),
     )
     for key, ok, expected in checks:
         if not ok:
             value = {"image_size": image_size, "patch_size": patch_size, "num_heads": num_heads,
-                     "action_bins": action_bins}[key]  # fmt: skip
+                     "action_bins": action_bins, "action_tokens": action_tokens}[key]  # fmt: skip
             raise ConfigError(
                 f"build_tiny_vla: {key}: expected {expected}, got {value}", f"actor.model.vla.tiny.{key}"
             )
     tok = build_char_tokenizer(add_bos=False)
+    name = ACTION_TOKEN if action_tokens == "named" else "<unused{}>"  # (OpenVLA's: tokens it never wrote)
     tok.add_special_tokens(
-        {"additional_special_tokens": [IMAGE_TOKEN] + [ACTION_TOKEN.format(i) for i in range(action_bins)]}
+        {"additional_special_tokens": [IMAGE_TOKEN] + [name.format(i) for i in range(action_bins)]}
     )
     image_tokens = (image_size // patch_size) ** 2
     vision = SiglipVisionConfig(
@@ -105,7 +109,7 @@ def build_tiny_vla(
     )  # fmt: skip
     config = PaliGemmaConfig(
         vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids(IMAGE_TOKEN),
-        projection_dim=hidden_size,
+        projection_dim=hidden_size, **({"n_action_bins": action_bins} if action_tokens == "last" else {}),
     )  # fmt: skip
     torch.manual_seed(seed)
     with hf_quiet():
@@ -118,7 +122,8 @@ def build_tiny_vla(
     with hf_quiet():
         model.save_pretrained(path)
         processor.save_pretrained(path)
-    (path / VLA_FILE).write_text(json.dumps({"action_token": ACTION_TOKEN, "action_bins": action_bins}))
+    if action_tokens == "named":
+        (path / VLA_FILE).write_text(json.dumps({"action_token": ACTION_TOKEN, "action_bins": action_bins}))
     return path
 
 
