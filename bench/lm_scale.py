@@ -19,7 +19,8 @@ of what trains: ``6 x parameters x tokens`` without LoRA; recomputation and atte
 against the peak of a large bf16 matmul measured in the same run, with a rank's threads (MFU); ``memory/actor_state_bytes`` (the
 parameters, gradients and optimizer state a rank holds); and its peak memory: on a GPU, ``memory/cuda_peak_bytes``
 of the timed update; on CPU, how far the rank's peak resident memory (``VmHWM``) rose above what it held before
-the actor launched. The last column compares the state with the first setup's.
+the actor launched. Then the state against the first setup's, and what ``rlnb plan`` said it would be (from the
+model's config on the meta device, before anything started) against what the rank held.
 """
 
 from __future__ import annotations
@@ -93,6 +94,22 @@ def grpo_batch(sequences: int, prompt: int, response: int, vocab: int) -> dict:
     }
 
 
+def planned_state_bytes(path: str, setup: str, ranks: int) -> int:
+    """What ``rlnb plan`` says an actor rank of ``setup`` will hold (weights, gradients, AdamW state), from the
+    model's config on the meta device, before anything starts."""
+    from rlnb.config import load_recipe
+    from rlnb.loop.families.grpo.plan import plan_recipe
+
+    overrides = [f"actor.model_path={path}", f"cluster.component_placement={{'actor,rollout,reward': 0-{ranks - 1}}}",
+                 f"cluster.slots={ranks}"]  # fmt: skip
+    for key, value in actor_settings(setup).items():
+        if isinstance(value, dict):
+            overrides += [f"actor.{key}.{k}={v}" for k, v in value.items()]
+        else:
+            overrides.append(f"actor.{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return plan_recipe(load_recipe("grpo_arith", overrides, check=False)).actor_state_bytes
+
+
 def one(path: str, vocab: int, setup: str, peak_flops: float, args) -> dict:
     """The slowest rank's update and the largest state and peak of ``setup``'s ranks, on a fresh cluster."""
     gpu = torch.cuda.is_available()
@@ -155,8 +172,8 @@ def main() -> None:
           f"bf16 matmul peak of a rank measured here: {peak_flops / 1e12:.2f} TFLOP/s")  # fmt: skip
     peak = "GPU peak" if gpus else "peak RSS rise"
     print(f"| model | params | trainable | setup | update s | tokens/s a rank | TFLOP/s a rank | MFU (bf16) "
-          f"| state / rank | {peak} / rank | state / first setup's |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f"| state / rank | {peak} / rank | state / first setup's | rlnb plan / state |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for size, path in scaled_models(args.sizes, big_in_bf16=True):
         vocab = len(load_tokenizer(path))
         first = None
@@ -173,7 +190,8 @@ def main() -> None:
             print(f"| {size} | {r['parameters'] / 1e6:,.2f} M | {r['trainable'] / 1e6:,.2f} M | {setup} | "
                   f"{r['update_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['flops_per_s'] / 1e12:.2f} | {r['mfu']:.1%} | "
                   f"{r['state_bytes'] / 2**30:.3f} GiB | {r['peak_gib']:.2f} GiB | "
-                  f"{r['state_bytes'] / first:.2f} |", flush=True)  # fmt: skip
+                  f"{r['state_bytes'] / first:.2f} | "
+                  f"{planned_state_bytes(path, setup, args.ranks) / r['state_bytes']:.3f} |", flush=True)  # fmt: skip
             print(
                 f"  ({setup}: {time.perf_counter() - started:.0f} s with the cluster and the load)",
                 flush=True,

@@ -85,6 +85,19 @@ def _multiprocessing_files() -> set:
     return set(Path(tempfile.gettempdir()).glob("pymp-*"))
 
 
+def _voila(notebook: Path, port: int, log_path: Path):
+    """``(server, its log file)``: Voila serving ``notebook`` on ``port``. The server's and its kernel's output go
+    to the file, read on failure (a pipe nobody reads fills up and stops whoever writes to it next: the kernel,
+    mid-run); close it after the server stopped."""
+    log = open(log_path, "wb")  # noqa: SIM115 (the caller's to close)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "voila", str(notebook), "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1",
+         "--Voila.tornado_settings={'headers': {'Content-Security-Policy': ''}}"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=_kernel_env(),
+    )  # fmt: skip
+    return server, log
+
+
 def _stop(server: subprocess.Popen) -> None:
     server.terminate()
     try:
@@ -149,15 +162,8 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
     beside, multiprocessing_files = set(NOTEBOOK.parent.iterdir()), _multiprocessing_files()
     notebook = tmp_path / NOTEBOOK.name
     shutil.copy(NOTEBOOK, notebook)
-    # the server's and its kernel's output go to a file, read on failure (a pipe nobody reads fills up and
-    # stops whoever writes to it next: the kernel, mid-run)
     log_path = tmp_path / "voila.log"
-    log = open(log_path, "wb")  # noqa: SIM115 (closed in finally, after the server stopped)
-    voila = subprocess.Popen(
-        [sys.executable, "-m", "voila", str(notebook), "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1",
-         "--Voila.tornado_settings={'headers': {'Content-Security-Policy': ''}}"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=_kernel_env(),
-    )  # fmt: skip
+    voila, log = _voila(notebook, port, log_path)
     try:
         with sync_playwright() as p:
             browser = _chromium(p)
@@ -222,6 +228,57 @@ def test_dashboard_renders_and_updates_in_chromium(tmp_path_factory):
         set(NOTEBOOK.parent.iterdir()) == beside
     )  # nothing left beside the notebook (its run is in tmp_path)
     assert _multiprocessing_files() <= multiprocessing_files  # the kernel's went with tmp_path
+
+
+def test_the_grpo_dashboard_shows_its_own_panels_and_the_completions_in_chromium(tmp_path):
+    """An LM run's dashboard in Voila: reward, held-out accuracy, response length, KL, clip fraction and tokens
+    per second (not the embodied panels), and the latest group of completions it trained on, as the
+    run trains. A screenshot goes to ``$RLNB_SCREENSHOTS`` (``docs/img/dashboard_grpo.png``), else beside the
+    test's files."""
+    import os
+
+    from playwright.sync_api import sync_playwright
+
+    shots = Path(os.environ.get("RLNB_SCREENSHOTS") or tmp_path)
+    notebook = tmp_path / "dashboard_grpo.ipynb"
+    shutil.copy(NOTEBOOK.with_name(notebook.name), notebook)
+    port, log_path = _free_port(), tmp_path / "voila.log"
+    voila, log = _voila(notebook, port, log_path)
+    try:
+        with sync_playwright() as p:
+            browser = _chromium(p)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            _open(page, f"http://127.0.0.1:{port}/")
+            label = page.get_by_text(re.compile(r"step \d+/40"))
+            label.wait_for(timeout=240_000)  # (its warm start first)
+            deadline = time.time() + 120
+            while _step(label.inner_text()) < 12 and time.time() < deadline:  # (an evaluation at step 10)
+                time.sleep(0.5)
+            titles = page.evaluate(
+                "() => Array.from(document.querySelectorAll('.bqplot .mainheading')).map(t => t.textContent)"
+            )
+            # (a panel shows once its metric is logged: entropy where the loss computes it)
+            for panel in (
+                "reward",
+                "accuracy",
+                "response length",
+                "KL",
+                "clip fraction",
+                "tokens per second",
+            ):
+                assert panel in titles, titles
+            assert "return / reward" not in titles and "value loss" not in titles, titles  # (PPO's)
+            page.get_by_text(re.compile(r"completions trained on at step \d+")).wait_for(timeout=60_000)
+            assert page.locator("table", has_text="advantage").count() >= 1
+            page.screenshot(path=str(shots / "dashboard_grpo.png"), full_page=True)
+            page.get_by_text(re.compile(r"done at step 40")).wait_for(timeout=240_000)
+            browser.close()
+    except BaseException:
+        print("the server's output, last 6000 characters:\n" + log_path.read_text(errors="replace")[-6000:])
+        raise
+    finally:
+        _stop(voila)
+        log.close()
 
 
 @contextlib.contextmanager
