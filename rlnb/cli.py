@@ -345,6 +345,40 @@ def _seconds(text: str) -> float:
     return value
 
 
+class _Waiting:
+    """On stderr, what the command is doing and for how long (a line redrawn every half second on a terminal,
+    said once elsewhere): ``rlnb eval`` and ``rlnb export`` wait on work whose progress is not theirs to count
+    (a cluster starting, episodes on a worker), and never stay silent while they do."""
+
+    def __init__(self, what: str):
+        import threading
+
+        self.what, self.t0, self.done = what, time.monotonic(), threading.Event()
+        self.thread = threading.Thread(target=self._draw, name="rlnb-waiting", daemon=True)
+
+    def _draw(self) -> None:
+        while not self.done.wait(0.5):
+            print(
+                f"\rrlnb: {self.what} ({time.monotonic() - self.t0:.0f} s)",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def __enter__(self):
+        if sys.stderr.isatty():
+            self.thread.start()
+        else:
+            print(f"rlnb: {self.what}...", file=sys.stderr, flush=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        if self.thread.is_alive():
+            self.thread.join()
+            print(f"\rrlnb: {self.what} ({time.monotonic() - self.t0:.0f} s)", file=sys.stderr, flush=True)
+
+
 def _resume(run_dir: str):
     """The loop of ``run_dir`` at its latest checkpoint, read-only: evaluating or exporting a run (maybe a
     live one) writes nothing into its directory but the export itself."""
@@ -397,9 +431,14 @@ def _export(args) -> int:
                 f"transformers.AutoModelForCausalLM.from_pretrained({str(path)!r})"
             )
             return 0
-    loop = _resume(args.run_dir)
+    with _Waiting(f"exporting {args.run_dir}: its checkpoint's components starting, then the gather"):
+        loop = _resume(args.run_dir)
+        try:
+            path = loop.export(args.out)
+        except BaseException:
+            loop.close()
+            raise
     try:
-        path = loop.export(args.out)
         how = (
             f"transformers.AutoModelForCausalLM.from_pretrained({str(path)!r})"
             if isinstance(loop, GRPOLoop)
@@ -439,9 +478,14 @@ def _eval(args) -> int:
                     + ", ".join(f"{k}={v:.3f}" for k, v in res.items())
                 )
             return 0
-    loop = _resume(args.run_dir)
+    with _Waiting(f"evaluating {args.run_dir}: its checkpoint's components starting, then its episodes"):
+        loop = _resume(args.run_dir)
+        try:
+            res = loop.evaluate(args.episodes)
+        except BaseException:
+            loop.close()
+            raise
     try:
-        res = loop.evaluate(args.episodes)
         if args.json:
             print(json.dumps({"run_dir": str(args.run_dir), "step": loop.step, **res}))
         else:

@@ -155,6 +155,7 @@ def test_rlnb_eval_and_rlnb_export_work_from_a_runs_latest_checkpoint(tmp_path):
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     scores = json.loads(evaluated.stdout)
     assert scores["step"] == 2 and scores["eval/return_mean"] > 0 and scores["run_dir"] == str(run), scores
+    assert "rlnb: evaluating" in evaluated.stderr, evaluated.stderr  # (not silent while it waits)
     bad = subprocess.run(
         [*RLNB, "eval", str(run), "--episodes", "0"], capture_output=True, text=True, timeout=60
     )
