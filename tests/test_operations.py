@@ -708,7 +708,7 @@ import os, signal, sys
 from rlnb.loop import Loop
 
 if __name__ == "__main__":
-    overrides = ["runner.steps=3000", "runner.stop_return=100000", "runner.eval_interval=0", "runner.tensorboard=false",
+    overrides = ["runner.steps=1000000", "runner.stop_return=100000", "runner.eval_interval=0", "runner.tensorboard=false",
                  "runner.save_interval=0", "env.num_envs=2", "rollout.steps_per_rollout=8", "algorithm.update_epochs=1",
                  "algorithm.num_minibatches=1"]
     loop = Loop.from_recipe("ppo_cartpole", overrides, run_dir=sys.argv[1])
@@ -732,7 +732,8 @@ def test_a_detached_run_outlives_its_kernel_and_is_attached_steered_listed_and_s
         [sys.executable, str(kernel), str(run_dir)], capture_output=True, text=True, timeout=300
     )
     assert k.returncode == -signal.SIGKILL and "DETACHED" in k.stdout, k.stderr[-3000:]
-    run = rlnb.attach(run_dir)
+    run = rlnb.attach("detached", root=tmp_path / "runs")  # (by its name, as rlnb ps lists it)
+    assert run.run_dir == run_dir
     try:
         run.pause()
         deadline = time.monotonic() + 60
@@ -742,6 +743,12 @@ def test_a_detached_run_outlives_its_kernel_and_is_attached_steered_listed_and_s
         held = run.status()["step"]
         time.sleep(1.0)
         assert run.status()["step"] == held > 3, "a paused run went on"
+        # its batch, as loop.sample() shows it in the driver's notebook, taken between steps
+        batch = run.sample(2)
+        assert batch["obs"].shape[:1] == (2,) and batch["obs"].shape[-1] == 4, {
+            k: getattr(v, "shape", v) for k, v in batch.items()
+        }
+        assert batch["actions"].shape[0] == 2 and batch["logprobs"].dtype.kind == "f"
         # a second detached driver for the same directory is refused, and leaves the live one reachable (while it is paused)
         again = subprocess.run([*RLNB, "run", "ppo_cartpole", "--run-dir", str(run_dir), "--detach"],
                                capture_output=True, text=True, timeout=300)  # fmt: skip

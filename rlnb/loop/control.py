@@ -120,6 +120,12 @@ class ControlServer:
             loop.request_save()
         elif op == "set":
             loop.set_hyperparameters(**dict(request.get("values") or {}))
+        elif op == "sample":
+            n = request.get("n", 4)
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1024:
+                return {"ok": False, "error": f"sample: n: expected an integer in [1, 1024], got {n!r}"}
+            got = loop.steer.between_steps(lambda: _sample(loop, n), CALL_TIMEOUT_S / 2)
+            return {"ok": True, "sample": _encode(got)}
         elif op != "status":
             return {"ok": False, "error": f"unknown op {op!r}"}
         return {"ok": True, "step": loop.step, "total": loop.recipe.runner.steps, "paused": loop.paused,
@@ -230,6 +236,59 @@ def read_control(run_dir: str | os.PathLike) -> dict:
     return found
 
 
+def _sample(loop, n: int):
+    """What the loop shows of its batch: an embodied loop's first ``n`` time steps (``loop.sample``), an LM loop's
+    first group of completions (``loop.sample_group``)."""
+    from rlnb.loop.grpo import GRPOLoop
+
+    return loop.sample_group(0) if isinstance(loop, GRPOLoop) else loop.sample(n)
+
+
+def _encode(value):
+    """``value`` as JSON can carry it: arrays and tensors as their bytes (base64), dtype and shape, read back by
+    :func:`_decode` (no pickle: nothing in a reply runs code)."""
+    import base64
+
+    import numpy as np
+
+    if hasattr(value, "detach"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biuf":  # (strings, objects: as lists)
+            return value.tolist()
+        data = np.ascontiguousarray(value)
+        return {"__ndarray__": base64.b64encode(data.tobytes()).decode(), "dtype": data.dtype.str,
+                "shape": list(data.shape)}  # fmt: skip
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _decode(value):
+    import base64
+
+    import numpy as np
+
+    if isinstance(value, dict) and "__ndarray__" in value:
+        dtype = np.dtype(value["dtype"])
+        if dtype.kind not in "biuf":
+            raise ValueError(f"an array of dtype {dtype} in a reply")
+        return (
+            np.frombuffer(base64.b64decode(value["__ndarray__"]), dtype=dtype).reshape(value["shape"]).copy()
+        )
+    if isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
 def _read_line(conn: socket.socket) -> str:
     data = b""
     while not data.endswith(b"\n"):
@@ -303,6 +362,12 @@ class AttachedRun:
     def request_save(self) -> None:
         self._call("save")
 
+    def sample(self, n: int = 4):
+        """What the run's loop shows of its current batch, taken by its driver between two steps: an embodied run's
+        first ``n`` time steps (``loop.sample(n)``: arrays by name), an LM run's first group of completions
+        (``loop.sample_group(0)``)."""
+        return _decode(self._call("sample", n=n)["sample"])
+
     def set_hyperparameters(self, **values: float) -> dict:
         """As :meth:`rlnb.Loop.set_hyperparameters`, on the run's driver (checked there, applied at its next step)."""
         return self._call("set", values=values)
@@ -356,14 +421,19 @@ class AttachedRun:
         return f"AttachedRun({str(self.run_dir)!r}, {self.recipe.name}, {state})"
 
 
-def attach(run_dir: str | os.PathLike) -> AttachedRun:
-    """The live run in ``run_dir``, driven by another process (``rlnb run --detach``, ``loop.detach()``, or any
-    ``rlnb run``): steer it and watch it as its own notebook would (:class:`AttachedRun`).
+def attach(run: str | os.PathLike, root: str | os.PathLike = "runs") -> AttachedRun:
+    """The live run in the directory ``run`` (or named ``run`` under ``root``, as ``rlnb ps`` lists them), driven by
+    another process (``rlnb run --detach``, ``loop.detach()``, or any ``rlnb run``): steer it and watch it as its
+    own notebook would (:class:`AttachedRun`).
 
     Raises:
         RunNotLiveError: no driver serves the run (it ended, or it is not reachable from here).
+        ConfigError: (``run_dir``) neither a run directory nor the name of one under ``root``.
     """
-    return AttachedRun(run_dir)
+    path = Path(run)
+    if not (path / "recipe.yaml").is_file() and (Path(root) / path.name / "recipe.yaml").is_file():
+        path = Path(root) / path.name
+    return AttachedRun(path)
 
 
 def live_runs(root: str | os.PathLike = "runs") -> list[dict]:

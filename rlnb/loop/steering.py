@@ -37,6 +37,7 @@ class Steering:
         self.save_requested = False
         self.stop_requested = False
         self.applied: list[dict] = []
+        self._tasks: list[tuple] = []  # (fn, Future): run in the loop's thread between steps
 
     def set_hyperparameters(self, **values: float) -> dict:
         """Check ``values`` now; apply them at the next step boundary (see :meth:`rlnb.Loop.set_hyperparameters`).
@@ -71,8 +72,41 @@ class Steering:
             self._queue.update({k: float(v) for k, v in values.items()})
             return dict(self._queue)
 
+    def between_steps(self, fn, timeout_s: float):
+        """``fn()`` run by the loop's own thread at its next step boundary (or while it is paused), when no call of
+        the run's is under way, and its result (or its exception) here within ``timeout_s``: what another thread
+        (an attached client's request) asks of the components.
+
+        Raises:
+            TimeoutError: the run reached no step boundary within ``timeout_s``.
+        """
+        from concurrent.futures import Future
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        done: Future = Future()
+        with self._lock:
+            self._tasks.append((fn, done))
+        try:
+            return done.result(timeout_s)
+        except FutureTimeout:
+            with self._lock:
+                self._tasks = [t for t in self._tasks if t[1] is not done]
+            raise TimeoutError(f"the run reached no step boundary within {timeout_s:g} s") from None
+
+    def run_tasks(self) -> None:
+        """Run what :meth:`between_steps` queued (the loop's thread, between steps)."""
+        with self._lock:
+            tasks, self._tasks = self._tasks, []
+        for fn, done in tasks:
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(fn())
+                except BaseException as e:  # (the asker's to raise)
+                    done.set_exception(e)
+
     def apply(self) -> None:
         """At a step boundary: the queued changes go to the actor ranks and into the recipe."""
+        self.run_tasks()
         with self._lock:
             changes, self._queue = self._queue, {}
         if not changes:
@@ -90,7 +124,7 @@ class Steering:
     @property
     def quiet(self) -> bool:
         """Nothing asked for between steps: no stop, save, pause or change waiting."""
-        return not (self.stop_requested or self.save_requested or self.paused or self._queue)
+        return not (self.stop_requested or self.save_requested or self.paused or self._queue or self._tasks)
 
     def pause(self) -> None:
         self._running.clear()
@@ -104,5 +138,6 @@ class Steering:
 
     def wait_while_paused(self) -> None:
         while not self._running.wait(0.1):
+            self.run_tasks()  # (held between steps: nothing of the run's under way)
             if self.stop_requested:
                 return
