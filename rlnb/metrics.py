@@ -77,6 +77,7 @@ GLOSSARY: dict[str, str] = {
     "train/rows_computed_frac": "LM actor: share of the batch's sequences that went through the update's forward and backward (actor.skip_zero_advantage leaves out those adding exactly 0).",
     "train/lr": "Learning rate used in this update (after annealing).",
     "train/epochs": "Update epochs actually run (fewer when target_kl stopped early).",
+    "train/critic_warmup": "1 while algorithm.critic_warmup_steps fits the value function alone (no policy update), then 0.",
     "train/kl": "Mean KL to the reference policy (LM, algorithm.kl_coef > 0).",
     "train/behave_weight_mean": "Decoupled PPO: mean behaviour importance weight of kept tokens.",
     "train/behave_masked_frac": "Decoupled PPO: share of tokens dropped by behave_weight_cap.",

@@ -274,3 +274,35 @@ def test_the_batch_statistics_read_in_one_go_are_those_of_the_batch_trained_on()
     other["values"] = other["returns"] + 0.5 * torch.randn(8, 4, generator=g)
     actor.batch = other
     assert actor.train()["explained_variance"] == pytest.approx(explained(other), rel=1e-5, abs=1e-6)
+
+
+def test_a_critic_warm_up_fits_the_value_function_alone_for_its_steps_then_the_policy_trains():
+    """algorithm.critic_warmup_steps=2: the first two updates leave the policy exactly as it was (no advantage, no
+    surrogate: its trunk gets no gradient) while the value function moves; the third trains both."""
+    from rlnb.components.actor import PPOActor
+
+    env = Env(make_env="CartPole-v1", num_envs=4)
+    torch.manual_seed(0)
+    settings = {"update_epochs": 2, "critic_warmup_steps": 2, "clip_vloss": False}  # (random old values)
+    actor = PPOActor({"anneal_lr": False}, settings, env.observation_space, env.action_space)
+    g = torch.Generator().manual_seed(3)
+    batch = {
+        "obs": torch.randn(8, 4, 4, generator=g), "actions": torch.randint(0, 2, (8, 4), generator=g),
+        "logprobs": torch.full((8, 4), -0.69), "values": torch.randn(8, 4, generator=g),
+        "rewards": torch.rand(8, 4, generator=g), "dones": (torch.rand(8, 4, generator=g) < 0.2).float(),
+        "last_values": torch.randn(4, generator=g), "version": 0,
+    }  # fmt: skip
+
+    def parts() -> tuple[dict, dict]:
+        named = {k: v.detach().clone() for k, v in actor.policy.named_parameters()}
+        return ({k: v for k, v in named.items() if k.startswith("actor")},
+                {k: v for k, v in named.items() if k.startswith("critic")})  # fmt: skip
+
+    for step, warming in ((1, True), (2, True), (3, False)):
+        policy, value = parts()
+        actor.set_batch([dict(batch)])  # (a batch's dict is the actor's once set)
+        out = actor.train()
+        now_policy, now_value = parts()
+        assert out["critic_warmup"] == float(warming)
+        assert any(not torch.equal(v, now_value[k]) for k, v in value.items()), step
+        assert all(torch.equal(v, now_policy[k]) for k, v in policy.items()) == warming, step

@@ -358,6 +358,9 @@ class PPOActor(ActorBase):
         if "loss_mask" in b:  # steps held after an episode's end did nothing: they leave the loss
             keep = b["loss_mask"].reshape(-1) > 0
             flat = {k: v[keep] for k, v in flat.items()}
+        warming = self.step < algo.critic_warmup_steps  # the value function alone: no advantage, no surrogate
+        if warming:
+            flat["advantages"] = torch.zeros_like(flat["advantages"])
         self._fused_now = self._fused_step()
         if "prox_logprobs" in self.loss.needs:  # the policy at the start of this update (decoupled PPO)
             with torch.no_grad():
@@ -387,6 +390,8 @@ class PPOActor(ActorBase):
         self.step += 1
         out = {k: sum(m[k] for m in history) / len(history) for k in (history[0] if history else ())}
         out.update(epochs=epochs_run, lr=self.optimizer.param_groups[0]["lr"], compute_s=compute_s)
+        if algo.critic_warmup_steps:
+            out["critic_warmup"] = float(warming)
         if self.step_compiler is not None:
             out.update(self.step_compiler.report())  # compile time, once, apart from training time
         # 1 - Var[returns - values] / Var[returns], its variances read with the batch's other statistics where

@@ -167,6 +167,11 @@ class AlgorithmConfig:
     """Gradient clipping norm."""
     target_kl: float | None = bounded(None, 0, 1e6, low_open=True)
     """Stop the epochs early once the approximate KL exceeds this."""
+    critic_warmup_steps: int = bounded(0, 0, 1_000_000)
+    """Embodied PPO: the first this many training steps fit the value function alone (their advantages zeroed, so
+    the policy's surrogate adds nothing), so that the first policy updates after a warm start take advantages from
+    a value function fitted to the warm-started policy's returns rather than an untrained head's (VLA-RL's and
+    RLinf's critic warm-up). Logged as ``train/critic_warmup``."""
     behave_weight_cap: float | None = bounded(None, 1, 1e9, low_open=True)
     """Decoupled PPO (``policy_loss: decoupled_ppo``): drop samples whose behaviour importance weight
     ``pi_prox / pi_behave`` exceeds this (AReaL uses 5); empty: no cap."""
@@ -218,6 +223,11 @@ class AlgorithmConfig:
                 f"algorithm.dynamic_sampling: it samples more prompts until a synchronous step's batch has enough "
                 f"groups with a learning signal; with algorithm.max_staleness={a.max_staleness} (asynchronous) groups "
                 "are trained as they finish. Set one of them off"
+            )
+        if recipe.family != "ppo" and isinstance(a.critic_warmup_steps, int) and a.critic_warmup_steps:
+            errs.append(
+                f"algorithm.critic_warmup_steps: {a.critic_warmup_steps} fits an embodied policy's value function "
+                f"first; the {recipe.family} family has none. Set it to 0"
             )
         if a.dynamic_sampling is True and recipe.family == "ppo":
             errs.append(
