@@ -36,6 +36,8 @@ REQUEST_BYTES = 1 << 16
 """The longest request a driver reads (a line of JSON)."""
 CALL_TIMEOUT_S = 30.0
 """How long a request to a driver may take, its reply included."""
+HANDSHAKE_TIMEOUT_S = 5.0
+"""How long a driver served on the network waits for a connection's TLS handshake."""
 
 
 class RunNotLiveError(RlnbError):
@@ -87,13 +89,14 @@ class ControlServer:
                 conn, _ = self.sock.accept()
             except OSError:  # (shut down by close(); else a connection reset before it was taken)
                 continue
-            conn.settimeout(CALL_TIMEOUT_S)
-            if self.tls is not None:
+            if self.tls is not None:  # (a handshake of its own deadline: anyone on the network can connect)
+                conn.settimeout(HANDSHAKE_TIMEOUT_S)
                 try:
                     conn = self.tls.wrap_socket(conn, server_side=True)
                 except OSError:  # (not TLS, or not finished within the deadline)
                     conn.close()
                     continue
+            conn.settimeout(CALL_TIMEOUT_S)
             with conn:
                 try:
                     request = json.loads(_read_line(conn))

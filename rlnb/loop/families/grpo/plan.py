@@ -216,6 +216,12 @@ def plan_recipe(recipe, slots=None, slot_memory_bytes: int | None = None) -> Pla
         if slot in rollout_slots:
             parts.update(rollout)
         out.append(SlotPlan(slot, on, parts, capacity.get(slot, 0)))
+    if slots is None and recipe.cluster.address:
+        lm.notes.append(
+            f"the cluster at {recipe.cluster.address} was not asked: {count} slots of "
+            + ("--slot-memory" if slot_memory_bytes else "this machine's memory over them")
+            + " assumed (loop.plan() reads its workers' memory limits)"
+        )
     return Plan(recipe.name, lm.setup(len(actor_slots)), lm.parameters, lm.trainable, out, lm.notes)
 
 
