@@ -379,6 +379,18 @@ class _Waiting:
             print(f"\rrlnb: {self.what} ({time.monotonic() - self.t0:.0f} s)", file=sys.stderr, flush=True)
 
 
+def _through_loop(run_dir: str, doing: str, then: str, act) -> tuple:
+    """``(loop, act(loop))``: the run's loop resumed read-only and ``act`` done on it, saying on stderr what it waits
+    on meanwhile; the loop closed if either fails (else the caller's to close)."""
+    with _Waiting(f"{doing} {run_dir}: its checkpoint's components starting, then {then}"):
+        loop = _resume(run_dir)
+        try:
+            return loop, act(loop)
+        except BaseException:
+            loop.close()
+            raise
+
+
 def _resume(run_dir: str):
     """The loop of ``run_dir`` at its latest checkpoint, read-only: evaluating or exporting a run (maybe a
     live one) writes nothing into its directory but the export itself."""
@@ -431,13 +443,7 @@ def _export(args) -> int:
                 f"transformers.AutoModelForCausalLM.from_pretrained({str(path)!r})"
             )
             return 0
-    with _Waiting(f"exporting {args.run_dir}: its checkpoint's components starting, then the gather"):
-        loop = _resume(args.run_dir)
-        try:
-            path = loop.export(args.out)
-        except BaseException:
-            loop.close()
-            raise
+    loop, path = _through_loop(args.run_dir, "exporting", "the gather", lambda loop: loop.export(args.out))
     try:
         how = (
             f"transformers.AutoModelForCausalLM.from_pretrained({str(path)!r})"
@@ -478,13 +484,9 @@ def _eval(args) -> int:
                     + ", ".join(f"{k}={v:.3f}" for k, v in res.items())
                 )
             return 0
-    with _Waiting(f"evaluating {args.run_dir}: its checkpoint's components starting, then its episodes"):
-        loop = _resume(args.run_dir)
-        try:
-            res = loop.evaluate(args.episodes)
-        except BaseException:
-            loop.close()
-            raise
+    loop, res = _through_loop(
+        args.run_dir, "evaluating", "its episodes", lambda loop: loop.evaluate(args.episodes)
+    )
     try:
         if args.json:
             print(json.dumps({"run_dir": str(args.run_dir), "step": loop.step, **res}))
