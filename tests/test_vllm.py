@@ -142,12 +142,19 @@ else:
             Path(engine._weights_dir or "/nonexistent").glob("*")
         )  # every bucket read and removed
 
-    def test_a_head_size_vllms_cpu_attention_cannot_run_is_refused_before_the_engine_starts(tmp_path):
+    def test_a_head_size_vllms_cpu_attention_cannot_run_is_refused_before_the_engine_starts(
+        cluster, tmp_path
+    ):
+        """In the rollout, and from a recipe before anything launches (the flagship's tiny LM has heads of 16)."""
         if DEVICE == "cuda":
             pytest.skip("the CPU build's head sizes")
         small = str(build_tiny_lm(tmp_path / "heads16", hidden_size=32, num_layers=1, num_heads=2))
         with pytest.raises(ConfigError, match="actor.model_path: .* attention heads of size 16"):
             VLLMRollout(small, device="cpu")
+        overrides = ["rollout.backend=vllm", f"actor.model_path={tmp_path / 'recipe'}",
+                     "cluster.component_placement={'actor,rollout,reward': 0}"]  # fmt: skip
+        with pytest.raises(ConfigError, match="attention heads of size 16.*actor.tiny_lm.hidden_size=128"):
+            GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run")
 
     def test_a_bf16_checkpoint_samples_in_bf16_and_syncs_without_warnings(tmp_path, capfd):
         """A checkpoint saved in bf16, as real ones are published: the engine (``dtype: auto``) holds it in bf16,

@@ -130,7 +130,7 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _check_cpu_head_size(model_path: str, config) -> None:
+def check_cpu_head_size(model_path: str, config) -> None:
     """vLLM's CPU attention runs a few head sizes only: refuse another before the engine starts (it would fail at
     its first step), naming what to change."""
     try:
@@ -224,7 +224,7 @@ class VLLMRollout(LMRollout):
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(model_path)
-            _check_cpu_head_size(model_path, config)
+            check_cpu_head_size(model_path, config)
             kv_cache = kv_cache or cpu_kv_cache_bytes(config, c)
         self.llm = LLM(
             model=model_path, tokenizer=model_path, seed=self.seed, dtype=c.dtype, enforce_eager=c.enforce_eager,

@@ -155,6 +155,15 @@ class GRPO(Family):
             if mismatch:
                 raise ConfigError(mismatch, "actor.tiny_lm")
         self.model_path = resolve_model(path, "actor.model_path")  # before any worker starts
+        s = self.session
+        if recipe.rollout.backend == "vllm" and any(
+            not s.cluster.slots[i].device.startswith("cuda") for i in s.placement["rollout"]
+        ):  # (vLLM's CPU attention runs a few head sizes: said here, not by the engine on its worker)
+            from transformers import AutoConfig
+
+            from rlnb.components.lm.vllm import check_cpu_head_size
+
+            check_cpu_head_size(self.model_path, AutoConfig.from_pretrained(self.model_path))
         self.task, self.chat = recipe_task(recipe, self.model_path)
 
     def launch(self) -> None:
