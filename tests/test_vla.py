@@ -144,6 +144,22 @@ def test_a_checkpoint_laid_out_as_a_released_openvla_scores_its_vocabularys_last
     assert policy.action_ids.tolist() == list(spec.action_token_ids)
 
 
+@pytest.mark.parametrize("detached", [False, True])
+def test_a_detached_critic_trains_its_head_alone_and_never_moves_the_vla(tiny, env, detached):
+    """``actor.model.vla.critic_detached``: the value's gradient reaches the value head and stops at the VLA's
+    hidden state; shared (the default), it reaches the VLA's layers too."""
+    policy = VLAPolicy(env.observation_space, env.action_space, tiny, critic_detached=detached)
+    _, _, value = policy(observations(env, 2), torch.zeros(2, dtype=torch.long))
+    value.sum().backward()
+    reached = [
+        n
+        for n, p in policy.named_parameters()
+        if n.startswith("vla.") and p.grad is not None and p.grad.any()
+    ]
+    assert all(p.grad is not None and p.grad.any() for p in policy.value_head.parameters())
+    assert (not reached) == detached, reached[:3]
+
+
 def test_a_discrete_action_is_one_token_and_the_chunk_head_a_gaussian_over_k_actions(tiny, env):
     policy = VLAPolicy(env.observation_space, env.action_space, tiny)
     assert policy.bins.discrete and policy.bins.dims == 1 and len(policy.action_ids) == 4

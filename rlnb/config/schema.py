@@ -312,6 +312,11 @@ class VLAConfig:
     """The observations' text part holding the task's instruction; empty: the first text part."""
     default_instruction: str = ""
     """The instruction where the observations hold none (an env without a text part)."""
+    critic_detached: bool = False
+    """The value head reads the VLA's last hidden state without its gradient reaching the VLA: the value loss
+    trains the head alone and never moves the policy (the value loss's gradients through a tiny VLA were seen to
+    raise its action tokens' entropy and undo its warm start: ``docs/benchmarks.md``). ``false``: shared, as
+    RLinf's OpenVLA PPO."""
 
 
 @dataclass

@@ -360,14 +360,16 @@ class VLAPolicy(nn.Module):
         cameras: the image parts read, in order (default: every image part).
         instruction: the text part holding the instruction (default: the first text part); ``""`` with no text
             part: a fixed ``default_instruction``.
+        critic_detached: the value head's gradient stops at the VLA's hidden state (``actor.model.vla``'s).
     """
 
     def __init__(
         self, obs_space: gym.Space, act_space: gym.Space, path: str, head: str = "tokens",
         cameras: list[str] | tuple[str, ...] = (), instruction: str = "", default_instruction: str = "",
-        device: str = "cpu",
+        device: str = "cpu", critic_detached: bool = False,
     ):  # fmt: skip
         super().__init__()
+        self.critic_detached = critic_detached
         key = "actor.model.vla"
         self.vla, processor = load_vla(path, device, f"{key}.path")
         # SigLIP's pooling head, which a VLA reads past (it takes the patches' states): frozen, so that no optimizer,
@@ -539,6 +541,9 @@ class VLAPolicy(nn.Module):
     def _features(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         return torch.cat([hidden.float(), state], -1)
 
+    def _value(self, feat: torch.Tensor) -> torch.Tensor:
+        return self.value_head(feat.detach() if self.critic_detached else feat).squeeze(-1)
+
     def _bin_logp(self, logits: torch.Tensor, state: torch.Tensor, dims: slice | int) -> torch.Tensor:
         """The log-softmax over the bins of action dimension(s) ``dims``: ``logits [B, V]`` (one dimension) or
         ``[B, D, V]`` (all), plus the proprioception's part."""
@@ -556,7 +561,7 @@ class VLAPolicy(nn.Module):
     def value(self, obs: torch.Tensor) -> torch.Tensor:  # [B, nbytes] -> [B]
         ids, mask, pixels, state = self._inputs(obs)
         hidden = self._run(ids, mask, pixels, prompt_length=ids.shape[1])[0][:, -1]
-        return self.value_head(self._features(hidden, state)).squeeze(-1)
+        return self._value(self._features(hidden, state))
 
     def act(self, obs: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = False):
         """Sample actions: ``(actions, logprob [B], value [B])``; the ``tokens`` head decodes one token a dimension
@@ -566,7 +571,7 @@ class VLAPolicy(nn.Module):
             ids, mask, pixels, use_cache=self.head_kind == "tokens", prompt_length=ids.shape[1]
         )
         feat = self._features(hidden[:, -1], state)
-        value = self.value_head(feat).squeeze(-1)
+        value = self._value(feat)
         if self.head_kind == "chunk":
             dist = self._normal(feat)
             flat = (
@@ -603,7 +608,7 @@ class VLAPolicy(nn.Module):
             mask = torch.cat([mask, mask.new_ones(bins[:, :-1].shape)], 1)
         hidden, _ = self._run(ids, mask, pixels, prompt_length=length)
         feat = self._features(hidden[:, length - 1], state)
-        value = self.value_head(feat).squeeze(-1)
+        value = self._value(feat)
         if self.head_kind == "chunk":
             dist = self._normal(feat)
             flat = actions.reshape(actions.shape[0], -1).float()
