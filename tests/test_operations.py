@@ -328,6 +328,25 @@ def test_the_metrics_file_kept_open_holds_every_record_as_logged_and_follows_a_t
     logger.close()
 
 
+def test_a_runs_control_file_is_replaced_whole_so_a_reader_never_sees_it_half_written(tmp_path):
+    """rlnb stop read control.json while its driver rewrote it at the run's end (an empty file: a JSON error, seen
+    in CI under load): the driver now writes a new file and renames it over the old."""
+    import types
+
+    from rlnb.loop.control import ControlServer, read_control
+
+    loop = types.SimpleNamespace(
+        recipe=types.SimpleNamespace(name="x", runner=types.SimpleNamespace(control="loopback"))
+    )
+    server = ControlServer(loop, tmp_path)
+    served = (tmp_path / "control.json").stat()
+    assert "port" in read_control(tmp_path) and served.st_mode & 0o777 == 0o600
+    server.close("done")
+    ended = (tmp_path / "control.json").stat()
+    assert ended.st_ino != served.st_ino and read_control(tmp_path)["outcome"] == "done"
+    assert ended.st_mode & 0o777 == 0o600 and sorted(p.name for p in tmp_path.iterdir()) == ["control.json"]
+
+
 def test_a_follower_of_the_metrics_file_reads_each_whole_record_once_and_starts_over_after_a_truncation(
     tmp_path,
 ):

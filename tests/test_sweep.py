@@ -43,6 +43,7 @@ SWEEP = {
     "actor.model.shared_trunk": (PPO, []),
     "actor.model.vla.build_if_missing": (PPO, []),  # (the VLA on workers: tests/test_vla.py)
     "actor.model.vla.head": (PPO, []),
+    "actor.model.vla.critic_detached": (PPO, []),  # (both ways on a VLA: tests/test_vla.py)
     "actor.anneal_lr": (PPO, []),
     "actor.compile": (PPO, []),
     "actor.fused_step": (PPO, []),
@@ -75,6 +76,7 @@ COVERED_ELSEWHERE = {
     "algorithm.policy_loss",
     "runner.overwrite",  # tests/test_trust.py (a run directory holding a run)
     "runner.resume_fallback",  # tests/test_isolation.py (an unreadable latest checkpoint)
+    "runner.control",  # read by rlnb run: tests/test_hosts.py (network, across hosts), test_operations.py (loopback)
 }
 # the choices refused on this machine (no GPU, no vLLM): each must be refused naming its key before any step;
 # every other choice must train a step
@@ -90,6 +92,7 @@ REFUSED = {
     # a VLA's settings, with the MLP policy: nothing would read them
     ("actor.model.vla.build_if_missing", False),
     ("actor.model.vla.head", "chunk"),
+    ("actor.model.vla.critic_detached", True),
     ("actor.build_if_missing", False),  # ./model is not there and nothing may build it
     # the vllm engine's settings, with the hf backend: nothing would read them (tests/test_vllm.py runs them)
     *(("rollout.vllm.dtype", d) for d in ("float32", "bfloat16", "float16")),

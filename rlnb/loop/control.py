@@ -50,7 +50,6 @@ class ControlServer:
     loop's next step boundary as the dashboard's controls do."""
 
     def __init__(self, loop, run_dir: str | os.PathLike, network: bool | None = None):
-        from rlnb.files import write_private
 
         self.loop, self.run_dir = loop, Path(run_dir)
         self.token = secrets.token_hex(32)
@@ -66,19 +65,17 @@ class ControlServer:
         self.port = self.sock.getsockname()[1]
         self.outcome: str | None = None
         self._closed = threading.Event()
-        write_private(
-            self.run_dir / CONTROL_FILE,
-            json.dumps(
-                {
-                    "port": self.port,
-                    "token": self.token,
-                    "pid": os.getpid(),
-                    "host": socket.gethostname(),
-                    "recipe": loop.recipe.name,
-                    "started": time.time(),
-                    **served,
-                }
-            ),
+        _write_control(
+            self.run_dir,
+            {
+                "port": self.port,
+                "token": self.token,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "recipe": loop.recipe.name,
+                "started": time.time(),
+                **served,
+            },
         )
         self.thread = threading.Thread(target=self._serve, name="rlnb-control", daemon=True)
         self.thread.start()
@@ -136,7 +133,6 @@ class ControlServer:
 
     def close(self, outcome: str | None = None) -> None:
         """Stop serving, and leave ``control.json`` saying how the run ended (``outcome``)."""
-        from rlnb.files import write_private
 
         self.outcome = outcome
         self._closed.set()
@@ -145,8 +141,7 @@ class ControlServer:
         self.thread.join(5)
         self.sock.close()
         with contextlib.suppress(OSError):  # (a full disk: the run's end is in its metrics all the same)
-            ended = {"pid": os.getpid(), "outcome": outcome, "ended": time.time()}
-            write_private(self.run_dir / CONTROL_FILE, json.dumps(ended))
+            _write_control(self.run_dir, {"pid": os.getpid(), "outcome": outcome, "ended": time.time()})
 
 
 def _tls_server_context():
@@ -221,6 +216,15 @@ def _connect(found: dict) -> socket.socket:
             if raw is not None:
                 raw.close()
     raise last or OSError("no address to reach the driver")
+
+
+def _write_control(run_dir: Path, found: dict) -> None:
+    """``control.json`` replaced whole (``0600``): a reader never sees it half written."""
+    from rlnb.files import write_private
+
+    tmp = run_dir / f".{CONTROL_FILE}.{os.getpid()}.tmp"
+    write_private(tmp, json.dumps(found))
+    os.replace(tmp, run_dir / CONTROL_FILE)  # (replaces a link planted there, never writes through it)
 
 
 def read_control(run_dir: str | os.PathLike) -> dict:
