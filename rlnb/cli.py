@@ -356,14 +356,14 @@ class _Waiting:
         self.what, self.t0, self.done = what, time.monotonic(), threading.Event()
         self.thread = threading.Thread(target=self._draw, name="rlnb-waiting", daemon=True)
 
+    def _line(self, end: str = "") -> None:
+        print(
+            f"\rrlnb: {self.what} ({time.monotonic() - self.t0:.0f} s)", end=end, file=sys.stderr, flush=True
+        )
+
     def _draw(self) -> None:
         while not self.done.wait(0.5):
-            print(
-                f"\rrlnb: {self.what} ({time.monotonic() - self.t0:.0f} s)",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
+            self._line()
 
     def __enter__(self):
         if sys.stderr.isatty():
@@ -376,7 +376,7 @@ class _Waiting:
         self.done.set()
         if self.thread.is_alive():
             self.thread.join()
-            print(f"\rrlnb: {self.what} ({time.monotonic() - self.t0:.0f} s)", file=sys.stderr, flush=True)
+            self._line("\n")
 
 
 def _through_loop(run_dir: str, doing: str, then: str, act) -> tuple:

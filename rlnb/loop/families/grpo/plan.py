@@ -14,9 +14,11 @@ or ``--slot-memory``) is refused naming ``cluster.component_placement``, with th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlnb.components.lm.vllm import _head_dim
 from rlnb.errors import ConfigError
 
 PARTS = {
@@ -133,8 +135,7 @@ class Plan:
             f"cluster.component_placement: slot {s.slot} ({','.join(s.components)}) would hold "
             f"{_size(s.total_bytes)}, more than its {_size(s.capacity_bytes)} of memory ({self.setup}). "
             + (f"These would fit: {'; '.join(fits[:3])}" if fits else "None of FSDP2, bf16, activation "
-               "checkpointing and LoRA fits it, alone or together: more slots, or slots with more memory")
-            + "",
+               "checkpointing and LoRA fits it, alone or together: more slots, or slots with more memory"),
             "cluster.component_placement",
         )  # fmt: skip
 
@@ -346,8 +347,10 @@ class _LMShapes:
         out["activations"] = self._activations(ranks)
         return out
 
+    @functools.cached_property
     def _longest(self) -> tuple[int, int]:
-        """The longest prompt in tokens, and the longest sequence a row trains on."""
+        """The longest prompt in tokens, and the longest sequence a row trains on (read once: it tokenises every
+        prompt)."""
         from rlnb.loop.families.grpo.data import recipe_task
         from rlnb.models.lm import prompt_ids
 
@@ -370,7 +373,7 @@ class _LMShapes:
         r = self.recipe
         rows_per_rank = max(1, r.data.prompts_per_step * r.algorithm.group_size // ranks)
         rows = min(r.actor.micro_batch_size, max(1, rows_per_rank // r.algorithm.num_minibatches))
-        _, seq = self._longest()
+        _, seq = self._longest
         half = torch.bfloat16 if r.actor.dtype == "bfloat16" else None
         kept = _saved_bytes(self.model, rows, seq, half)
         if self.plain is not None:
@@ -385,7 +388,7 @@ class _LMShapes:
         weights = sum(p.numel() for n, p in self.model.named_parameters() if ".lora_" not in n) * item
         c = self.config
         heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        head_dim = _head_dim(c)
         if ro.backend == "vllm":
             from rlnb.components.lm.vllm import cpu_kv_cache_bytes
 
@@ -395,7 +398,7 @@ class _LMShapes:
             )
         else:
             rows = max(1, r.data.prompts_per_step * r.algorithm.group_size // ranks)
-            _, seq = self._longest()
+            _, seq = self._longest
             kv = rows * seq * 2 * c.num_hidden_layers * heads * head_dim * item
         return {"rollout_weights": weights, "kv_cache": int(kv)}
 
