@@ -306,3 +306,49 @@ def test_a_critic_warm_up_fits_the_value_function_alone_for_its_steps_then_the_p
         assert out["critic_warmup"] == float(warming)
         assert any(not torch.equal(v, now_value[k]) for k, v in value.items()), step
         assert all(torch.equal(v, now_policy[k]) for k, v in policy.items()) == warming, step
+
+
+def test_the_value_function_trains_at_its_own_learning_rate_annealed_with_the_policys():
+    """actor.critic_lr: Adam's first step moves each weight by about its group's learning rate, so the critic's
+    weights move ~100x farther than the policy's at critic_lr=1e-2, lr=1e-4; both rates anneal together, and a
+    policy of the user's own (no known value weights) is refused naming the key."""
+    from rlnb.components.actor import PPOActor
+    from rlnb.config.loader import load_recipe
+    from rlnb.errors import ConfigError
+
+    env = Env(make_env="CartPole-v1", num_envs=4)
+    settings = {"update_epochs": 1, "num_minibatches": 1, "clip_vloss": False}
+    actor = PPOActor({"lr": 1e-4, "critic_lr": 1e-2, "anneal_lr": True}, settings,
+                     env.observation_space, env.action_space)  # fmt: skip
+    actor.total_steps = 4
+    g = torch.Generator().manual_seed(3)
+    batch = {
+        "obs": torch.randn(8, 4, 4, generator=g), "actions": torch.randint(0, 2, (8, 4), generator=g),
+        "logprobs": torch.full((8, 4), -0.69), "values": torch.randn(8, 4, generator=g),
+        "rewards": torch.rand(8, 4, generator=g), "dones": (torch.rand(8, 4, generator=g) < 0.2).float(),
+        "last_values": torch.randn(4, generator=g), "version": 0,
+    }  # fmt: skip
+    before = {k: v.detach().clone() for k, v in actor.policy.named_parameters()}
+    actor.set_batch([batch])
+    actor.train()
+    moved = {k: float((v.detach() - before[k]).abs().max()) for k, v in actor.policy.named_parameters()}
+    critic = max(v for k, v in moved.items() if k.startswith("critic"))
+    policy = max(v for k, v in moved.items() if k.startswith("actor"))
+    assert 5e-3 < critic < 2e-2 and 5e-5 < policy < 2e-4, (critic, policy)
+    actor.step = 2  # half way: each group at half its own rate
+    actor.set_batch([batch])
+    actor.train()
+    assert sorted(group["lr"] for group in actor.optimizer.param_groups) == pytest.approx([5e-5, 5e-3])
+    assert actor.set_hyperparameters(lr=2e-4)["lr"] == pytest.approx(
+        2e-4
+    )  # (the critic's rate stays its own)
+    assert sorted(group["lr"] for group in actor.optimizer.param_groups) == pytest.approx([2e-4, 1e-2])
+
+    own = nn.Sequential(nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match="actor.critic_lr") as err:
+        from rlnb.models.policies import critic_parameters
+
+        critic_parameters(own, "actor.critic_lr")
+    assert err.value.key == "actor.critic_lr"
+    with pytest.raises(ConfigError, match="actor.critic_lr"):
+        load_recipe("grpo_arith", ["actor.critic_lr=0.001"])

@@ -31,7 +31,7 @@ from rlnb.components.rollout import resolve_device
 from rlnb.components.strategy import Strategy
 from rlnb.config.schema import ActorConfig
 from rlnb.errors import ConfigError
-from rlnb.models.policies import make_policy
+from rlnb.models.policies import critic_parameters, make_policy
 from rlnb.models.vla import VLAPolicy
 from rlnb.runtime.rank import RankInfo, current_rank
 from rlnb.seeding import rank_seed
@@ -120,12 +120,23 @@ class PPOActor(ActorBase):
                 self.policy.adapt(self.cfg.lora, self.cfg.gradient_checkpointing is True)
             # fused Adam: one kernel for all parameters (the default on CPU loops over tensors in Python)
             self.optimizer = build_optimizer(
-                torch.optim.Adam, self.policy.parameters(), lr=self.cfg.lr, eps=1e-5, fused=True
+                torch.optim.Adam, self._param_groups(), lr=self.cfg.lr, eps=1e-5, fused=True
             )
+            self.apply_lr()
             self.clip_and_step = ClipAndStep(self.optimizer)  # clip_grad_norm_ + step(), minus their Python
             self.model = self.policy  # what the train step calls (DDP wraps it)
             self.step_compiler = StepCompiler.for_device(self.cfg.compile, self.device, "actor")
         return {"policy": type(getattr(self.policy, "module", self.policy)).__name__}
+
+    def _param_groups(self) -> list[dict]:
+        """The optimizer's groups: one, or with ``actor.critic_lr`` the value function's weights apart."""
+        if self.cfg.critic_lr is None:
+            return [{"params": list(self.policy.parameters())}]
+        critic = {id(p) for p in critic_parameters(self.policy, "actor.critic_lr")}
+        return [
+            {"params": [p for p in self.policy.parameters() if id(p) not in critic]},
+            {"params": [p for p in self.policy.parameters() if id(p) in critic], "critic": True},
+        ]
 
     def behaviour_clone(self, obs, actions, epochs: int = 20, minibatch_size: int = 64, lr: float = 3e-4,
                         seed: int = 0) -> dict:  # fmt: skip
@@ -287,8 +298,7 @@ class PPOActor(ActorBase):
             for name, settings in (("as_run", kept[:4]), ("replayed", (cfg, algo, advantage, loss))):
                 self.load_state_dict(copy.deepcopy(saved))  # (the optimizer would share, and update, saved's)
                 self.cfg, self.algo, self.advantage, self.loss = settings
-                for group in self.optimizer.param_groups:
-                    group["lr"] = self.cfg.lr
+                self.apply_lr()
                 self.set_batch([batch])
                 metrics = self.train()
                 moved = sum(
@@ -348,9 +358,7 @@ class PPOActor(ActorBase):
         if "advantages" not in b:
             self.compute_advantages()
         if self.cfg.anneal_lr:
-            frac = max(0.0, 1.0 - self.step / self.total_steps)
-            for g in self.optimizer.param_groups:
-                g["lr"] = frac * self.cfg.lr
+            self.apply_lr(max(0.0, 1.0 - self.step / self.total_steps))
         flat = {
             k: b[k].reshape(-1, *b[k].shape[2:])
             for k in ("obs", "actions", "logprobs", "values", "advantages", "returns")

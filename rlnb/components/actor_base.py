@@ -204,14 +204,20 @@ class ActorBase:
             else {"compiled": False, "compile_s": None, "fallback": None}
         )
 
+    def apply_lr(self, frac: float = 1.0) -> None:
+        """Every parameter group's learning rate to ``frac`` of its base: ``actor.lr``, or ``actor.critic_lr``
+        for the group of the value function's weights (marked ``critic`` where it was built)."""
+        critic_lr = self.cfg.critic_lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = frac * (critic_lr if group.get("critic") and critic_lr is not None else self.cfg.lr)
+
     def set_hyperparameters(self, **values: float) -> dict:
         """Change ``lr`` (the optimizer's now, and the base of its annealing), ``ent_coef`` or ``clip_coef``
         between steps; the loop checks the values first. Returns the values now in force."""
         for key, value in values.items():
             if key == "lr":
                 self.cfg = dataclasses.replace(self.cfg, lr=value)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = value
+                self.apply_lr()
             else:
                 self.algo = dataclasses.replace(self.algo, **{key: value})
         return {

@@ -135,10 +135,16 @@ class RunnerConfig:
 class AlgorithmConfig:
     """The RL algorithm: advantage estimator, policy loss and their coefficients (paper names)."""
 
+    preset: Literal["none", "dr_grpo", "gspo", "cispo"] = "none"
+    """LM RL: a method by its paper's name, filling the keys it is made of (``rlnb.config.presets.PRESETS``):
+    ``dr_grpo`` (Dr. GRPO, Liu et al. 2025: no std scaling, no length mean), ``gspo`` (Zheng et al. 2025: the
+    sequence's ratio clipped), ``cispo`` (MiniMax-M1 2025: clipped stop-gradient weights). A key the recipe also
+    sets to another value is refused."""
     advantage: str = "gae"
     """Registered advantage estimator: ``gae``, ``grpo``, ``rloo``, ``reinforce_pp``, ..."""
     policy_loss: str = "ppo_clip_value_entropy"
-    """Registered policy loss: ``ppo_clip_value_entropy`` (PPO-clip + value loss - entropy bonus; old name ``actor_critic``), ``ppo``, ``decoupled_ppo``, ..."""
+    """Registered policy loss: ``ppo_clip_value_entropy`` (PPO-clip + value loss - entropy bonus; old name ``actor_critic``), ``ppo``, ``decoupled_ppo``,
+    ``gspo``, ``cispo``, ..."""
     gamma: float = bounded(0.99, 0, 1)
     """Discount factor."""
     gae_lambda: float = bounded(0.95, 0, 1)
@@ -194,6 +200,10 @@ class AlgorithmConfig:
         "token-mean"
     )
     """Loss aggregation over tokens (LM RL)."""
+    agg_max_tokens: int | None = bounded(None, 1, 100_000_000, "more tokens than any context")
+    """``agg: seq-mean-token-sum-norm`` (Dr. GRPO): the constant each completion's token sum is divided by, the
+    same for every batch; null: the rollout's budget of response tokens (``rollout.max_new_tokens`` x
+    ``rollout.max_turns``), which the LM family sets (an actor built from objects without it: the batch's width)."""
     dynamic_sampling: bool = False
     """LM RL, synchronous: DAPO's dynamic sampling (veRL's ``filter_groups``): a group whose completions all scored
     alike (no learning signal) is set aside, and more prompts are sampled until each rollout rank has its share
@@ -228,6 +238,16 @@ class AlgorithmConfig:
             errs.append(
                 f"algorithm.critic_warmup_steps: {a.critic_warmup_steps} fits an embodied policy's value function "
                 f"first; the {recipe.family} family has none. Set it to 0"
+            )
+        if recipe.family == "ppo" and a.preset != "none":
+            errs.append(
+                f"algorithm.preset: {a.preset} is a method for LMs' groups of completions (family: grpo); this "
+                "recipe trains a policy on an env. Set it to none"
+            )
+        if recipe.family != "ppo" and recipe.actor.critic_lr is not None:
+            errs.append(
+                f"actor.critic_lr: {recipe.actor.critic_lr} sets an embodied policy's value function apart; the "
+                f"{recipe.family} family has none. Leave it null"
             )
         if a.dynamic_sampling is True and recipe.family == "ppo":
             errs.append(
@@ -401,6 +421,10 @@ class ActorConfig:
     """Embodied: behaviour cloning before RL (``actor.warm_start.episodes`` > 0)."""
     lr: float = bounded(2.5e-4, 0, 10, "a step this long diverges at once", low_open=True)
     """Adam learning rate."""
+    critic_lr: float | None = bounded(None, 0, 10, "a step this long diverges at once", low_open=True)
+    """Embodied PPO: Adam's learning rate for the value function's own weights (``ActorCritic``'s critic trunk
+    and head, a VLA's value head), RL4VLA's and RLinf's ``value_lr``: a head that starts untrained on a
+    warm-started policy needs a longer step than the policy. Annealed with ``lr``; ``null``: ``lr``."""
     anneal_lr: bool = True
     """Decay the learning rate linearly to 0 over ``runner.steps`` (both loops; ``grpo_arith`` turns it off)."""
     compile: bool | Literal["auto"] = "auto"

@@ -340,6 +340,22 @@ class DistributionPolicy(nn.Module):
         return self._per_row(dist.log_prob(actions)), self._per_row(dist.entropy()), value.reshape(-1)
 
 
+def critic_parameters(policy: nn.Module, key: str) -> list[nn.Parameter]:
+    """The value function's own weights in a built-in policy: ``ActorCritic``'s critic trunk and head, a VLA's
+    value head. A policy of the user's own has no such split known here: a :class:`ConfigError` naming ``key``."""
+    from rlnb.models.vla import VLAPolicy
+
+    if isinstance(policy, ActorCritic):
+        return [*policy.critic_trunk.parameters(), *policy.critic_head.parameters()]
+    if isinstance(policy, VLAPolicy):
+        return list(policy.value_head.parameters())
+    raise ConfigError(
+        f"{key}: a learning rate apart for the value function needs a built-in policy (actor.model), whose "
+        f"value weights are known; got {type(policy).__name__}",
+        key,
+    )
+
+
 def make_policy(policy, obs_space: gym.Space, act_space: gym.Space, component: str = "policy") -> nn.Module:
     """The policy module a rollout or actor runs, from what a user gave.
 
