@@ -97,6 +97,13 @@ def algorithm_reference() -> str:
             entry = reg.entry(name)
             loops = [c.name for c in (EMBODIED, LM) if entry.serves(getattr(c, kinds[reg.kind]), c.layout)]
             lines.extend(_entry_section(reg, name, loops))
+    from rlnb.config.presets import PRESETS
+
+    lines.extend(["## Presets", "", "`algorithm.preset`: a method by its paper's name, the keys it sets "
+                  "(`rlnb.config.presets`).", "", "| preset | sets |", "|---|---|"])  # fmt: skip
+    for name, keys in PRESETS.items():
+        lines.append(f"| `{name}` | {', '.join(f'`{k}: {v}`' for k, v in keys.items())} |")
+    lines.append("")
     lines.extend(
         [
             "## Interactions",

@@ -295,6 +295,80 @@ def test_decoupled_ppo_hand_computed():
     assert close(loss, (-1 - 2) / 2)  # weights [1, min(e, 2)]
 
 
+def test_gspo_hand_computed_clips_the_sequence_ratio_and_its_gradient_is_the_sequence_forms():
+    # row 0: token log-ratios [0.2, 0.0, -0.1] over 3 tokens -> s = exp(0.1/3) = 1.0339; A = 1, eps [0.1, 0.02]
+    #        -> clipped at 1.02: loss per token -1.02, no gradient
+    # row 1: log-ratios [0.01, 0.03] (a padded third token) -> s = exp(0.02) = 1.0202 < 1.1; A = -1
+    #        -> max(1.0202, 1.02) = 1.0202 (unclipped side); per-sequence mean 1.0202
+    # seq-mean-token-mean: (-1.02 + 1.0202) / 2
+    old = torch.zeros(2, 3)
+    logp = T([[0.2, 0.0, -0.1], [0.01, 0.03, 5.0]]).requires_grad_()
+    mask = T([[1, 1, 1], [1, 1, 0]])
+    adv = T([[1.0] * 3, [-1.0] * 3])
+    loss, m = get_policy_loss("gspo")(logprobs=logp, old_logprobs=old, advantages=adv, mask=mask,
+                                      clip_coef=0.1, clip_coef_high=0.02)  # fmt: skip
+    s1 = math.exp(0.02)
+    assert close(loss, (-1.02 + s1) / 2, tol=1e-6)
+    assert math.isclose(m["ratio_mean"], (math.exp(0.1 / 3) + s1) / 2, rel_tol=1e-6)
+    assert m["clip_frac"] == pytest.approx(3 / 5)  # row 0's three tokens of the five counted
+    loss.backward()
+    # row 0 clipped: no gradient; row 1: d/dlogp_t of (1/2) * mean_t(s) with s = exp(mean log-ratio): s / (2 * 2)
+    # on each of its two tokens (the token form's gradient equals the sequence form's), none on the padding
+    assert torch.allclose(logp.grad[0], torch.zeros(3))
+    assert torch.allclose(logp.grad[1], T([s1 / 4, s1 / 4, 0.0]), atol=1e-6)
+    # the sequence form, differentiated directly, gives the same gradient
+    x = T([0.01, 0.03]).requires_grad_()
+    (0.5 * torch.exp(x.mean())).backward()
+    assert torch.allclose(logp.grad[1, :2], x.grad, atol=1e-6)
+
+
+def test_cispo_hand_computed_weights_every_token_by_its_clipped_ratio_without_its_gradient():
+    # ratios [1.5, 0.5, 1.1], A = [1, 1, -1], bounds [1 - 1.0, 1 + 0.28] = [0, 1.28]
+    # weights [1.28 (clipped), 0.5, 1.1]; per-token loss -A * w * logp, logp = log ratio (old = 0)
+    ratio = T([[1.5, 0.5, 1.1]])
+    logp = ratio.log().requires_grad_()
+    adv = T([[1.0, 1.0, -1.0]])
+    loss, m = get_policy_loss("cispo")(logprobs=logp, old_logprobs=torch.zeros(1, 3), advantages=adv,
+                                       clip_coef=1.0, clip_coef_high=0.28)  # fmt: skip
+    w = [1.28, 0.5, 1.1]
+    expected = sum(-a * wi * math.log(r) for a, wi, r in zip((1, 1, -1), w, (1.5, 0.5, 1.1))) / 3
+    assert close(loss, expected, tol=1e-6)
+    assert m["clip_frac"] == pytest.approx(1 / 3)
+    loss.backward()
+    # no token leaves the gradient (PPO's clip would drop token 0's): d/dlogp = -A * w / 3
+    assert torch.allclose(logp.grad, T([[-1.28 / 3, -0.5 / 3, 1.1 / 3]]), atol=1e-6)
+
+
+def test_a_preset_fills_its_keys_and_refuses_a_recipe_that_sets_one_otherwise(tmp_path):
+    from rlnb.config.loader import RecipeError, load_recipe
+    from rlnb.config.presets import PRESETS
+
+    for name, keys in PRESETS.items():
+        algo = load_recipe("grpo_arith", [f"algorithm.preset={name}"]).algorithm
+        assert {k: getattr(algo, k) for k in keys} == keys, name
+    # given on the command line it replaces what the recipe file says (grpo_arith's own scale and agg)
+    dr = load_recipe("grpo_arith", ["algorithm.preset=dr_grpo"]).algorithm
+    assert (dr.scale, dr.agg) == ("none", "seq-mean-token-sum-norm")
+    with pytest.raises(RecipeError, match="algorithm.scale: algorithm.preset dr_grpo sets it to 'none'"):
+        load_recipe("grpo_arith", ["algorithm.preset=dr_grpo", "algorithm.scale=group"])
+    # the same value set twice is fine (a run directory's recipe holds the preset and its keys)
+    load_recipe("grpo_arith", ["algorithm.preset=gspo", "algorithm.clip_coef=0.0003"])
+    with pytest.raises(RecipeError, match=r"algorithm.clip_coef: algorithm.preset gspo sets it to 0.0003, and the "
+                                          r"recipe to 0.2"):  # fmt: skip
+        load_recipe("grpo_arith", ["algorithm.preset=gspo", "algorithm.clip_coef=0.2"])
+    # in the file with another value for one of its keys: the same layer, refused naming the file
+    own = tmp_path / "mine.yaml"
+    own.write_text(
+        "family: grpo\nrollout: {backend: hf}\nalgorithm: {preset: cispo, agg: seq-mean-token-mean}\n"
+    )
+    with pytest.raises(RecipeError, match=r"mine.yaml(.|\n)*algorithm.agg: algorithm.preset cispo sets it"):
+        load_recipe(own)
+    with pytest.raises(RecipeError, match="algorithm.preset: gspo is a method for LMs"):
+        load_recipe("ppo_cartpole", ["algorithm.preset=gspo"])
+    with pytest.raises(RecipeError, match="algorithm.preset"):
+        load_recipe("grpo_arith", ["algorithm.preset=grpo_plus"])
+
+
 def test_value_loss_clipped_and_unclipped():
     v, old, ret = T([2.0, 0.0]), T([1.0, 0.0]), T([3.0, 1.0])
     # unclipped: 0.5 * mean((2-3)^2, (0-1)^2) = 0.5

@@ -785,10 +785,14 @@ def test_the_rollout_inspector_shows_the_greedy_completion_token_by_token(tiny_l
         ro.inspect("3+4=", top_k=0)
 
 
-def test_sft_then_grpo_update_moves_the_right_way(tiny_lm):
-    algo = AlgorithmConfig(
-        advantage="grpo", policy_loss="ppo", group_size=4, num_minibatches=1, update_epochs=1
-    )
+@pytest.mark.parametrize("preset", ["none", "dr_grpo", "gspo", "cispo"])
+def test_sft_then_grpo_update_moves_the_right_way(tiny_lm, preset):
+    """Each loss the presets name (PPO's, GSPO's sequence ratio, CISPO's weights) raises the rewarded
+    completions' tokens and lowers the others' through the LM actor's update."""
+    from rlnb.config.presets import PRESETS
+
+    keys = PRESETS.get(preset, {"advantage": "grpo", "policy_loss": "ppo"})
+    algo = AlgorithmConfig(**keys, group_size=4, num_minibatches=1, update_epochs=1)
     actor = LMActor(tiny_lm, algo, lr=1e-4, micro_batch_size=8, seed=0)
     losses = actor.sft(["1+1=", "2+2="] * 8, ["2", "4"] * 8, steps=30, batch_size=8, lr=3e-3)
     assert losses[-1] < losses[0] / 2
@@ -804,6 +808,37 @@ def test_sft_then_grpo_update_moves_the_right_way(tiny_lm):
     with torch.no_grad():
         new = token_logprobs(actor.policy, b["input_ids"], b["attention_mask"])
     assert float(((new - old) * adv * mask).sum()) > 0  # rewarded tokens up, the others down
+    assert actor.loss.name == keys["policy_loss"]
+
+
+PRESETS_DR = {"advantage": "grpo", "policy_loss": "ppo", "scale": "none", "agg": "seq-mean-token-sum-norm"}
+
+
+def test_dr_grpos_constant_makes_the_update_the_same_however_wide_the_batch_is_padded(tiny_lm):
+    """agg: seq-mean-token-sum-norm divides each completion's token sum by algorithm.agg_max_tokens: the same
+    batch padded 3 columns wider trains to the same weights; by the batch's width instead (null) it does not."""
+    ro = HFRollout(tiny_lm, max_new_tokens=3, seed=1)
+    ro.generate(["1+1=", "2+2="], ["2", "4"], n=2)
+    ro.set_rewards([1.0, 0.0, 0.0, 1.0])
+    batch = ro.take_batch()
+    wide = dict(batch)
+    for key in ("input_ids", "attention_mask", "response_mask", "logprobs"):
+        pad = batch[key].new_full((batch[key].shape[0], 3), ro.tok.pad_token_id if key == "input_ids" else 0)
+        wide[key] = torch.cat([pad, batch[key]], 1)  # (left padding, as the rollout pads)
+
+    def trained(b, constant):
+        algo = AlgorithmConfig(**{**PRESETS_DR, "agg_max_tokens": constant}, group_size=2, num_minibatches=1,
+                               update_epochs=1)  # fmt: skip
+        actor = LMActor(tiny_lm, algo, lr=1e-2, micro_batch_size=8, seed=0, anneal_lr=False)
+        actor.set_batch([dict(b)])
+        actor.train()
+        return actor.policy_state()
+
+    def same(a, b):
+        return all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+    assert same(trained(batch, 8), trained(wide, 8))
+    assert not same(trained(batch, None), trained(wide, None))
 
 
 GRPO_SMALL = [
@@ -847,6 +882,28 @@ def test_grpo_raises_reward(cluster, tmp_path):
         ):
             assert k in loop.history[-1], k
     assert_metrics_documented(tmp_path / "run")
+
+
+def test_a_preset_from_the_command_line_trains_on_workers_and_its_run_directory_reloads(cluster, tmp_path):
+    """``algorithm.preset=gspo`` over grpo_arith (whose file sets agg and clip otherwise): the actor on its
+    worker trains with GSPO's loss and bounds, and the run directory's recipe (the preset and its keys) loads
+    again as it ran."""
+    overrides = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "runner.steps=2", "actor.sft_steps=20",
+                 "algorithm.preset=gspo"]  # fmt: skip
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        records = [r for r in loop.run(progress=False) if "train/clip_frac" in r]
+        assert len(records) == 2 and all(math.isfinite(r["train/loss"]) for r in records)
+        settings = loop.groups["actor"].describe().result(60)[0]
+        algo = settings["algorithm"]
+        assert (settings["policy_loss"], algo["clip_coef"], algo["agg"]) == (
+            "gspo",
+            3e-4,
+            "seq-mean-token-mean",
+        )
+        ro = loop.recipe.rollout  # Dr. GRPO's constant, filled by the family: the response-token budget
+        assert algo["agg_max_tokens"] == ro.max_new_tokens * ro.max_turns
+    again = load_recipe(tmp_path / "run" / "recipe.yaml").algorithm
+    assert (again.preset, again.policy_loss, again.clip_coef_high) == ("gspo", "gspo", 4e-4)
 
 
 def test_grpo_resume_is_exact_and_reward_can_sit_elsewhere(cluster, tmp_path):

@@ -36,6 +36,7 @@ SWEEP = {
     "algorithm.scale": (GRPO, []),
     "algorithm.kl_estimator": (GRPO, ["algorithm.kl_coef=0.01"]),
     "algorithm.agg": (GRPO, []),
+    "algorithm.preset": (GRPO, []),  # (each preset's loss, hand-computed: tests/test_algorithms.py)
     "algorithm.mask_truncated_completions": (GRPO, ["rollout.max_new_tokens=2"]),
     "algorithm.dynamic_sampling": (GRPO, []),
     "actor.model.kind": (PPO, []),

@@ -81,6 +81,7 @@ LM = LoopContract(
             "clip_coef_high",
             "dual_clip",
             "agg",
+            "max_len",
             "behave_weight_cap",
         }
     ),

@@ -173,6 +173,86 @@ def decoupled_ppo(
     return loss, metrics
 
 
+@register_policy_loss("gspo", zero_at_zero_advantage=True, layouts=("sequence",))
+def gspo(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask=None,
+    clip_coef: float = 3e-4,
+    clip_coef_high: float | None = 4e-4,
+    agg: str = "seq-mean-token-mean",
+    max_len: int | None = None,
+):
+    """GSPO, Group Sequence Policy Optimization (Zheng et al. 2025): PPO's clip on the sequence's ratio
+    ``s_i = exp(mean_t (log pi - log pi_old))`` (the per-token ratios' geometric mean) instead of each token's,
+    in its token form ``s_i,t = sg(s_i) * pi_t / sg(pi_t)``: the same value, and the gradient of the sequence
+    form where advantages are one a sequence. The paper clips at ``[1 - 3e-4, 1 + 4e-4]``.
+
+    Args: as :func:`ppo`'s (``mask`` marks each sequence's tokens; ``agg`` the paper's per-sequence mean).
+
+    Returns:
+        ``(loss, {"clip_frac", "approx_kl", "ratio_mean"})``; ``clip_frac`` the share of sequences clipped.
+    """
+    check_same_shape(
+        ["logprobs", "old_logprobs", "advantages", "mask"], [logprobs, old_logprobs, advantages, mask]
+    )
+    lo, hi = _clip_bounds(clip_coef, clip_coef_high)
+    m = torch.ones_like(logprobs) if mask is None else mask.to(logprobs.dtype)
+    log_ratio = logprobs - old_logprobs.detach()  # [B, L]
+    seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1)  # [B]
+    # (clamped as veRL does: a sequence's ratio of e^10 is an error in the data, not a step to take)
+    log_s = (logprobs - logprobs.detach() + seq_log_ratio.detach()[:, None]).clamp(max=10.0)
+    ratio = log_s.exp()  # [B, L], each row's value its sequence's ratio
+    loss_tok, clipped = _clipped_objective(ratio, advantages.detach(), lo, hi, None)
+    loss = aggregate(loss_tok, mask, agg, max_len)
+    with torch.no_grad():
+        seq = m.sum(-1) > 0
+        metrics = {
+            "clip_frac": masked_mean(clipped.float(), mask),
+            "approx_kl": masked_mean((log_ratio.exp() - 1) - log_ratio, mask),
+            "ratio_mean": seq_log_ratio.exp()[seq].mean() if seq.any() else seq_log_ratio.new_ones(()),
+        }
+    return loss, metrics
+
+
+@register_policy_loss("cispo", zero_at_zero_advantage=True, layouts=("sequence",))
+def cispo(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask=None,
+    clip_coef: float = 1.0,
+    clip_coef_high: float | None = 0.28,
+    agg: str = "token-mean",
+    max_len: int | None = None,
+):
+    """CISPO, clipped importance-sampling-weight policy optimization (MiniMax-M1, 2025): REINFORCE on every
+    token, weighted by its importance ratio clipped to ``[1 - clip_coef, 1 + clip_coef_high]`` with the gradient
+    stopped, ``-sg(clip(r_t)) * A_t * log pi_t``. Unlike PPO's clip no token leaves the gradient, so rare tokens
+    keep theirs. MiniMax set no lower bound (``clip_coef: 1``: the ratio is never below 0) and tuned the upper.
+
+    Returns:
+        ``(loss, {"clip_frac", "approx_kl", "ratio_mean"})``; ``clip_frac`` the share of tokens whose weight was
+        clipped.
+    """
+    check_same_shape(
+        ["logprobs", "old_logprobs", "advantages", "mask"], [logprobs, old_logprobs, advantages, mask]
+    )
+    lo, hi = _clip_bounds(clip_coef, clip_coef_high)
+    log_ratio = logprobs - old_logprobs.detach()
+    ratio = log_ratio.detach().exp()
+    weight = ratio.clamp(lo, hi)
+    loss = aggregate(-advantages.detach() * weight * logprobs, mask, agg, max_len)
+    with torch.no_grad():
+        metrics = {
+            "clip_frac": masked_mean((weight != ratio).float(), mask),
+            "approx_kl": masked_mean((ratio - 1) - log_ratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return loss, metrics
+
+
 def value_loss(values, old_values, returns, mask=None, clip_coef: float | None = None):
     """0.5 * squared error of the value head, optionally clipped around the old values (PPO2 style)."""
     check_same_shape(["values", "old_values", "returns", "mask"], [values, old_values, returns, mask])

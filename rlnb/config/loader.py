@@ -27,6 +27,7 @@ from typing import Any, Literal
 import yaml
 
 from rlnb.config.checks import OLD_LOOPS, infer_family
+from rlnb.config.presets import apply_preset
 from rlnb.config.schema import Recipe
 from rlnb.errors import ConfigError, did_you_mean
 from rlnb.files import UnsafePathError, read_text_regular
@@ -401,9 +402,11 @@ def load_recipe(
     tree = copy.deepcopy(tree)
     errors: list[str] = []
     items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
+    items = list(items)
     for key, value in items:
         _set_dotted(tree, key, value, errors)
     _old_loop_key(tree, errors)
+    apply_preset(tree, errors, frozenset(key for key, _ in items))
     recipe = _build(Recipe, tree, "", errors)
     if (
         recipe.family == "auto"

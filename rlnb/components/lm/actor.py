@@ -414,7 +414,7 @@ class LMActor(Forward, WarmStart, ActorBase):
             logprobs=logp, old_logprobs=prox if behaviour is None else behaviour, prox_logprobs=prox,
             advantages=micro_batch["advantages"], mask=mask, clip_coef=algo.clip_coef,
             clip_coef_high=algo.clip_coef_high, dual_clip=algo.dual_clip, agg=algo.agg,
-            behave_weight_cap=algo.behave_weight_cap,
+            max_len=algo.agg_max_tokens, behave_weight_cap=algo.behave_weight_cap,
         )  # fmt: skip
         if micro_batch["ref_logprobs"] is not None:
             kl = masked_mean(kl_penalty(logp, micro_batch["ref_logprobs"], algo.kl_estimator), mask)

@@ -187,8 +187,12 @@ class GRPO(Family):
         )  # fmt: skip
         # registry entries resolved here travel by value: ones registered in a notebook cell work too
         advantage, loss = check_algorithm(LM, r.algorithm.advantage, r.algorithm.policy_loss)
+        # Dr. GRPO's constant: the response-token budget, the same for every batch
+        algorithm = dataclasses.replace(
+            r.algorithm, agg_max_tokens=r.algorithm.agg_max_tokens or ro.max_new_tokens * ro.max_turns
+        )
         s.groups["actor"] = LMActor.launch(
-            cl, p["actor"], **deadlines, model_path=self.model_path, actor=r.actor, algorithm=r.algorithm,
+            cl, p["actor"], **deadlines, model_path=self.model_path, actor=r.actor, algorithm=algorithm,
             temperature=ro.temperature, seed=r.seed, advantage=advantage, policy_loss=loss,
         )  # fmt: skip
         s.groups["reward"] = RewardWorker.launch(
