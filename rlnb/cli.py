@@ -470,23 +470,33 @@ def _eval(args) -> int:
     from rlnb.config import load_recipe
 
     recipe_file = Path(args.run_dir) / "recipe.yaml"
-    if recipe_file.is_file() and load_recipe(recipe_file).family == "grpo":
+    lm = recipe_file.is_file() and load_recipe(recipe_file).family == "grpo"
+    if args.k is not None and not lm:
+        raise ConfigError(
+            f"--k: {args.k} completions a problem (pass@k) evaluate an LM run (family: grpo); {args.run_dir} is "
+            "not one: its episodes are evaluated with --episodes",
+            "--k",
+        )
+    if lm:
         from rlnb.loop.families.grpo.evaluation import evaluate_checkpoint
 
-        res = evaluate_checkpoint(args.run_dir, args.episodes)  # (no cluster: the actor's rank file, in here)
+        # (no cluster: the actor's rank file, in here)
+        res = evaluate_checkpoint(args.run_dir, args.episodes, args.k)
         if res is not None:
-            step = res.pop("step")
+            step, results = res.pop("step"), res.pop("results")
             if args.json:
-                print(json.dumps({"run_dir": str(args.run_dir), "step": step, **res}))
+                print(json.dumps({"run_dir": str(args.run_dir), "step": step, **res, "results": results}))
             else:
                 print(
                     f"rlnb: {args.run_dir} at step {step} (no cluster started): "
                     + ", ".join(f"{k}={v:.3f}" for k, v in res.items())
+                    + f"; each problem's answers in {results}"
                 )
             return 0
     loop, res = _through_loop(
-        args.run_dir, "evaluating", "its episodes", lambda loop: loop.evaluate(args.episodes)
-    )
+        args.run_dir, "evaluating", "its episodes",
+        (lambda loop: loop.evaluate(args.episodes, args.k)) if lm else (lambda loop: loop.evaluate(args.episodes)),
+    )  # fmt: skip
     try:
         if args.json:
             print(json.dumps({"run_dir": str(args.run_dir), "step": loop.step, **res}))
@@ -701,6 +711,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_episodes,
         default=None,
         help="episodes (default: the recipe's runner.eval_episodes)",
+    )
+    p.add_argument(
+        "--k",
+        type=_episodes,
+        default=None,
+        help="an LM run: completions sampled a held-out problem, for pass@k (k = 1, 2, 4, ... and this) and avg@k "
+        "(default: the recipe's data.eval_samples, 1: the greedy answer)",
     )
     p.add_argument(
         "--tasks",

@@ -369,6 +369,25 @@ def test_a_preset_fills_its_keys_and_refuses_a_recipe_that_sets_one_otherwise(tm
         load_recipe("grpo_arith", ["algorithm.preset=grpo_plus"])
 
 
+def test_pass_at_k_is_the_chance_that_k_samples_drawn_from_n_hold_a_correct_one():
+    import itertools
+
+    from rlnb.algorithms.estimators import ks_up_to, pass_at_k
+
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2) = 1 - 3/6
+    assert pass_at_k(5, 0, 3) == 0.0 and pass_at_k(5, 3, 3) == 1.0  # (n - c < k: always one)
+    assert pass_at_k(8, 3, 1) == pytest.approx(3 / 8)  # pass@1 is the share correct
+    for n in range(1, 7):  # against every draw of k of the n samples
+        for c in range(n + 1):
+            samples = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                draws = list(itertools.combinations(samples, k))
+                assert pass_at_k(n, c, k) == pytest.approx(sum(any(d) for d in draws) / len(draws)), (n, c, k)
+    assert ks_up_to(1) == [1] and ks_up_to(8) == [1, 2, 4, 8] and ks_up_to(10) == [1, 2, 4, 8, 10]
+    with pytest.raises(ValueError, match="n=4, c=5, k=2"):
+        pass_at_k(4, 5, 2)
+
+
 def test_value_loss_clipped_and_unclipped():
     v, old, ret = T([2.0, 0.0]), T([1.0, 0.0]), T([3.0, 1.0])
     # unclipped: 0.5 * mean((2-3)^2, (0-1)^2) = 0.5

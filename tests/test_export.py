@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,6 +163,10 @@ def test_rlnb_eval_and_rlnb_export_work_from_a_runs_latest_checkpoint(tmp_path):
     assert bad.returncode == 2 and "--episodes: expected an integer in [1, 1000000], got '0'" in bad.stderr, (
         bad.stderr
     )
+    not_lm = subprocess.run([*RLNB, "eval", str(run), "--k", "4"], capture_output=True, text=True, timeout=60)
+    assert (
+        not_lm.returncode == 2 and "--k: 4 completions a problem (pass@k) evaluate an LM run" in not_lm.stderr
+    ), not_lm.stderr
     # on several tasks in turn (a LIBERO suite's way), a success rate and a video each
     videos = tmp_path / "videos"
     tasks = subprocess.run(
@@ -258,6 +263,56 @@ def test_export_from_a_checkpoint_needs_no_cluster_and_equals_the_loops_export(c
     assert from_checkpoint.step == through_loop.step == 2
     np.testing.assert_array_equal(from_checkpoint.obs_normalization.mean, through_loop.obs_normalization.mean)
     assert from_checkpoint.evaluate(2, seed=5) == through_loop.evaluate(2, seed=5)
+
+
+def test_pass_at_k_on_held_out_problems_in_the_loop_and_from_rlnb_eval_with_each_problems_answers(
+    cluster, tmp_path
+):
+    """data.eval_samples / ``rlnb eval --k``: n sampled completions a held-out problem give pass@k (k = 1, 2, 4)
+    and avg@4 (pass@1 is avg@n, pass@k grows with k), and each problem's completions, rewards and correct count in
+    <run_dir>/eval/step-<step>.jsonl, which agree with the record; --k on an embodied run is refused."""
+    from rlnb.loop import GRPOLoop
+
+    run = tmp_path / "run"
+    overrides = ["data.max_operand=9", "actor.sft_steps=60", "actor.tiny_lm.hidden_size=64", "runner.steps=1",
+                 "runner.eval_interval=1", "data.eval_size=8", "data.eval_samples=4", "data.prompts_per_step=2",
+                 "runner.tensorboard=false", "rollout.temperature=1.0", f"actor.model_path={tmp_path / 'model'}"]  # fmt: skip
+
+    def check(record: dict, rows: list[dict], n: int = 4) -> None:
+        assert len(rows) == record["eval/size"] == 8 and all(len(r["completions"]) == n for r in rows)
+        assert all(r["correct"] == sum(x >= 1 for x in r["rewards"]) for r in rows)  # (arithmetic: 1 or 0)
+        share = sum(r["correct"] for r in rows) / (n * len(rows))
+        assert record[f"eval/avg_at/{n}"] == pytest.approx(share) == pytest.approx(record["eval/pass_at/1"])
+        assert record["eval/pass_at/1"] <= record["eval/pass_at/2"] <= record["eval/pass_at/4"]
+        assert record["eval/pass_at/4"] == pytest.approx(sum(r["correct"] > 0 for r in rows) / len(rows))
+        assert "eval/accuracy" not in record
+
+    def rows_of(path) -> list[dict]:
+        return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=run) as loop:
+        loop.run(progress=False)
+        logged = [r for r in loop.history if "eval/pass_at/4" in r]
+        assert [r["step"] for r in logged] == [0, 1], loop.history
+        check(logged[-1], rows_of(run / "eval" / "step-0000001.jsonl"))
+        assert (run / "eval" / "step-0000000.jsonl").stat().st_mode & 0o777 == 0o600
+        greedy = loop.evaluate(size=8, samples=1)
+        assert (
+            "eval/accuracy" in greedy
+            and len(rows_of(run / "eval" / "step-0000001.jsonl")[0]["completions"]) == 1
+        )
+        loop.save()
+    evaluated = subprocess.run(
+        [*RLNB, "eval", str(run), "--episodes", "8", "--k", "4", "--json"], capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    scores = json.loads(evaluated.stdout)
+    assert scores["step"] == 1 and scores["results"] == str(run / "eval" / "step-0000001.jsonl"), scores
+    check(scores, rows_of(scores["results"]))
+    assert not [p for p in (run / "eval").iterdir() if p.name.startswith(".")]  # (written beside, renamed)
+    bad = subprocess.run([*RLNB, "eval", str(run), "--k", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--k: expected an integer" in bad.stderr, bad.stderr
 
 
 def test_an_lm_runs_export_and_eval_need_no_cluster_and_equal_the_loops(cluster, tmp_path):

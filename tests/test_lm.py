@@ -11,7 +11,7 @@ from rlnb.components.lm import HFRollout, LMActor, RewardWorker
 from rlnb.config import AlgorithmConfig, RecipeError, load_recipe
 from rlnb.data import ArithmeticTask, Problem, load_qa_file
 from rlnb.data.prompts import chat_prompts
-from rlnb.errors import ConfigError, RemoteError
+from rlnb.errors import ComponentError, ConfigError, RemoteError
 from rlnb.loop import GRPOLoop, complete_checkpoints
 from rlnb.models.lm import (
     build_tiny_lm,
@@ -1071,6 +1071,7 @@ class PromptsOnly(HFRollout):
     ``sample_completions(prompt, n)``, without each prompt's answer and record fields."""
 
     TAKES_RECORDS = False
+    SAMPLES_COMPLETIONS = False  # (its complete() gives the greedy answer only)
 
     def complete(self, prompts):
         return super().complete(prompts)
@@ -1097,6 +1098,10 @@ def test_a_rollout_declaring_it_takes_prompts_only_is_evaluated_and_tried_with_p
     ) as loop:  # fmt: skip
         assert loop.evaluate(2)["eval/size"] == 2
         assert len(loop.try_prompt("3+4=", "7")) == 4
+        with pytest.raises(
+            ComponentError, match=r"PromptsOnly.complete: data.eval_samples: 2 completions"
+        ):
+            loop.evaluate(2, samples=2)
 
 
 def test_mask_truncated_completions_trains_as_if_they_were_not_in_the_batch(tiny_lm):

@@ -238,6 +238,11 @@ class DataConfig:
     """Prompts per training step (each sampled ``algorithm.group_size`` times)."""
     eval_size: int = bounded(200, 1, 10_000_000)
     """Held-out problems per evaluation."""
+    eval_samples: int = bounded(1, 1, 1024, "completions of one problem at one evaluation")
+    """Completions per held-out problem at each evaluation: ``1``, the greedy answer (``eval/accuracy``); ``n > 1``,
+    ``n`` sampled at the rollout's temperature, logging ``eval/pass_at/k`` for k = 1, 2, 4, ... and ``n`` (the
+    unbiased estimator, Chen et al. 2021) and ``eval/avg_at/n`` (the samples' mean accuracy). Each evaluation's
+    answers, a problem a line, go to ``<run_dir>/eval/step-<step>.jsonl``; ``rlnb eval --k N`` overrides it."""
     sft_noise: float = bounded(0.0, 0, 1)
     """Fraction of warm-start answers made deliberately wrong (off by one, or ``sft_noise_turns``): an imperfect
     teacher for RL to beat."""

@@ -125,13 +125,17 @@ class GRPOLoop(LoopBase):
         ``progress``: a progress bar with the latest loss (``run()`` shows it where it shows its own)."""
         return warm_start.sft(self.family, steps, progress)
 
-    def evaluate(self, size: int | None = None) -> dict:
-        """Greedy answers to held-out problems, scored by the reward: logs ``eval/accuracy``.
+    def evaluate(self, size: int | None = None, samples: int | None = None) -> dict:
+        """Greedy answers to held-out problems, scored by the reward: logs ``eval/accuracy``; or ``samples`` > 1
+        completions a problem sampled at the rollout's temperature: ``eval/pass_at/k`` (k = 1, 2, 4, ... and
+        ``samples``, the unbiased estimator) and ``eval/avg_at/<samples>``. Each problem's completions and rewards go
+        to ``<run_dir>/eval/step-<step>.jsonl``.
 
         In asynchronous mode it first lets the generation in flight finish (its batch is kept for the next
         :meth:`rollout`); the groups still in the pools go on with the current weights after it. ``size``: how many
-        held-out problems (default ``data.eval_size``)."""
-        return super().evaluate(size)
+        held-out problems (default ``data.eval_size``); ``samples``: default ``data.eval_samples``."""
+        self.schedule.before_evaluate()
+        return self.family.evaluate(size, samples)
 
     def try_prompt(self, prompt: str, answer: str, **fields) -> list[dict]:
         """``group_size`` completions of ``prompt`` sampled with the rollout's current weights, scored by the reward

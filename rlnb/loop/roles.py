@@ -164,6 +164,13 @@ class TakesRecords(Protocol):
     TAKES_RECORDS: ClassVar[bool]
 
 
+class SamplesCompletions(Protocol):
+    """An LM rollout whose ``complete`` takes, after the prompts and records, ``n``: that many sampled completions
+    a prompt instead of the greedy one (evaluation's pass@k, ``data.eval_samples``)."""
+
+    SAMPLES_COMPLETIONS: ClassVar[bool]
+
+
 # ---------------------------------------------------------------------------- checks
 def members(protocol: type) -> dict[str, str]:
     """The members of ``protocol``: name -> ``"method"`` or ``"attribute"`` (its annotations)."""
@@ -233,6 +240,8 @@ class Capabilities:
     """The LM rollout takes answers and record fields beside the prompts."""
     inspects_tokens: bool = False
     """The LM rollout shows a completion token by token (``loop.inspect``)."""
+    samples_completions: bool = False
+    """The LM rollout samples several completions a prompt for evaluation (pass@k)."""
 
     @classmethod
     def of(cls, groups: dict) -> Capabilities:
@@ -247,4 +256,5 @@ class Capabilities:
             whole_completions=rollout is not None and not chunked,
             takes_records=rollout is not None and implements(rollout.cls, TakesRecords),
             inspects_tokens=rollout is not None and implements(rollout.cls, InspectsTokens),
+            samples_completions=rollout is not None and implements(rollout.cls, SamplesCompletions),
         )

@@ -44,6 +44,7 @@ class LMRollout(MultiTurn, DynamicSampling, RolloutBase):
     # complete() and sample_completions() take each prompt's answer and record fields after the prompts (a
     # multi-turn interaction reads them); a rollout class of one's own without this is given the prompts only
     TAKES_RECORDS = True
+    SAMPLES_COMPLETIONS = True
 
     @classmethod
     def prepare_launch(cls, kwargs: dict) -> dict:
@@ -193,11 +194,23 @@ class LMRollout(MultiTurn, DynamicSampling, RolloutBase):
         return template_prompts(prompts, self.tok, system_prompt)
 
     def complete(
-        self, prompts: list[str], answers: list[str] | None = None, fields: list[dict] | None = None
+        self,
+        prompts: list[str],
+        answers: list[str] | None = None,
+        fields: list[dict] | None = None,
+        n: int = 1,
     ) -> list[str]:
-        """Greedy completions (evaluation, samples in notebooks); with ``max_turns > 1``, whole transcripts, the
-        interaction given each prompt's ``answer`` and record ``fields``."""
-        return self._generate_turns(prompts, 1, True, answers, fields)[1]
+        """Greedy completions (evaluation, samples in notebooks), or with ``n > 1`` that many sampled at the
+        rollout's temperature a prompt, a prompt's side by side (pass@k), the training's sampling seeds left as
+        they were; with ``max_turns > 1``, whole transcripts, the interaction given each prompt's ``answer`` and
+        record ``fields``."""
+        if n == 1:
+            return self._generate_turns(prompts, 1, True, answers, fields)[1]
+        calls = self.calls
+        try:
+            return self._generate_turns(prompts, n, False, answers, fields)[1]
+        finally:
+            self.calls = calls
 
     def sample_completions(
         self, prompt: str, n: int, answer: str | None = None, fields: dict | None = None

@@ -212,6 +212,9 @@ class GRPO(Family):
             actor.setup_data_parallel().result()
         self.reward_local = p["reward"] == p["rollout"]
         super().compose(asynchronous)
+        evaluation.check_samples(
+            self, s.recipe.data.eval_samples
+        )  # (before any step, not at the first evaluation)
 
     def template(self, prompts: list) -> list[str]:
         """Objects path: ``prompts`` (conversations among them) through the chat template of rollout rank 0's
@@ -270,9 +273,10 @@ class GRPO(Family):
             )  # fmt: skip
         return calls
 
-    def evaluate(self, n: int | None = None) -> dict:
-        """Greedy answers to held-out problems, scored by the reward: logs ``eval/accuracy``."""
-        return evaluation.evaluate(self, n)
+    def evaluate(self, n: int | None = None, samples: int | None = None) -> dict:
+        """Greedy answers to held-out problems, scored by the reward: logs ``eval/accuracy``; with ``samples`` > 1,
+        pass@k and avg@n (:func:`rlnb.loop.families.grpo.evaluation.evaluate`)."""
+        return evaluation.evaluate(self, n, samples)
 
     def log_step(self, sequential: bool) -> None:
         s = self.session

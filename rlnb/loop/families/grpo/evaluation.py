@@ -3,68 +3,125 @@ batch: one prompt's group with its rewards and advantages, fresh completions of 
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 
+from rlnb.algorithms.estimators import ks_up_to, pass_at_k
 from rlnb.data.prompts import Problem, chat_prompts, is_conversation
+from rlnb.errors import ComponentError
 from rlnb.loop.families.grpo.data import shard
 from rlnb.loop.phase import count_or_default
 
 
-def evaluate(family, size: int | None = None) -> dict:
+def evaluate(family, size: int | None = None, samples: int | None = None) -> dict:
     """Greedy answers to ``size`` held-out problems (default ``data.eval_size``) with the rollout's weights (the
-    loop sends it the current ones first), scored by the reward: logs ``eval/accuracy``."""
+    loop sends it the current ones first), scored by the reward: logs ``eval/accuracy``; or ``samples`` (default
+    ``data.eval_samples``) > 1 completions a problem, sampled: pass@k and avg@n (:func:`eval_record`). Each
+    problem's completions and scores go to ``<run_dir>/eval/step-<step>.jsonl``."""
     from rlnb.config.sections_lm import DataConfig
 
     s = family.session
     size = count_or_default(size, "size", s.recipe.data.eval_size, (DataConfig, "eval_size"))
+    samples = count_or_default(samples, "samples", s.recipe.data.eval_samples, (DataConfig, "eval_samples"))
+    rollout = s.groups["rollout"]
+    check_samples(family, samples)
     t0 = time.perf_counter()
     problems = family.task.held_out[:size]
-    rollout = s.groups["rollout"]
-    full = family.capabilities.takes_records
+    full, more = family.capabilities.takes_records, (samples,) if samples > 1 else ()
+
+    def args(part: list) -> tuple:
+        prompts = [p.prompt for p in part]
+        if full:
+            return (prompts, [p.answer for p in part], [p.fields for p in part], *more)
+        return (prompts, None, None, *more) if more else (prompts,)
+
     texts = [
         t
         for part in rollout.call_each(
-            "complete",
-            [
-                ([p.prompt for p in part], [p.answer for p in part], [p.fields for p in part])
-                if full
-                else ([p.prompt for p in part],)
-                for part in shard(problems, rollout.world_size)
-            ],
+            "complete", [args(part) for part in shard(problems, rollout.world_size)]
         ).result()
         for t in part
     ]
+    each = [p for p in problems for _ in range(samples)]  # (a problem's samples side by side)
     scored = (
         s.groups["reward"]
         .on(0)
-        .score_terms(
-            texts, [p.answer for p in problems], [p.prompt for p in problems], [p.fields for p in problems]
-        )
+        .score_terms(texts, [p.answer for p in each], [p.prompt for p in each], [p.fields for p in each])
         .result()[0]
     )
-    record = eval_record(scored, t0)
+    record, rows = eval_record(scored, problems, texts, samples, t0)
+    write_results(s.run_dir, s.step, rows)  # (read-only too: rlnb eval's answers, a file of their own)
     s.logger.log(s.step, record)
-    family.last_samples = [(p.prompt, t, p.answer) for p, t in zip(problems[:8], texts[:8])]
+    family.last_samples = [
+        (p.prompt, t, p.answer) for p, t in zip(each[: 8 * samples : samples], texts[::samples])
+    ]
     return record
 
 
-def eval_record(scored: dict, t0: float) -> dict:
-    """The evaluation's record from the reward's ``score_terms`` of the greedy answers (begun at ``t0``): accuracy
-    (the first reward's score >= 1), mean reward, how many problems, seconds."""
+def check_samples(family, samples: int) -> None:
+    """Refuse ``samples`` > 1 completions a problem where the rollout's ``complete`` gives the greedy one only."""
+    if samples > 1 and not family.capabilities.samples_completions:
+        rollout = family.session.groups["rollout"]
+        raise ComponentError(
+            f"data.eval_samples: {samples} completions a problem need a rollout whose complete() samples n of them "
+            "(rlnb.loop.roles.SamplesCompletions, as the built-in rollouts); this one gives the greedy one only",
+            rollout.name, rollout.cls.__name__, "complete",
+        )  # fmt: skip
+
+
+def eval_record(scored: dict, problems: list, texts: list[str], samples: int, t0: float) -> tuple[dict, list]:
+    """The evaluation's record from the reward's ``score_terms`` of ``samples`` completions a problem (begun at
+    ``t0``), and its rows, one a problem. A completion is correct where the first reward scored it >= 1. One
+    sample (greedy): ``eval/accuracy``; more: ``eval/pass_at/k`` (the unbiased estimator, averaged over problems)
+    for k = 1, 2, 4, ... and ``n``, and ``eval/avg_at/n``; both: the mean reward, how many problems, seconds."""
     scores, first = scored["rewards"], next(iter(scored["terms"].values()))
-    return {
-        "eval/accuracy": sum(1.0 for x in first if x >= 1.0) / len(first),
-        "eval/reward_mean": sum(scores) / len(scores),
-        "eval/size": len(scores),
-        "time/eval_s": time.perf_counter() - t0,
-    }
+    n = samples
+    correct = [sum(1 for x in first[i * n : (i + 1) * n] if x >= 1.0) for i in range(len(problems))]
+    record: dict = {}
+    if n == 1:
+        record["eval/accuracy"] = sum(correct) / len(correct)
+    else:
+        for k in ks_up_to(n):
+            record[f"eval/pass_at/{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(correct)
+        record[f"eval/avg_at/{n}"] = sum(correct) / (n * len(correct))
+    record.update({"eval/reward_mean": sum(scores) / len(scores), "eval/size": len(problems),
+                   "time/eval_s": time.perf_counter() - t0})  # fmt: skip
+    rows = [
+        {
+            "prompt": p.prompt,
+            "answer": p.answer,
+            "completions": texts[i * n : (i + 1) * n],
+            "rewards": scores[i * n : (i + 1) * n],
+            "correct": correct[i],
+        }
+        for i, p in enumerate(problems)
+    ]
+    return record, rows
 
 
-def evaluate_checkpoint(run_dir, size: int | None = None) -> dict | None:
+def write_results(run_dir, step: int, rows: list[dict]) -> Path:
+    """``rows`` (one a problem) as JSON lines in ``<run_dir>/eval/step-<step>.jsonl``, ``0600``, written beside and
+    renamed over (a reader never sees half a file); the folder made ``0700``, never through a link out of the run."""
+    from rlnb.files import check_inside, write_private
+
+    folder = Path(run_dir) / "eval"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    check_inside(folder, run_dir)
+    final = folder / f"step-{step:07d}.jsonl"
+    tmp = folder / f".{final.name}.tmp"
+    write_private(tmp, "".join(json.dumps(row, default=str) + "\n" for row in rows))
+    os.replace(tmp, final)
+    return final
+
+
+def evaluate_checkpoint(run_dir, size: int | None = None, samples: int | None = None) -> dict | None:
     """:func:`evaluate` of an LM run's latest checkpoint in this process, without a cluster (``rlnb eval``): the
     actor's weights (:func:`rlnb.export.lm_actor_from_checkpoint`) in the built-in ``transformers`` rollout, the
-    recipe's held-out problems and rewards. Returns the record with its ``step``, or ``None`` where a cluster is
-    needed (weights in DCP shards; ``rollout.backend: vllm``, whose engine decodes otherwise)."""
+    recipe's held-out problems and rewards, ``samples`` completions a problem (as :func:`evaluate`). Returns the
+    record with its ``step`` and the ``results`` file, or ``None`` where a cluster is needed (weights in DCP
+    shards; ``rollout.backend: vllm``, whose engine decodes otherwise)."""
     from rlnb.algorithms.interactions import check_interaction
     from rlnb.algorithms.rewards import recipe_rewards
     from rlnb.components.lm import HFRollout, RewardWorker
@@ -81,6 +138,7 @@ def evaluate_checkpoint(run_dir, size: int | None = None) -> dict | None:
     if r.rollout.backend != "hf":
         return None
     size = count_or_default(size, "size", r.data.eval_size, (DataConfig, "eval_size"))
+    samples = count_or_default(samples, "samples", r.data.eval_samples, (DataConfig, "eval_samples"))
     model_path = actor.cfg.model_path
     task, _chat = recipe_task(r, model_path)
     problems, ro = task.held_out[:size], r.rollout
@@ -96,14 +154,19 @@ def evaluate_checkpoint(run_dir, size: int | None = None) -> dict | None:
         dtype=r.actor.dtype if ro.dtype == "auto" else ro.dtype, static_cache=ro.static_cache, **extra,
     )  # fmt: skip
     rollout.load_weights(actor.policy_state(), 1)
-    prompts, answers = [p.prompt for p in problems], [p.answer for p in problems]
-    texts = rollout.complete(prompts, answers, [p.fields for p in problems])
+    texts = rollout.complete(
+        [p.prompt for p in problems], [p.answer for p in problems], [p.fields for p in problems], samples
+    )
     reward = RewardWorker(
         weights=r.reward.weights, fields=fields,
         fn=recipe_rewards(r.reward.name, r.reward.model_path, r.reward.model_batch_size),
     )  # fmt: skip
-    scored = reward.score_terms(texts, answers, prompts, [p.fields for p in problems])
-    return {"step": step, **eval_record(scored, t0)}
+    each = [p for p in problems for _ in range(samples)]
+    scored = reward.score_terms(
+        texts, [p.answer for p in each], [p.prompt for p in each], [p.fields for p in each]
+    )
+    record, rows = eval_record(scored, problems, texts, samples, t0)
+    return {"step": step, **record, "results": str(write_results(run_dir, step, rows))}
 
 
 def inspect(family, prompt: str, top_k: int, max_new_tokens: int | None):
