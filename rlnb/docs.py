@@ -97,7 +97,12 @@ def algorithm_reference() -> str:
             entry = reg.entry(name)
             loops = [c.name for c in (EMBODIED, LM) if entry.serves(getattr(c, kinds[reg.kind]), c.layout)]
             lines.extend(_entry_section(reg, name, loops))
+    from rlnb.algorithms import correction
     from rlnb.config.presets import PRESETS
+
+    lines.extend(["## Training-inference mismatch correction", "",
+                  "`algorithm.mismatch_correction` (`rlnb.algorithms.correction.mismatch_weights`).", "",
+                  inspect.getdoc(correction).split("\n\nExample:")[0], ""])  # fmt: skip
 
     lines.extend(["## Presets", "", "`algorithm.preset`: a method by its paper's name, the keys it sets "
                   "(`rlnb.config.presets`).", "", "| preset | sets |", "|---|---|"])  # fmt: skip

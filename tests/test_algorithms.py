@@ -388,6 +388,38 @@ def test_pass_at_k_is_the_chance_that_k_samples_drawn_from_n_hold_a_correct_one(
         pass_at_k(4, 5, 2)
 
 
+def test_mismatch_weights_hand_computed_truncate_and_mask_at_token_and_sequence_level():
+    from rlnb.algorithms.correction import mismatch_weights
+
+    # trainer - engine log-ratios: row 0 [ln 3, ln 0.25, 0] over 3 tokens, row 1 [ln 1.5, pad]
+    trainer = T([[math.log(3.0), math.log(0.25), 0.0], [math.log(1.5), 0.0, 0.0]])
+    engine = torch.zeros(2, 3)
+    mask = T([[1, 1, 1], [1, 0, 0]])
+    w, m = mismatch_weights(trainer, engine, mask, "tis", "token", cap=2.0)
+    assert torch.allclose(w, T([[2.0, 0.25, 1.0], [1.5, 0.0, 0.0]]), atol=1e-6)  # 3 -> 2; padding 0
+    assert m["is_clipped_frac"] == pytest.approx(1 / 4) and m["is_ratio_mean"] == pytest.approx(
+        (3 + 0.25 + 1 + 1.5) / 4
+    )
+    w, m = mismatch_weights(trainer, engine, mask, "mis", "token", cap=2.0)  # floor 1/2: 3 and 0.25 out
+    assert torch.allclose(w, T([[0.0, 0.0, 1.0], [1.5, 0.0, 0.0]]), atol=1e-6) and m["is_masked_frac"] == 0.5
+    w, _ = mismatch_weights(trainer, engine, mask, "mis", "token", cap=4.0, floor=0.2)  # all within [0.2, 4]
+    assert torch.allclose(w, T([[3.0, 0.25, 1.0], [1.5, 0.0, 0.0]]), atol=1e-6)
+    # sequence level: row 0's ratio 3 * 0.25 * 1 = 0.75, row 1's 1.5, on each of their tokens
+    w, m = mismatch_weights(trainer, engine, mask, "tis", "sequence", cap=1.2)
+    assert torch.allclose(w, T([[0.75] * 3, [1.2, 0.0, 0.0]]), atol=1e-6) and m["is_clipped_frac"] == 0.25
+    w, _ = mismatch_weights(trainer, engine, mask, "mis", "sequence", cap=1.2)  # [1/1.2, 1.2]: both rows out
+    assert torch.allclose(w, torch.zeros(2, 3))
+    # KL(engine || trainer), k3 a token: (r - 1) - ln r
+    kl = sum((r - 1) - math.log(r) for r in (3.0, 0.25, 1.0, 1.5)) / 4
+    assert m["is_kl"] == pytest.approx(kl, rel=1e-5)
+    # engines that agree: every weight 1, nothing cut, no KL
+    same = torch.randn(2, 3)
+    for mode in ("tis", "mis"):
+        for level in ("token", "sequence"):
+            w, m = mismatch_weights(same, same.clone(), None, mode, level)
+            assert torch.equal(w, torch.ones(2, 3)) and float(m["is_kl"]) == 0.0, (mode, level)
+
+
 def test_value_loss_clipped_and_unclipped():
     v, old, ret = T([2.0, 0.0]), T([1.0, 0.0]), T([3.0, 1.0])
     # unclipped: 0.5 * mean((2-3)^2, (0-1)^2) = 0.5

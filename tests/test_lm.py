@@ -841,6 +841,43 @@ def test_dr_grpos_constant_makes_the_update_the_same_however_wide_the_batch_is_p
     assert not same(trained(batch, None), trained(wide, None))
 
 
+def test_a_mismatch_correction_weighs_each_tokens_loss_by_trainer_over_engine(tiny_lm):
+    """algorithm.mismatch_correction through the LM actor's update: with the engine's log-probs the trainer's own,
+    the weights are 1 and the update is the uncorrected one; with the engine's shifted (as a bf16 engine's are),
+    TIS truncates and MIS masks, the update differs, and rollout/is_* say by how much."""
+    ro = HFRollout(tiny_lm, max_new_tokens=3, seed=1)
+    ro.generate(["1+1=", "2+2="], ["2", "4"], n=2)
+    ro.set_rewards([1.0, 0.0, 0.0, 1.0])
+    batch = ro.take_batch()
+
+    def trained(b, **correction):
+        algo = AlgorithmConfig(advantage="grpo", policy_loss="ppo", group_size=2, num_minibatches=1,
+                               update_epochs=1, **correction)  # fmt: skip
+        actor = LMActor(tiny_lm, algo, lr=1e-2, micro_batch_size=8, seed=0, anneal_lr=False)
+        with torch.no_grad():  # the trainer's own log-probs as the engine's: they agree exactly
+            own = token_logprobs(actor.policy, b["input_ids"], b["attention_mask"])
+        actor.set_batch([{**b, "logprobs": own * b["response_mask"] + b.get("shift", 0.0)}])
+        out = actor.train()
+        return actor.policy_state(), out
+
+    def same(a, b):
+        return all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+    plain, _ = trained(batch)
+    agree, out = trained(batch, mismatch_correction="tis")
+    assert same(plain, agree) and out["rollout/is_ratio_mean"] == pytest.approx(1.0, abs=1e-5), out
+    assert out["rollout/is_clipped_frac"] == 0.0 and abs(out["rollout/is_kl"]) < 1e-6, out
+    # the engine gave every other trained token 2 nats less than the trainer does: trainer / engine = e^2 > 2
+    shift = torch.zeros_like(batch["logprobs"])
+    shift[:, ::2] = -2.0
+    shifted = {**batch, "shift": shift * batch["response_mask"]}
+    tis, out = trained(shifted, mismatch_correction="tis", mismatch_cap=2.0)
+    assert 0.2 < out["rollout/is_clipped_frac"] < 0.8 and out["rollout/is_kl"] > 0.5, out
+    mis, out = trained(shifted, mismatch_correction="mis", mismatch_cap=2.0)
+    assert 0.2 < out["rollout/is_masked_frac"] < 0.8, out
+    assert not same(plain, tis) and not same(plain, mis) and not same(tis, mis)
+
+
 GRPO_SMALL = [
     "data.max_operand=9", "actor.sft_steps=150", "actor.tiny_lm.hidden_size=64", "runner.eval_interval=0",
     "data.eval_size=40", *QUIET,
@@ -946,6 +983,16 @@ def test_lm_recipe_errors():
         RecipeError, match=r"data.system_prompt: 'Be brief.' is set, but data.chat_template is false"
     ):
         load_recipe("grpo_arith", ["data.system_prompt=Be brief."])
+    with pytest.raises(
+        RecipeError, match=r"algorithm.mismatch_correction: tis with algorithm.policy_loss decoupled"
+    ):
+        load_recipe(
+            "grpo_arith", ["algorithm.mismatch_correction=tis", "algorithm.policy_loss=decoupled_ppo"]
+        )
+    with pytest.raises(RecipeError, match=r"algorithm.mismatch_correction: mis weighs an LM engine's tokens"):
+        load_recipe("ppo_cartpole", ["algorithm.mismatch_correction=mis"])
+    with pytest.raises(RecipeError, match=r"algorithm.mismatch_cap: expected a number in \(1, 1000000\]"):
+        load_recipe("grpo_arith", ["algorithm.mismatch_correction=tis", "algorithm.mismatch_cap=1"])
 
 
 def test_chat_templated_prompts_get_one_bos_in_generation_and_in_the_warm_start(tmp_path):
@@ -1098,9 +1145,7 @@ def test_a_rollout_declaring_it_takes_prompts_only_is_evaluated_and_tried_with_p
     ) as loop:  # fmt: skip
         assert loop.evaluate(2)["eval/size"] == 2
         assert len(loop.try_prompt("3+4=", "7")) == 4
-        with pytest.raises(
-            ComponentError, match=r"PromptsOnly.complete: data.eval_samples: 2 completions"
-        ):
+        with pytest.raises(ComponentError, match=r"PromptsOnly.complete: data.eval_samples: 2 completions"):
             loop.evaluate(2, samples=2)
 
 

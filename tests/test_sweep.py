@@ -36,7 +36,12 @@ SWEEP = {
     "algorithm.scale": (GRPO, []),
     "algorithm.kl_estimator": (GRPO, ["algorithm.kl_coef=0.01"]),
     "algorithm.agg": (GRPO, []),
-    "algorithm.preset": (GRPO, []),  # (each preset's loss, hand-computed: tests/test_algorithms.py)
+    "algorithm.preset": (GRPO, []),
+    "algorithm.mismatch_correction": (GRPO, []),  # (weights, hand-computed: tests/test_algorithms.py)
+    "algorithm.mismatch_level": (
+        GRPO,
+        ["algorithm.mismatch_correction=tis"],
+    ),  # (each preset's loss, hand-computed: tests/test_algorithms.py)
     "algorithm.mask_truncated_completions": (GRPO, ["rollout.max_new_tokens=2"]),
     "algorithm.dynamic_sampling": (GRPO, []),
     "actor.model.kind": (PPO, []),

@@ -188,6 +188,25 @@ else:
                 logging.getLogger("vllm").removeHandler(heard)
         logp = b["logprobs"][b["response_mask"].bool()]
         assert len(logp) > 0 and torch.isfinite(logp).all() and (logp <= 0).all()
+        # the bf16 engine against a float32 trainer of the same weights: its log-probs differ, and the mismatch
+        # correction's weights truncate (TIS) and mask (MIS) as specified on those real gaps
+        from rlnb.algorithms.correction import mismatch_weights
+        from rlnb.models.lm import token_logprobs
+
+        mask = b["response_mask"].float()
+        with torch.no_grad():
+            trainer = (
+                token_logprobs(load_lm(half, dtype="float32")[0], b["input_ids"], b["attention_mask"]) * mask
+            )
+        ratio = (trainer - b["logprobs"]).exp()[mask.bool()]
+        assert (ratio - 1).abs().max() > 1e-4, ratio  # (bf16 kernels: not the trainer's numbers)
+        cap = 1 + float((ratio - 1).abs().max()) / 2
+        w, m = mismatch_weights(trainer, b["logprobs"], mask, "tis", "token", cap=cap)
+        assert torch.allclose(w[mask.bool()], ratio.clamp(max=cap), atol=1e-6) and m["is_kl"] > 0
+        w, m = mismatch_weights(trainer, b["logprobs"], mask, "mis", "token", cap=cap)
+        kept = (ratio <= cap) & (ratio >= 1 / cap)
+        assert torch.allclose(w[mask.bool()], torch.where(kept, ratio, 0.0), atol=1e-6)
+        assert 0 < float(m["is_masked_frac"]) < 1 or not kept.all(), (ratio, cap)
         assert "Reloading and processing weights took" in log and "Failed to load weights" not in log, log[
             -3000:
         ]

@@ -178,6 +178,21 @@ class AlgorithmConfig:
     the policy's surrogate adds nothing), so that the first policy updates after a warm start take advantages from
     a value function fitted to the warm-started policy's returns rather than an untrained head's (VLA-RL's and
     RLinf's critic warm-up). Logged as ``train/critic_warmup``."""
+    mismatch_correction: Literal["none", "tis", "mis"] = "none"
+    """LM RL: correct the gap between the rollout engine's token log-probs and the trainer's (vLLM in bf16 against
+    a float32 actor; other kernels) by weighting each token's policy loss with ``w = pi_trainer / pi_engine``,
+    gradient stopped (``rlnb.algorithms.correction``): ``tis`` truncated importance sampling, ``w`` capped at
+    ``mismatch_cap`` (Yao et al. 2025; veRL's rollout_is, OpenRLHF's TIS); ``mis`` masked importance sampling,
+    ``w`` outside ``[mismatch_floor, mismatch_cap]`` weighs 0 (IcePop; veRL's rollout rejection sampling). Where a
+    batch is trained against the engine's log-probs already (a stale batch, ``decoupled_ppo``) the ratio itself
+    is the correction. Logged as ``rollout/is_*``."""
+    mismatch_level: Literal["token", "sequence"] = "token"
+    """``mismatch_correction``'s ratio: each token's own, or the whole completion's (the product of its tokens')
+    on all its tokens."""
+    mismatch_cap: float = bounded(2.0, 1, 1e6, "a weight this large is no truncation", low_open=True)
+    """TIS's truncation of ``w``, MIS's upper bound (veRL's default 2)."""
+    mismatch_floor: float | None = bounded(None, 0, 1, low_open=True)
+    """MIS's lower bound on ``w`` (null: ``1 / mismatch_cap``)."""
     behave_weight_cap: float | None = bounded(None, 1, 1e9, low_open=True)
     """Decoupled PPO (``policy_loss: decoupled_ppo``): drop samples whose behaviour importance weight
     ``pi_prox / pi_behave`` exceeds this (AReaL uses 5); empty: no cap."""
@@ -238,6 +253,18 @@ class AlgorithmConfig:
             errs.append(
                 f"algorithm.critic_warmup_steps: {a.critic_warmup_steps} fits an embodied policy's value function "
                 f"first; the {recipe.family} family has none. Set it to 0"
+            )
+        if a.mismatch_correction != "none" and recipe.family == "ppo":
+            errs.append(
+                f"algorithm.mismatch_correction: {a.mismatch_correction} weighs an LM engine's tokens against the "
+                "trainer's log-probs; this recipe trains a policy on an env, whose rollout and actor run one model. "
+                "Set it to none"
+            )
+        elif a.mismatch_correction != "none" and a.policy_loss == "decoupled_ppo":
+            errs.append(
+                f"algorithm.mismatch_correction: {a.mismatch_correction} with algorithm.policy_loss decoupled_ppo, "
+                "whose ratio to the engine's log-probs (and algorithm.behave_weight_cap) is this correction already. "
+                "Set one of them otherwise"
             )
         if recipe.family == "ppo" and a.preset != "none":
             errs.append(

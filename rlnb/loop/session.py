@@ -42,6 +42,9 @@ def objects_recipe(name: str, seed: int, runner, **sections) -> Recipe:
     return Recipe(name=name, seed=seed, runner=runner, **sections)
 
 
+QUALIFIED = ("memory/", "rollout/is_")  # a phase's metrics logged under their own names, not the phase's
+
+
 class Session:
     """A run's cluster, components, run directory, logger and step.
 
@@ -190,8 +193,9 @@ class Session:
         self.pending[f"time/{name}_s"] = dt
         for k, v in phase.metrics.items():
             if v is not None and k != "version" and isinstance(v, (int, float)):
-                # memory/... keys are the process's, whichever phase reports them
-                self.pending[k if k.startswith("memory/") else f"{name}/{k}"] = v
+                # memory/... keys are the process's, whichever phase reports them; rollout/is_... the engine's
+                # mismatch, measured where the actor trains
+                self.pending[k if k.startswith(QUALIFIED) else f"{name}/{k}"] = v
         phase.metrics["time_s"] = dt
 
     def log_record(self, record: dict) -> dict:
@@ -199,7 +203,7 @@ class Session:
         p = self.pending
         record = {**record, "time/step_s": sum(v for k, v in p.items() if k.startswith("time/"))}
         for k, v in p.items():
-            if k.startswith(("train/", "time/", "advantages/", "steer/", "memory/")):
+            if k.startswith(("train/", "time/", "advantages/", "steer/", *QUALIFIED)):
                 record[k] = v
         self.pending = {}
         return self.logger.log(self.step, record)

@@ -11,6 +11,7 @@ import torch
 
 from rlnb.algorithms import kl_penalty
 from rlnb.algorithms.contract import LM, check_algorithm
+from rlnb.algorithms.correction import mismatch_weights
 from rlnb.algorithms.losses import masked_mean
 from rlnb.components.actor_base import ActorBase, with_settings
 from rlnb.components.batches import LM_BATCH, LM_OPTIONAL, check_batch
@@ -335,6 +336,7 @@ class LMActor(Forward, WarmStart, ActorBase):
         # the ratio is to the behaviour policy when the batch is stale or the loss is decoupled
         behaviour = "prox_logprobs" in self.loss.needs or batch["stale"]
         kl_in_loss = self.ref is not None and not self.kl_in_advantage
+        correct = algo.mismatch_correction != "none"  # (and the ratio taken to the trainer's log-probs)
         computed_share = 0.0
         for i, sl in enumerate(micro):
             j = rows[sl]
@@ -349,6 +351,7 @@ class LMActor(Forward, WarmStart, ActorBase):
                 # metrics then say (ratio 1) that the policy did not move
                 "old_logprobs": take("old_logprobs") if weight else None,
                 "behaviour_logprobs": take("logprobs") if behaviour and weight else None,
+                "engine_logprobs": take("logprobs") if correct and not behaviour else None,
                 "ref_logprobs": take("ref_logprobs") if kl_in_loss else None,
             }  # fmt: skip
             if self.step_compiler is not None and not self.step_compiler.ready:
@@ -409,10 +412,19 @@ class LMActor(Forward, WarmStart, ActorBase):
             )
         # the policy before this update as the actor computes it (decoupled PPO's proximal one)
         prox = logp.detach() if micro_batch["old_logprobs"] is None else micro_batch["old_logprobs"]
-        behaviour = micro_batch["behaviour_logprobs"]
+        behaviour, advantages, corrected = micro_batch["behaviour_logprobs"], micro_batch["advantages"], {}
+        if (
+            micro_batch["engine_logprobs"] is not None
+        ):  # the ratio is to the trainer's: weigh by trainer / engine
+            weights, corrected = mismatch_weights(
+                prox, micro_batch["engine_logprobs"], mask, algo.mismatch_correction, algo.mismatch_level,
+                algo.mismatch_cap, algo.mismatch_floor,
+            )  # fmt: skip
+            # (every loss here is linear in the advantage with a ratio > 0: a weight on it weighs the token's loss)
+            advantages = advantages * weights
         loss, metrics = self.loss(
             logprobs=logp, old_logprobs=prox if behaviour is None else behaviour, prox_logprobs=prox,
-            advantages=micro_batch["advantages"], mask=mask, clip_coef=algo.clip_coef,
+            advantages=advantages, mask=mask, clip_coef=algo.clip_coef,
             clip_coef_high=algo.clip_coef_high, dual_clip=algo.dual_clip, agg=algo.agg,
             max_len=algo.agg_max_tokens, behave_weight_cap=algo.behave_weight_cap,
         )  # fmt: skip
@@ -420,7 +432,7 @@ class LMActor(Forward, WarmStart, ActorBase):
             kl = masked_mean(kl_penalty(logp, micro_batch["ref_logprobs"], algo.kl_estimator), mask)
             loss = loss + algo.kl_coef * kl
             metrics = {**metrics, "kl": kl.detach()}
-        return loss, metrics
+        return loss, {**metrics, **{f"rollout/{k}": v for k, v in corrected.items()}}
 
     def export_hf(self, path: str) -> str:
         """Write the current model and its tokenizer in Hugging Face format (``save_pretrained``) to the directory
