@@ -374,7 +374,7 @@ def test_lora_adapters_on_a_sharded_model_train_checkpoint_and_resume_exactly(cl
     """LoRA with FSDP2: only the adapters train, sharded with the frozen base; a DCP checkpoint holds both and a
     resumed run continues exactly, with a KL term against the model with its adapters off."""
     extra = ["actor.strategy=fsdp2", "actor.lora.rank=4", "actor.lora.alpha=8", "algorithm.kl_coef=0.1",
-             "runner.save_interval=1"]  # fmt: skip
+             "runner.save_interval=1", "actor.lora.warm_start=adapters"]  # fmt: skip
     whole, _ = _run(cluster, tmp_path, "whole", extra)
     assert all(math.isfinite(r["train/loss"]) for r in whole) and "memory/ref_bytes" not in whole[-1]
     overrides = [*TWO_RANKS, f"actor.model_path={tmp_path / 'model'}", *extra, "runner.steps=2"]

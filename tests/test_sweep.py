@@ -65,6 +65,7 @@ SWEEP = {
     "rollout.vllm.enforce_eager": (GRPO, []),
     "actor.strategy": (GRPO, []),  # (one actor rank here: the two-rank runs are tests/test_sharding.py)
     "actor.gradient_checkpointing": (GRPO, []),
+    "actor.lora.warm_start": (GRPO, ["actor.lora.rank=4"]),
     "actor.offload": (GRPO, ["actor.strategy=fsdp2"]),
     "rollout.backend": (None, []),  # policy -> PPO, hf and vllm -> GRPO
     "family": (None, []),  # ppo and auto -> PPO, grpo -> GRPO

@@ -415,6 +415,11 @@ class LoRAConfig:
     """Dropout on the adapters' input while training."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """The linear layers (by name, as in the model) that get adapters."""
+    warm_start: Literal["full", "adapters"] = "full"
+    """What the supervised warm start (``actor.sft_steps``) trains: ``full``, every weight of the base model (as a
+    model is fine-tuned before LoRA RL; the KL reference and the rollout start from it), then RL trains the
+    adapters alone; ``adapters``, the adapters alone throughout (a model too large to fine-tune whole; with
+    ``actor.strategy: fsdp2``, whose shards of the frozen base take no gradient)."""
 
     def errors(self) -> list[str]:
         errs: list[str] = bounds_errors(self, "actor.lora.")
@@ -554,6 +559,12 @@ class ActorConfig:
             errs.append(
                 f"actor.strategy: {self.strategy} shards a transformer (an LM actor, or actor.model.kind=vla); this "
                 "embodied policy trains with ddp; set actor.strategy=ddp"
+            )
+        lora_sft = isinstance(self.lora.rank, int) and self.lora.rank > 0 and self.sft_steps
+        if lora_sft and self.lora.warm_start == "full" and self.strategy == "fsdp2" and not vla:
+            errs.append(
+                "actor.lora.warm_start: full fine-tunes the base model's weights, which FSDP2 shards frozen under "
+                "LoRA (actor.strategy=fsdp2); set actor.lora.warm_start=adapters, or actor.sft_steps=0"
             )
         if self.hsdp_replicas != 1 and self.strategy != "fsdp2":
             errs.append(

@@ -24,6 +24,8 @@ class WarmStart:
     """A mixin of :class:`rlnb.components.LMActor` (it holds ``policy``, ``tok``, ``device``, ``generator``,
     ``max_grad_norm``, ``ref`` and its precision context ``_precision``)."""
 
+    _base_training = False  # a LoRA actor's base weights train (its full warm start, under way)
+
     def _sft_rows(self, prompts: list, answers: list[str]) -> tuple[list[list[int]], list[list[int]]]:
         """Token ids of ``prompt + answer + EOS`` per problem, and which of them are the answer's (1) to learn."""
         enc = [self._context_ids(p) for p in prompts]
@@ -43,6 +45,34 @@ class WarmStart:
             if i % 2 == 0:  # the model's turn ends with EOS, the interaction's reply follows it
                 ids.append(self.tok.eos_token_id)
         return ids
+
+    def _base_trains(self, on: bool) -> None:
+        """With LoRA, the base model's weights (all but the adapters) trainable or frozen again. DDP's reducer
+        knows only the adapters (frozen weights are not its parameters): :meth:`_reduce_base_grads` averages the
+        base's gradients over the ranks meanwhile."""
+        if not self.lora:
+            return
+        for name, p in self.policy.named_parameters():
+            if ".lora_" not in name:
+                p.requires_grad_(on)
+        self._base_training = on
+
+    def _reduce_base_grads(self) -> None:
+        """The base model's gradients averaged over the data-parallel ranks, in one all-reduce (a LoRA actor's
+        full warm start under DDP)."""
+        if not self._base_training or self.world_size == 1:
+            return
+        import torch.distributed as dist
+
+        grads = [
+            p.grad for n, p in self.policy.named_parameters() if ".lora_" not in n and p.grad is not None
+        ]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world_size)
+        dist.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def sft(
         self, prompts: list, answers: list[str], steps: int, batch_size: int, lr: float,
@@ -70,6 +100,8 @@ class WarmStart:
         if wrong_answers is not None:
             wrong_rows, wrong_marks = self._sft_rows(wrong_prompts or prompts, wrong_answers)
             rows, marks = rows + wrong_rows, marks + wrong_marks
+        # LoRA: the warm start fine-tunes the whole base (actor.lora.warm_start: full), then RL trains the adapters
+        self._base_trains(self.lora and self.cfg.lora.warm_start == "full" and steps > 0)
         opt = adamw(self.policy, lr, self.device)
         self._sft_run = {
             "ids": pad_left(rows, self.tok.pad_token_id), "attn": pad_left([[1] * len(r) for r in rows], 0),
@@ -100,6 +132,7 @@ class WarmStart:
             loss = -masked_mean(logp, b_tgt)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            self._reduce_base_grads()
             torch.nn.utils.clip_grad_norm_(
                 [p for p in self.policy.parameters() if p.requires_grad], self.max_grad_norm
             )
@@ -109,6 +142,7 @@ class WarmStart:
         run["left"] -= len(losses)
         if run["left"] <= 0:
             self._sft_run = None
+            self._base_trains(False)
             if self.ref is not None:  # the reference is the warm-started model
                 self.reset_reference()
         return losses
