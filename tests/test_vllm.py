@@ -34,6 +34,9 @@ def test_an_engine_on_cpus_takes_the_kv_cache_its_sequences_need_not_a_share_of_
     tiny = Qwen2Config(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
                        max_position_embeddings=128)  # fmt: skip
     assert cpu_kv_cache_bytes(tiny, VLLMConfig(dtype="float32")) == MIN_CPU_KV_CACHE_BYTES  # 33.5 MB needed
+    # sized to the run's sequences (max_model_len), not the model's whole context
+    short = VLLMConfig(dtype="float32", max_num_seqs=4096, max_model_len=16)
+    assert cpu_kv_cache_bytes(tiny, short) == 4096 * 16 * 2 * 2 * 64 * 4
     seqs = VLLMConfig(dtype="float32", max_num_seqs=4096)  # 4096 x 128 tokens x 2 x 1 x 2 x 64 x 4 bytes
     assert cpu_kv_cache_bytes(tiny, seqs) == 4096 * 128 * 2 * 2 * 64 * 4
     assert (
@@ -81,7 +84,7 @@ else:
     from rlnb.components.lm.vllm import MIN_CPU_KV_CACHE_BYTES
     from rlnb.errors import ConfigError
     from rlnb.loop import GRPOLoop
-    from rlnb.models.lm import build_tiny_lm, load_lm
+    from rlnb.models.lm import build_tiny_lm, load_lm, prompt_ids
     from rlnb.seeding import rank_seed
 
     DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -270,7 +273,18 @@ else:
             served = loop.groups["rollout"].on(0).complete(prompts).result()[0]
             state = loop.groups["actor"].on(0).policy_state().result()[0]
             stats = loop.groups["rollout"].on(0).generation_stats().result()[0]
+            memory = loop.groups["rollout"].on(0).memory_stats().result()[0]
+            tok = HFRollout(str(tmp_path / "model")).tok
+            longest = max(len(prompt_ids(tok, p.prompt)) for p in loop.task.train + loop.task.held_out)
         assert stats["engine"] == "vllm"
+        # the engine holds the run's sequences (the longest prompt and 3 new tokens, an eighth more), not the
+        # model's whole context, and its KV cache on CPUs is sized to max_num_seqs of them
+        need = longest + 3
+        assert memory["max_model_len"] == need + need // 8 + 1, (memory, longest)
+        if DEVICE == "cpu":
+            assert memory["kv_cache_bytes"] == MIN_CPU_KV_CACHE_BYTES, (
+                memory
+            )  # (256 x ~20 tokens: under the floor)
         trained = HFRollout(str(tmp_path / "model"), max_new_tokens=3, device="cpu")
         trained.load_weights({k: v.cpu() for k, v in state.items()}, 1)
         untrained = HFRollout(str(tmp_path / "model"), max_new_tokens=3, device="cpu")

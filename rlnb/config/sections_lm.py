@@ -34,9 +34,14 @@ class VLLMConfig:
     """Fraction of a GPU's memory for the engine's weights and KV cache (the rest is the collocated actor's)."""
     kv_cache_bytes: int | None = bounded(None, 2**20, 2**50, "a petabyte of KV cache is no machine's")
     """The engine's KV cache, in bytes (vLLM's ``kv_cache_memory_bytes``). ``None``: on a GPU, what
-    ``gpu_memory_utilization`` leaves after the weights; on CPUs, what ``max_num_seqs`` sequences of the model's
-    whole context need, at most ``gpu_memory_utilization`` of the host's memory (vLLM's CPU build would otherwise
+    ``gpu_memory_utilization`` leaves after the weights; on CPUs, what ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens need, at most ``gpu_memory_utilization`` of the host's memory (vLLM's CPU build would otherwise
     take that share whatever the model: 7 GiB of a 24 GiB machine for a model of 2 MB)."""
+    max_model_len: int | None = bounded(None, 1, 100_000_000, "longer than any model's context")
+    """The longest sequence the engine holds, prompt and completion (a multi-turn transcript whole), in tokens
+    (vLLM's ``max_model_len``); on CPUs the KV cache is ``max_num_seqs`` such sequences. ``None``: the run's longest
+    prompt plus the completions' budget (``rollout.max_new_tokens``, ``2 max_turns - 1`` times for transcripts) and
+    an eighth more, measured by the LM family before launch (a rollout built from objects: the model's context)."""
     enforce_eager: bool = True
     """Run eager, without CUDA graphs: no capture time at start, slower decoding."""
     weight_bucket_bytes: int = bounded(

@@ -161,14 +161,14 @@ def _config_dtype(config):
 
 def cpu_kv_cache_bytes(config, cfg: VLLMConfig) -> int:
     """The KV cache an engine on CPUs takes when ``vllm.kv_cache_bytes`` is not set: what ``max_num_seqs``
-    sequences of the model's whole context need (keys and values of every layer), at most
-    ``gpu_memory_utilization`` of the host's memory."""
+    sequences of ``vllm.max_model_len`` tokens (the model's whole context where it is not set) need, keys and
+    values of every layer, at most ``gpu_memory_utilization`` of the host's memory."""
     head = _head_dim(config)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dtype = cfg.dtype if cfg.dtype != "auto" else str(_config_dtype(config) or "float32")
     item = 4 if "32" in dtype else 2
     per_token = 2 * config.num_hidden_layers * kv_heads * head * item
-    need = cfg.max_num_seqs * config.max_position_embeddings * per_token
+    need = cfg.max_num_seqs * (cfg.max_model_len or config.max_position_embeddings) * per_token
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(max(MIN_CPU_KV_CACHE_BYTES, min(need, cfg.gpu_memory_utilization * host)))
 
@@ -232,8 +232,13 @@ class VLLMRollout(LMRollout):
             gpu_memory_utilization=c.gpu_memory_utilization, enable_sleep_mode=self.sleep_mode,
             worker_extension_cls=f"{__name__}.VLLMWorkerExtension",
             **({"kv_cache_memory_bytes": kv_cache} if kv_cache else {}),
+            **({"max_model_len": c.max_model_len} if c.max_model_len else {}),
         )  # fmt: skip
         self.kv_cache_bytes = kv_cache  # (None: vLLM's share of the GPU)
+        log.info(
+            "rollout[%d]: vLLM engine: max_model_len %s, max_num_seqs %d, KV cache %s", self.rank,
+            self._context_limit(), c.max_num_seqs, f"{kv_cache / 2**20:.1f} MiB" if kv_cache else "vLLM's share",
+        )  # fmt: skip
         self._weights_dir: str | None = None  # (CPU) where weight buckets wait for the engine to read them
 
     def _context_limit(self) -> int | None:
@@ -323,6 +328,7 @@ class VLLMRollout(LMRollout):
             out["cuda_allocated_bytes"] = total - free
         if self.kv_cache_bytes:
             out["kv_cache_bytes"] = self.kv_cache_bytes
+        out["max_model_len"] = self._context_limit()
         return out
 
     def generation_stats(self) -> dict:

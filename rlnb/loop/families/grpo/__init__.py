@@ -17,6 +17,7 @@ from rlnb.algorithms.contract import LM, check_algorithm
 from rlnb.algorithms.interactions import check_interaction
 from rlnb.algorithms.rewards import recipe_rewards
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
+from rlnb.config.sections_lm import VLLMConfig
 from rlnb.data.prompts import Problem, common_fields, problems_from_records
 from rlnb.errors import ClusterError, ConfigError, PlacementError
 from rlnb.loop.checkpoint import MAX_STEP, Num
@@ -166,13 +167,40 @@ class GRPO(Family):
             check_cpu_head_size(self.model_path, AutoConfig.from_pretrained(self.model_path))
         self.task, self.chat = recipe_task(recipe, self.model_path)
 
+    def vllm_sized(self, ro) -> VLLMConfig:
+        """``rollout.vllm`` with ``max_model_len`` the run's: the longest prompt (train and held out, in tokens)
+        plus the completions' budget, an eighth more, at most the model's context; the KV cache this sizes on
+        CPUs is logged (``vllm.max_model_len`` set: as set)."""
+        from transformers import AutoConfig
+
+        from rlnb.components.lm.vllm import cpu_kv_cache_bytes
+        from rlnb.models.lm import load_tokenizer, prompt_ids
+
+        cfg, config = ro.vllm, AutoConfig.from_pretrained(self.model_path)
+        if cfg.max_model_len is None:
+            tok = load_tokenizer(self.model_path)
+            prompts = [p.prompt for p in self.task.train + self.task.held_out]
+            longest = max((len(prompt_ids(tok, p)) for p in prompts), default=1)
+            need = longest + ro.max_new_tokens * (2 * ro.max_turns - 1)
+            cfg = dataclasses.replace(
+                cfg, max_model_len=min(need + need // 8 + 1, config.max_position_embeddings)
+            )
+        s = self.session
+        if any(not s.cluster.slots[i].device.startswith("cuda") for i in s.placement["rollout"]):
+            kv = cfg.kv_cache_bytes or cpu_kv_cache_bytes(config, cfg)
+            log.info(
+                "rollout.vllm: max_model_len %d, max_num_seqs %d: a KV cache of %.1f MiB on each CPU rollout rank",
+                cfg.max_model_len, cfg.max_num_seqs, kv / 2**20,
+            )  # fmt: skip
+        return cfg
+
     def launch(self) -> None:
         """The recipe path: the same public ``launch`` calls a notebook makes."""
         s = self.session
         r, cl, p = s.recipe, s.cluster, s.placement
         deadlines, ro = r.cluster.deadlines(), r.rollout
         if ro.backend == "vllm":
-            rollout_cls, extra = VLLMRollout, {"vllm": ro.vllm}
+            rollout_cls, extra = VLLMRollout, {"vllm": self.vllm_sized(ro)}
         else:
             dtype = r.actor.dtype if ro.dtype == "auto" else ro.dtype
             rollout_cls, extra = HFRollout, {"drop_finished": ro.drop_finished, "dtype": dtype,
