@@ -167,6 +167,7 @@ def rlnb_run(
     prefix: str = "",
     warm: bool = True,
     skip: bool = True,
+    extra: tuple[str, ...] = (),
 ) -> tuple[float, float, dict]:
     import json
 
@@ -177,7 +178,7 @@ def rlnb_run(
         "runner.eval_interval=0", "runner.save_interval=0", "runner.tensorboard=false", f"algorithm.group_size={GROUP}",
         f"data.prompts_per_step={PROMPTS}", f"rollout.max_new_tokens={TOKENS}", f"data.max_operand={MAX_OPERAND[warm]}",
         "actor.lr=0.0002", "actor.micro_batch_size=128", f"cluster.component_placement={{'actor,rollout,reward': {placement}}}",
-        f"actor.skip_zero_advantage={str(skip).lower()}",
+        f"actor.skip_zero_advantage={str(skip).lower()}", *extra,
     ]  # fmt: skip
     with tempfile.TemporaryDirectory() as run_dir:
         if prefix:  # the same prompts as TRL's, from a file
@@ -214,6 +215,20 @@ def matmul_flops(hidden: int = 256, tokens: int = 4096, reps: int = 20) -> float
     return 2 * tokens * hidden * 4 * hidden * reps / (time.perf_counter() - t0)
 
 
+def packing(path: str, args, prefix: str, warm: bool) -> None:
+    """rlnb on 1 slot with every row computed, its micro-batches padded rows (``micro_batch_size``) or rows packed
+    by a token budget with no padding (``actor.max_tokens_per_micro_batch``): the update's time (``time/train_s``)
+    at the mixed lengths the warm-started model's completions have."""
+    runs, budget = {}, args.pack_tokens
+    for label, extra in (("padded rows", ()), (f"packed, {budget} tokens a micro-batch",
+                                                (f"actor.max_tokens_per_micro_batch={budget}",))):  # fmt: skip
+        _, _, phases = rlnb_run(path, args.steps, args.seed, "0", prefix, warm, False, extra)
+        runs[label] = phases["time/train_s"]
+        print(f"rlnb update, {label}: {runs[label]:.3f} s (median time/train_s)", flush=True)
+    padded, packed = runs.values()
+    print(f"packed / padded update time: {packed / padded:.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=12)
@@ -227,6 +242,12 @@ def main():
         default=150,
         help="supervised steps before RL (0: the untrained model)",
     )
+    ap.add_argument(
+        "--packing-only",
+        action="store_true",
+        help="only rlnb's packed micro-batches (actor.max_tokens_per_micro_batch) against its padded ones",
+    )
+    ap.add_argument("--pack-tokens", type=int, default=256, help="the packed micro-batches' token budget")
     args = ap.parse_args()
     prefix = instruction(args.instruction_chars) if args.instruction_chars else ""
     warm = args.warm_start_steps > 0
@@ -251,6 +272,9 @@ def main():
                   f"(not timed below), last loss {loss:.2f}; sums of numbers up to {MAX_OPERAND[warm]}")  # fmt: skip
         else:
             print("no warm start: every completion scores 0, so every group is alike")
+        packing(path, args, prefix, warm)
+        if args.packing_only:
+            return
         trl_step, trl_tps, trl_alike = trl_run(path, args.steps, args.seed, prefix=prefix, warm=warm)
         print(
             f"TRL  GRPOTrainer, 1 process: {trl_step:.3f} s/step  {trl_tps:8.0f} generated tokens/s  "

@@ -878,6 +878,34 @@ def test_a_mismatch_correction_weighs_each_tokens_loss_by_trainer_over_engine(ti
     assert not same(plain, tis) and not same(plain, mis) and not same(tis, mis)
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_packed_micro_batches_by_a_token_budget_train_as_the_padded_rows_do(tiny_lm, agg):
+    """actor.max_tokens_per_micro_batch: rows packed into one sequence a micro-batch, no padding computed, the
+    micro-batches cut by tokens: the same loss and gradients as padded micro-batches of rows, and the same
+    log-probs where the actor recomputes them (old log-probs, the KL reference)."""
+    batches = _two_rollout_batches(tiny_lm)
+
+    def trained(**settings):
+        algo = AlgorithmConfig(advantage="grpo", policy_loss="ppo", group_size=4, num_minibatches=1,
+                               update_epochs=1, agg=agg)  # fmt: skip
+        actor = LMActor(tiny_lm, algo, lr=1e-2, seed=0, anneal_lr=False, compile=False, **settings)
+        actor.set_batch([dict(b) for b in batches])
+        logp = actor._logprobs(actor.policy, actor.batch)  # (before the step: the same weights)
+        out = actor.train()
+        return actor, out, logp
+
+    padded, out_padded, logp_padded = trained(micro_batch_size=64)
+    budget = int(padded.batch["attention_mask"].sum(1).max()) * 3  # (about three rows a micro-batch)
+    packed, out_packed, logp_packed = trained(max_tokens_per_micro_batch=budget)
+    assert packed.forward_stats()["packed"] and packed.packing_fallback is None
+    assert out_packed["loss"] == pytest.approx(out_padded["loss"], abs=1e-5)
+    at = padded.batch["response_mask"].bool()
+    assert torch.allclose(logp_packed[at], logp_padded[at], atol=1e-5)
+    grads = [(a.grad, b.grad) for a, b in zip(padded.policy.parameters(), packed.policy.parameters())]
+    assert all(g is not None for g, _ in grads) and any(float(g.abs().max()) > 0 for g, _ in grads)
+    assert all(torch.allclose(g, h, atol=1e-6, rtol=1e-4) for g, h in grads)
+
+
 GRPO_SMALL = [
     "data.max_operand=9", "actor.sft_steps=150", "actor.tiny_lm.hidden_size=64", "runner.eval_interval=0",
     "data.eval_size=40", *QUIET,
@@ -1078,14 +1106,16 @@ def test_a_chat_template_recipe_trains_on_templated_prompts_on_workers(cluster, 
 
 
 def test_the_lm_speed_options_of_a_recipe_reach_the_components_on_workers(cluster, tmp_path):
-    """``actor.length_buckets``, ``actor.skip_zero_advantage`` and ``rollout.drop_finished`` (defaults: 4 on
-    CPU, on, on) set in a recipe are what the actor and rollout ranks use."""
+    """``actor.length_buckets``, ``actor.skip_zero_advantage``, ``rollout.drop_finished`` (defaults: 4 on CPU, on,
+    on) and ``actor.max_tokens_per_micro_batch`` set in a recipe are what the actor and rollout ranks use."""
     overrides = [*GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "runner.steps=2", "actor.sft_steps=0",
-                 "actor.length_buckets=2", "actor.skip_zero_advantage=false", "rollout.drop_finished=false"]  # fmt: skip
+                 "actor.length_buckets=2", "actor.skip_zero_advantage=false", "rollout.drop_finished=false",
+                 "actor.max_tokens_per_micro_batch=256"]  # fmt: skip
     with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
         records = loop.run(progress=False)
         for stats in loop.groups["actor"].forward_stats().result(60):
             assert (stats["length_buckets"], stats["skip_zero_advantage"]) == (2, False), stats
+            assert stats["packed"] and stats["packing_fallback"] is None, stats  # (packed micro-batches)
         for stats in loop.groups["rollout"].generation_stats().result(60):
             assert stats["drop_finished"] is False, stats
     # an untrained model: most groups scored alike (no signal), and every row was computed all the same

@@ -502,6 +502,16 @@ class ActorConfig:
     the update's forward and backward, and out of the old log-probs' recompute, where they add exactly 0: a
     policy loss registered so (``ppo``, ``decoupled_ppo``) and no KL term in the loss. The same gradients;
     the loss's metrics are over the sequences computed. Logged as ``train/rows_computed_frac``."""
+    max_tokens_per_micro_batch: int | None = bounded(
+        None, 1, 100_000_000, "more tokens than a batch of contexts"
+    )
+    """LM RL: micro-batches by a token budget instead of ``micro_batch_size`` rows, each micro-batch's rows packed
+    into one sequence with no padding computed (position ids restarting at each row, which ``transformers`` reads
+    as packed sequences: veRL's ``use_dynamic_bsz`` and remove-padding, TRL's ``padding_free``). The same losses and
+    gradients as the padded path; the actor checks the two agree on its first micro-batch and pads, with a warning,
+    where the model attends across packed rows. Not with ``actor.compile`` (a graph a shape). ``null``: rows. On
+    CPUs the padded path, which computes each prompt once and cuts rows by length, was faster here
+    (``docs/benchmarks.md``); packing pays where attention runs variable-length kernels."""
     length_buckets: int | None = bounded(None, 1, 1024)
     """LM RL: the most passes a micro-batch's sequences take, grouped by where they end, so that padding is
     not computed (the same log-probs and gradients); ``null``: 4 on CPU, 1 on a GPU."""
@@ -565,6 +575,11 @@ class ActorConfig:
             errs.append(
                 "actor.lora.warm_start: full fine-tunes the base model's weights, which FSDP2 shards frozen under "
                 "LoRA (actor.strategy=fsdp2); set actor.lora.warm_start=adapters, or actor.sft_steps=0"
+            )
+        if self.max_tokens_per_micro_batch is not None and self.compile is True:
+            errs.append(
+                "actor.max_tokens_per_micro_batch: packed micro-batches change shape at every step, and actor.compile="
+                "true compiles one graph a shape; set actor.compile=false (or auto), or the budget to null"
             )
         if self.hsdp_replicas != 1 and self.strategy != "fsdp2":
             errs.append(

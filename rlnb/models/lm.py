@@ -497,6 +497,44 @@ def _token_logprobs_upto(model, input_ids, attention_mask, temperature: float, s
     return _scored(logits[:, -keep:-1], ids, start + 1, temperature)
 
 
+def packed_token_logprobs(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+):
+    """:func:`token_logprobs` with the rows packed into one sequence and no padding computed: ``[B, L]`` (0 at
+    each row's first token and on padding). The attended tokens of every row, one after the other, go through the
+    model as ``[1, T]`` with position ids restarting at each row and no attention mask, which ``transformers``
+    reads as packed sequences (each attends within its own row: ``masking_utils.find_packed_sequence_indices``;
+    veRL's remove-padding, TRL's ``padding_free``). A model that does not read them so attends across rows:
+    :meth:`rlnb.components.LMActor` checks the two paths agree before it packs."""
+    attended = attention_mask.bool()
+    flat = input_ids[attended][None]  # [1, T], row after row
+    positions = positions_from_mask(attention_mask)[attended][None]
+    logits = model(input_ids=flat, position_ids=positions, attention_mask=None, **no_cache(model)).logits[0]
+    logp = torch.log_softmax(logits[:-1].float() / temperature, dim=-1)
+    nxt = logp.gather(-1, flat[0, 1:, None]).squeeze(-1)  # [T - 1]: token k + 1 given those before it
+    scored = torch.cat([nxt.new_zeros(1), nxt])  # [T]: token k's log-prob (meaningless at a row's first)
+    scored = torch.where(positions[0] > 0, scored, torch.zeros_like(scored))
+    out = scored.new_zeros(input_ids.shape)
+    out[attended] = scored
+    return out
+
+
+def pack_rows(attention_mask: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
+    """Rows in order, grouped so that each group's attended tokens sum to at most ``max_tokens`` (a longer row
+    alone): the micro-batches of ``actor.max_tokens_per_micro_batch``. ``[B, L]`` -> index tensors."""
+    lengths = attention_mask.sum(-1).tolist()
+    groups, current, used = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and used + n > max_tokens:
+            groups.append(torch.tensor(current))
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        groups.append(torch.tensor(current))
+    return groups
+
+
 def token_ends(attention_mask: torch.Tensor, least: int = 0) -> torch.Tensor:
     """Where each row's tokens end, one past its last attended column, and at least ``least``: ``[B]``.
     A generated row is right-padded after its EOS; a prompt is left-padded."""

@@ -27,7 +27,7 @@ from rlnb.components.strategy import Strategy, for_each_bucket
 from rlnb.config.checks import check_field
 from rlnb.config.schema import ActorConfig, LoRAConfig
 from rlnb.errors import ConfigError
-from rlnb.models.lm import DTYPES, base_lm, hf_quiet, load_lm
+from rlnb.models.lm import DTYPES, base_lm, hf_quiet, load_lm, pack_rows
 from rlnb.runtime.collective import local_part
 from rlnb.runtime.rank import RankInfo, current_rank
 from rlnb.seeding import rank_seed
@@ -127,6 +127,11 @@ class LMActor(Forward, WarmStart, ActorBase):
         self.shared_forwards = 0  # micro-batches whose prompts went through the model once per prompt
         self._sft_run: dict | None = None  # a warm start under way (sft_begin -> sft_steps)
         self.prompt_forward_fallback: str | None = None  # why prompts stopped being shared, if they did
+        self.max_tokens = cfg.max_tokens_per_micro_batch  # (None: micro-batches of micro_batch_size rows)
+        self.packing: bool | None = (
+            None if self.max_tokens else False
+        )  # (None: not checked against padding yet)
+        self.packing_fallback: str | None = None  # why the rows are padded after all, if they are
         self.rank = rank_info.rank if rank_info else 0
         self.world_size = rank_info.world_size if rank_info else 1
         self.device = resolve_device(cfg.device, rank_info)
@@ -172,7 +177,9 @@ class LMActor(Forward, WarmStart, ActorBase):
         self.step = 0
         self.batch: dict | None = None
         # actor.compile (compile=...): the micro-batch objective, forward, loss and backward, compiled
-        self.step_compiler = StepCompiler.for_device(cfg.compile, self.device, "actor")
+        # (packed micro-batches change shape at every step: never compiled)
+        compile_ = False if cfg.max_tokens_per_micro_batch is not None else cfg.compile
+        self.step_compiler = StepCompiler.for_device(compile_, self.device, "actor")
 
     @property
     def max_grad_norm(self) -> float:
@@ -332,7 +339,11 @@ class LMActor(Forward, WarmStart, ActorBase):
             self.clip_and_step = ClipAndStep(self.optimizer)
         self.strategy.zero_grad(self.optimizer, self.clip_and_step)
         sums: dict[str, float] = {}
-        micro = list(micro_batches(len(rows), self.micro_batch_size))
+        micro = (
+            pack_rows(batch["attention_mask"][rows], self.max_tokens)
+            if self.max_tokens
+            else list(micro_batches(len(rows), self.micro_batch_size))
+        )
         # the ratio is to the behaviour policy when the batch is stale or the loss is decoupled
         behaviour = "prox_logprobs" in self.loss.needs or batch["stale"]
         kl_in_loss = self.ref is not None and not self.kl_in_advantage

@@ -9,7 +9,12 @@ import logging
 import torch
 
 from rlnb.components.lm.layout import micro_batches
-from rlnb.models.lm import first_response_column, shared_prompt_logprobs, token_logprobs
+from rlnb.models.lm import (
+    first_response_column,
+    packed_token_logprobs,
+    shared_prompt_logprobs,
+    token_logprobs,
+)
 
 log = logging.getLogger("rlnb")
 
@@ -19,6 +24,8 @@ GPU_MIN_SHARED_FRACTION = 0.5
 # On CPU a micro-batch's rows go through in up to this many passes grouped by where they end, each cut at
 # its longest row (rlnb.models.lm.length_buckets): a padded position costs as much as a real one there.
 CPU_LENGTH_BUCKETS = 4
+# packed and padded log-probs agree to float32 rounding (4.8e-7 seen); a model attending across rows, by far more
+PACKING_TOLERANCE = 1e-3
 
 
 class Forward:
@@ -48,6 +55,12 @@ class Forward:
         positions, which are all a loss or a KL reads)."""
         if self.step_compiler is not None:  # compiled: one graph, with no data-dependent column or cache
             return token_logprobs(model, ids, attn, self.temperature)
+        if self.packing is not False:
+            packed = packed_token_logprobs(model, ids, attn, self.temperature)
+            if self.packing is None:  # the first micro-batch: does this model keep packed rows apart?
+                self._check_packing(model, ids, attn, response_mask, packed)
+            if self.packing:
+                return packed
         if self.share_prompt_forward and self.prompt_forward_fallback is None:
             try:
                 least = GPU_MIN_SHARED_FRACTION if self.device.type == "cuda" else 0.0
@@ -68,6 +81,21 @@ class Forward:
         first = first_response_column(response_mask)
         return token_logprobs(model, ids, attn, self.temperature, first, self.length_buckets)
 
+    def _check_packing(self, model, ids, attn, response_mask, packed: torch.Tensor) -> None:
+        """Packing stays on where its log-probs are the padded path's at the response positions (a model whose
+        attention reads no packed sequences from position ids attends across rows: padded, with a warning)."""
+        with torch.no_grad():
+            padded = token_logprobs(model, ids, attn, self.temperature)
+        at = response_mask.bool()
+        gap = float((packed.detach() - padded)[at].abs().max()) if at.any() else 0.0
+        self.packing = gap <= PACKING_TOLERANCE
+        if not self.packing:
+            self.packing_fallback = (
+                f"packed rows' log-probs differ from the padded rows' by {gap:.3g} (> {PACKING_TOLERANCE}): this "
+                f"model ({type(getattr(model, 'module', model)).__name__}) attends across packed rows"
+            )
+            log.warning("actor[%d]: micro-batches padded, not packed: %s", self.rank, self.packing_fallback)
+
     def forward_stats(self) -> dict:
         """How this rank computes its update: the most length buckets a micro-batch takes, whether rows with
         no advantage are left out, micro-batches whose prompts went through the model once per distinct
@@ -77,4 +105,6 @@ class Forward:
             "skip_zero_advantage": self.skip_zero_advantage,
             "shared_forwards": self.shared_forwards,
             "prompt_forward_fallback": self.prompt_forward_fallback,
+            "packed": bool(self.packing),
+            "packing_fallback": self.packing_fallback,
         }
