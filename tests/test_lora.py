@@ -172,6 +172,41 @@ def test_grpo_arith_with_lora_learns_on_two_data_parallel_ranks(cluster, tmp_pat
     assert all(torch.equal(w, rank1[name]) for name, w in rank0.items())
 
 
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_rollout_apart_gets_the_adapters_alone_once_it_holds_the_base(cluster, tmp_path, staleness):
+    """actor.lora.sync=adapters with the rollout on another slot (a channel), synchronous and asynchronous: the
+    first sync and the one after the full warm start send merged weights and the base, every later one the
+    adapters alone (a small share of the bytes), and the rollout's merged weights are the actor's bit for bit."""
+    overrides = [
+        *GRPO_SMALL, f"actor.model_path={tmp_path / 'model'}", "actor.lora.rank=4", "actor.sft_steps=20",
+        "runner.steps=4", "data.prompts_per_step=4", "algorithm.group_size=4", "rollout.max_new_tokens=3",
+        "cluster.component_placement={'rollout,reward': 0, actor: 1}", f"algorithm.max_staleness={staleness}",
+    ]  # fmt: skip
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "run") as loop:
+        assert loop.paths.adapter_sync
+        loop.evaluate(
+            2
+        )  # (its sync comes before the warm start: the rollout holds the base the warm start changes)
+        first = loop.groups["actor"].on(0).sync_stats().result()[0]
+        assert first["kind"] == "merged" and first["bytes"] > 0, first
+        records = loop.run(progress=False)
+        loop.sync_weights()
+        merged = loop.groups["actor"].on(0).policy_state().result()[0]
+        served = loop.groups["rollout"].on(0).complete(["3+4=", "5+1="]).result()[0]
+        last = loop.groups["actor"].on(0).sync_stats().result()[0]
+    assert last["kind"] == "adapters" and 0 < last["bytes"] < 0.2 * sum(v.nbytes for v in merged.values()), (
+        last
+    )
+    if (
+        staleness == 0
+    ):  # (the merged syncs came before the steps: the first evaluation's, after the warm start)
+        assert [r["sync/adapters_only"] for r in records] == [1.0] * 4, records
+        assert all(r["sync/bytes"] == last["bytes"] for r in records), records
+    mine = HFRollout(str(tmp_path / "model"), max_new_tokens=3)
+    mine.load_weights(merged, 1)
+    assert served == mine.complete(["3+4=", "5+1="])
+
+
 def test_lora_misfits_are_refused_naming_the_key(tiny_lm):
     with pytest.raises(RecipeError, match=r"actor.lora.rank: expected an integer in \[0, 65536\]"):
         load_recipe("grpo_arith", ["actor.lora.rank=-1"])

@@ -66,6 +66,7 @@ SWEEP = {
     "actor.strategy": (GRPO, []),  # (one actor rank here: the two-rank runs are tests/test_sharding.py)
     "actor.gradient_checkpointing": (GRPO, []),
     "actor.lora.warm_start": (GRPO, ["actor.lora.rank=4"]),
+    "actor.lora.sync": (GRPO, ["actor.lora.rank=4"]),  # (apart, both ways: tests/test_lora.py)
     "actor.offload": (GRPO, ["actor.strategy=fsdp2"]),
     "rollout.backend": (None, []),  # policy -> PPO, hf and vllm -> GRPO
     "family": (None, []),  # ppo and auto -> PPO, grpo -> GRPO

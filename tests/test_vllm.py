@@ -82,7 +82,7 @@ else:
     from rlnb.algorithms.interactions import SafeInteraction
     from rlnb.components.lm import HFRollout, VLLMRollout
     from rlnb.components.lm.vllm import MIN_CPU_KV_CACHE_BYTES
-    from rlnb.errors import ConfigError
+    from rlnb.errors import ComponentError, ConfigError
     from rlnb.loop import GRPOLoop
     from rlnb.models.lm import build_tiny_lm, load_lm, prompt_ids
     from rlnb.seeding import rank_seed
@@ -144,6 +144,40 @@ else:
         assert not list(
             Path(engine._weights_dir or "/nonexistent").glob("*")
         )  # every bucket read and removed
+
+    def test_a_lora_actors_adapters_alone_merge_into_the_base_the_engine_keeps(engine, model):
+        """actor.lora.sync=adapters into a real engine: the merged weights and the adapted layers' base, then the
+        adapters alone, merged by the rollout and loaded into the engine in place; its greedy completions are those
+        of the actor's merged weights. (The module's engine: its whole weights are put back at the end.)"""
+        from rlnb.components.lm import LMActor
+        from rlnb.components.lm.lora import adapted_base, adapter_state
+
+        actor = LMActor(model, group_size=2, seed=0, actor={"lora": {"rank": 4, "alpha": 8}})
+        lora_b = [p for n, p in actor.policy.named_parameters() if "lora_B" in n]
+        with torch.no_grad():
+            for p in lora_b:
+                p.normal_(0, 0.5)
+        engine.load_message({"state": actor.policy_state(), "version": 5,
+                             "lora": {"base": adapted_base(actor.policy), "base_version": 0}})  # fmt: skip
+        with torch.no_grad():
+            for p in lora_b:
+                p.normal_(0, 0.5)
+        engine.load_message({"adapters": adapter_state(actor.policy), "base_version": 0, "version": 6})
+        prompts = ["1+2=", "30+4=", "7+7="]
+        try:
+            mine = HFRollout(model, max_new_tokens=4, device="cpu")
+            mine.load_weights({k: v.cpu() for k, v in actor.policy_state().items()}, 1)
+            assert engine.version == 6 and engine.complete(prompts) == mine.complete(prompts)
+            with pytest.raises(
+                ComponentError, match="adapters for base version 1, and this rank holds base version 0"
+            ):
+                engine.load_message(
+                    {"adapters": adapter_state(actor.policy), "base_version": 1, "version": 7}
+                )
+        finally:
+            engine.load_weights(
+                {k: v.to(DEVICE) for k, v in load_lm(model)[0].state_dict().items()}, version=0
+            )
 
     def test_a_head_size_vllms_cpu_attention_cannot_run_is_refused_before_the_engine_starts(
         cluster, tmp_path

@@ -152,8 +152,39 @@ class RolloutBase:
         msg = channel.get(key=key)
         if msg.get("more"):
             return self.load_weights_in_parts(_parts(channel, key, msg), msg["version"])
-        newer = self.poll_weights(channel, key, load=False)
-        return self.load_weights(*(newer or (msg["state"], msg["version"])))
+        return self._load_messages([msg, *self._queued(channel, key)])
+
+    def load_message(self, msg: dict) -> int:
+        """One weight-sync message: ``{"state", "version"}`` loaded whole (a subclass may take other kinds)."""
+        return self.load_weights(msg["state"], msg["version"])
+
+    def _load_messages(self, msgs: list[dict]) -> int:
+        """Of several queued messages, the newest whole weights and, after them, the newest adapters-only one
+        (an adapters message needs the base the whole one before it brought)."""
+        plan: list[dict] = []
+        for msg in msgs:
+            plan = [*[m for m in plan if "adapters" not in m], msg] if "adapters" in msg else [msg]
+        version = self.version
+        for msg in plan:
+            version = self.load_message(msg)
+        return version
+
+    def _queued(self, channel, key: str) -> list[dict]:
+        """Every message queued under ``key`` now, without waiting (a sharded actor's buckets are loaded as they
+        come, and leave the list)."""
+        import queue
+
+        msgs = []
+        while True:
+            try:
+                msg = channel.get_nowait(key=key)
+            except queue.Empty:
+                return msgs
+            if msg.get("more"):  # a sharded actor's buckets, the rest following: loaded as they arrive
+                self.load_weights_in_parts(_parts(channel, key, msg), msg["version"])
+                msgs = []  # (older ones are superseded)
+            else:
+                msgs.append(msg)
 
     def load_weights_in_parts(self, parts, version: int) -> int:
         """Weights that come in parts (a sharded actor's buckets, dicts of some of the tensors), then this is
@@ -182,26 +213,15 @@ class RolloutBase:
             "for rollout.weight_sync=broadcast"
         )
 
-    def poll_weights(self, channel, key: str, load: bool = True) -> tuple | None:
-        """Without waiting: the newest weights queued under ``key`` (older ones are dropped), ``(state,
-        version)``, loaded unless ``load=False``; ``None`` when nothing is queued. Asynchronous generation calls
-        it between chunks, so weights arrive while it runs. A sharded actor's buckets are loaded as they come
-        (``(None, version)``)."""
-        import queue
-
-        newest = None
-        while True:
-            try:
-                msg = channel.get_nowait(key=key)
-            except queue.Empty:
-                break
-            if msg.get("more"):  # a sharded actor's buckets, the rest following: loaded as they arrive
-                newest = (None, self.load_weights_in_parts(_parts(channel, key, msg), msg["version"]))
-                continue
-            newest = (msg["state"], msg["version"])
-        if newest is not None and newest[0] is not None and load:
-            self.load_weights(*newest)
-        return newest
+    def poll_weights(self, channel, key: str) -> int | None:
+        """Without waiting: the newest weights queued under ``key`` loaded (older ones are dropped), their version;
+        ``None`` when nothing is queued. Asynchronous generation calls it between chunks, so weights arrive while
+        it runs. A sharded actor's buckets are loaded as they come."""
+        before = self.version
+        msgs = self._queued(channel, key)
+        if msgs:
+            return self._load_messages(msgs)
+        return self.version if self.version != before else None
 
     def take_batch(self) -> dict:
         """The last collected batch (in-process hand-off to a collocated actor)."""

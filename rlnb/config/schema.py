@@ -415,6 +415,11 @@ class LoRAConfig:
     """Dropout on the adapters' input while training."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """The linear layers (by name, as in the model) that get adapters."""
+    sync: Literal["adapters", "merged"] = "adapters"
+    """What weight sync sends rollout ranks apart from the actor (a channel): ``adapters``, the merged weights and
+    the adapted layers' base once (and after a full warm start), then the adapters alone, which the rollout merges
+    into the base it keeps (logged as ``sync/bytes``); ``merged``, the merged weights every time (a rollout of
+    one's own that takes whole weights only gets them so anyway). Collocated ranks copy in-process either way."""
     warm_start: Literal["full", "adapters"] = "full"
     """What the supervised warm start (``actor.sft_steps``) trains: ``full``, every weight of the base model (as a
     model is fine-tuned before LoRA RL; the KL reference and the rollout start from it), then RL trains the

@@ -55,6 +55,9 @@ class DataPaths:
         self.session = session
         self.batch_local = False
         self.weight_sync = "local"
+        # a LoRA actor sends a channel's rollout ranks its adapters alone once they hold the base (the LM family
+        # says so: actor.lora.sync, a rollout that merges them)
+        self.adapter_sync = False
 
     def open(self, asynchronous: bool) -> None:
         """Channels (and the weight-sync process group) for whatever is not collocated between actor and rollout."""
@@ -82,8 +85,9 @@ class DataPaths:
                 s.cluster, "weights", slot=p["rollout"][0], timeout_s=timeout, max_bytes=0
             )
 
-    def sync(self, version: int) -> None:
-        """Actor -> rollout weights, stamped ``version``, waiting for them to load."""
+    def sync(self, version: int) -> dict:
+        """Actor -> rollout weights, stamped ``version``, waiting for them to load. Returns the phase's metrics
+        (with adapters-only sync, ``bytes`` sent and whether they were the ``adapters_only``)."""
         actor, rollout = self.session.groups["actor"], self.session.groups["rollout"]
         if self.batch_local:
             rollout.call_each(
@@ -100,6 +104,15 @@ class DataPaths:
             # worker would otherwise hold its actor thread waiting for weights not yet sent
             self.publish_weights(ch, keys, version)
             rollout.call_each("load_from_channel", [(ch, k) for k in keys]).result()
+            return self.sync_stats()
+        return {}
+
+    def sync_stats(self) -> dict:
+        """What the last adapters-only sync sent (``{}`` where weights go whole)."""
+        if not self.adapter_sync:
+            return {}
+        last = self.session.groups["actor"].on(0).sync_stats().result()[0]
+        return {"bytes": last["bytes"], "adapters_only": float(last["kind"] == "adapters")}
 
     def hand_batches(self, batches: list[dict] | None = None) -> list[dict]:
         """Rollout rank ``k``'s batch goes to actor rank ``k % actor ranks`` (in-process when collocated); with
@@ -152,6 +165,8 @@ class DataPaths:
         if self.actor_gathers():
             calls = [(channel, keys if r == 0 else [], version) for r in actor.ranks]
             actor.call_each("publish_weights", calls).result()
+        elif self.adapter_sync:
+            actor.on(0).publish_weights(channel, keys, version, True).result()
         else:
             actor.on(0).publish_weights(channel, keys, version).result()
 

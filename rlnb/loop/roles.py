@@ -164,6 +164,13 @@ class TakesRecords(Protocol):
     TAKES_RECORDS: ClassVar[bool]
 
 
+class MergesAdapters(Protocol):
+    """An LM rollout that takes a LoRA actor's adapters alone and merges them into the base it keeps
+    (``load_message``: ``actor.lora.sync: adapters``)."""
+
+    MERGES_ADAPTERS: ClassVar[bool]
+
+
 class SamplesCompletions(Protocol):
     """An LM rollout whose ``complete`` takes, after the prompts and records, ``n``: that many sampled completions
     a prompt instead of the greedy one (evaluation's pass@k, ``data.eval_samples``)."""
@@ -242,6 +249,8 @@ class Capabilities:
     """The LM rollout shows a completion token by token (``loop.inspect``)."""
     samples_completions: bool = False
     """The LM rollout samples several completions a prompt for evaluation (pass@k)."""
+    merges_adapters: bool = False
+    """The LM rollout merges a LoRA actor's adapters sent alone (adapters-only weight sync)."""
 
     @classmethod
     def of(cls, groups: dict) -> Capabilities:
@@ -257,4 +266,5 @@ class Capabilities:
             takes_records=rollout is not None and implements(rollout.cls, TakesRecords),
             inspects_tokens=rollout is not None and implements(rollout.cls, InspectsTokens),
             samples_completions=rollout is not None and implements(rollout.cls, SamplesCompletions),
+            merges_adapters=rollout is not None and implements(rollout.cls, MergesAdapters),
         )

@@ -203,7 +203,7 @@ class Session:
         p = self.pending
         record = {**record, "time/step_s": sum(v for k, v in p.items() if k.startswith("time/"))}
         for k, v in p.items():
-            if k.startswith(("train/", "time/", "advantages/", "steer/", *QUALIFIED)):
+            if k.startswith(("train/", "time/", "advantages/", "steer/", "sync/", *QUALIFIED)):
                 record[k] = v
         self.pending = {}
         return self.logger.log(self.step, record)

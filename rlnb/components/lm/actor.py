@@ -19,7 +19,7 @@ from rlnb.components.compile import StepCompiler
 from rlnb.components.launch import launcher
 from rlnb.components.lm.forward import CPU_LENGTH_BUCKETS, Forward
 from rlnb.components.lm.layout import decode_group, join_batches, micro_batches
-from rlnb.components.lm.lora import AdaptersOff
+from rlnb.components.lm.lora import AdaptersOff, message_bytes
 from rlnb.components.lm.sft import WarmStart, adamw
 from rlnb.components.optim import ClipAndStep
 from rlnb.components.rollout import resolve_device
@@ -127,6 +127,9 @@ class LMActor(Forward, WarmStart, ActorBase):
         self.shared_forwards = 0  # micro-batches whose prompts went through the model once per prompt
         self._sft_run: dict | None = None  # a warm start under way (sft_begin -> sft_steps)
         self.prompt_forward_fallback: str | None = None  # why prompts stopped being shared, if they did
+        self.base_version = 0  # LoRA: bumped when a full warm start changed the base (rollouts need it again)
+        self._sent_base: dict[str, int] = {}  # the base version each rollout key holds (adapters-only sync)
+        self.last_sync: dict = {"kind": None, "bytes": None}
         self.max_tokens = cfg.max_tokens_per_micro_batch  # (None: micro-batches of micro_batch_size rows)
         self.packing: bool | None = (
             None if self.max_tokens else False
@@ -199,6 +202,42 @@ class LMActor(Forward, WarmStart, ActorBase):
     def lora(self) -> bool:
         """LoRA adapters on the model (``actor.lora.rank > 0``)."""
         return self.strategy.lora
+
+    def publish_weights(self, channel, keys: list[str], version: int, adapters: bool = False) -> int:
+        """Disaggregated weight sync (:meth:`ActorBase.publish_weights`); with ``adapters`` (``actor.lora.sync:
+        adapters``, a rollout that merges them itself) a LoRA actor sends each rollout rank the merged weights and
+        the adapted layers' base once (and again after a full warm start changed the base), then the adapters
+        alone. The bytes put are :meth:`sync_stats`'s."""
+        if not (adapters and self.lora and not self.sharded):
+            self.last_sync = {"kind": "merged", "bytes": None}
+            return super().publish_weights(channel, keys, version)
+        from rlnb.components.lm.lora import adapted_base, adapter_state
+
+        cast = DTYPES[self.dtype]
+        full = small = None
+        sent, kind = 0, "adapters"
+        for key in keys:
+            if self._sent_base.get(key) == self.base_version:
+                if small is None:
+                    small = {"adapters": adapter_state(self.policy), "base_version": self.base_version,
+                             "version": version}  # fmt: skip
+                msg = small
+            else:
+                if full is None:
+                    base = {k: v.to(cast) for k, v in adapted_base(self.policy).items()}
+                    full = {"state": self.policy_state(), "version": version,
+                            "lora": {"base": base, "base_version": self.base_version}}  # fmt: skip
+                msg, kind = full, "merged"
+                self._sent_base[key] = self.base_version
+            channel.put(msg, key=key)
+            sent += message_bytes(msg)
+        self.last_sync = {"kind": kind, "bytes": sent}
+        return version
+
+    def sync_stats(self) -> dict:
+        """The last disaggregated weight sync: what it sent (``merged`` weights or ``adapters`` alone) and its
+        bytes over all rollout ranks (``None``: not counted, a sync of merged weights without adapters)."""
+        return dict(self.last_sync)
 
     def setup_data_parallel(self) -> str:
         """Data-parallel over the actor's ranks: DDP, or with ``actor.strategy: fsdp2`` FSDP2 (the strategy's).

@@ -111,6 +111,15 @@ class HFRollout(StreamingPool, Decoder, LMRollout):
         self._carried = None  # a KV cache of the old weights
         return version
 
+    def load_some_weights(self, state_dict: dict, version: int) -> int:
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                own[name].copy_(tensor)
+        self.version = version
+        self._carried = None  # a KV cache of the old weights
+        return version
+
     def load_weights_in_parts(self, parts, version: int) -> int:
         """A sharded actor's weights, bucket by bucket: each tensor copied into the model as it comes (no second
         copy of the model); every one of the model's tensors must come, and only those."""

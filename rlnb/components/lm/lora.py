@@ -57,6 +57,53 @@ def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def adapter_state(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """Each adapted layer's ``(A [r, in], B [out, r], scaling)``, detached copies, under its base weight's name
+    (``model.layers.0.self_attn.q_proj.weight``): what an adapters-only weight sync sends."""
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for name, module in model.get_base_model().named_modules():
+        if isinstance(module, LoraLayer):
+            adapter = module.active_adapters[0]
+            out[f"{name}.weight"] = (
+                module.lora_A[adapter].weight.detach().clone(),
+                module.lora_B[adapter].weight.detach().clone(),
+                float(module.scaling[adapter]),
+            )
+    return out
+
+
+def adapted_base(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The base weights of the adapted layers (without their adapters), under the base model's names: what a
+    rollout keeps to merge adapters sent alone (:func:`merge_adapters`)."""
+    names = set(adapter_state(model))
+    state = model.get_base_model().state_dict()
+    return {k.replace(".base_layer.", "."): v.detach().clone() for k, v in state.items()
+            if k.replace(".base_layer.", ".") in names}  # fmt: skip
+
+
+def merge_adapters(base: dict[str, torch.Tensor], adapters: dict) -> dict[str, torch.Tensor]:
+    """``W + B A * scaling`` for each adapted layer, from its base ``W`` and the adapters sent
+    (:func:`adapter_state`): the merged weights :func:`merged_state` gives, computed as PEFT computes a delta."""
+    out = {}
+    for name, (a, b, scaling) in adapters.items():
+        w = base[name]
+        out[name] = w + ((b.to(torch.float32) @ a.to(torch.float32)) * scaling).to(w.dtype)
+    return out
+
+
+def message_bytes(obj) -> int:
+    """The bytes of the tensors in a weight-sync message (dicts, lists and tuples of them)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(message_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(message_bytes(v) for v in obj)
+    return 0
+
+
 class AdaptersOff(torch.nn.Module):
     """The KL reference of a LoRA actor: its model with the adapters disabled (PEFT's ``disable_adapter``), called
     like a model. Holds no weights of its own: nothing to checkpoint, nothing to load."""

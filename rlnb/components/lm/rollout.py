@@ -18,7 +18,7 @@ from rlnb.components.rollout import RolloutBase, resolve_device
 from rlnb.config.checks import check_field
 from rlnb.config.sections_lm import RolloutConfig
 from rlnb.data.prompts import template_prompts
-from rlnb.errors import ConfigError
+from rlnb.errors import ComponentError, ConfigError
 from rlnb.runtime.rank import RankInfo, current_rank, local_peer
 from rlnb.seeding import rank_seed
 
@@ -45,6 +45,7 @@ class LMRollout(MultiTurn, DynamicSampling, RolloutBase):
     # multi-turn interaction reads them); a rollout class of one's own without this is given the prompts only
     TAKES_RECORDS = True
     SAMPLES_COMPLETIONS = True
+    MERGES_ADAPTERS = True
 
     @classmethod
     def prepare_launch(cls, kwargs: dict) -> dict:
@@ -82,6 +83,9 @@ class LMRollout(MultiTurn, DynamicSampling, RolloutBase):
         self.version = 0
         self.batch: dict | None = None
         self.offloaded = False
+        self._lora_base: tuple[dict, int] | None = (
+            None  # a LoRA actor's adapted layers' base, and its version
+        )
         self.kept_groups, self.aside_groups = [], []  # dynamic sampling's rounds this step
 
     def _generate(self, prompts: list, n: int, greedy: bool) -> tuple[dict, list[str]]:
@@ -91,6 +95,29 @@ class LMRollout(MultiTurn, DynamicSampling, RolloutBase):
 
     def load_weights(self, state_dict: dict, version: int) -> int:
         raise NotImplementedError
+
+    def load_some_weights(self, state_dict: dict, version: int) -> int:
+        """Some of the model's tensors (the adapted layers' merged weights), the rest kept; then ``version``."""
+        raise NotImplementedError
+
+    def load_message(self, msg: dict) -> int:
+        """A weight-sync message: whole weights (with a LoRA actor's, the adapted layers' base kept beside them),
+        or a LoRA actor's adapters alone, merged here into the base kept (``actor.lora.sync: adapters``)."""
+        if "adapters" not in msg:
+            lora = msg.get("lora")
+            self._lora_base = (lora["base"], lora["base_version"]) if lora else None
+            return self.load_weights(msg["state"], msg["version"])
+        from rlnb.components.lm.lora import merge_adapters
+
+        kept = self._lora_base
+        if kept is None or kept[1] != msg["base_version"]:
+            raise ComponentError(
+                f"the actor sent LoRA adapters for base version {msg['base_version']}, and this rank holds "
+                f"{'no base' if kept is None else f'base version {kept[1]}'} (a rollout rank started anew after the "
+                "actor sent it the base: restart the run, or set actor.lora.sync=merged)",
+                "rollout", type(self).__name__, "load_message",
+            )  # fmt: skip
+        return self.load_some_weights(merge_adapters(kept[0], msg["adapters"]), msg["version"])
 
     def offload(self) -> bool:
         """Give back the device memory a collocated actor needs while it trains; returns whether it is given

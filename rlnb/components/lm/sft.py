@@ -142,6 +142,8 @@ class WarmStart:
         run["left"] -= len(losses)
         if run["left"] <= 0:
             self._sft_run = None
+            if self._base_training:  # the rollouts' copy of the base is stale: the next sync sends it again
+                self.base_version += 1
             self._base_trains(False)
             if self.ref is not None:  # the reference is the warm-started model
                 self.reset_reference()

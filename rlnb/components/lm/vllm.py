@@ -257,6 +257,13 @@ class VLLMRollout(LMRollout):
         self.version = version
         return version
 
+    def load_some_weights(self, state_dict: dict, version: int) -> int:
+        """Some of the model's tensors into the engine, in place (vLLM's weight loader takes any of them)."""
+        self.onload()
+        self._into_engine(state_dict)
+        self.version = version
+        return version
+
     def load_weights_in_parts(self, parts, version: int) -> int:
         """A sharded actor's weights, bucket by bucket: each part into the engine as it comes (as
         :meth:`load_weights` does a whole state), then this is policy ``version``."""

@@ -43,7 +43,7 @@ class Schedule:
         self.steer.apply()
         s = self.session
         with s.timed("sync", version=s.step) as phase:
-            self.paths.sync(s.step)
+            phase.metrics.update(self.paths.sync(s.step) or {})
         return phase.metrics
 
     def rollout(self) -> dict:

@@ -240,9 +240,13 @@ class GRPO(Family):
             actor.setup_data_parallel().result()
         self.reward_local = p["reward"] == p["rollout"]
         super().compose(asynchronous)
-        evaluation.check_samples(
-            self, s.recipe.data.eval_samples
-        )  # (before any step, not at the first evaluation)
+        # (before any step, not at the first evaluation)
+        evaluation.check_samples(self, s.recipe.data.eval_samples)
+        lora = s.recipe.actor.lora
+        self.paths.adapter_sync = (
+            lora.rank > 0 and lora.sync == "adapters" and self.capabilities.merges_adapters
+            and self.paths.weight_sync == "channel" and not self.paths.actor_gathers()
+        )  # fmt: skip
 
     def template(self, prompts: list) -> list[str]:
         """Objects path: ``prompts`` (conversations among them) through the chat template of rollout rank 0's
