@@ -85,7 +85,7 @@ LM = LoopContract(
             "behave_weight_cap",
         }
     ),
-    reward_inputs=frozenset({"completion", "answer", "prompt"}),
+    reward_inputs=frozenset({"completion", "answer", "prompt", "sandbox"}),
 )
 
 

@@ -262,3 +262,18 @@ def final_answer_reward(completion: str, answer: str) -> float:
 def format_reward(completion: str, answer: str, pattern: str = r"\\boxed\{[^{}]+\}|####\s*\S+") -> float:
     """1.0 if the completion contains the required answer format (default: ``\\boxed{..}`` or ``#### x``)."""
     return 1.0 if re.search(pattern, completion) else 0.0
+
+
+_FENCE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
+
+
+@register_reward("code_tests")
+def code_tests(completion: str, tests: str, sandbox=None) -> float:
+    """1.0 where the completion's code passes the record's ``tests`` (Python ``assert`` statements, run after the
+    code in :func:`rlnb.sandbox.run_python`'s sandbox under ``reward.sandbox``'s limits), else 0.0. The code is the
+    completion's last fenced block (```python ... ```), or the whole completion where it has none."""
+    from rlnb.sandbox import run_python
+
+    blocks = _FENCE.findall(completion)
+    code = blocks[-1] if blocks else completion
+    return 1.0 if run_python(code + "\n\n" + tests, sandbox).ok else 0.0

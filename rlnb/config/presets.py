@@ -43,7 +43,7 @@ def apply_preset(tree: dict, errors: list[str], overridden: frozenset[str] = fro
     if not isinstance(algorithm, dict) or algorithm.get("preset", "none") in ("none", None):
         return
     name = algorithm["preset"]
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         return  # (the schema's Literal names the choices)
     preset_overridden = "algorithm.preset" in overridden
     for key, value in PRESETS[name].items():

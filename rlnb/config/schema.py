@@ -401,6 +401,8 @@ class TinyLMConfig:
     """Transformer layers."""
     num_heads: int = bounded(4, 1, 1024)
     """Attention heads (must divide ``hidden_size``)."""
+    max_positions: int = bounded(128, 8, 1_000_000, "a context longer than any model's")
+    """The model's positions (``max_position_embeddings``): the longest transcript it reads, prompt and turns."""
 
 
 @dataclass

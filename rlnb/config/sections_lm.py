@@ -87,6 +87,13 @@ class RolloutConfig:
     interaction: str | None = None
     """LM RL, with ``max_turns`` >= 2: a registered interaction (``arithmetic_retry``; a notebook's own through
     ``rlnb.algorithms.interactions.register_interaction``, or a function given to ``HFRollout(interaction=...)``)."""
+    tools: list[str] = field(default_factory=list)
+    """LM RL: registered tools the model may call (built-in: ``python``, its code run in ``reward.sandbox``; a
+    notebook's own through ``rlnb.algorithms.tools.register_tool(schema)``), described to it in OpenAI's function
+    schema by its chat template (``apply_chat_template(tools=...)``) and called as ``<tool_call>{"name": ...,
+    "arguments": {...}}</tool_call>``; each call is answered with a ``tool`` message the template renders, and a
+    turn without one is the final answer (``rlnb.algorithms.tools.ChatTools``: the interaction). Needs
+    ``data.chat_template``, ``rollout.max_turns`` >= 2 and no ``rollout.interaction``."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """LM RL, ``hf`` backend: the precision the rollout holds and runs its model in; ``auto``: ``actor.dtype``."""
     static_cache: bool = False
@@ -144,12 +151,14 @@ class RolloutConfig:
                 "would not be used; set rollout.static_cache=false, or rollout.backend=vllm for asynchronous "
                 "training on an inference engine"
             )
+        if ro.tools:
+            errs += _tools_errors(ro, recipe)
         if isinstance(ro.max_turns, int) and ro.max_turns >= 2:
             if recipe.family == "ppo":
                 errs.append(
                     "rollout.max_turns: turns of an LM's conversation; this recipe trains a policy on an env"
                 )
-            elif ro.interaction is None:
+            elif ro.interaction is None and not ro.tools:
                 errs.append(
                     f"rollout.interaction: with rollout.max_turns={ro.max_turns} something must answer between the "
                     f"model's turns; registered interactions: {', '.join(INTERACTIONS.names())}"
@@ -168,6 +177,25 @@ class RolloutConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """Limits on code a model wrote (``reward.sandbox``): the ``python`` tool and the ``code_tests`` reward."""
+
+    cpu_s: int = bounded(2, 1, 3600, "an hour of CPU is a job, not a tool call")
+    """CPU seconds the code may use (``RLIMIT_CPU``: SIGXCPU, then SIGKILL)."""
+    wall_s: float = bounded(5.0, 0.1, 3600, "an hour of waiting stalls the step", low_open=False)
+    """Seconds of wall-clock time before the process group is killed (a ``sleep`` uses no CPU)."""
+    memory_mb: int = bounded(512, 64, 65_536, "more than a rank's share of a machine")
+    """Address space in MiB (``RLIMIT_AS``; the interpreter itself takes ~30 of them)."""
+    file_mb: int = bounded(1, 0, 1024, "a tool call's files are scratch")
+    """The largest file the code may write, in MiB (``RLIMIT_FSIZE``), in an empty directory removed after."""
+    output_chars: int = bounded(2000, 1, 1_000_000, "more than a context holds")
+    """Characters of stdout and of stderr kept (the rest cut, with a note)."""
+
+    def errors(self, prefix: str = "reward.sandbox") -> list[str]:
+        return bounds_errors(self, f"{prefix}.")
+
+
+@dataclass
 class RewardConfig:
     """Reward function (LM RL)."""
 
@@ -183,6 +211,9 @@ class RewardConfig:
     its weight is the last of ``weights``. It loads where the reward component runs."""
     model_batch_size: int = bounded(16, 1, 1_000_000)
     """Texts per forward of the reward model."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Limits on code a model wrote (the ``code_tests`` reward, the ``python`` tool): CPU and wall seconds, memory,
+    file size, output kept; no network (``rlnb.sandbox``)."""
 
     def check(self, recipe: Recipe) -> list[str]:
         """Registered reward names, the reward model's batch size and path, and that the rewards take what the
@@ -296,3 +327,30 @@ class DataConfig:
                 "would ignore the file; set data.task=file to train on it"
             )
         return errs
+
+
+def _tools_errors(ro: RolloutConfig, recipe: Recipe) -> list[str]:
+    """``rollout.tools``: registered, in a chat template, over several turns, and the only interaction."""
+    from rlnb.algorithms.tools import get_tools
+
+    errs: list[str] = []
+    try:
+        get_tools(list(ro.tools))
+    except ConfigError as e:
+        errs.append(str(e))
+    if recipe.data.chat_template is not True:
+        errs.append(
+            "rollout.tools: the model is shown its tools by its chat template (apply_chat_template(tools=...)); set "
+            "data.chat_template=true"
+        )
+    if not (isinstance(ro.max_turns, int) and ro.max_turns >= 2):
+        errs.append(
+            f"rollout.tools: a tool's answer is read in the model's next turn; with rollout.max_turns={ro.max_turns} "
+            "there is none; set rollout.max_turns >= 2"
+        )
+    if ro.interaction is not None:
+        errs.append(
+            f"rollout.interaction: {ro.interaction!r} and rollout.tools both answer between the model's turns; keep "
+            "one of them"
+        )
+    return errs

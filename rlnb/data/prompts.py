@@ -189,11 +189,12 @@ def is_conversation(prompt) -> bool:
     )
 
 
-def template_prompts(prompts: list, tokenizer, system_prompt: str | None = None) -> list[str]:
+def template_prompts(prompts: list, tokenizer, system_prompt: str | None = None, tools: list[dict] | None = None
+                     ) -> list[str]:  # fmt: skip
     """Each prompt through ``tokenizer``'s chat template with the assistant's turn opened
     (``apply_chat_template(..., add_generation_prompt=True)``): a question as a user turn, a conversation
     (:func:`is_conversation`) as its messages; a system turn first if ``system_prompt`` and the conversation has
-    none of its own.
+    none of its own; ``tools`` (OpenAI function schemas) as the template shows tools (``apply_chat_template(tools=)``).
 
     Raises:
         ConfigError: the tokenizer has no chat template (a base model's, not an instruct model's).
@@ -212,15 +213,19 @@ def template_prompts(prompts: list, tokenizer, system_prompt: str | None = None)
             messages = [{"role": "user", "content": prompt}]
         if system_prompt is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system_prompt})
-        out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        extra = {"tools": tools} if tools else {}
+        out.append(
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        )
     return out
 
 
-def chat_prompts(problems: list[Problem], tokenizer, system_prompt: str | None = None) -> list[Problem]:
+def chat_prompts(problems: list[Problem], tokenizer, system_prompt: str | None = None,
+                 tools: list[dict] | None = None) -> list[Problem]:  # fmt: skip
     """``problems`` with each prompt given through ``tokenizer``'s chat template (:func:`template_prompts`: a
-    question as a user turn, a conversation as its messages), after a system turn if ``system_prompt``;
-    answers and fields unchanged."""
-    texts = template_prompts([p.prompt for p in problems], tokenizer, system_prompt)
+    question as a user turn, a conversation as its messages), after a system turn if ``system_prompt``, showing
+    ``tools``; answers and fields unchanged."""
+    texts = template_prompts([p.prompt for p in problems], tokenizer, system_prompt, tools)
     return [dataclasses.replace(p, prompt=text) for text, p in zip(texts, problems)]
 
 

@@ -21,27 +21,33 @@ from rlnb.errors import ConfigError
 
 # Characters of the arithmetic task and GSM8K-style text; one token each.
 CHARS = string.digits + string.ascii_letters + " +-*/=().,?#\\{}$:;'\n"
+# what a tool call's JSON needs besides (``<tool_call>{"name": ...}</tool_call>``): a tiny LM built for tools has them
+TOOL_CHARS = '<>"[]_'
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
-# an instruct model's chat template in the tiny tokenizer's characters: a system line, "Q: " turns, "A: " answers
+# an instruct model's chat template in the tiny tokenizer's characters: a system line, "Q: " turns, "A: " answers; with
+# tools, a "Tools: " line naming them, and tool messages as "R: " lines (calls: <tool_call>{json}</tool_call>)
 TINY_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
+    "{{ bos_token }}{% if tools %}{{ 'Tools: ' }}{% for t in tools %}{{ t['function']['name'] }}"
+    "{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}{{ '\\n' }}{% endif %}{% for m in messages %}"
     "{% if m['role'] == 'system' %}{{ m['content'] + '\\n' }}"
     "{% elif m['role'] == 'user' %}{{ 'Q: ' + m['content'] + '\\n' }}"
+    "{% elif m['role'] == 'tool' %}{{ 'R: ' + m['content'] + '\\n' }}"
     "{% else %}{{ 'A: ' + m['content'] + eos_token }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ 'A: ' }}{% endif %}"
 )
 
 
-def build_char_tokenizer(add_bos: bool = False):
+def build_char_tokenizer(add_bos: bool = False, extra_chars: str = ""):
     """A character-level ``PreTrainedTokenizerFast`` made with ``tokenizers`` (no download). ``add_bos``: it
     starts each encoded text with ``<bos>`` unless called with ``add_special_tokens=False``, as Llama's does
-    (Qwen2's adds nothing)."""
+    (Qwen2's adds nothing). ``extra_chars``: characters beyond :data:`CHARS` (:data:`TOOL_CHARS` for tool calls),
+    after them: the others keep their ids."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIAL + list(CHARS))}
+    vocab = {t: i for i, t in enumerate(SPECIAL + list(CHARS) + [c for c in extra_chars if c not in CHARS])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
     tok.decoder = decoders.Fuse()
@@ -57,7 +63,7 @@ def build_char_tokenizer(add_bos: bool = False):
 
 def build_tiny_lm(
     path: str | Path, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, arch: str = "qwen2",
-    max_positions: int = 128, seed: int = 0, dtype: str = "float32", device: str = "cpu",
+    max_positions: int = 128, seed: int = 0, dtype: str = "float32", device: str = "cpu", extra_chars: str = "",
 ) -> Path:  # fmt: skip
     """Build a small causal LM from a ``transformers`` config and a local tokenizer; ``save_pretrained`` it.
 
@@ -66,12 +72,13 @@ def build_tiny_lm(
         dtype: the precision the weights are made and saved in (:data:`DTYPES`): ``bfloat16`` halves the files
             of a model of billions of parameters, as real checkpoints are published.
         device: where the weights are initialised before saving (``cuda`` makes a 7B model in seconds).
+        extra_chars: the tokenizer's characters beyond :data:`CHARS` (:data:`TOOL_CHARS`: tool calls).
     Returns:
         The directory, loadable with :func:`load_lm` (``from_pretrained``), as a real checkpoint is.
     """
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
-    config, tok = tiny_lm_config(hidden_size, num_layers, num_heads, arch, max_positions)
+    config, tok = tiny_lm_config(hidden_size, num_layers, num_heads, arch, max_positions, extra_chars)
     cls_model = {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}[arch]
     return _save_new(cls_model, config, tok, path, seed, dtype, device)
 
@@ -82,6 +89,7 @@ def tiny_lm_config(
     num_heads: int = 4,
     arch: str = "qwen2",
     max_positions: int = 128,
+    extra_chars: str = "",
 ):
     """``(config, tokenizer)`` of the tiny LM :func:`build_tiny_lm` makes, without making it (what
     :mod:`rlnb.loop.families.grpo.plan` sizes before a recipe builds one)."""
@@ -91,7 +99,7 @@ def tiny_lm_config(
         raise ConfigError(
             f"hidden_size {hidden_size} must be divisible by num_heads {num_heads}", "model.num_heads"
         )
-    tok = build_char_tokenizer(add_bos=arch == "llama")  # (each with its family's tokenizer habit)
+    tok = build_char_tokenizer(add_bos=arch == "llama", extra_chars=extra_chars)  # (each family's habit)
     tok.chat_template = TINY_CHAT_TEMPLATE
     cls_cfg = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
     config = cls_cfg(
@@ -116,6 +124,7 @@ def tiny_lm_shape(tiny) -> dict:
         "hidden_size": tiny.hidden_size,
         "num_layers": tiny.num_layers,
         "num_heads": tiny.num_heads,
+        "max_positions": tiny.max_positions,
     }
 
 
@@ -129,6 +138,7 @@ def tiny_lm_mismatch(path: str | Path, wanted: dict) -> str | None:
         built = json.loads(record.read_text())
     except (OSError, ValueError):
         return None
+    built.setdefault("max_positions", 128)  # (a record from before the setting: the size it was built with)
     differ = {k: (built.get(k), v) for k, v in wanted.items() if built.get(k) != v}
     if not differ:
         return None

@@ -45,11 +45,14 @@ class RewardWorker:
         return kwargs
 
     def __init__(
-        self, name="arithmetic", fn=None, weights=None, fields=(), rank_info: RankInfo | None = None
-    ):
+        self, name="arithmetic", fn=None, weights=None, fields=(), rank_info: RankInfo | None = None,
+        sandbox=None,
+    ):  # fmt: skip
         # refuses a function the loop cannot call, a repeated name, or weights that do not fit
         entries, self.weights = check_rewards(fn if fn is not None else name, weights, tuple(fields))
         self.fields = tuple(fields)
+        # the limits code a model wrote runs under (``reward.sandbox``), offered to rewards that take ``sandbox``
+        self.sandbox = sandbox
         self.rewards = [SafeReward(e.name, e) for e in entries]
         self.names = [e.name for e in entries]
         self.name = "+".join(self.names)
@@ -87,7 +90,8 @@ class RewardWorker:
 
     def _score_terms(self, completions, answers, prompts, fields) -> dict:
         n = len(completions)
-        inputs = (list(completions), list(answers), list(prompts or [None] * n), list(fields or [{}] * n))
+        records = [{**f, "sandbox": self.sandbox} for f in (fields or [{}] * n)]
+        inputs = (list(completions), list(answers), list(prompts or [None] * n), records)
         terms = {r.name: r.many(*inputs) for r in self.rewards}
         if len(terms) == 1 and self.weights[0] == 1.0:
             return {"rewards": terms[self.names[0]], "terms": terms}

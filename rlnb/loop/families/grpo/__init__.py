@@ -14,7 +14,6 @@ import logging
 from pathlib import Path
 
 from rlnb.algorithms.contract import LM, check_algorithm
-from rlnb.algorithms.interactions import check_interaction
 from rlnb.algorithms.rewards import recipe_rewards
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
 from rlnb.config.sections_lm import VLLMConfig
@@ -23,11 +22,12 @@ from rlnb.errors import ClusterError, ConfigError, PlacementError
 from rlnb.loop.checkpoint import MAX_STEP, Num
 from rlnb.loop.families import Family
 from rlnb.loop.families.grpo import evaluation, sampling, warm_start
-from rlnb.loop.families.grpo.data import FileTask, recipe_task, shard
+from rlnb.loop.families.grpo.data import FileTask, recipe_interaction, recipe_task, shard
 from rlnb.loop.phase import Phase
 from rlnb.loop.roles import LMActorRole, LMRolloutRole, RewardRole
 from rlnb.models.lm import (
     TINY_LM_RECORD,
+    TOOL_CHARS,
     build_tiny_lm,
     is_hub_id,
     resolve_model,
@@ -148,7 +148,16 @@ class GRPO(Family):
                 "%d layers; actor.build_if_missing=false refuses instead)", path, t.hidden_size, t.num_layers,
             )  # fmt: skip
             built = build_tiny_lm(
-                Path(path).resolve(), t.hidden_size, t.num_layers, t.num_heads, t.arch, seed=recipe.seed
+                Path(path).resolve(),
+                t.hidden_size,
+                t.num_layers,
+                t.num_heads,
+                t.arch,
+                seed=recipe.seed,
+                max_positions=t.max_positions,
+                extra_chars=TOOL_CHARS
+                if recipe.rollout.tools
+                else "",  # (rollout.tools: their JSON's characters)
             )
             (built / TINY_LM_RECORD).write_text(json.dumps(tiny_lm_shape(t)))
         elif recipe.actor.build_if_missing and not is_hub_id(path):
@@ -207,7 +216,7 @@ class GRPO(Family):
                                              "static_cache": ro.static_cache}  # fmt: skip
         fields = common_fields(self.task.train, self.task.held_out)
         if ro.max_turns > 1:  # the entry travels by value: one registered in a notebook cell works too
-            extra.update(max_turns=ro.max_turns, interaction=check_interaction(ro.interaction, fields))
+            extra.update(max_turns=ro.max_turns, interaction=recipe_interaction(r, self.model_path, fields))
         s.groups["rollout"] = rollout_cls.launch(
             cl, p["rollout"], **deadlines, model_path=self.model_path, max_new_tokens=ro.max_new_tokens,
             temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, seed=r.seed, device=ro.device,
@@ -224,7 +233,7 @@ class GRPO(Family):
             temperature=ro.temperature, seed=r.seed, advantage=advantage, policy_loss=loss,
         )  # fmt: skip
         s.groups["reward"] = RewardWorker.launch(
-            cl, p["reward"], **deadlines, weights=r.reward.weights, fields=fields,
+            cl, p["reward"], **deadlines, weights=r.reward.weights, fields=fields, sandbox=r.reward.sandbox,
             fn=recipe_rewards(r.reward.name, r.reward.model_path, r.reward.model_batch_size),
         )  # fmt: skip
 

@@ -19,9 +19,10 @@ def conversation(problem: Problem, turns: list[str], reply, key: str) -> list[tu
     names, see ``data.sft_turns``) after the transcript before it, ``reply`` (the interaction) answering between
     two; as ``(context, turn)`` rows, a context being the prompt or ``[prompt, turn, reply, ...]``."""
     names = {**problem.fields, "expression": problem.prompt.removesuffix("="), "answer": problem.answer}
-    arithmetic = _ARITHMETIC.fullmatch(problem.prompt) if isinstance(problem.prompt, str) else None
-    if arithmetic:
-        names.update(zip(("a", "op", "b"), arithmetic.groups()))
+    # an arithmetic problem's last expression (a templated prompt holds it inside the chat template's text)
+    found = list(_ARITHMETIC.finditer(problem.prompt)) if isinstance(problem.prompt, str) else []
+    if found:
+        names.update(zip(("a", "op", "b"), found[-1].groups()), expression=found[-1][0].removesuffix("="))
     pieces, transcript, rows = [problem.prompt], "", []
     for k, template in enumerate(turns):
         try:
@@ -92,21 +93,25 @@ def recipe_task(recipe, model_path: str) -> tuple:
     chat = None
     if d.chat_template:  # (the split and the sampling order stay those of the bare questions)
         chat = load_tokenizer(model_path)
-        task.train = chat_prompts(task.train, chat, d.system_prompt)
-        task.held_out = chat_prompts(task.held_out, chat, d.system_prompt)
+        tools = recipe_tool_schemas(recipe)  # (rollout.tools: shown to the model by its template)
+        task.train = chat_prompts(task.train, chat, d.system_prompt, tools)
+        task.held_out = chat_prompts(task.held_out, chat, d.system_prompt, tools)
     return task, chat
 
 
-def turn_demonstrations(task, recipe) -> tuple[list, list, list | None, list | None]:
+def turn_demonstrations(
+    task, recipe, model_path: str | None = None
+) -> tuple[list, list, list | None, list | None]:
     """``data.sft_turns``: the warm start's rows, ``(contexts, targets)``, one per turn of each training
     problem's conversation, the interaction replying between turns as in training; and the imperfect
     teacher's (``data.sft_noise_turns``: its own conversation's row where it has a turn, else the right one),
     or ``None``."""
-    d, ro = recipe.data, recipe.rollout
+    d = recipe.data
     reply = None
     if len(d.sft_turns) > 1:
         fields = common_fields(task.train, task.held_out)
-        reply = SafeInteraction(check_interaction(ro.interaction, fields))
+        # (rollout.tools: the tools run and answer in the model's template, as in training)
+        reply = SafeInteraction(recipe_interaction(recipe, model_path or recipe.actor.model_path, fields))
     noisy = d.sft_noise_turns if d.sft_noise else None
     rows, wrong_rows = [], []
     for problem in task.train:
@@ -125,3 +130,25 @@ def turn_demonstrations(task, recipe) -> tuple[list, list, list | None, list | N
 def shard(items: list, n: int) -> list[list]:
     size = -(-len(items) // n)
     return [items[i * size : (i + 1) * size] for i in range(n)]
+
+
+def recipe_tool_schemas(recipe) -> list[dict] | None:
+    """The schemas of ``rollout.tools`` (``None``: no tools)."""
+    if not recipe.rollout.tools:
+        return None
+    from rlnb.algorithms.tools import get_tools
+
+    return [t.schema for t in get_tools(list(recipe.rollout.tools))]
+
+
+def recipe_interaction(recipe, model_path: str, fields):
+    """What answers between the model's turns (``rollout.max_turns`` >= 2): its tools, run and rendered by the
+    model's own chat template (``rollout.tools``), or ``rollout.interaction``; checked as the loop calls it."""
+    ro = recipe.rollout
+    if ro.tools:
+        from rlnb.algorithms.tools import ChatTools
+        from rlnb.models.lm import load_tokenizer
+
+        tools = ChatTools(list(ro.tools), load_tokenizer(model_path), recipe.reward.sandbox)
+        return check_interaction(tools, fields)
+    return check_interaction(ro.interaction, fields)

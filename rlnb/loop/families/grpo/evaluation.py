@@ -122,13 +122,12 @@ def evaluate_checkpoint(run_dir, size: int | None = None, samples: int | None = 
     recipe's held-out problems and rewards, ``samples`` completions a problem (as :func:`evaluate`). Returns the
     record with its ``step`` and the ``results`` file, or ``None`` where a cluster is needed (weights in DCP
     shards; ``rollout.backend: vllm``, whose engine decodes otherwise)."""
-    from rlnb.algorithms.interactions import check_interaction
     from rlnb.algorithms.rewards import recipe_rewards
     from rlnb.components.lm import HFRollout, RewardWorker
     from rlnb.config.sections_lm import DataConfig
     from rlnb.data.prompts import common_fields
     from rlnb.export import lm_actor_from_checkpoint
-    from rlnb.loop.families.grpo.data import recipe_task
+    from rlnb.loop.families.grpo.data import recipe_interaction, recipe_task
 
     t0 = time.perf_counter()
     found = lm_actor_from_checkpoint(run_dir)
@@ -144,7 +143,7 @@ def evaluate_checkpoint(run_dir, size: int | None = None, samples: int | None = 
     problems, ro = task.held_out[:size], r.rollout
     fields = common_fields(task.train, task.held_out)
     extra = (
-        {"max_turns": ro.max_turns, "interaction": check_interaction(ro.interaction, fields)}
+        {"max_turns": ro.max_turns, "interaction": recipe_interaction(r, model_path, fields)}
         if ro.max_turns > 1
         else {}
     )
@@ -158,7 +157,7 @@ def evaluate_checkpoint(run_dir, size: int | None = None, samples: int | None = 
         [p.prompt for p in problems], [p.answer for p in problems], [p.fields for p in problems], samples
     )
     reward = RewardWorker(
-        weights=r.reward.weights, fields=fields,
+        weights=r.reward.weights, fields=fields, sandbox=r.reward.sandbox,
         fn=recipe_rewards(r.reward.name, r.reward.model_path, r.reward.model_batch_size),
     )  # fmt: skip
     each = [p for p in problems for _ in range(samples)]

@@ -294,7 +294,7 @@ class _LMShapes:
         self.params = params
 
     def _config(self):
-        from rlnb.models.lm import load_tokenizer, tiny_lm_config
+        from rlnb.models.lm import TOOL_CHARS, load_tokenizer, tiny_lm_config
 
         a = self.recipe.actor
         path = a.model_path
@@ -306,7 +306,8 @@ class _LMShapes:
             raise ConfigError(f"actor.model_path: no model at {path} to plan for", "actor.model_path")
         t = a.tiny_lm
         self.notes.append(f"the tiny LM actor.tiny_lm describes (not built yet at {path})")
-        return tiny_lm_config(t.hidden_size, t.num_layers, t.num_heads, t.arch)
+        extra = TOOL_CHARS if self.recipe.rollout.tools else ""
+        return tiny_lm_config(t.hidden_size, t.num_layers, t.num_heads, t.arch, t.max_positions, extra)
 
     def setup(self, ranks: int) -> str:
         a = self.recipe.actor

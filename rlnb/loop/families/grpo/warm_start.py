@@ -34,7 +34,7 @@ def sft(family, steps: int | None = None, progress: bool = False) -> dict:
     steps = recipe.actor.sft_steps if steps is None else steps
     wrong_prompts = None
     if recipe.data.sft_turns:  # a multi-turn warm start: a row per turn of each problem's conversation
-        prompts, answers, wrong_prompts, wrong = turn_demonstrations(family.task, recipe)
+        prompts, answers, wrong_prompts, wrong = turn_demonstrations(family.task, recipe, family.model_path)
     else:
         prompts = [p.prompt for p in family.task.train]
         answers = [p.answer for p in family.task.train]
