@@ -276,6 +276,17 @@ def test_the_batch_statistics_read_in_one_go_are_those_of_the_batch_trained_on()
     assert actor.train()["explained_variance"] == pytest.approx(explained(other), rel=1e-5, abs=1e-6)
 
 
+def _cartpole_batch() -> dict:
+    """A rollout batch of CartPole's shapes, 8 steps of 4 envs, random but seeded (random old values too)."""
+    g = torch.Generator().manual_seed(3)
+    return {
+        "obs": torch.randn(8, 4, 4, generator=g), "actions": torch.randint(0, 2, (8, 4), generator=g),
+        "logprobs": torch.full((8, 4), -0.69), "values": torch.randn(8, 4, generator=g),
+        "rewards": torch.rand(8, 4, generator=g), "dones": (torch.rand(8, 4, generator=g) < 0.2).float(),
+        "last_values": torch.randn(4, generator=g), "version": 0,
+    }  # fmt: skip
+
+
 def test_a_critic_warm_up_fits_the_value_function_alone_for_its_steps_then_the_policy_trains():
     """algorithm.critic_warmup_steps=2: the first two updates leave the policy exactly as it was (no advantage, no
     surrogate: its trunk gets no gradient) while the value function moves; the third trains both."""
@@ -285,13 +296,7 @@ def test_a_critic_warm_up_fits_the_value_function_alone_for_its_steps_then_the_p
     torch.manual_seed(0)
     settings = {"update_epochs": 2, "critic_warmup_steps": 2, "clip_vloss": False}  # (random old values)
     actor = PPOActor({"anneal_lr": False}, settings, env.observation_space, env.action_space)
-    g = torch.Generator().manual_seed(3)
-    batch = {
-        "obs": torch.randn(8, 4, 4, generator=g), "actions": torch.randint(0, 2, (8, 4), generator=g),
-        "logprobs": torch.full((8, 4), -0.69), "values": torch.randn(8, 4, generator=g),
-        "rewards": torch.rand(8, 4, generator=g), "dones": (torch.rand(8, 4, generator=g) < 0.2).float(),
-        "last_values": torch.randn(4, generator=g), "version": 0,
-    }  # fmt: skip
+    batch = _cartpole_batch()
 
     def parts() -> tuple[dict, dict]:
         named = {k: v.detach().clone() for k, v in actor.policy.named_parameters()}
@@ -321,13 +326,7 @@ def test_the_value_function_trains_at_its_own_learning_rate_annealed_with_the_po
     actor = PPOActor({"lr": 1e-4, "critic_lr": 1e-2, "anneal_lr": True}, settings,
                      env.observation_space, env.action_space)  # fmt: skip
     actor.total_steps = 4
-    g = torch.Generator().manual_seed(3)
-    batch = {
-        "obs": torch.randn(8, 4, 4, generator=g), "actions": torch.randint(0, 2, (8, 4), generator=g),
-        "logprobs": torch.full((8, 4), -0.69), "values": torch.randn(8, 4, generator=g),
-        "rewards": torch.rand(8, 4, generator=g), "dones": (torch.rand(8, 4, generator=g) < 0.2).float(),
-        "last_values": torch.randn(4, generator=g), "version": 0,
-    }  # fmt: skip
+    batch = _cartpole_batch()
     before = {k: v.detach().clone() for k, v in actor.policy.named_parameters()}
     actor.set_batch([batch])
     actor.train()
