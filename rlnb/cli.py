@@ -490,7 +490,7 @@ def _eval(args) -> int:
                 print(
                     f"rlnb: {args.run_dir} at step {step} (no cluster started): "
                     + ", ".join(f"{k}={v:.3f}" for k, v in res.items())
-                    + f"; each problem's answers in {results}"
+                    + (f"; each problem's answers in {results}" if results else "")
                 )
             return 0
     loop, res = _through_loop(

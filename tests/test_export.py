@@ -369,3 +369,19 @@ def test_an_lm_runs_export_and_eval_need_no_cluster_and_equal_the_loops(cluster,
         assert not any("lora" in k for k in ours)  # merged
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "cli")
     assert model.config.hidden_size == 64
+
+
+def test_an_evaluation_in_a_run_directory_it_may_not_write_keeps_its_figures(tmp_path, monkeypatch, caplog):
+    """``rlnb eval`` of another user's run: the answers file cannot be written (as root here nothing is refused,
+    so the write is made to fail as the kernel would); the evaluation goes on, said once in the log."""
+    import rlnb.files
+    from rlnb.loop.families.grpo.evaluation import write_results
+
+    assert write_results(tmp_path, 3, [{"prompt": "1+1=", "correct": 1}]).name == "step-0000003.jsonl"
+
+    def denied(path, text, sync=False):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(rlnb.files, "write_private", denied)
+    assert write_results(tmp_path, 4, [{"prompt": "1+1="}]) is None
+    assert "each problem's answers not written" in caplog.text

@@ -4,6 +4,7 @@ batch: one prompt's group with its rewards and advantages, fresh completions of 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -13,6 +14,8 @@ from rlnb.data.prompts import Problem, chat_prompts, is_conversation
 from rlnb.errors import ComponentError
 from rlnb.loop.families.grpo.data import shard
 from rlnb.loop.phase import count_or_default
+
+log = logging.getLogger("rlnb")
 
 
 def evaluate(family, size: int | None = None, samples: int | None = None) -> dict:
@@ -101,18 +104,24 @@ def eval_record(scored: dict, problems: list, texts: list[str], samples: int, t0
     return record, rows
 
 
-def write_results(run_dir, step: int, rows: list[dict]) -> Path:
+def write_results(run_dir, step: int, rows: list[dict]) -> Path | None:
     """``rows`` (one a problem) as JSON lines in ``<run_dir>/eval/step-<step>.jsonl``, ``0600``, written beside and
-    renamed over (a reader never sees half a file); the folder made ``0700``, never through a link out of the run."""
+    renamed over (a reader never sees half a file); the folder made ``0700``, never through a link out of the run.
+    A run directory this process may not write to (``rlnb eval`` of another user's run) gets none: ``None``, said
+    once in the log; the evaluation's figures stand."""
     from rlnb.files import check_inside, write_private
 
     folder = Path(run_dir) / "eval"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    check_inside(folder, run_dir)
     final = folder / f"step-{step:07d}.jsonl"
-    tmp = folder / f".{final.name}.tmp"
-    write_private(tmp, "".join(json.dumps(row, default=str) + "\n" for row in rows))
-    os.replace(tmp, final)
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        check_inside(folder, run_dir)
+        tmp = folder / f".{final.name}.tmp"
+        write_private(tmp, "".join(json.dumps(row, default=str) + "\n" for row in rows))
+        os.replace(tmp, final)
+    except PermissionError as e:
+        log.warning("evaluation: each problem's answers not written (%s)", e)
+        return None
     return final
 
 
@@ -165,7 +174,8 @@ def evaluate_checkpoint(run_dir, size: int | None = None, samples: int | None = 
         texts, [p.answer for p in each], [p.prompt for p in each], [p.fields for p in each]
     )
     record, rows = eval_record(scored, problems, texts, samples, t0)
-    return {"step": step, **record, "results": str(write_results(run_dir, step, rows))}
+    written = write_results(run_dir, step, rows)
+    return {"step": step, **record, "results": str(written) if written else None}
 
 
 def inspect(family, prompt: str, top_k: int, max_new_tokens: int | None):
