@@ -20,7 +20,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from rlnb.config.sections_lm import SandboxConfig
+from rlnb.bounds import bounded, bounds_errors
 from rlnb.errors import ConfigError
 
 # the child: limits, a network namespace of its own (no interface but a loopback that is down), then the code
@@ -43,6 +43,25 @@ del ctypes, libc, resource, cpu, mem, fsize, nofile
 exec(compile(code, "<model code>", "exec"), {"__name__": "__main__"})
 """
 NO_NETNS = 97  # the bootstrap's exit status where no network namespace could be made
+
+
+@dataclass
+class SandboxConfig:
+    """Limits on code a model wrote (``reward.sandbox``): the ``python`` tool and the ``code_tests`` reward."""
+
+    cpu_s: int = bounded(2, 1, 3600, "an hour of CPU is a job, not a tool call")
+    """CPU seconds the code may use (``RLIMIT_CPU``: SIGXCPU, then SIGKILL)."""
+    wall_s: float = bounded(5.0, 0.1, 3600, "an hour of waiting stalls the step", low_open=False)
+    """Seconds of wall-clock time before the process group is killed (a ``sleep`` uses no CPU)."""
+    memory_mb: int = bounded(512, 64, 65_536, "more than a rank's share of a machine")
+    """Address space in MiB (``RLIMIT_AS``; the interpreter itself takes ~30 of them)."""
+    file_mb: int = bounded(1, 0, 1024, "a tool call's files are scratch")
+    """The largest file the code may write, in MiB (``RLIMIT_FSIZE``), in an empty directory removed after."""
+    output_chars: int = bounded(2000, 1, 1_000_000, "more than a context holds")
+    """Characters of stdout and of stderr kept (the rest cut, with a note)."""
+
+    def errors(self, prefix: str = "reward.sandbox") -> list[str]:
+        return bounds_errors(self, f"{prefix}.")
 
 
 @dataclass(frozen=True)

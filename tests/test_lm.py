@@ -1168,6 +1168,7 @@ def test_one_group_and_one_prompt_can_be_looked_at(cluster, tmp_path):
             loop.sample_group(999)  # (was an empty list)
         loop.advantages()
         rows = loop.sample_group(0)
+        assert loop.sample() == rows  # (what `rlnb.attach(...).sample()` shows: the first group)
         rewards = torch.tensor([r["reward"] for r in rows])
         expected = (rewards - rewards.mean()) / (rewards.std() + 1e-6)  # GRPO, scale=group
         assert torch.allclose(torch.tensor([r["advantage"] for r in rows]), expected, atol=1e-4)

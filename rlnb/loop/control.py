@@ -244,11 +244,9 @@ def read_control(run_dir: str | os.PathLike) -> dict:
 
 
 def _sample(loop, n: int):
-    """What the loop shows of its batch: an embodied loop's first ``n`` time steps (``loop.sample``), an LM loop's
-    first group of completions (``loop.sample_group``)."""
-    from rlnb.loop.grpo import GRPOLoop
-
-    return loop.sample_group(0) if isinstance(loop, GRPOLoop) else loop.sample(n)
+    """What the loop shows of its batch (``loop.sample``): an embodied loop's first ``n`` time steps, an LM loop's
+    first group of completions."""
+    return loop.sample(n)
 
 
 def _encode(value):

@@ -171,6 +171,11 @@ class GRPOLoop(LoopBase):
         slots = self.cluster.slots if self.cluster is not None else None
         return plan_recipe(self.recipe, slots, slot_memory_bytes)
 
+    def sample(self, n: int = 4) -> list[dict]:
+        """A look at the batch, as :meth:`rlnb.Loop.sample` gives an embodied loop's: here its first group of
+        completions whole (:meth:`sample_group`; ``n``, an embodied loop's time steps, is not read)."""
+        return self.sample_group(0)
+
     def sample_group(self, group: int = 0) -> list[dict]:
         """One prompt's group of completions in the batch actor rank 0 trains on: prompt, completion, reward,
         sampling log-prob and, after :meth:`advantages`, the normalised advantage of each."""
