@@ -691,6 +691,7 @@ def test_the_actor_computes_each_prompt_once_on_a_worker_and_trains_as_if_it_did
     assert stats[True]["shared_forwards"] >= 6 and stats[True]["prompt_forward_fallback"] is None
     assert stats[False] == {
         "length_buckets": 4, "skip_zero_advantage": True, "shared_forwards": 0, "prompt_forward_fallback": None,
+        "packed": False, "packing_fallback": None,
     }  # fmt: skip
     for name, w in weights[True].items():
         # a key bias's gradient is zero but for rounding (softmax ignores a shift common to all keys),
@@ -721,6 +722,8 @@ def test_an_actor_whose_model_cannot_share_prompts_trains_per_sequence_and_says_
         "skip_zero_advantage": True,
         "shared_forwards": 0,
         "prompt_forward_fallback": "NotImplementedError: this cache cannot be repeated",
+        "packed": False,
+        "packing_fallback": None,
     }
     warned = [r.getMessage() for r in caplog.records if "sharing prompts failed" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith(

@@ -93,6 +93,7 @@ REFUSED = {
     ("actor.device", "cuda"),
     ("actor.offload", "params"),  # FSDP2's CPU offload of GPU memory: the actor is on CPU here
     ("rollout.device", "cuda"),
+    ("reward.name", "code_tests"),  # it reads each record's tests, which arithmetic problems have none of
     ("data.task", "file"),  # data.path=missing.jsonl: refused as missing
     ("data.task", "arithmetic"),  # with data.path set, which it would ignore
     ("actor.model.kind", "cnn"),  # CartPole's observations are vectors, not (C, H, W) images

@@ -55,6 +55,8 @@ class WarmStart:
         for name, p in self.policy.named_parameters():
             if ".lora_" not in name:
                 p.requires_grad_(on)
+                if not on:
+                    p.grad = None  # (the warm start's gradients of the base: held for nothing after it)
         self._base_training = on
 
     def _reduce_base_grads(self) -> None:
