@@ -420,6 +420,28 @@ def test_mismatch_weights_hand_computed_truncate_and_mask_at_token_and_sequence_
             assert torch.equal(w, torch.ones(2, 3)) and float(m["is_kl"]) == 0.0, (mode, level)
 
 
+def test_token_gae_hand_computed_over_a_completions_tokens_skipping_what_is_off_the_mask():
+    # one completion of 3 tokens after a prompt token, reward 1 at its end, values 0.5, 0.2, 0.1, gamma 1
+    values, mask, reward = T([[0.0, 0.5, 0.2, 0.1]]), T([[0, 1, 1, 1]]), T([1.0])
+    adv, ret = get_advantage("token_gae")(rewards=reward, values=values, response_mask=mask, gamma=1.0,
+                                          gae_lambda=1.0)  # fmt: skip
+    assert close(adv, [[0.0, 0.5, 0.8, 0.9]]) and close(ret, [[0.0, 1.0, 1.0, 1.0]])  # lambda 1: R - V
+    # lambda 0.5: deltas 0.9 (last), -0.1, -0.3; A = 0.9, -0.1 + 0.45 = 0.35, -0.3 + 0.175 = -0.125
+    adv, _ = get_advantage("token_gae")(
+        rewards=reward, values=values, response_mask=mask, gamma=1.0, gae_lambda=0.5
+    )
+    assert close(adv, [[0.0, -0.125, 0.35, 0.9]])
+    # a multi-turn transcript: the reply at column 2 is off the mask, its value never read
+    gap = T([[0.0, 0.5, 9.0, 0.1]])
+    adv, _ = get_advantage("token_gae")(rewards=reward, values=gap, response_mask=T([[0, 1, 0, 1]]), gamma=1.0,
+                                        gae_lambda=0.5)  # fmt: skip
+    assert close(adv, [[0.0, -0.4 + 0.45, 0.0, 0.9]])
+    # gamma discounts toward the reward at the end
+    adv, ret = get_advantage("token_gae")(rewards=reward, values=torch.zeros(1, 4), response_mask=mask, gamma=0.5,
+                                          gae_lambda=1.0)  # fmt: skip
+    assert close(ret, [[0.0, 0.25, 0.5, 1.0]])
+
+
 def test_value_loss_clipped_and_unclipped():
     v, old, ret = T([2.0, 0.0]), T([1.0, 0.0]), T([3.0, 1.0])
     # unclipped: 0.5 * mean((2-3)^2, (0-1)^2) = 0.5

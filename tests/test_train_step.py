@@ -349,5 +349,12 @@ def test_the_value_function_trains_at_its_own_learning_rate_annealed_with_the_po
 
         critic_parameters(own, "actor.critic_lr")
     assert err.value.key == "actor.critic_lr"
-    with pytest.raises(ConfigError, match="actor.critic_lr"):
+    with pytest.raises(
+        ConfigError, match="actor.critic_lr: 0.001 is a value model's learning rate; algorithm.adv"
+    ):
         load_recipe("grpo_arith", ["actor.critic_lr=0.001"])
+    load_recipe("grpo_arith", ["actor.critic_lr=0.001", "algorithm.advantage=token_gae"])  # (an LM's critic)
+    with pytest.raises(
+        ConfigError, match="algorithm.advantage: token_gae's value model trains data-parallel"
+    ):
+        load_recipe("grpo_arith", ["algorithm.advantage=token_gae", "actor.strategy=fsdp2"])

@@ -166,6 +166,36 @@ def grpo(rewards, group_size: int, scale: str = "group", eps: float = 1e-6, resp
     return _to_tokens(adv, response_mask), _to_tokens(rewards.float(), response_mask)
 
 
+@register_advantage("token_gae", layouts=("sequence",))
+def token_gae(rewards, values, response_mask, gamma: float = 1.0, gae_lambda: float = 0.95):
+    """PPO's GAE over a completion's tokens, with a value model (InstructGPT's PPO; veRL's, OpenRLHF's and TRL's
+    PPO trainers): the reward comes at the completion's last token, each token is a step whose value the critic
+    gives, and ``A_t = sum_k (gamma lambda)^k delta_{t+k}``, ``delta_t = r_t + gamma V_{t+1} - V_t``, over the
+    response tokens in order (a multi-turn transcript's replies, off the mask, are skipped).
+
+    Args:
+        rewards: ``[B]``; values, response_mask: ``[B, L]``.
+
+    Returns:
+        ``(advantages [B, L], returns [B, L])``: 0 off the response; ``returns = advantages + values``.
+    """
+    check_same_shape(["values", "response_mask"], [values, response_mask])
+    m = response_mask.float()
+    b, length = m.shape
+    last = (length - 1 - m.flip(1).argmax(1)).clamp(min=0)  # each row's last response token
+    r = torch.zeros_like(m)
+    r[torch.arange(b), last] = rewards.float() * (m.sum(1) > 0)
+    v = values.float() * m
+    adv = torch.zeros_like(m)
+    gae, next_v = m.new_zeros(b), m.new_zeros(b)
+    for t in range(length - 1, -1, -1):
+        on = m[:, t] > 0
+        g = r[:, t] + gamma * next_v - v[:, t] + gamma * gae_lambda * gae
+        adv[:, t] = torch.where(on, g, torch.zeros_like(g))
+        gae, next_v = torch.where(on, g, gae), torch.where(on, v[:, t], next_v)
+    return adv, adv + v
+
+
 @register_advantage("rloo", layouts=("sequence",))
 def rloo(rewards, group_size: int, response_mask=None):
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024): baseline = mean of the other samples of the group.

@@ -68,7 +68,10 @@ LM = LoopContract(
     name="LM (GRPO)",
     layout="sequence",
     # rewards [B]; response_mask, kl [B, L] (kl only with algorithm.kl_coef > 0)
-    advantage_inputs=frozenset({"rewards", "response_mask", "group_size", "scale", "kl", "kl_coef", "gamma"}),
+    # values: a value model's, where the advantage asks for them (the actor then holds a critic)
+    advantage_inputs=frozenset(
+        {"rewards", "response_mask", "group_size", "scale", "kl", "kl_coef", "gamma", "values", "gae_lambda"}
+    ),
     # one micro-batch, every tensor [m, L]
     loss_inputs=frozenset(
         {

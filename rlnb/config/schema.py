@@ -271,10 +271,20 @@ class AlgorithmConfig:
                 f"algorithm.preset: {a.preset} is a method for LMs' groups of completions (family: grpo); this "
                 "recipe trains a policy on an env. Set it to none"
             )
-        if recipe.family != "ppo" and recipe.actor.critic_lr is not None:
+        critic = recipe.family == "ppo" or (
+            isinstance(a.advantage, str)
+            and a.advantage in ADVANTAGES
+            and "values" in ADVANTAGES.entry(a.advantage).needs
+        )  # (an LM's value model: an advantage asking for values, token_gae)
+        if critic and recipe.family == "grpo" and recipe.actor.strategy == "fsdp2":
             errs.append(
-                f"actor.critic_lr: {recipe.actor.critic_lr} sets an embodied policy's value function apart; the "
-                f"{recipe.family} family has none. Leave it null"
+                f"algorithm.advantage: {a.advantage}'s value model trains data-parallel (a whole copy a rank); with "
+                "actor.strategy=fsdp2 set it to ddp, or take a critic-free advantage (grpo, rloo)"
+            )
+        if not critic and recipe.actor.critic_lr is not None:
+            errs.append(
+                f"actor.critic_lr: {recipe.actor.critic_lr} is a value model's learning rate; algorithm.advantage "
+                f"{a.advantage} uses none (token_gae does). Leave it null"
             )
         if a.dynamic_sampling is True and recipe.family == "ppo":
             errs.append(

@@ -17,6 +17,7 @@ from rlnb.components.actor_base import ActorBase, with_settings
 from rlnb.components.batches import LM_BATCH, LM_OPTIONAL, check_batch
 from rlnb.components.compile import StepCompiler
 from rlnb.components.launch import launcher
+from rlnb.components.lm.critic import Critic
 from rlnb.components.lm.forward import CPU_LENGTH_BUCKETS, Forward
 from rlnb.components.lm.layout import decode_group, join_batches, micro_batches
 from rlnb.components.lm.lora import AdaptersOff, message_bytes
@@ -173,6 +174,17 @@ class LMActor(Forward, WarmStart, ActorBase):
             advantage_fn or advantage or self.algo.advantage,
             loss_fn or policy_loss or self.algo.policy_loss,
         )
+        # PPO with a value model (an advantage asking for values: token_gae): a critic of its own, data-parallel
+        self.critic: Critic | None = None
+        if "values" in self.advantage.needs:
+            if cfg.strategy == "fsdp2":
+                raise ConfigError(
+                    f"algorithm.advantage: {self.advantage.name}'s value model trains data-parallel (a whole copy a "
+                    "rank); with actor.strategy=fsdp2 set it to ddp, or take a critic-free advantage (grpo, rloo)",
+                    "algorithm.advantage",
+                )
+            self.critic = Critic(str(model_path), self.device, cfg.critic_lr or cfg.lr, self.algo.max_grad_norm,
+                                 self.world_size)  # fmt: skip
         # where the KL to the reference goes: into the returns (an advantage taking `kl`) or the loss
         self.kl_in_advantage = self.ref is not None and (
             self.advantage.accepts is None or "kl" in self.advantage.accepts
@@ -296,13 +308,21 @@ class LMActor(Forward, WarmStart, ActorBase):
         mask = batch["response_mask"].float()
         offered = {
             "rewards": batch["rewards"], "response_mask": mask, "group_size": algo.group_size, "scale": algo.scale,
-            "kl_coef": algo.kl_coef, "gamma": algo.gamma,
+            "kl_coef": algo.kl_coef, "gamma": algo.gamma, "gae_lambda": algo.gae_lambda,
         }  # fmt: skip
+        if self.critic is not None:  # the value model's values of the batch (PPO's critic)
+            batch["values"] = offered["values"] = self.critic.values(batch, self.micro_batch_size)
         if self.kl_in_advantage:  # the KL needs the current log-probs first: the old ones, if kept
             current = self._logprobs(self.policy, batch)
             batch["old_logprobs"] = None if single_pass else current
             offered["kl"] = kl_penalty(current, batch["ref_logprobs"], algo.kl_estimator) * mask  # [B, L]
-        adv, _ = self.advantage(**offered)
+        adv, returns = self.advantage(**offered)
+        if self.critic is not None:
+            batch["returns"] = returns
+            if algo.norm_adv:  # whitened over the batch's response tokens (veRL's masked whiten)
+                mean = masked_mean(adv, mask)
+                std = masked_mean((adv - mean) ** 2, mask).sqrt()
+                adv = (adv - mean) / (std + 1e-8) * mask
         if isinstance(adv, torch.Tensor) and adv.shape == batch["rewards"].shape:
             adv = adv[:, None] * mask  # per-sequence advantages, broadcast over response tokens
         if not isinstance(adv, torch.Tensor) or adv.shape != mask.shape:
@@ -360,6 +380,16 @@ class LMActor(Forward, WarmStart, ActorBase):
             kl = metrics.get("approx_kl")
             if algo.target_kl is not None and kl is not None and self._mean_over_ranks(kl) > algo.target_kl:
                 break  # early stop, as in the embodied actor: the policy moved far enough this step
+        if self.critic is not None:  # the value model: the same epochs and minibatches, its own optimizer
+            clip = algo.clip_coef if algo.clip_vloss else None
+            losses = []
+            for _ in range(epochs_run):
+                perm = torch.randperm(n, generator=self.generator)
+                for start in range(0, n - mb + 1, mb):
+                    rows = perm[start : start + mb].sort().values
+                    losses.append(self.critic.update(batch, rows, self.micro_batch_size, clip)["value_loss"])
+            sums["value_loss"] = sum(losses) / len(losses) * max(1, count)
+            sums["explained_variance"] = self.critic.explained_variance(batch) * max(1, count)
         self.step += 1
         out = {k: v / max(1, count) for k, v in sums.items()}
         out.update(epochs=epochs_run, lr=self.optimizer.param_groups[0]["lr"], **self.memory_stats())
@@ -561,9 +591,12 @@ class LMActor(Forward, WarmStart, ActorBase):
             (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
     def _rest_state(self) -> dict:
-        return {**super()._rest_state(), "ref": self.ref.state_dict() if self.ref is not None else None}
+        return {**super()._rest_state(), "ref": self.ref.state_dict() if self.ref is not None else None,
+                "critic": self.critic.state_dict() if self.critic is not None else None}  # fmt: skip
 
     def _load_rest(self, state: dict) -> None:
         super()._load_rest(state)
         if self.ref is not None and state["ref"] is not None:
             self.ref.load_state_dict(state["ref"])
+        if self.critic is not None and state.get("critic") is not None:
+            self.critic.load_state_dict(state["critic"])
