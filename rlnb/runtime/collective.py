@@ -27,6 +27,19 @@ def all_reduce_(tensor: torch.Tensor, pg, average: bool = False) -> torch.Tensor
     return tensor
 
 
+def average_grads_(grads: list[torch.Tensor], world_size: int) -> None:
+    """``grads`` averaged over the default process group's ``world_size`` ranks, in place, in one all-reduce of them
+    flattened (gradients no DDP reducer holds: a LoRA base's in a full warm start, a value model's)."""
+    if world_size == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads]).div_(world_size)
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def broadcast_(tensor: torch.Tensor, src: int, pg) -> torch.Tensor:
     """Broadcast ``tensor`` in place from rank ``src`` of the group."""
     if _is_default(pg):

@@ -11,6 +11,7 @@ from torch import nn
 from rlnb.components.lm.layout import micro_batches
 from rlnb.components.lm.sft import adamw
 from rlnb.models.lm import load_lm, no_cache, positions_from_mask
+from rlnb.runtime.collective import average_grads_
 
 
 class ValueModel(nn.Module):
@@ -73,22 +74,10 @@ class Critic:
             loss = 0.5 * (loss_tok * mask).sum() / total
             loss.backward()
             loss_sum += float(loss.detach())
-        if self.world_size > 1:
-            self._average_grads()
+        average_grads_([p.grad for p in self.model.parameters() if p.grad is not None], self.world_size)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         return {"value_loss": loss_sum}
-
-    def _average_grads(self) -> None:
-        import torch.distributed as dist
-
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world_size)
-        dist.all_reduce(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
 
     def explained_variance(self, batch: dict) -> float:
         """``1 - Var(R - V) / Var(R)`` over the batch's response tokens, with the rollout's values."""

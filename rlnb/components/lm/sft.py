@@ -8,6 +8,7 @@ from rlnb.algorithms.losses import masked_mean
 from rlnb.components.lm.layout import pad_left
 from rlnb.components.optim import build_optimizer
 from rlnb.models.lm import prompt_ids, token_logprobs
+from rlnb.runtime.collective import average_grads_
 
 
 def adamw(model: torch.nn.Module, lr: float, device: torch.device) -> torch.optim.AdamW:
@@ -64,17 +65,10 @@ class WarmStart:
         full warm start under DDP)."""
         if not self._base_training or self.world_size == 1:
             return
-        import torch.distributed as dist
-
         grads = [
             p.grad for n, p in self.policy.named_parameters() if ".lora_" not in n and p.grad is not None
         ]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world_size)
-        dist.all_reduce(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        average_grads_(grads, self.world_size)
 
     def sft(
         self, prompts: list, answers: list[str], steps: int, batch_size: int, lr: float,
