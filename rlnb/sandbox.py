@@ -51,7 +51,7 @@ class SandboxConfig:
 
     cpu_s: int = bounded(2, 1, 3600, "an hour of CPU is a job, not a tool call")
     """CPU seconds the code may use (``RLIMIT_CPU``: SIGXCPU, then SIGKILL)."""
-    wall_s: float = bounded(5.0, 0.1, 3600, "an hour of waiting stalls the step", low_open=False)
+    wall_s: float = bounded(5.0, 0.1, 3600, "an hour of waiting stalls the step")
     """Seconds of wall-clock time before the process group is killed (a ``sleep`` uses no CPU)."""
     memory_mb: int = bounded(512, 64, 65_536, "more than a rank's share of a machine")
     """Address space in MiB (``RLIMIT_AS``; the interpreter itself takes ~30 of them)."""

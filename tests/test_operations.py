@@ -347,6 +347,35 @@ def test_a_runs_control_file_is_replaced_whole_so_a_reader_never_sees_it_half_wr
     assert ended.st_mode & 0o777 == 0o600 and sorted(p.name for p in tmp_path.iterdir()) == ["control.json"]
 
 
+def test_a_runs_outcome_is_on_file_before_its_driver_stops_answering(tmp_path):
+    """`rlnb stop` said "ended (unknown)" in CI: it found the driver gone and read control.json before the driver
+    had written the outcome there. The outcome is now written first, then the port closed."""
+    import types
+
+    from rlnb.loop.control import ControlServer, read_control
+
+    loop = types.SimpleNamespace(
+        recipe=types.SimpleNamespace(name="x", runner=types.SimpleNamespace(control="loopback"))
+    )
+    server = ControlServer(loop, tmp_path)
+    seen = []
+
+    class Watched:  # the server's socket, noting what control.json says when it is shut
+        def __init__(self, sock):
+            self.sock = sock
+
+        def shutdown(self, how):
+            seen.append(read_control(tmp_path).get("outcome"))
+            self.sock.shutdown(how)
+
+        def __getattr__(self, name):
+            return getattr(self.sock, name)
+
+    server.sock = Watched(server.sock)
+    server.close("stopped")
+    assert seen == ["stopped"] and read_control(tmp_path)["outcome"] == "stopped"
+
+
 def test_a_follower_of_the_metrics_file_reads_each_whole_record_once_and_starts_over_after_a_truncation(
     tmp_path,
 ):

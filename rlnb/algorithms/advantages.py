@@ -212,8 +212,8 @@ def rloo(rewards, group_size: int, response_mask=None):
     return _to_tokens(adv, response_mask), _to_tokens(rewards.float(), response_mask)
 
 
-def _whiten(x, mask=None, eps: float = 1e-8):
-    """(x - mean) / std over the whole batch (masked tokens only)."""
+def whiten(x, mask=None, eps: float = 1e-8):
+    """(x - mean) / std over the whole batch (masked tokens only; veRL's masked whiten)."""
     if mask is None:
         return (x - x.mean()) / (x.std() + eps)
     m = mask.float()
@@ -254,10 +254,10 @@ def reinforce_pp(
     check_tensor("rewards", rewards, 1, "[B]")
     check_positive("gamma", gamma, allow_zero=True)
     if response_mask is None:
-        return _whiten(rewards.float(), eps=eps), rewards.float()
+        return whiten(rewards.float(), eps=eps), rewards.float()
     _to_tokens(rewards, response_mask)  # shape checks
     returns = _token_returns(rewards, response_mask, kl, kl_coef, gamma)  # [B, L]
-    return _whiten(returns, response_mask, eps), returns
+    return whiten(returns, response_mask, eps), returns
 
 
 @register_advantage("reinforce_pp_baseline", layouts=("sequence",))

@@ -135,13 +135,15 @@ class ControlServer:
         """Stop serving, and leave ``control.json`` saying how the run ended (``outcome``)."""
 
         self.outcome = outcome
+        # the outcome written before the port closes: a client that finds no driver then always reads how it ended
+        # (`rlnb stop` read "unknown" in CI when the file came after)
+        with contextlib.suppress(OSError):  # (a full disk: the run's end is in its metrics all the same)
+            _write_control(self.run_dir, {"pid": os.getpid(), "outcome": outcome, "ended": time.time()})
         self._closed.set()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)  # (wakes the blocked accept on Linux)
         self.thread.join(5)
         self.sock.close()
-        with contextlib.suppress(OSError):  # (a full disk: the run's end is in its metrics all the same)
-            _write_control(self.run_dir, {"pid": os.getpid(), "outcome": outcome, "ended": time.time()})
 
 
 def _tls_server_context():

@@ -10,6 +10,7 @@ import math
 import torch
 
 from rlnb.algorithms import kl_penalty
+from rlnb.algorithms.advantages import whiten
 from rlnb.algorithms.contract import LM, check_algorithm
 from rlnb.algorithms.correction import mismatch_weights
 from rlnb.algorithms.losses import masked_mean
@@ -319,10 +320,8 @@ class LMActor(Forward, WarmStart, ActorBase):
         adv, returns = self.advantage(**offered)
         if self.critic is not None:
             batch["returns"] = returns
-            if algo.norm_adv:  # whitened over the batch's response tokens (veRL's masked whiten)
-                mean = masked_mean(adv, mask)
-                std = masked_mean((adv - mean) ** 2, mask).sqrt()
-                adv = (adv - mean) / (std + 1e-8) * mask
+            if algo.norm_adv:  # whitened over the batch's response tokens
+                adv = whiten(adv, mask)
         if isinstance(adv, torch.Tensor) and adv.shape == batch["rewards"].shape:
             adv = adv[:, None] * mask  # per-sequence advantages, broadcast over response tokens
         if not isinstance(adv, torch.Tensor) or adv.shape != mask.shape:
@@ -493,11 +492,10 @@ class LMActor(Forward, WarmStart, ActorBase):
         # the policy before this update as the actor computes it (decoupled PPO's proximal one)
         prox = logp.detach() if micro_batch["old_logprobs"] is None else micro_batch["old_logprobs"]
         behaviour, advantages, corrected = micro_batch["behaviour_logprobs"], micro_batch["advantages"], {}
-        if (
-            micro_batch["engine_logprobs"] is not None
-        ):  # the ratio is to the trainer's: weigh by trainer / engine
+        engine = micro_batch["engine_logprobs"]
+        if engine is not None:  # the ratio is to the trainer's: weigh by trainer / engine
             weights, corrected = mismatch_weights(
-                prox, micro_batch["engine_logprobs"], mask, algo.mismatch_correction, algo.mismatch_level,
+                prox, engine, mask, algo.mismatch_correction, algo.mismatch_level,
                 algo.mismatch_cap, algo.mismatch_floor,
             )  # fmt: skip
             # (every loss here is linear in the advantage with a ratio > 0: a weight on it weighs the token's loss)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rlnb.algorithms.losses import value_loss
 from rlnb.components.lm.layout import micro_batches
 from rlnb.components.lm.sft import adamw
 from rlnb.models.lm import load_lm, no_cache, positions_from_mask
@@ -66,12 +67,8 @@ class Critic:
             ids, attn = batch["input_ids"][j].to(self.device), batch["attention_mask"][j].to(self.device)
             mask = batch["response_mask"][j].float().to(self.device)
             returns, old = batch["returns"][j].to(self.device), batch["values"][j].to(self.device)
-            v = self.model(ids, attn)
-            loss_tok = (v - returns) ** 2
-            if clip is not None:
-                clipped = old + (v - old).clamp(-clip, clip)
-                loss_tok = torch.maximum(loss_tok, (clipped - returns) ** 2)
-            loss = 0.5 * (loss_tok * mask).sum() / total
+            # the micro-batch's mean, weighted by its share of the rows' tokens: their mean once summed
+            loss = value_loss(self.model(ids, attn), old, returns, mask, clip) * (mask.sum() / total)
             loss.backward()
             loss_sum += float(loss.detach())
         average_grads_([p.grad for p in self.model.parameters() if p.grad is not None], self.world_size)
