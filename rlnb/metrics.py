@@ -67,6 +67,7 @@ GLOSSARY: dict[str, str] = {
     "advantages/return_mean": "Mean return target (value targets for PPO; per-token returns for REINFORCE++).",
     "advantages/logprob_drift": "Mean |log-prob now - behaviour log-prob| over response tokens: how far the actor moved from the policy that sampled. Over the sequences the update computes; absent when it computes none (every group scored alike).",
     # memory
+    "memory/critic_bytes": "LM actor with a value model (algorithm.advantage=token_gae): bytes of its parameters, gradients and AdamW state on one actor rank (float32; its shards under actor.strategy=fsdp2).",
     "memory/ref_bytes": "LM actor: bytes of the KL reference model one actor rank holds (algorithm.kl_coef > 0; its shards under actor.strategy=fsdp2; with LoRA the reference is the model with its adapters off, and none is logged).",
     "memory/actor_state_bytes": "LM actor: bytes of parameters, gradients and optimizer state one actor rank holds (its local shards); actor.dtype=bfloat16 keeps them float32 (master weights) and saves activations instead.",
     "memory/cuda_peak_bytes": "LM actor on a GPU: the actor process's peak GPU allocation over the step (a collocated rollout's too).",

@@ -197,11 +197,16 @@ def test_a_rollout_apart_gets_the_adapters_alone_once_it_holds_the_base(cluster,
     assert last["kind"] == "adapters" and 0 < last["bytes"] < 0.2 * sum(v.nbytes for v in merged.values()), (
         last
     )
-    if (
-        staleness == 0
-    ):  # (the merged syncs came before the steps: the first evaluation's, after the warm start)
-        assert [r["sync/adapters_only"] for r in records] == [1.0] * 4, records
-        assert all(r["sync/bytes"] == last["bytes"] for r in records), records
+    # (the merged syncs came before the steps: the first evaluation's, after the warm start); running ahead, a
+    # sync is logged with the step whose rollout phase ran it
+    # (the merged one after the warm start in step 1's)
+    synced = [r for r in records if "sync/bytes" in r]
+    flags = [r["sync/adapters_only"] for r in synced]
+    assert (
+        flags == [1.0] * 4 if staleness == 0 else (len(flags) >= 2 and flags[1:] == [1.0] * (len(flags) - 1))
+    ), records
+    assert all(r["sync/bytes"] == last["bytes"] for r in synced if r["sync/adapters_only"]), records
+    assert all(r["sync/bytes"] > 10 * last["bytes"] for r in synced if not r["sync/adapters_only"]), records
     mine = HFRollout(str(tmp_path / "model"), max_new_tokens=3)
     mine.load_weights(merged, 1)
     assert served == mine.complete(["3+4=", "5+1="])
@@ -214,6 +219,12 @@ def test_lora_misfits_are_refused_naming_the_key(tiny_lm):
                                           "FSDP2 shards"):  # fmt: skip
         load_recipe("grpo_arith", ["actor.lora.rank=4", "actor.strategy=fsdp2"])
     load_recipe("grpo_arith", ["actor.lora.rank=4", "actor.strategy=fsdp2", "actor.lora.warm_start=adapters"])
+    # vLLM's own LoRA takes ranks up to 512; merging into its weights takes any
+    with pytest.raises(
+        RecipeError, match="actor.lora.rank: vLLM's own LoRA takes adapters of rank 512 at most"
+    ):
+        load_recipe("grpo_arith", ["rollout.backend=vllm", "actor.lora.rank=1024"])
+    load_recipe("grpo_arith", ["rollout.backend=vllm", "actor.lora.rank=1024", "rollout.vllm.lora=merge"])
     with pytest.raises(RecipeError, match="actor.lora.rank: LoRA adapts an LM actor"):
         load_recipe("ppo_cartpole", ["actor.lora.rank=4"])
     with pytest.raises(Exception, match="actor.lora.target_modules: \\['qkv'\\] are not modules"):

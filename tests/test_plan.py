@@ -27,13 +27,14 @@ def tiny_lm(tmp_path_factory):
 @pytest.mark.parametrize(
     "overrides",
     [[], ["actor.lora.rank=4"], ["actor.lora.rank=4", "actor.dtype=bfloat16"], ["algorithm.kl_coef=0.1"],
-     ["actor.dtype=bfloat16", "algorithm.kl_coef=0.1"]],
-    ids=["float32", "lora", "lora-bf16", "reference", "reference-bf16"],
+     ["actor.dtype=bfloat16", "algorithm.kl_coef=0.1"], ["algorithm.advantage=token_gae"]],
+    ids=["float32", "lora", "lora-bf16", "reference", "reference-bf16", "critic"],
 )  # fmt: skip
 def test_the_plan_of_an_actor_is_within_15_percent_of_what_it_holds_once_it_trains(tiny_lm, overrides):
     recipe = load_recipe("grpo_arith", [f"actor.model_path={tiny_lm}", ONE_SLOT, *overrides])
     plan = plan_recipe(recipe)
-    actor = LMActor(tiny_lm, actor=recipe.actor, group_size=4, seed=0, kl_coef=recipe.algorithm.kl_coef)
+    actor = LMActor(tiny_lm, actor=recipe.actor, group_size=4, seed=0, kl_coef=recipe.algorithm.kl_coef,
+                    advantage=recipe.algorithm.advantage)  # fmt: skip
     actor.set_batch(_two_rollout_batches(tiny_lm))
     assert math.isfinite(actor.train()["loss"])
     held = actor.memory_stats()
@@ -43,6 +44,11 @@ def test_the_plan_of_an_actor_is_within_15_percent_of_what_it_holds_once_it_trai
         assert abs(reference / held["memory/ref_bytes"] - 1) < 0.15, (plan, held)
     else:
         assert reference == 0  # (none, or LoRA's: the model with its adapters off)
+    critic = plan.slots[0].parts["critic"]  # PPO's value model: counted beside the policy
+    if "memory/critic_bytes" in held:
+        assert abs(critic / held["memory/critic_bytes"] - 1) < 0.05, (plan, held)
+    else:
+        assert critic == 0
 
 
 def test_the_activations_traced_on_the_meta_device_are_those_a_real_forward_keeps(tiny_lm):

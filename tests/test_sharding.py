@@ -121,6 +121,50 @@ def test_the_kl_reference_is_sharded_too_and_gives_the_same_kl_as_ddp(cluster, t
     assert 0.4 < ratio < 0.6, ratio
 
 
+def test_ppos_value_model_is_sharded_like_the_policy_trains_as_ddp_does_and_resumes_exactly(
+    cluster, tmp_path
+):
+    """algorithm.advantage=token_gae under FSDP2: the value model is sharded over the actor's ranks as the policy
+    is (about half its bytes a rank), its value losses are DDP's, and a run cut at step 2 resumes to step 3's."""
+    gae = [
+        "algorithm.advantage=token_gae",
+        "algorithm.gamma=1.0",
+        "actor.critic_lr=0.001",
+        "runner.save_interval=1",
+    ]
+    ddp, _ = _run(cluster, tmp_path, "ddp", ["actor.strategy=ddp", *gae])
+    fsdp, _ = _run(cluster, tmp_path, "fsdp2", ["actor.strategy=fsdp2", *gae])
+    for key in ("train/value_loss", "train/loss"):
+        pairs = [(a[key], b[key]) for a, b in zip(ddp, fsdp)]
+        assert len(pairs) == 3 and all(a == pytest.approx(b, rel=1e-3, abs=1e-5) for a, b in pairs), (
+            key,
+            pairs,
+        )
+    ratio = fsdp[-1]["memory/critic_bytes"] / ddp[-1]["memory/critic_bytes"]
+    assert 0.4 < ratio < 0.6, ratio
+    from rlnb.loop.families.grpo.plan import plan_recipe
+
+    recipe = load_recipe(
+        "grpo_arith", [*TWO_RANKS, f"actor.model_path={tmp_path / 'model'}", "actor.strategy=fsdp2", *gae]
+    )
+    planned = plan_recipe(recipe, cluster.slots)  # rlnb plan counts the shard too
+    critic = next(s for s in planned.slots if "actor" in s.components).parts["critic"]
+    assert abs(critic / fsdp[-1]["memory/critic_bytes"] - 1) < 0.1, (critic, fsdp[-1]["memory/critic_bytes"])
+    overrides = [
+        *TWO_RANKS,
+        f"actor.model_path={tmp_path / 'model'}",
+        "actor.strategy=fsdp2",
+        *gae,
+        "runner.steps=2",
+    ]
+    with GRPOLoop.from_recipe("grpo_arith", overrides, cluster=cluster, run_dir=tmp_path / "cut") as loop:
+        loop.run(progress=False)
+    with GRPOLoop.resume(tmp_path / "cut", cluster=cluster, overrides=["runner.steps=3"]) as loop:
+        last = loop.run(progress=False)[-1]
+    assert last["train/value_loss"] == pytest.approx(fsdp[-1]["train/value_loss"], rel=1e-5, abs=1e-7)
+    assert last["train/loss"] == pytest.approx(fsdp[-1]["train/loss"], rel=1e-5, abs=1e-7)
+
+
 def test_a_sharded_run_checkpoints_and_resumes_exactly_and_exports_the_whole_model(cluster, tmp_path):
     extra = [
         "actor.strategy=fsdp2",

@@ -63,6 +63,7 @@ SWEEP = {
     "rollout.static_cache": (GRPO, []),
     "rollout.vllm.dtype": (GRPO, []),
     "rollout.vllm.enforce_eager": (GRPO, []),
+    "rollout.vllm.lora": (GRPO, []),
     "actor.strategy": (GRPO, []),  # (one actor rank here: the two-rank runs are tests/test_sharding.py)
     "actor.gradient_checkpointing": (GRPO, []),
     "actor.lora.warm_start": (GRPO, ["actor.lora.rank=4"]),
@@ -106,6 +107,7 @@ REFUSED = {
     # the vllm engine's settings, with the hf backend: nothing would read them (tests/test_vllm.py runs them)
     *(("rollout.vllm.dtype", d) for d in ("float32", "bfloat16", "float16")),
     ("rollout.vllm.enforce_eager", False),
+    ("rollout.vllm.lora", "merge"),
 }
 GRPO_CHOICES = {"hf", "vllm", "grpo"}  # of rollout.backend and family, the choices the GRPO recipe runs
 

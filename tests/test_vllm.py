@@ -100,7 +100,10 @@ else:
 
     @pytest.fixture(scope="module")
     def engine(model):
-        rollout = VLLMRollout(model, max_new_tokens=4, seed=3, device=DEVICE, vllm={"dtype": "float32"})
+        # (set up for vLLM's own LoRA, as a run with a LoRA actor apart starts it: the other tests use it without)
+        rollout = VLLMRollout(
+            model, max_new_tokens=4, seed=3, device=DEVICE, vllm={"dtype": "float32"}, lora_rank=4
+        )
         yield rollout
         rollout.close()
 
@@ -153,6 +156,7 @@ else:
         from rlnb.components.lm.lora import adapted_base, adapter_state
 
         actor = LMActor(model, group_size=2, seed=0, actor={"lora": {"rank": 4, "alpha": 8}})
+        engine.lora_rank = 0  # (rollout.vllm.lora=merge: as an engine started without LoRA takes them)
         lora_b = [p for n, p in actor.policy.named_parameters() if "lora_B" in n]
         with torch.no_grad():
             for p in lora_b:
@@ -175,9 +179,61 @@ else:
                     {"adapters": adapter_state(actor.policy), "base_version": 1, "version": 7}
                 )
         finally:
+            engine.lora_rank = 4
             engine.load_weights(
                 {k: v.to(DEVICE) for k, v in load_lm(model)[0].state_dict().items()}, version=0
             )
+
+    def test_vllms_own_lora_decodes_with_the_adapters_sent_alone_and_keeps_the_base_in_its_weights(
+        engine, model
+    ):
+        """rollout.vllm.lora=engine: the actor's first sync (the merged weights, the adapted layers' base and the
+        adapters) gives the engine the base and a LoRARequest of the adapters; adapters sent alone become the next
+        request. Its log-probs and greedy completions are the actor's merged model's each time."""
+        from rlnb.components.lm import LMActor
+
+        class Sent:  # what the actor puts for each rollout rank (a channel's put)
+            def __init__(self):
+                self.msgs = []
+
+            def put(self, msg, key):
+                self.msgs.append(msg)
+
+        actor = LMActor(model, group_size=2, seed=0, actor={"lora": {"rank": 4, "alpha": 8}})
+        lora_b = [p for n, p in actor.policy.named_parameters() if "lora_B" in n]
+        prompts = ["1+2=", "30+4=", "7+7="]
+        base = HFRollout(model, max_new_tokens=4, device="cpu").complete(prompts)
+        sent = Sent()
+        try:
+            for version in (5, 6):
+                with torch.no_grad():
+                    for p in lora_b:
+                        p.normal_(0, 0.5)
+                actor.publish_weights(sent, ["w0"], version, adapters=True)
+                engine.load_message(sent.msgs[-1])
+                mine = HFRollout(model, max_new_tokens=4, device="cpu")
+                mine.load_weights({k: v.cpu() for k, v in actor.policy_state().items()}, 1)
+                assert (
+                    engine.version == version and engine.complete(prompts) == mine.complete(prompts) != base
+                )
+                engine.generate(prompts, ["3", "34", "14"], n=2)
+                b = engine.take_batch()  # the sampler's log-probs: the merged model's
+                with torch.no_grad():
+                    logits = mine.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+                logp = torch.log_softmax(logits.float()[:, :-1], -1).gather(2, b["input_ids"][:, 1:, None])[
+                    ..., 0
+                ]
+                mask = b["response_mask"][:, 1:].bool()
+                assert torch.allclose(logp[mask], b["logprobs"][:, 1:][mask], atol=1e-3)
+            assert [("lora" in m, "adapters" in m) for m in sent.msgs] == [(True, False), (False, True)]
+            assert engine.generation_stats()["lora"] == "engine"
+            assert len(list(Path(engine._lora_dir).parent.glob("rlnb-vllm-lora-*"))) >= 1
+            staged = engine._lora_dir
+        finally:  # the base whole again, no adapters
+            engine.load_message({"state": {k: v.to(DEVICE) for k, v in load_lm(model)[0].state_dict().items()},
+                                 "version": 0})  # fmt: skip
+        assert engine._lora_request is None and Path(staged).is_dir()
+        assert engine.complete(prompts) == base
 
     def test_a_head_size_vllms_cpu_attention_cannot_run_is_refused_before_the_engine_starts(
         cluster, tmp_path
@@ -280,12 +336,13 @@ else:
         batch runs ahead while the actor trains on another slot, and weights reach the engine between batches
         (in its buckets), each batch trained at most one version after the one that generated it. One sync after
         the run gives the engine the actor's last weights: its greedy completions are the trained actor's, not
-        the warm start's. (One run for both: an engine's start is most of a minute of the module's CPU here.)"""
+        the warm start's. With a LoRA actor (rank 8): the engine takes the base and then the adapters alone
+        through vLLM's own LoRA. (One run for all: an engine's start is most of a minute of the module's CPU.)"""
         overrides = [
             "rollout.backend=vllm", "rollout.vllm.dtype=float32", "rollout.max_new_tokens=3", "runner.steps=60",
             "data.max_operand=9",
             "actor.sft_steps=150", "runner.eval_interval=60", "data.eval_size=100", "runner.tensorboard=false",
-            f"actor.model_path={tmp_path / 'model'}", "algorithm.max_staleness=1",
+            f"actor.model_path={tmp_path / 'model'}", "algorithm.max_staleness=1", "actor.lora.rank=8",
             *(f"actor.tiny_lm.{k}={v}" for k, v in TINY.items()),
             "cluster.component_placement={'rollout,reward': 0, actor: 1}", START,
         ]  # fmt: skip
@@ -298,9 +355,11 @@ else:
             steps = [r for r in records if "train/loss" in r]
             assert len(steps) == 60 and all(math.isfinite(r["train/loss"]) for r in steps)
             # grpo_arith made small learns through the engine: held-out accuracy up by 0.10 at least (seen
-            # synchronously, on the same slots: 0.53 -> 0.77)
+            # synchronously without LoRA, on the same slots: 0.53 -> 0.77; with it, ahead: 0.27 -> 0.53)
             evals = [r["eval/accuracy"] for r in loop.history if "eval/accuracy" in r]
             assert evals[-1] >= evals[0] + 0.10, evals
+            adapters = [r["sync/adapters_only"] for r in records if "sync/adapters_only" in r]
+            assert len(adapters) >= 30 and sum(adapters) >= len(adapters) - 1, adapters  # (the base once)
             assert loop.rollout_status()["in_flight"] is False  # drained at the run's end
             loop.sync_weights()
             prompts = [p.prompt for p in loop.task.held_out[:8]]
@@ -310,7 +369,7 @@ else:
             memory = loop.groups["rollout"].on(0).memory_stats().result()[0]
             tok = HFRollout(str(tmp_path / "model")).tok
             longest = max(len(prompt_ids(tok, p.prompt)) for p in loop.task.train + loop.task.held_out)
-        assert stats["engine"] == "vllm"
+        assert stats["engine"] == "vllm" and stats["lora"] == "engine"
         # the engine holds the run's sequences (the longest prompt and 3 new tokens, an eighth more), not the
         # model's whole context, and its KV cache on CPUs is sized to max_num_seqs of them
         need = longest + 3

@@ -192,6 +192,7 @@ class Strategy:
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             extra["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+        self._fsdp = {"mesh": mesh, "mp_policy": mp, **extra}  # (for shard_module: a second model alike)
         if compiler is not None:  # actor.compile: each block, FSDP2's hooks outside its graph
             compiler.compile_layers(blocks(policy))
         for block in blocks(policy):
@@ -214,6 +215,17 @@ class Strategy:
         # the optimizer over the sharded parameters (its state sharded too); foreach, which DTensors take
         trained = [p for p in policy.parameters() if p.requires_grad]
         return policy, torch.optim.AdamW(trained, lr=self.cfg.lr, weight_decay=0.0)
+
+    def shard_module(self, module: torch.nn.Module, module_blocks: list[torch.nn.Module]) -> None:
+        """``module`` sharded as :meth:`wrap` sharded the policy (the same mesh, precision and offload): each of
+        ``module_blocks``, then the root. For a model the actor trains beside the policy (PPO's value model)."""
+        from torch.distributed.fsdp import fully_shard
+
+        if not self.sharded:
+            raise RuntimeError("shard_module: the policy is not sharded (actor.strategy: fsdp2, after wrap)")
+        for block in module_blocks:
+            fully_shard(block, **self._fsdp)
+        fully_shard(module, **self._fsdp)
 
     def describe(self) -> str:
         """What :meth:`wrap` made: ``ddp``, ``fsdp2`` or ``hsdp (N replicas)``."""

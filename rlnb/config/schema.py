@@ -276,11 +276,6 @@ class AlgorithmConfig:
             and a.advantage in ADVANTAGES
             and "values" in ADVANTAGES.entry(a.advantage).needs
         )  # (an LM's value model: an advantage asking for values, token_gae)
-        if critic and recipe.family == "grpo" and recipe.actor.strategy == "fsdp2":
-            errs.append(
-                f"algorithm.advantage: {a.advantage}'s value model trains data-parallel (a whole copy a rank); with "
-                "actor.strategy=fsdp2 set it to ddp, or take a critic-free advantage (grpo, rloo)"
-            )
         if not critic and recipe.actor.critic_lr is not None:
             errs.append(
                 f"actor.critic_lr: {recipe.actor.critic_lr} is a value model's learning rate; algorithm.advantage "

@@ -21,6 +21,12 @@ if TYPE_CHECKING:
     from rlnb.config.schema import Recipe
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM's ``max_lora_rank`` takes (``vllm.config.lora.MaxLoRARanks``): an engine is set up for the
+smallest that holds the actor's adapters."""
+VLLM_MAX_LORA_RANK = VLLM_LORA_RANKS[-1]
+
+
 @dataclass
 class VLLMConfig:
     """The vLLM engine of ``rollout.backend: vllm`` (``vllm.LLM``'s arguments of the same names)."""
@@ -45,6 +51,11 @@ class VLLMConfig:
     an eighth more, measured by the LM family before launch (a rollout built from objects: the model's context)."""
     enforce_eager: bool = True
     """Run eager, without CUDA graphs: no capture time at start, slower decoding."""
+    lora: Literal["engine", "merge"] = "engine"
+    """A LoRA actor's adapters sent alone (``actor.lora.sync: adapters``): ``engine``, vLLM's own LoRA (its
+    ``LoRARequest``: the engine keeps the base and applies the adapters as it decodes, as veRL and OpenRLHF load
+    them); ``merge``, merged into the engine's weights in place (no LoRA kernels while decoding, the adapted
+    layers rewritten at each sync)."""
     weight_bucket_bytes: int = bounded(
         256 * 1024 * 1024, 1, 2**40, "a terabyte at a time is the whole model twice"
     )
@@ -128,6 +139,15 @@ class RolloutConfig:
                 "leave it out, or set rollout.backend=vllm"
                 for key in changed_keys(ro.vllm, "rollout.vllm.")
             ]
+        lora = recipe.actor.lora
+        if (
+            ro.backend == "vllm" and ro.vllm.lora == "engine" and lora.sync == "adapters"
+            and isinstance(lora.rank, int) and lora.rank > VLLM_MAX_LORA_RANK
+        ):  # fmt: skip
+            errs.append(
+                f"actor.lora.rank: vLLM's own LoRA takes adapters of rank {VLLM_MAX_LORA_RANK} at most; got "
+                f"{lora.rank}; set rollout.vllm.lora=merge (adapters merged into its weights), or a smaller rank"
+            )
         if ro.backend in WHOLE_COMPLETION_BACKENDS and ro.chunk_tokens != RolloutConfig.chunk_tokens:
             errs.append(
                 f"rollout.chunk_tokens: {ro.backend} generates whole completions in its engine (asynchronous mode "

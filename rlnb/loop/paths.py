@@ -58,6 +58,7 @@ class DataPaths:
         # a LoRA actor sends a channel's rollout ranks its adapters alone once they hold the base (the LM family
         # says so: actor.lora.sync, a rollout that merges them)
         self.adapter_sync = False
+        self._unlogged: dict = {}
 
     def open(self, asynchronous: bool) -> None:
         """Channels (and the weight-sync process group) for whatever is not collocated between actor and rollout."""
@@ -104,8 +105,14 @@ class DataPaths:
             # worker would otherwise hold its actor thread waiting for weights not yet sent
             self.publish_weights(ch, keys, version)
             rollout.call_each("load_from_channel", [(ch, k) for k in keys]).result()
-            return self.sync_stats()
+            return dict(self._unlogged)
         return {}
+
+    def take_sync_stats(self) -> dict:
+        """The stats of the last sync not logged yet (``{}``: none since): a schedule that syncs inside another
+        phase (run-ahead admission) logs them there."""
+        out, self._unlogged = self._unlogged, {}
+        return out
 
     def sync_stats(self) -> dict:
         """What the last adapters-only sync sent (``{}`` where weights go whole)."""
@@ -169,6 +176,7 @@ class DataPaths:
             actor.on(0).publish_weights(channel, keys, version, True).result()
         else:
             actor.on(0).publish_weights(channel, keys, version).result()
+        self._unlogged = self.sync_stats()
 
     def export_actor(self, path: str) -> str:
         """The actor's model in Hugging Face format at ``path`` (by rank 0; a sharded actor's ranks gather it)."""

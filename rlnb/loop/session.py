@@ -42,7 +42,8 @@ def objects_recipe(name: str, seed: int, runner, **sections) -> Recipe:
     return Recipe(name=name, seed=seed, runner=runner, **sections)
 
 
-QUALIFIED = ("memory/", "rollout/is_")  # a phase's metrics logged under their own names, not the phase's
+# a phase's metrics logged under their own names, not the phase's (sync/: a weight sync run inside another phase)
+QUALIFIED = ("memory/", "rollout/is_", "sync/")
 
 
 class Session:

@@ -178,12 +178,6 @@ class LMActor(Forward, WarmStart, ActorBase):
         # PPO with a value model (an advantage asking for values: token_gae): a critic of its own, data-parallel
         self.critic: Critic | None = None
         if "values" in self.advantage.needs:
-            if cfg.strategy == "fsdp2":
-                raise ConfigError(
-                    f"algorithm.advantage: {self.advantage.name}'s value model trains data-parallel (a whole copy a "
-                    "rank); with actor.strategy=fsdp2 set it to ddp, or take a critic-free advantage (grpo, rloo)",
-                    "algorithm.advantage",
-                )
             self.critic = Critic(str(model_path), self.device, cfg.critic_lr or cfg.lr, self.algo.max_grad_norm,
                                  self.world_size)  # fmt: skip
         # where the KL to the reference goes: into the returns (an advantage taking `kl`) or the loss
@@ -238,8 +232,13 @@ class LMActor(Forward, WarmStart, ActorBase):
             else:
                 if full is None:
                     base = {k: v.to(cast) for k, v in adapted_base(self.policy).items()}
-                    full = {"state": self.policy_state(), "version": version,
-                            "lora": {"base": base, "base_version": self.base_version}}  # fmt: skip
+                    # (the adapters beside the base: an engine applying them itself, vLLM's LoRA, takes both)
+                    lora = {
+                        "base": base,
+                        "base_version": self.base_version,
+                        "adapters": adapter_state(self.policy),
+                    }
+                    full = {"state": self.policy_state(), "version": version, "lora": lora}
                 msg, kind = full, "merged"
                 self._sent_base[key] = self.base_version
             channel.put(msg, key=key)
@@ -259,17 +258,22 @@ class LMActor(Forward, WarmStart, ActorBase):
         made = super().setup_data_parallel()
         if self.sharded:
             self.length_buckets, self.share_prompt_forward, self.skip_zero_advantage = 1, False, False
+            if self.critic is not None:  # the value model sharded alike: no whole copy a rank
+                self.critic.shard(self.strategy)
         return made
 
     def memory_stats(self) -> dict:
         """``memory/actor_state_bytes``: the bytes of parameters, gradients and optimizer state this rank holds
-        (its local shards); ``memory/ref_bytes``: those of the KL reference model, where there is one of its own; on a GPU, ``memory/cuda_peak_bytes``: this process's peak allocation since the last
+        (its local shards); ``memory/ref_bytes``: those of the KL reference model, where there is one of its own;
+        ``memory/critic_bytes``: the value model's parameters, gradients and AdamW state (PPO's critic); on a GPU, ``memory/cuda_peak_bytes``: this process's peak allocation since the last
         call (which resets it), the rollout's too when it shares the process."""
         out = {"memory/actor_state_bytes": self.strategy.held_bytes(self.policy, self.optimizer)}
         if self.ref is not None and not self.lora:  # (with LoRA the reference is the policy, adapters off)
             out["memory/ref_bytes"] = sum(
                 local_part(p).numel() * p.element_size() for p in self.ref.parameters()
             )
+        if self.critic is not None:
+            out["memory/critic_bytes"] = self.strategy.held_bytes(self.critic.model, self.critic.optimizer)
         if self.device.type == "cuda":
             out["memory/cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -37,7 +37,8 @@ class ValueModel(nn.Module):
 
 
 class Critic:
-    """The value model, its optimizer and its update (held by :class:`rlnb.components.LMActor`)."""
+    """The value model, its optimizer and its update (held by :class:`rlnb.components.LMActor`): a whole copy a
+    rank under DDP, sharded like the policy under FSDP2 (:meth:`shard`)."""
 
     def __init__(
         self, model_path: str, device: torch.device, lr: float, max_grad_norm: float, world_size: int
@@ -45,6 +46,15 @@ class Critic:
         self.model = ValueModel(model_path).to(device)
         self.optimizer = adamw(self.model, lr, device)
         self.device, self.max_grad_norm, self.world_size = device, max_grad_norm, world_size
+        self.lr, self.sharded = lr, False
+
+    def shard(self, strategy) -> None:
+        """Sharded as the policy is (``actor.strategy: fsdp2``: ``strategy`` has wrapped it): each decoder layer and
+        the root, its AdamW made anew over the shards (before any step: no state to carry). FSDP2 then averages its
+        gradients over the ranks."""
+        strategy.shard_module(self.model, list(self.model.body.layers))
+        self.optimizer = adamw(self.model, self.lr, self.device)
+        self.sharded = True
 
     @torch.no_grad()
     def values(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
@@ -71,8 +81,11 @@ class Critic:
             loss = value_loss(self.model(ids, attn), old, returns, mask, clip) * (mask.sum() / total)
             loss.backward()
             loss_sum += float(loss.detach())
-        average_grads_([p.grad for p in self.model.parameters() if p.grad is not None], self.world_size)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if not self.sharded:  # (DDP's ranks: averaged here; FSDP2 reduce-scatters them itself)
+            average_grads_([p.grad for p in self.model.parameters() if p.grad is not None], self.world_size)
+        torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.max_grad_norm
+        )  # (over every rank's shards)
         self.optimizer.step()
         return {"value_loss": loss_sum}
 

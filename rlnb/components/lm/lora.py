@@ -5,7 +5,10 @@ under the base model's own names (computed afresh each time: the base weights ar
 
 from __future__ import annotations
 
+import json
+import os
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -91,6 +94,38 @@ def merge_adapters(base: dict[str, torch.Tensor], adapters: dict) -> dict[str, t
         w = base[name]
         out[name] = w + ((b.to(torch.float32) @ a.to(torch.float32)) * scaling).to(w.dtype)
     return out
+
+
+def write_peft_adapter(adapters: dict, directory: str | os.PathLike) -> Path:
+    """Adapters sent alone (:func:`adapter_state`) as a PEFT adapter directory (``adapter_config.json`` and
+    ``adapter_model.safetensors``), what vLLM's ``LoRARequest`` and PEFT's ``from_pretrained`` read. Their scale
+    is written as ``lora_alpha = scaling * r`` (plain LoRA's ``alpha / r``), so rsLoRA's scaling round-trips too.
+
+    Raises:
+        ValueError: adapters of different ranks or scales (one file holds one of each).
+    """
+    from safetensors.torch import save_file
+
+    shapes = {(a.shape[0], scaling) for a, _, scaling in adapters.values()}
+    if len(shapes) != 1:
+        raise ValueError(
+            f"adapters of several ranks or scales {sorted(shapes)}: a PEFT file holds one of each"
+        )
+    ((rank, scaling),) = shapes
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, (a, b, _) in adapters.items():
+        layer = f"base_model.model.{name.removesuffix('.weight')}"
+        tensors[f"{layer}.lora_A.weight"] = a.detach().cpu().contiguous()
+        tensors[f"{layer}.lora_B.weight"] = b.detach().cpu().contiguous()
+    targets = sorted({name.removesuffix(".weight").rsplit(".", 1)[-1] for name in adapters})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": float(scaling * rank),
+              "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
+              "fan_in_fan_out": False, "base_model_name_or_path": None}  # fmt: skip
+    save_file(tensors, directory / "adapter_model.safetensors", metadata={"format": "pt"})
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return directory
 
 
 def message_bytes(obj) -> int:

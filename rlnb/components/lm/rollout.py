@@ -109,15 +109,19 @@ class LMRollout(MultiTurn, DynamicSampling, RolloutBase):
             return self.load_weights(msg["state"], msg["version"])
         from rlnb.components.lm.lora import merge_adapters
 
+        self._check_base(msg["base_version"])
+        return self.load_some_weights(merge_adapters(self._lora_base[0], msg["adapters"]), msg["version"])
+
+    def _check_base(self, base_version: int) -> None:
+        """Adapters sent alone must be for the base this rank holds."""
         kept = self._lora_base
-        if kept is None or kept[1] != msg["base_version"]:
+        if kept is None or kept[1] != base_version:
             raise ComponentError(
-                f"the actor sent LoRA adapters for base version {msg['base_version']}, and this rank holds "
+                f"the actor sent LoRA adapters for base version {base_version}, and this rank holds "
                 f"{'no base' if kept is None else f'base version {kept[1]}'} (a rollout rank started anew after the "
                 "actor sent it the base: restart the run, or set actor.lora.sync=merged)",
                 "rollout", type(self).__name__, "load_message",
             )  # fmt: skip
-        return self.load_some_weights(merge_adapters(kept[0], msg["adapters"]), msg["version"])
 
     def offload(self) -> bool:
         """Give back the device memory a collocated actor needs while it trains; returns whether it is given

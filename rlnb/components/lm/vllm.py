@@ -14,6 +14,7 @@ a tensor inside them arrives as a plain list. So they carry plain data only, one
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -197,7 +198,7 @@ class VLLMRollout(LMRollout):
     def __init__(
         self, model_path: str, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
         device: str = "auto", torch_threads: int = 1, vllm=None, rank_info: RankInfo | None = None, top_k: int = 0,
-        max_turns: int = 1, interaction=None,
+        max_turns: int = 1, interaction=None, lora_rank: int = 0,
     ):  # fmt: skip
         super().__init__(
             max_new_tokens, temperature, top_p, top_k, seed, device, max_turns, interaction, rank_info
@@ -226,7 +227,25 @@ class VLLMRollout(LMRollout):
             config = AutoConfig.from_pretrained(model_path)
             check_cpu_head_size(model_path, config)
             kv_cache = kv_cache or cpu_kv_cache_bytes(config, c)
+        # vLLM's own LoRA (rollout.vllm.lora: engine): the engine keeps the base; adapters sent alone are handed to
+        # it as a PEFT directory (a LoRARequest a version) instead of rewriting its adapted layers
+        self.lora_rank = lora_rank if c.lora == "engine" else 0
+        lora = {}
+        if self.lora_rank:
+            from rlnb.config.sections_lm import VLLM_LORA_RANKS
+
+            fits = [r for r in VLLM_LORA_RANKS if r >= self.lora_rank]
+            if not fits:
+                raise ConfigError(
+                    f"actor.lora.rank: vLLM's own LoRA takes adapters of rank {VLLM_LORA_RANKS[-1]} at most; got "
+                    f"{self.lora_rank}; set rollout.vllm.lora=merge",
+                    "actor.lora.rank",
+                )
+            lora = {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
+        self._lora_request = None  # (the adapters the engine decodes with; None: its weights alone)
+        self._lora_dir: str | None = None
         self.llm = LLM(
+            **lora,
             model=model_path, tokenizer=model_path, seed=self.seed, dtype=c.dtype, enforce_eager=c.enforce_eager,
             tensor_parallel_size=c.tensor_parallel_size, max_num_seqs=c.max_num_seqs,
             gpu_memory_utilization=c.gpu_memory_utilization, enable_sleep_mode=self.sleep_mode,
@@ -256,6 +275,45 @@ class VLLMRollout(LMRollout):
         self._into_engine(state_dict)
         self.version = version
         return version
+
+    def load_message(self, msg: dict) -> int:
+        """A weight-sync message (:meth:`LMRolloutBase.load_message`). With vLLM's own LoRA (``lora_rank``): the
+        whole weights come with the adapted layers' base and the adapters beside them, so the engine takes the
+        base (the unmerged weights) and a ``LoRARequest`` of the adapters; adapters sent alone become the next
+        request, the engine's weights untouched."""
+        lora = msg.get("lora") if "adapters" not in msg else None
+        if not self.lora_rank or ("adapters" not in msg and not (lora and "adapters" in lora)):
+            self._lora_request = None
+            return super().load_message(msg)
+        if lora is not None:  # the base whole, its adapters beside it
+            self._lora_base = ({}, lora["base_version"])  # (the engine holds the base: no copy kept here)
+            self.load_weights({**msg["state"], **lora["base"]}, msg["version"])
+            adapters = lora["adapters"]
+        else:
+            self._check_base(msg["base_version"])
+            adapters = msg["adapters"]
+        self._use_adapters(adapters, msg["version"])
+        self.version = msg["version"]
+        return self.version
+
+    def _use_adapters(self, adapters: dict, version: int) -> None:
+        """``adapters`` as a PEFT directory and the ``LoRARequest`` the engine decodes with from now on (vLLM loads
+        it at the next generation; the previous directory, loaded by then, is removed)."""
+        from vllm.lora.request import LoRARequest
+
+        from rlnb.components.lm.lora import write_peft_adapter
+
+        directory = tempfile.mkdtemp(prefix=f"rlnb-vllm-lora-v{version}-", dir=self._staging_base())
+        write_peft_adapter(adapters, directory)
+        old = self._lora_request
+        # (a new id a version: vLLM caches adapters by id)
+        self._lora_request = LoRARequest(f"v{version}", (old.lora_int_id + 1) if old else 1, directory)
+        if old is not None:
+            with contextlib.suppress(Exception):  # (an engine that no longer holds it)
+                self.llm.llm_engine.remove_lora(old.lora_int_id)
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+        self._lora_dir = directory
 
     def load_some_weights(self, state_dict: dict, version: int) -> int:
         """Some of the model's tensors into the engine, in place (vLLM's weight loader takes any of them)."""
@@ -289,12 +347,16 @@ class VLLMRollout(LMRollout):
                     if os.path.exists(path):
                         os.unlink(path)
 
+    @staticmethod
+    def _staging_base() -> str | None:
+        """Where files for the engine wait: shared memory where it can be written (no disk), else the temp dir."""
+        return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
     def _bucket_file(self, bucket: dict[str, torch.Tensor]) -> str:
         from safetensors.torch import save_file
 
         if self._weights_dir is None:
-            base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-            self._weights_dir = tempfile.mkdtemp(prefix="rlnb-vllm-weights-", dir=base)
+            self._weights_dir = tempfile.mkdtemp(prefix="rlnb-vllm-weights-", dir=self._staging_base())
         path = os.path.join(self._weights_dir, f"{uuid.uuid4().hex}.safetensors")
         tensors, storages = {}, set()
         for name, tensor in bucket.items():
@@ -339,7 +401,8 @@ class VLLMRollout(LMRollout):
         return out
 
     def generation_stats(self) -> dict:
-        return {**super().generation_stats(), "engine": "vllm", "sleep_mode": self.sleep_mode}
+        lora = "engine" if self.lora_rank else "merge"
+        return {**super().generation_stats(), "engine": "vllm", "sleep_mode": self.sleep_mode, "lora": lora}
 
     def _generate(self, prompts: list, n: int, greedy: bool):
         from vllm import SamplingParams
@@ -354,7 +417,7 @@ class VLLMRollout(LMRollout):
         # token ids, tokenized as the HF rollout and the actor tokenize prompts (prompt_ids), not by vLLM again; a
         # multi-turn transcript's later turns come as token ids already
         inputs = [{"prompt_token_ids": prompt_ids(self.tok, p)} for p in prompts]
-        outs = self.llm.generate(inputs, params, use_tqdm=False)
+        outs = self.llm.generate(inputs, params, use_tqdm=False, lora_request=self._lora_request)
         rows, logps, texts, prompt_rows = [], [], [], []
         for out in outs:
             for o in out.outputs:
@@ -378,9 +441,10 @@ class VLLMRollout(LMRollout):
     def close(self) -> None:
         """Stop the engine's processes and remove the weights' staging directory (a group's ``shutdown`` calls
         it on each rank)."""
-        if self._weights_dir is not None:
-            shutil.rmtree(self._weights_dir, ignore_errors=True)
-            self._weights_dir = None
+        for directory in (self._weights_dir, self._lora_dir):
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
+        self._weights_dir = self._lora_dir = None
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)

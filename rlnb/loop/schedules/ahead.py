@@ -60,6 +60,7 @@ class Ahead(Schedule):
             self.settle()
             if self.in_flight is None:
                 self.sync_rollout()
+            phase.metrics.update(self.paths.take_sync_stats())
             phase.metrics["version"] = self.rollout_version
         return phase.metrics
 
@@ -73,6 +74,8 @@ class Ahead(Schedule):
                 self.in_flight = self.family.start_collection()
             summaries, extra = self.take_ahead()
             self.family.rollout_metrics(phase, summaries, extra)
+            # (the admission's weight sync ran in this phase: its bytes logged with it, under sync/)
+            phase.metrics.update({f"sync/{k}": v for k, v in self.paths.take_sync_stats().items()})
         return phase.metrics
 
     def take_ahead(self) -> tuple[list[dict], dict]:

@@ -43,7 +43,8 @@ class Schedule:
         self.steer.apply()
         s = self.session
         with s.timed("sync", version=s.step) as phase:
-            phase.metrics.update(self.paths.sync(s.step) or {})
+            self.paths.sync(s.step)
+            phase.metrics.update(self.paths.take_sync_stats())
         return phase.metrics
 
     def rollout(self) -> dict:

@@ -55,6 +55,7 @@ class Streaming(Ahead):
         with s.timed("sync", version=s.step) as phase:
             if self.in_flight is not None and self.rollout_version != s.step:
                 self.publish()
+            phase.metrics.update(self.paths.take_sync_stats())
         return phase.metrics
 
     def publish(self) -> None:
@@ -102,6 +103,8 @@ class Streaming(Ahead):
                 "in_flight": int(self.in_flight is not None),
             }
             self.family.rollout_metrics(phase, summaries, extra)
+            # (a weight sync this phase ran: its bytes logged with it, under sync/)
+            phase.metrics.update({f"sync/{k}": v for k, v in self.paths.take_sync_stats().items()})
         return phase.metrics
 
     def start_stream(self, train_version: int):

@@ -209,7 +209,10 @@ class GRPO(Family):
         r, cl, p = s.recipe, s.cluster, s.placement
         deadlines, ro = r.cluster.deadlines(), r.rollout
         if ro.backend == "vllm":
-            rollout_cls, extra = VLLMRollout, {"vllm": self.vllm_sized(ro)}
+            lora = r.actor.lora
+            # (vLLM's own LoRA is set up at the engine's start: for the adapters the actor will send alone)
+            rank = lora.rank if lora.sync == "adapters" and p["rollout"] != p["actor"] else 0
+            rollout_cls, extra = VLLMRollout, {"vllm": self.vllm_sized(ro), "lora_rank": rank}
         else:
             dtype = r.actor.dtype if ro.dtype == "auto" else ro.dtype
             rollout_cls, extra = HFRollout, {"drop_finished": ro.drop_finished, "dtype": dtype,

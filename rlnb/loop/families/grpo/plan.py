@@ -27,6 +27,8 @@ PARTS = {
     "gradients": "the trainable parameters' gradients (this rank's shard)",
     "optimizer": "AdamW's two moments and step counts for the trainable parameters (this rank's shard)",
     "reference": "the KL reference model (algorithm.kl_coef > 0 without LoRA; in the compute precision)",
+    "critic": "PPO's value model (algorithm.advantage=token_gae): a float32 copy of the transformer and a value "
+    "head, its gradients and AdamW state (this rank's shard under FSDP2)",
     "activations": "what one micro-batch's forward keeps for its backward (the longest sequences)",
     "rollout_weights": "the rollout's copy of the model, in its precision",
     "kv_cache": "the rollout's KV cache for the sequences it decodes at once (vLLM: the cache it reserves)",
@@ -345,8 +347,23 @@ class _LMShapes:
         if algo.kl_coef > 0 and a.lora.rank == 0:
             item = 2 if a.dtype == "bfloat16" else 4
             out["reference"] = sum(held(p) * item for p in self.params)
+        if (
+            self.critic
+        ):  # the decoder without its LM head (a tied one is the embedding), float32, trained whole
+            body = [p for n, p in self.model.named_parameters()
+                    if ".lora_" not in n and not n.endswith("lm_head.weight")]  # fmt: skip
+            params = sum(held(p) for p in body) + self.config.hidden_size + 1  # (and the value head)
+            # weights, gradients, AdamW's two moments, and its step count a tensor (FSDP2: this rank's shards)
+            out["critic"] = 4 * 4 * params + 4 * (len(body) + 2)
         out["activations"] = self._activations(ranks)
         return out
+
+    @property
+    def critic(self) -> bool:
+        """Whether the actor holds a value model (an advantage that reads values)."""
+        from rlnb.algorithms.advantages import ADVANTAGES
+
+        return "values" in ADVANTAGES.entry(self.recipe.algorithm.advantage).needs  # (as LMActor decides)
 
     @functools.cached_property
     def _longest(self) -> tuple[int, int]:
