@@ -5,12 +5,14 @@ import dataclasses
 import random
 import subprocess
 import sys
+import time
 import types
 import typing
 from typing import Literal
 
 import pytest
 
+import rlnb
 from rlnb.config import load_recipe
 from rlnb.config.loader import RecipeError, _hints
 from rlnb.config.schema import Recipe
@@ -204,3 +206,26 @@ def test_an_env_the_recipe_cannot_run_is_refused_before_a_cluster_starts(
     with pytest.raises(ConfigError, match=expected):
         Loop.from_recipe("ppo_cartpole", overrides, run_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_dask_cluster_object_that_is_closed_or_has_no_workers_is_refused_saying_what_to_do():
+    """rlnb.Cluster(a LocalCluster, SLURMCluster...): a closed one raised Dask's RuntimeError; one with no workers
+    said to start `dask worker` by hand. Now a ClusterError each, the second naming scale() and adapt()."""
+    from distributed import Client, LocalCluster
+
+    from rlnb.errors import ClusterError
+
+    closed = LocalCluster(n_workers=0, processes=False, dashboard_address=None)
+    closed.close()
+    with pytest.raises(ClusterError, match="the LocalCluster given is closed; start a new one"):
+        rlnb.Cluster(closed, timeout_s=10)
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as empty:
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError, match=r"has 0 worker\(s\); waited 1 s for 1. Scale it first: "
+                                               r"LocalCluster.scale\(1\) \(or .adapt\(minimum=1\)\)"):  # fmt: skip
+            rlnb.Cluster(empty, timeout_s=1)
+        assert time.monotonic() - t0 < 30
+        client = Client(empty)
+        client.close()
+        with pytest.raises(ClusterError, match="the distributed.Client given is closed; pass an open one"):
+            rlnb.Cluster(client, timeout_s=1)

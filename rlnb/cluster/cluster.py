@@ -285,6 +285,11 @@ def _worker_config() -> dict:
     }
 
 
+def _is_cluster_object(obj) -> bool:
+    """A Dask cluster object (``LocalCluster``, dask-jobqueue's, ``SSHCluster``...): it has a scheduler address."""
+    return isinstance(getattr(obj, "scheduler_address", None), str)
+
+
 class Cluster:
     """Device slots on a Dask cluster: embedded (local) by default, or remote by address.
 
@@ -386,9 +391,13 @@ class Cluster:
                 n = len(self.client.scheduler_info(n_workers=-1)["workers"])
                 if self._owns_client:
                     self.client.close()
+                how = (
+                    f"Scale it first: {type(address).__name__}.scale({min_slots}) (or .adapt(minimum={min_slots}))"
+                    if _is_cluster_object(address)
+                    else "Start workers with `dask worker ADDRESS` (or `dask cuda worker ADDRESS` on GPU nodes)"
+                )
                 raise ClusterError(
-                    f"the scheduler at {address!r} has {n} worker(s); waited {timeout_s:g} s for {min_slots}. "
-                    "Start workers with `dask worker ADDRESS` (or `dask cuda worker ADDRESS` on GPU nodes)."
+                    f"the scheduler at {address!r} has {n} worker(s); waited {timeout_s:g} s for {min_slots}. {how}."
                 ) from None
         self.slots: list[Slot] = self._discover_slots()
         daemonic = [s.rank for s in self.slots if s.daemonic]
@@ -412,6 +421,10 @@ class Cluster:
 
         self._owns_client = True
         if isinstance(address, Client):
+            if address.status in ("closing", "closed"):
+                raise ClusterError(
+                    f"Cluster(address): the distributed.Client given is {address.status}; pass an open one"
+                )
             self._owns_client = False
             return address
         if isinstance(security, (str, os.PathLike)):  # a directory Cluster.save_credentials wrote
@@ -424,7 +437,13 @@ class Cluster:
             if security is None:  # an embedded cluster of this process: its credentials are here
                 security = _EMBEDDED_SECURITY.get(address)
             return _connect(address, timeout_s, security)
-        if isinstance(getattr(address, "scheduler_address", None), str):  # LocalCluster, SLURMCluster...
+        status = getattr(address, "status", None)  # (a Dask cluster object's: distributed.core.Status)
+        if type(status).__name__ == "Status" and status.name in ("closing", "closed", "failed"):
+            raise ClusterError(
+                f"Cluster(address): the {type(address).__name__} given is {status.name}; start a new one (or pass "
+                "one that is running)"
+            )
+        if _is_cluster_object(address):  # LocalCluster, SLURMCluster, SSHCluster...
             return Client(address, timeout=f"{timeout_s}s", direct_to_workers=True, security=security)
         raise ClusterError(
             "Cluster(address): expected a scheduler address ('tcp://host:8786'), a Dask cluster object "
