@@ -107,18 +107,26 @@ def test_hsdp_replicas_of_a_sharded_model_train_as_ddp_does(cluster, tmp_path):
 def test_the_kl_reference_is_sharded_too_and_gives_the_same_kl_as_ddp(cluster, tmp_path):
     """With a KL term the reference model is sharded like the policy (about half its bytes a rank, no whole
     copy), set from the warm-started policy shard to shard, and the KL and losses are DDP's."""
-    kl = ["algorithm.kl_coef=0.1"]
-    ddp, _ = _run(cluster, tmp_path, "ddp", ["actor.strategy=ddp", *kl])
-    fsdp, _ = _run(cluster, tmp_path, "fsdp2", ["actor.strategy=fsdp2", *kl])
-    for key in ("train/kl", "train/loss"):
+    fsdp = _sharded_as_ddp(
+        cluster, tmp_path, ["algorithm.kl_coef=0.1"], ("train/kl", "train/loss"), "ref_bytes"
+    )
+    assert any(r["train/kl"] > 0 for r in fsdp)  # (the policy moved away from the reference)
+
+
+def _sharded_as_ddp(cluster, tmp_path, extra: list[str], keys: tuple[str, ...], memory: str) -> list[dict]:
+    """The same run under DDP and FSDP2: ``keys`` agree step by step, and ``memory/<memory>`` is about half a rank
+    sharded. Returns the FSDP2 run's records."""
+    ddp, _ = _run(cluster, tmp_path, "ddp", ["actor.strategy=ddp", *extra])
+    fsdp, _ = _run(cluster, tmp_path, "fsdp2", ["actor.strategy=fsdp2", *extra])
+    for key in keys:
         pairs = [(a[key], b[key]) for a, b in zip(ddp, fsdp)]
         assert len(pairs) == 3 and all(a == pytest.approx(b, rel=1e-3, abs=1e-5) for a, b in pairs), (
             key,
             pairs,
         )
-    assert any(r["train/kl"] > 0 for r in fsdp)  # (the policy moved away from the reference)
-    ratio = fsdp[-1]["memory/ref_bytes"] / ddp[-1]["memory/ref_bytes"]
+    ratio = fsdp[-1][f"memory/{memory}"] / ddp[-1][f"memory/{memory}"]
     assert 0.4 < ratio < 0.6, ratio
+    return fsdp
 
 
 def test_ppos_value_model_is_sharded_like_the_policy_trains_as_ddp_does_and_resumes_exactly(
@@ -132,16 +140,7 @@ def test_ppos_value_model_is_sharded_like_the_policy_trains_as_ddp_does_and_resu
         "actor.critic_lr=0.001",
         "runner.save_interval=1",
     ]
-    ddp, _ = _run(cluster, tmp_path, "ddp", ["actor.strategy=ddp", *gae])
-    fsdp, _ = _run(cluster, tmp_path, "fsdp2", ["actor.strategy=fsdp2", *gae])
-    for key in ("train/value_loss", "train/loss"):
-        pairs = [(a[key], b[key]) for a, b in zip(ddp, fsdp)]
-        assert len(pairs) == 3 and all(a == pytest.approx(b, rel=1e-3, abs=1e-5) for a, b in pairs), (
-            key,
-            pairs,
-        )
-    ratio = fsdp[-1]["memory/critic_bytes"] / ddp[-1]["memory/critic_bytes"]
-    assert 0.4 < ratio < 0.6, ratio
+    fsdp = _sharded_as_ddp(cluster, tmp_path, gae, ("train/value_loss", "train/loss"), "critic_bytes")
     from rlnb.loop.families.grpo.plan import plan_recipe
 
     recipe = load_recipe(
