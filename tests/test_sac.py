@@ -211,3 +211,29 @@ def test_discrete_sac_takes_cartpoles_actions_and_continuous_spaces_are_checked(
         SACLearner(env.observation_space, gym.spaces.Box(-np.inf, np.inf, (2,), np.float32))
     with pytest.raises(ConfigError, match="env.observation_space: SAC's MLPs take flat vector observations"):
         SACLearner(gym.spaces.Box(0, 255, (8, 8, 3), np.uint8), BOX1)
+
+
+def test_the_buffer_and_the_learner_placed_on_workers_take_transitions_and_train(cluster):
+    """Plain classes placed with launch: the buffer on one slot, the learner on the other; transitions added from
+    the driver, batches sampled on the buffer's worker and trained on the learner's."""
+    env = gym.make("Pendulum-v1")
+    buffer = ReplayBuffer.launch(cluster, "0", obs_space=env.observation_space, action_space=env.action_space,
+                                 capacity=500, seed=0)  # fmt: skip
+    learner = SACLearner.launch(cluster, "1", obs_space=env.observation_space, action_space=env.action_space,
+                                hidden=(16, 16), seed=0)  # fmt: skip
+    try:
+        obs, _ = env.reset(seed=0)
+        for _ in range(64):
+            a = learner.on(0).act(obs[None]).result()[0]
+            nxt, r, term, trunc, _ = env.step(a[0])
+            buffer.on(0).add(obs[None], a, [r], [term], [trunc], nxt[None]).result()
+            obs = nxt
+        assert buffer.on(0).stats().result()[0]["size"] == 64
+        for _ in range(3):
+            batch = buffer.on(0).sample(32).result()[0]
+            metrics = learner.on(0).update(batch).result()[0]
+        assert batch["obs"].shape == (32, 3) and all(math.isfinite(v) for v in metrics.values()), metrics
+        assert learner.on(0).state_dict().result()[0]["updates"] == 3
+    finally:
+        buffer.shutdown()
+        learner.shutdown()

@@ -5,7 +5,9 @@ from rlnb.components.actor import PPOActor
 from rlnb.components.env import Env
 from rlnb.components.launch import launch
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
+from rlnb.components.replay import ReplayBuffer
 from rlnb.components.rollout import PolicyRollout
+from rlnb.components.sac import SACLearner
 
 __all__ = [
     "Env",
@@ -13,7 +15,9 @@ __all__ = [
     "LMActor",
     "PPOActor",
     "PolicyRollout",
+    "ReplayBuffer",
     "RewardWorker",
+    "SACLearner",
     "VLLMRollout",
     "launch",
 ]

@@ -18,6 +18,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from rlnb.components.launch import launcher
 from rlnb.errors import ConfigError
 
 FIELDS = ("obs", "actions", "rewards", "terminated", "truncated", "next_obs", "discount")
@@ -55,6 +56,8 @@ class ReplayBuffer:
         max_bytes: refuse a ``capacity`` whose arrays would take more (``0``: no bound).
         seed: the sampler's seed.
     """
+
+    launch = launcher("buffer")
 
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, capacity: int, num_envs: int = 1,
                  n_step: int = 1, gamma: float = 0.99, max_bytes: int = 0, seed: int = 0):  # fmt: skip

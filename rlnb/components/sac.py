@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from rlnb.algorithms import sac
+from rlnb.components.launch import launcher
 from rlnb.errors import ConfigError
 from rlnb.models.sac import CategoricalActor, SquashedGaussianActor, TwinQ, flat_dim, target_copy
 
@@ -24,6 +25,8 @@ class SACLearner:
     hidden: the MLPs' hidden widths ([256, 256]). policy_delay: policy (and alpha) steps every this many Q steps
     (CleanRL's ``policy_frequency``; 1 for SB3). target_every: target updates every this many Q steps.
     """
+
+    launch = launcher("learner")
 
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, lr: float = 3e-4, gamma: float = 0.99,
                  tau: float = 0.005, alpha: float | None = None, target_entropy: float | None = None,
