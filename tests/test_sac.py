@@ -96,7 +96,7 @@ def test_the_buffer_is_a_ring_and_its_n_step_sums_stop_where_an_episode_ends():
     assert len(n3) == 4  # (the new episode's step waits for the two after it)
 
 
-def test_the_buffer_resumes_exactly_and_refuses_more_bytes_than_allowed():
+def test_the_buffer_resumes_exactly_and_refuses_more_bytes_than_allowed(tmp_path):
     space = gym.spaces.Box(-1, 1, (3,), np.float32)
     a = ReplayBuffer(space, BOX1, capacity=50, num_envs=2, n_step=2, seed=3)
     rng = np.random.default_rng(0)
@@ -107,7 +107,10 @@ def test_the_buffer_resumes_exactly_and_refuses_more_bytes_than_allowed():
 
     for _ in range(30):
         step(a)
-    saved = a.state_dict()
+    torch.save(a.state_dict(), tmp_path / "buffer.pt")  # as a checkpoint's rank file holds it
+    from rlnb.files import torch_load_safe
+
+    saved = torch_load_safe(tmp_path / "buffer.pt")  # (read without running code)
     b = ReplayBuffer(space, BOX1, capacity=50, num_envs=2, n_step=2, seed=99)
     b.load_state_dict(saved)
     state = rng.bit_generator.state
