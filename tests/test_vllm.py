@@ -235,6 +235,27 @@ else:
         assert engine._lora_request is None and Path(staged).is_dir()
         assert engine.complete(prompts) == base
 
+    def test_vllms_chat_warmup_failing_on_a_context_sized_to_the_run_logs_no_traceback():
+        """An engine whose max_model_len is the run's (a few tokens) cannot render vLLM's own chat warm-up prompt,
+        and vLLM logged that as a warning with a traceback at every start; rlnb's prompts are token ids it fits."""
+        from vllm.exceptions import VLLMValidationError
+
+        from rlnb.components.lm.vllm import _warmup_within_context
+
+        def record(exc):
+            try:
+                raise exc
+            except Exception:
+                return logging.LogRecord("vllm.renderers.base", logging.WARNING, "", 0,
+                                         "Chat template warmup failed", (), sys.exc_info())  # fmt: skip
+
+        too_long = VLLMValidationError(
+            "This model's maximum context length is 8 tokens. However, your prompt ..."
+        )
+        assert not _warmup_within_context(record(too_long))
+        assert _warmup_within_context(record(RuntimeError("a template that does not render")))
+        assert any(f is _warmup_within_context for f in logging.getLogger("vllm.renderers.base").filters)
+
     def test_a_head_size_vllms_cpu_attention_cannot_run_is_refused_before_the_engine_starts(
         cluster, tmp_path
     ):

@@ -113,6 +113,18 @@ def _computed_layers_unloaded(record: logging.LogRecord) -> bool:
     return not unloaded
 
 
+def _warmup_within_context(record: logging.LogRecord) -> bool:
+    """A logging filter: drops vLLM's "Chat template warmup failed" where its warm-up prompt is longer than the
+    engine's ``max_model_len`` (sized to the run's own prompts, which rlnb hands over as token ids): a traceback in
+    every run's log for nothing that goes wrong."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (
+        record.msg == "Chat template warmup failed"
+        and type(exc).__name__ == "VLLMValidationError"
+        and "maximum context length" in str(exc)
+    )
+
+
 def _open_bucket(kind: str, payload) -> dict[str, torch.Tensor]:
     if kind == "file":
         from safetensors.torch import load_file
@@ -242,6 +254,7 @@ class VLLMRollout(LMRollout):
                     "actor.lora.rank",
                 )
             lora = {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1}
+        logging.getLogger("vllm.renderers.base").addFilter(_warmup_within_context)  # (once: a set of filters)
         self._lora_request = None  # (the adapters the engine decodes with; None: its weights alone)
         self._lora_dir: str | None = None
         self.llm = LLM(
