@@ -26,6 +26,9 @@ def test_remote_cluster_from_dask_command_line(cli_cluster):
             {"actor": {"node_group": "train"}, "env": {"node_group": "sim", "slots": 0}}
         )
         assert placement.slots == {"actor": (0,), "env": (1,)}
+        # by the workers' host name (one host here: both slots)
+        (host,) = cluster.nodes
+        assert cluster.place({"actor": {"host": host, "slots": 1}}).slots == {"actor": (1,)}
         actor = rlnb.Group.launch(Echo, cluster, placement["actor"], name="actor")
         env = rlnb.Group.launch(Echo, cluster, placement["env"], name="env")
         assert actor.whoami().result(30)[0]["address"] == cluster.slots[0].address

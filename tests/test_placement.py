@@ -100,6 +100,25 @@ def test_node_groups():
         resolve_placement({"env": {"node_group": "sim", "slot": 0}}, 4, groups)
 
 
+def test_a_component_placed_on_a_host_by_name_gets_that_hosts_slots():
+    hosts = {"gpu-node-3": [2, 3], "cpu-node-1": [0, 1]}
+    p = resolve_placement(
+        {"actor": {"host": "gpu-node-3"}, "env,rollout": {"host": "cpu-node-1", "slots": "1"}}, 4, hosts=hosts
+    )
+    assert p.slots == {"actor": (2, 3), "env": (1,), "rollout": (1,)}
+    with pytest.raises(PlacementError, match=r"host 'gpu-node3' has no workers; the cluster's hosts: "
+                                             r"\['cpu-node-1', 'gpu-node-3'\].*Did you mean 'gpu-node-3'\?"):  # fmt: skip
+        resolve_placement({"actor": {"host": "gpu-node3"}}, 4, hosts=hosts)
+    with pytest.raises(PlacementError, match="expected node_group or host, one of them"):
+        resolve_placement(
+            {"actor": {"host": "gpu-node-3", "node_group": "sim"}}, 4, {"sim": [0]}, hosts=hosts
+        )
+    with pytest.raises(
+        PlacementError, match=r"component_placement.actor.slots: slot 2 .* valid slots are 0-1"
+    ):
+        resolve_placement({"actor": {"host": "gpu-node-3", "slots": "0-2"}}, 4, hosts=hosts)
+
+
 def test_resolve_errors():
     with pytest.raises(PlacementError, match="component 'actor' is placed twice"):
         resolve_placement({"actor": 0, "actor,rollout": 1}, 2)

@@ -593,7 +593,9 @@ class Cluster:
 
     def place(self, spec, required=(), known=None) -> Placement:
         """Resolve a ``component_placement`` mapping against these slots (see :func:`resolve_placement`)."""
-        return resolve_placement(spec, self.num_slots, self.node_groups, required=required, known=known)
+        return resolve_placement(
+            spec, self.num_slots, self.node_groups, required=required, known=known, hosts=self.nodes
+        )
 
     def check_children(self, slots, what: str) -> None:
         """Raise :class:`ClusterError` if ``what`` needs child processes on a daemonic worker among ``slots``."""

@@ -7,6 +7,7 @@ A placement spec maps component names to slot selections, as a recipe writes it:
       "rollout,env": all      # both components on every slot
       reward: 2,3             # a list
       sim: {node_group: sim, slots: 0-1}   # slots 0-1 among the workers of node group "sim"
+      learner: {host: gpu-node-3}          # every slot on the host named gpu-node-3
 
 The mode follows from the overlap: all components on the same slots is **collocated**, pairwise
 disjoint is **disaggregated**, anything else is **hybrid**.
@@ -117,14 +118,16 @@ def resolve_placement(
     node_groups: Mapping[str, Sequence[int]] | None = None,
     required: Sequence[str] = (),
     known: Sequence[str] | None = None,
+    hosts: Mapping[str, Sequence[int]] | None = None,
 ) -> Placement:
     """Resolve a recipe's ``component_placement`` mapping against a cluster.
 
     Args:
         spec: component (or comma-joined components) -> slot selection or
-            ``{node_group: NAME, slots: SELECTION}``.
+            ``{node_group: NAME, slots: SELECTION}`` or ``{host: NAME, slots: SELECTION}``.
         num_slots: how many slots the cluster has.
         node_groups: node group name -> the global slot ranks in it (from worker resources).
+        hosts: host name -> the global slot ranks on it (the workers' hosts).
         required: components that must be placed.
         known: if given, component names outside it are rejected with a "did you mean".
 
@@ -148,7 +151,7 @@ def resolve_placement(
         if any(not n for n in names):
             raise PlacementError(f"{key}: empty component name in {raw_key!r}", key)
         if isinstance(value, Mapping):
-            slots = _resolve_node_group(value, node_groups, key)
+            slots = _resolve_node_group(value, node_groups, dict(hosts or {}), key)
         else:
             slots = parse_slots(value, num_slots, key)
         for name in names:
@@ -171,13 +174,30 @@ def resolve_placement(
 
 
 def _resolve_node_group(
-    value: Mapping, node_groups: Mapping[str, Sequence[int]], key: str
+    value: Mapping, node_groups: Mapping[str, Sequence[int]], hosts: Mapping[str, Sequence[int]], key: str
 ) -> tuple[int, ...]:
     from rlnb.errors import did_you_mean
 
-    extra = set(value) - {"node_group", "slots"}
+    extra = set(value) - {"node_group", "host", "slots"}
     if extra:
-        raise PlacementError(f"{key}: unexpected keys {sorted(extra)}; expected node_group and slots", key)
+        raise PlacementError(
+            f"{key}: unexpected keys {sorted(extra)}; expected node_group or host, and slots", key
+        )
+    if ("node_group" in value) == ("host" in value):
+        raise PlacementError(
+            f"{key}: expected node_group or host, one of them; got keys {sorted(value)}", key
+        )
+    if "host" in value:  # the workers of one machine, by its host name
+        host = value["host"]
+        if host not in hosts:
+            raise PlacementError(
+                f"{key}: host {host!r} has no workers; the cluster's hosts: {sorted(hosts) or '(none)'}."
+                + did_you_mean(str(host), hosts),
+                key,
+            )
+        members = list(hosts[host])
+        local = parse_slots(value.get("slots", "all"), len(members), f"{key}.slots")
+        return tuple(sorted(members[i] for i in local))
     group = value.get("node_group")
     if group not in node_groups:
         raise PlacementError(
