@@ -391,10 +391,14 @@ class Cluster:
                 n = len(self.client.scheduler_info(n_workers=-1)["workers"])
                 if self._owns_client:
                     self.client.close()
+                asked = len(getattr(address, "worker_spec", None) or {})  # (a SpecCluster's: workers or jobs)
                 how = (
-                    f"Scale it first: {type(address).__name__}.scale({min_slots}) (or .adapt(minimum={min_slots}))"
-                    if _is_cluster_object(address)
-                    else "Start workers with `dask worker ADDRESS` (or `dask cuda worker ADDRESS` on GPU nodes)"
+                    "Start workers with `dask worker ADDRESS` (or `dask cuda worker ADDRESS` on GPU nodes)"
+                    if not _is_cluster_object(address)
+                    else f"Scale it first: {type(address).__name__}.scale({min_slots}) (or .adapt(minimum={min_slots}))"
+                    if asked < min_slots
+                    else f"It asked for {asked} (jobs submitted): see why they have not started in its job queue "
+                    "(squeue, qstat) and the jobs' logs (log_directory=)"
                 )
                 raise ClusterError(
                     f"the scheduler at {address!r} has {n} worker(s); waited {timeout_s:g} s for {min_slots}. {how}."
@@ -547,9 +551,23 @@ class Cluster:
 
     def refresh(self, timeout_s: float = 60.0) -> list[Slot]:
         """Re-read the workers after a failure: waits for the embedded cluster's restarted workers
-        (the Nanny restarts a killed worker at a new address), then renumbers the slots."""
+        (the Nanny restarts a killed worker at a new address), or for a remote cluster to have as many workers as
+        before (a job its cluster object submitted in a lost one's place), then renumbers the slots.
+
+        Raises:
+            ClusterError: fewer workers than before at the deadline.
+        """
         if self._local is not None:
             self._wait_for_restarted_workers(timeout_s)
+        else:
+            n, deadline = len(self.slots), time.monotonic() + timeout_s
+            while len(listed := self.client.scheduler_info(n_workers=-1)["workers"]) < n:
+                if time.monotonic() > deadline:
+                    raise ClusterError(
+                        f"only {len(listed)} of the cluster's {n} workers are there after {timeout_s:g} s (a lost "
+                        "worker's replacement did not start: scale the cluster back up, or check its job queue)"
+                    )
+                time.sleep(0.2)
         self._placed.clear()
         self.slots = self._discover_slots()
         return self.slots
