@@ -39,6 +39,8 @@ def _ip(*args, ns: str | None = None):
 
 def _teardown() -> None:
     for ns in NAMESPACES:
+        # (the link first: a namespace the kernel has not freed yet would keep its veth pair in ours)
+        subprocess.run(["ip", "link", "del", _veth(ns)], capture_output=True, timeout=30)
         subprocess.run(["ip", "netns", "del", f"{PREFIX}-{ns}"], capture_output=True, timeout=30)
     subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, timeout=30)
 
