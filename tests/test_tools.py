@@ -170,12 +170,12 @@ def test_a_tiny_model_trained_here_calls_the_python_tool_in_its_template_on_work
         "actor.model_path": str(tmp_path / "model"), "actor.tiny_lm.max_positions": 256, "rollout.interaction": None,
         "rollout.tools": ["python"], "data.chat_template": True, "data.sft_turns": [CALL, "{answer}"],
         "data.sft_noise": 0.0, "data.sft_noise_turns": None, "rollout.max_new_tokens": 80, "actor.sft_steps": 600,
-        "runner.steps": 2, "runner.eval_interval": 0, "data.eval_size": 30, "runner.tensorboard": False,
+        "runner.steps": 2, "runner.eval_interval": 0, "data.eval_size": 8, "runner.tensorboard": False,
     })  # fmt: skip
     with GRPOLoop.from_recipe(recipe, cluster=cluster, run_dir=tmp_path / "run") as loop:
         assert loop.task.held_out[0].prompt.startswith("<bos>Tools: python\nQ: ")  # shown by the template
         loop.sft(progress=False)
-        loop.evaluate(30)
+        loop.evaluate(8)
         right = 0
         for prompt, text, _ in loop.last_samples:
             a, b = map(int, prompt.rsplit("Q: ", 1)[1].split("=")[0].split("*"))
