@@ -392,14 +392,13 @@ class Cluster:
                 if self._owns_client:
                     self.client.close()
                 asked = len(getattr(address, "worker_spec", None) or {})  # (a SpecCluster's: workers or jobs)
-                how = (
-                    "Start workers with `dask worker ADDRESS` (or `dask cuda worker ADDRESS` on GPU nodes)"
-                    if not _is_cluster_object(address)
-                    else f"Scale it first: {type(address).__name__}.scale({min_slots}) (or .adapt(minimum={min_slots}))"
-                    if asked < min_slots
-                    else f"It asked for {asked} (jobs submitted): see why they have not started in its job queue "
-                    "(squeue, qstat) and the jobs' logs (log_directory=)"
-                )
+                if not _is_cluster_object(address):
+                    how = "Start workers with `dask worker ADDRESS` (or `dask cuda worker ADDRESS` on GPU nodes)"
+                elif asked < min_slots:
+                    how = f"Scale it first: {type(address).__name__}.scale({min_slots}) (or .adapt(minimum={min_slots}))"
+                else:
+                    how = (f"It asked for {asked} (jobs submitted): see why they have not started in its job queue "
+                           "(squeue, qstat) and the jobs' logs (log_directory=)")  # fmt: skip
                 raise ClusterError(
                     f"the scheduler at {address!r} has {n} worker(s); waited {timeout_s:g} s for {min_slots}. {how}."
                 ) from None

@@ -151,7 +151,7 @@ def resolve_placement(
         if any(not n for n in names):
             raise PlacementError(f"{key}: empty component name in {raw_key!r}", key)
         if isinstance(value, Mapping):
-            slots = _resolve_node_group(value, node_groups, dict(hosts or {}), key)
+            slots = _resolve_named_slots(value, node_groups, dict(hosts or {}), key)
         else:
             slots = parse_slots(value, num_slots, key)
         for name in names:
@@ -173,9 +173,10 @@ def resolve_placement(
     return Placement(out)
 
 
-def _resolve_node_group(
+def _resolve_named_slots(
     value: Mapping, node_groups: Mapping[str, Sequence[int]], hosts: Mapping[str, Sequence[int]], key: str
 ) -> tuple[int, ...]:
+    """``{node_group: NAME, slots: ...}`` or ``{host: NAME, slots: ...}``: ``slots`` among that name's workers."""
     from rlnb.errors import did_you_mean
 
     extra = set(value) - {"node_group", "host", "slots"}
@@ -188,24 +189,15 @@ def _resolve_node_group(
             f"{key}: expected node_group or host, one of them; got keys {sorted(value)}", key
         )
     if "host" in value:  # the workers of one machine, by its host name
-        host = value["host"]
-        if host not in hosts:
-            raise PlacementError(
-                f"{key}: host {host!r} has no workers; the cluster's hosts: {sorted(hosts) or '(none)'}."
-                + did_you_mean(str(host), hosts),
-                key,
-            )
-        members = list(hosts[host])
-        local = parse_slots(value.get("slots", "all"), len(members), f"{key}.slots")
-        return tuple(sorted(members[i] for i in local))
-    group = value.get("node_group")
-    if group not in node_groups:
-        raise PlacementError(
-            f"{key}: node group {group!r} has no workers; node groups: {sorted(node_groups) or '(none)'}."
-            + did_you_mean(str(group), node_groups)
-            + " Start workers with `dask worker ADDRESS --resources NAME=1`.",
-            key,
-        )
-    members = list(node_groups[group])
+        name, named = value["host"], hosts
+        missing = f"host {name!r} has no workers; the cluster's hosts: {sorted(hosts) or '(none)'}."
+        hint = ""
+    else:  # the workers started with that resource
+        name, named = value["node_group"], node_groups
+        missing = f"node group {name!r} has no workers; node groups: {sorted(node_groups) or '(none)'}."
+        hint = " Start workers with `dask worker ADDRESS --resources NAME=1`."
+    if name not in named:
+        raise PlacementError(f"{key}: {missing}" + did_you_mean(str(name), named) + hint, key)
+    members = list(named[name])
     local = parse_slots(value.get("slots", "all"), len(members), f"{key}.slots")
     return tuple(sorted(members[i] for i in local))

@@ -65,12 +65,11 @@ class ReplayBuffer:
                                 ("env.num_envs", num_envs, 1)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{key}: expected an integer >= {low}, got {value!r}", key)
-        need = capacity * transition_bytes(obs_space, action_space)
-        if max_bytes and need > max_bytes:
+        per = transition_bytes(obs_space, action_space)
+        if max_bytes and capacity * per > max_bytes:
             raise ConfigError(
-                f"buffer.capacity: {capacity:,} transitions take {need / 2**20:.1f} MiB, more than the "
-                f"{max_bytes / 2**20:.1f} MiB allowed; lower buffer.capacity to at most "
-                f"{max_bytes // transition_bytes(obs_space, action_space):,}",
+                f"buffer.capacity: {capacity:,} transitions take {capacity * per / 2**20:.1f} MiB, more than the "
+                f"{max_bytes / 2**20:.1f} MiB allowed; lower buffer.capacity to at most {max_bytes // per:,}",
                 "buffer.capacity",
             )
         o_shape, o_dtype = _storage_shape(obs_space, "env.observation_space")
@@ -118,14 +117,14 @@ class ReplayBuffer:
             window = self.windows[i]
             window.append((obs[i], actions[i], rewards[i], terminated[i], truncated[i], next_obs[i]))
             ended = terminated[i] or truncated[i]
-            if len(window) == self.n_step or ended:
-                # the oldest step's n-step sum is complete; an ended episode completes every step left
-                while window and (len(window) == self.n_step or ended):
-                    stored += self._store_window(window)
-                    window.popleft()
+            # the oldest step's n-step sum is complete; an ended episode completes every step left
+            while window and (len(window) == self.n_step or ended):
+                self._store_window(window)
+                window.popleft()
+                stored += 1
         return stored
 
-    def _store_window(self, window: deque) -> int:
+    def _store_window(self, window: deque) -> None:
         ret, k = 0.0, 0
         for k, (_, _, r, term, trunc, _) in enumerate(window):
             ret += (self.gamma**k) * float(r)
@@ -134,7 +133,6 @@ class ReplayBuffer:
         o, a = window[0][0], window[0][1]
         _, _, _, term, trunc, nxt = window[k]
         self._store(o, a, ret, term, trunc, nxt, self.gamma ** (k + 1))
-        return 1
 
     def _store(self, o, a, r, term, trunc, nxt, discount) -> None:
         d, p = self.data, self.pos
@@ -150,8 +148,7 @@ class ReplayBuffer:
         if self.size == 0:
             raise ValueError("sample: the buffer is empty (fill it with add() first)")
         idx = self.rng.integers(0, self.size, size=batch_size)
-        out = {k: torch.from_numpy(v[idx]).to(device) for k, v in self.data.items()}
-        return out
+        return {k: torch.from_numpy(v[idx]).to(device) for k, v in self.data.items()}
 
     def last(self, n: int) -> dict[str, np.ndarray]:
         """The ``n`` transitions stored last, oldest first (what a notebook cell looks at)."""

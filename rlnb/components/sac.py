@@ -19,7 +19,8 @@ class SACLearner:
     """Args (SB3's defaults):
     obs_space, action_space: one env's spaces (a 1-D box of observations; a bounded box or discrete actions).
     lr: Adam's learning rate of the policy, the Q-networks and the entropy coefficient (SB3: 3e-4).
-    gamma: the discount (0.99). tau: Polyak averaging of the targets a step (0.005).
+    tau: Polyak averaging of the targets a step (0.005). The discount is each transition's own ``discount``
+    (``gamma^n``, from the :class:`~rlnb.components.replay.ReplayBuffer`'s ``gamma`` and ``n_step``).
     alpha: a fixed entropy coefficient, or ``None`` to tune it towards ``target_entropy`` (SB3's ``auto``).
     target_entropy: ``None``: ``-dim(A)`` (continuous), 0.89 ``log K`` (discrete).
     hidden: the MLPs' hidden widths ([256, 256]). policy_delay: policy (and alpha) steps every this many Q steps
@@ -28,7 +29,7 @@ class SACLearner:
 
     launch = launcher("learner")
 
-    def __init__(self, obs_space: gym.Space, action_space: gym.Space, lr: float = 3e-4, gamma: float = 0.99,
+    def __init__(self, obs_space: gym.Space, action_space: gym.Space, lr: float = 3e-4,
                  tau: float = 0.005, alpha: float | None = None, target_entropy: float | None = None,
                  hidden: tuple[int, ...] = (256, 256), policy_delay: int = 1, target_every: int = 1,
                  seed: int = 0, device: str = "cpu", torch_threads: int | None = None):  # fmt: skip
@@ -48,12 +49,7 @@ class SACLearner:
         self.policy.to(self.device)
         self.q.to(self.device)
         self.q_target = target_copy(self.q)
-        self.gamma, self.tau, self.policy_delay, self.target_every = (
-            float(gamma),
-            float(tau),
-            policy_delay,
-            target_every,
-        )
+        self.tau, self.policy_delay, self.target_every = float(tau), policy_delay, target_every
         self.auto_alpha = alpha is None
         self.target_entropy = (
             sac.target_entropy(action_space) if target_entropy is None else float(target_entropy)

@@ -30,7 +30,8 @@ class ClusterConfig:
     )
     """CPU worker processes of the embedded cluster (default: one per core, at most 8)."""
     component_placement: dict[str, Any] = field(default_factory=lambda: {"actor,rollout,env": "0"})
-    """Component (or comma-joined components) -> slots: ``0-1``, ``2,3``, ``all``, ``{node_group: sim, slots: 0-1}`` (a worker resource), ``{host: NAME, slots: 0-1}`` (a worker's machine)."""
+    """Component (or comma-joined components) -> slots: ``0-1``, ``2,3``, ``all``, ``{node_group: sim, slots: 0-1}``
+    (a worker resource), ``{host: NAME, slots: 0-1}`` (a worker's machine)."""
     call_timeout_s: float = bounded(600.0, 0, 1e7, low_open=True)
     """Timeout of every remote call (seconds); a hung or dead worker surfaces as an error after at most this."""
     start_timeout_s: float = bounded(120.0, 0, 1e5, low_open=True)

@@ -108,11 +108,11 @@ class DataPaths:
             return dict(self._unlogged)
         return {}
 
-    def take_sync_stats(self) -> dict:
-        """The stats of the last sync not logged yet (``{}``: none since): a schedule that syncs inside another
-        phase (run-ahead admission) logs them there."""
+    def take_sync_stats(self, prefix: str = "") -> dict:
+        """The stats of the last sync not logged yet (``{}``: none since), keyed ``prefix + name``: a schedule that
+        syncs inside another phase (run-ahead admission) logs them there under ``sync/``."""
         out, self._unlogged = self._unlogged, {}
-        return out
+        return {prefix + k: v for k, v in out.items()}
 
     def sync_stats(self) -> dict:
         """What the last adapters-only sync sent (``{}`` where weights go whole)."""

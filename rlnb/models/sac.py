@@ -18,6 +18,8 @@ LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # CleanRL's bounds on the policy's log std
 
 
 def _mlp(sizes: list[int]) -> nn.Sequential:
+    """ReLU layers with torch's default initialisation, as SB3's and CleanRL's SAC (``policies.mlp`` initialises
+    orthogonally, as PPO does)."""
     layers: list[nn.Module] = []
     for i in range(len(sizes) - 1):
         layers.append(nn.Linear(sizes[i], sizes[i + 1]))

@@ -265,8 +265,9 @@ class LMActor(Forward, WarmStart, ActorBase):
     def memory_stats(self) -> dict:
         """``memory/actor_state_bytes``: the bytes of parameters, gradients and optimizer state this rank holds
         (its local shards); ``memory/ref_bytes``: those of the KL reference model, where there is one of its own;
-        ``memory/critic_bytes``: the value model's parameters, gradients and AdamW state (PPO's critic); on a GPU, ``memory/cuda_peak_bytes``: this process's peak allocation since the last
-        call (which resets it), the rollout's too when it shares the process."""
+        ``memory/critic_bytes``: the value model's parameters, gradients and AdamW state (PPO's critic); on a GPU,
+        ``memory/cuda_peak_bytes``: this process's peak allocation since the last call (which resets it), the
+        rollout's too when it shares the process."""
         out = {"memory/actor_state_bytes": self.strategy.held_bytes(self.policy, self.optimizer)}
         if self.ref is not None and not self.lora:  # (with LoRA the reference is the policy, adapters off)
             out["memory/ref_bytes"] = sum(

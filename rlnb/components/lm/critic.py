@@ -83,9 +83,8 @@ class Critic:
             loss_sum += float(loss.detach())
         if not self.sharded:  # (DDP's ranks: averaged here; FSDP2 reduce-scatters them itself)
             average_grads_([p.grad for p in self.model.parameters() if p.grad is not None], self.world_size)
-        torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.max_grad_norm
-        )  # (over every rank's shards)
+        # (sharded: the norm over every rank's shards)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         return {"value_loss": loss_sum}
 

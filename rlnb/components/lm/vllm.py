@@ -294,11 +294,11 @@ class VLLMRollout(LMRollout):
         whole weights come with the adapted layers' base and the adapters beside them, so the engine takes the
         base (the unmerged weights) and a ``LoRARequest`` of the adapters; adapters sent alone become the next
         request, the engine's weights untouched."""
-        lora = msg.get("lora") if "adapters" not in msg else None
-        if not self.lora_rank or ("adapters" not in msg and not (lora and "adapters" in lora)):
+        lora = msg.get("lora") or {}  # (a message of adapters alone has none)
+        if not self.lora_rank or ("adapters" not in msg and "adapters" not in lora):
             self._lora_request = None
             return super().load_message(msg)
-        if lora is not None:  # the base whole, its adapters beside it
+        if lora:  # the base whole, its adapters beside it
             self._lora_base = ({}, lora["base_version"])  # (the engine holds the base: no copy kept here)
             self.load_weights({**msg["state"], **lora["base"]}, msg["version"])
             adapters = lora["adapters"]

@@ -75,7 +75,7 @@ class Ahead(Schedule):
             summaries, extra = self.take_ahead()
             self.family.rollout_metrics(phase, summaries, extra)
             # (the admission's weight sync ran in this phase: its bytes logged with it, under sync/)
-            phase.metrics.update({f"sync/{k}": v for k, v in self.paths.take_sync_stats().items()})
+            phase.metrics.update(self.paths.take_sync_stats("sync/"))
         return phase.metrics
 
     def take_ahead(self) -> tuple[list[dict], dict]:

@@ -104,7 +104,7 @@ class Streaming(Ahead):
             }
             self.family.rollout_metrics(phase, summaries, extra)
             # (a weight sync this phase ran: its bytes logged with it, under sync/)
-            phase.metrics.update({f"sync/{k}": v for k, v in self.paths.take_sync_stats().items()})
+            phase.metrics.update(self.paths.take_sync_stats("sync/"))
         return phase.metrics
 
     def start_stream(self, train_version: int):

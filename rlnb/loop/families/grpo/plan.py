@@ -347,9 +347,8 @@ class _LMShapes:
         if algo.kl_coef > 0 and a.lora.rank == 0:
             item = 2 if a.dtype == "bfloat16" else 4
             out["reference"] = sum(held(p) * item for p in self.params)
-        if (
-            self.critic
-        ):  # the decoder without its LM head (a tied one is the embedding), float32, trained whole
+        # the critic: the decoder without its LM head (a tied one is the embedding), float32, trained whole
+        if self.critic:
             body = [p for n, p in self.model.named_parameters()
                     if ".lora_" not in n and not n.endswith("lm_head.weight")]  # fmt: skip
             params = sum(held(p) for p in body) + self.config.hidden_size + 1  # (and the value head)
