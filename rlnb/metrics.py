@@ -22,7 +22,7 @@ from rlnb.files import append_private, open_regular, read_text_regular, write_pr
 GLOSSARY: dict[str, str] = {
     # bookkeeping
     "step": "Training steps done (= the policy version the actor holds).",
-    "global_step": "Embodied PPO: env steps collected so far (all env ranks).",
+    "global_step": "Embodied PPO and SAC: env steps collected so far (all env ranks).",
     "samples_total": "GRPO: completions trained on so far (data.prompts_per_step x algorithm.group_size a step).",
     "wall_time": "Seconds since the run started, when this record was logged.",
     # env
@@ -108,6 +108,15 @@ GLOSSARY: dict[str, str] = {
     "time/sft_s": "Seconds of the supervised warm start.",
     "time/warm_start_s": "Embodied: seconds of the behaviour-cloning warm start (recording the expert's episodes and training on them).",
     # eval and SFT
+    "train/q_loss": "SAC: the twin Q-networks' soft Bellman error (the sum of both MSEs against the target), mean over the step's updates.",
+    "train/q1_mean": "SAC: mean Q1(s, a) over the sampled batches; rising without bound means the critic overestimates.",
+    "train/q2_mean": "SAC: mean Q2(s, a) over the sampled batches.",
+    "train/actor_loss": "SAC: the policy's loss, E[alpha log pi(a|s) - min Q(s, a)], mean over the step's updates.",
+    "train/alpha": "SAC: the entropy coefficient after the step (tuned towards sac.target_entropy, or sac.alpha fixed).",
+    "train/alpha_loss": "SAC: the entropy coefficient's loss, -log alpha (log pi + target entropy), mean over the step's updates.",
+    "train/updates": "SAC: gradient updates this step (sac.utd_ratio per transition added, none during sac.learning_starts).",
+    "train/updates_total": "SAC: gradient updates since the run began.",
+    "buffer/size": "SAC: transitions the replay buffer holds (at most buffer.capacity).",
     "eval/return_mean": "Mean return of deterministic evaluation episodes on fresh envs.",
     "eval/return_std": "Standard deviation of those returns.",
     "eval/len_mean": "Mean length of the evaluation episodes.",

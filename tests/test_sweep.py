@@ -20,6 +20,8 @@ from rlnb.loop import loop_class
 PPO = ("ppo_cartpole", ["env.num_envs=4", "rollout.steps_per_rollout=16", "algorithm.update_epochs=1"])
 GRPO = ("grpo_arith", ["actor.sft_steps=5", "data.prompts_per_step=4", "algorithm.group_size=4",
                        "data.eval_size=8", "rollout.max_new_tokens=3", "actor.tiny_lm.hidden_size=32"])  # fmt: skip
+SAC = ("sac_pendulum", ["sac.hidden_sizes=[16,16]", "sac.learning_starts=32", "sac.batch_size=32",
+                        "rollout.steps_per_rollout=16", "algorithm.max_staleness=0"])  # fmt: skip
 COMMON = [
     "runner.tensorboard=false",
     "runner.stop_return=100000",
@@ -70,7 +72,9 @@ SWEEP = {
     "actor.lora.sync": (GRPO, ["actor.lora.rank=4"]),  # (apart, both ways: tests/test_lora.py)
     "actor.offload": (GRPO, ["actor.strategy=fsdp2"]),
     "rollout.backend": (None, []),  # policy -> PPO, hf and vllm -> GRPO
-    "family": (None, []),  # ppo and auto -> PPO, grpo -> GRPO
+    "family": (None, []),  # ppo and auto -> PPO, grpo -> GRPO, sac -> SAC
+    "sac.variant": (SAC, []),  # (discrete SAC on CartPole: tests/test_sac_loop.py)
+    "buffer.in_checkpoint": (SAC, []),  # (what each leaves in a checkpoint: tests/test_sac_loop.py)
     "rollout.device": (PPO, []),
     "rollout.weight_sync": (PPO, ["cluster.component_placement={'env,rollout': 0, actor: 1}"]),
     "env.vector_mode": (PPO, []),
@@ -108,6 +112,7 @@ REFUSED = {
     *(("rollout.vllm.dtype", d) for d in ("float32", "bfloat16", "float16")),
     ("rollout.vllm.enforce_eager", False),
     ("rollout.vllm.lora", "merge"),
+    ("sac.variant", "discrete"),  # Pendulum's actions are a box
 }
 GRPO_CHOICES = {"hf", "vllm", "grpo"}  # of rollout.backend and family, the choices the GRPO recipe runs
 
@@ -153,12 +158,15 @@ def test_every_choice_steps_or_is_refused_naming_its_key(cluster, tmp_path, monk
     monkeypatch.chdir(tmp_path)  # data.path=missing.jsonl, model directories
     base, extra = SWEEP[key]
     if base is None:
-        base = GRPO if value in GRPO_CHOICES else PPO
+        base = GRPO if value in GRPO_CHOICES else SAC if value == "sac" else PPO
     recipe_name, small = base
     overrides = [*small, *COMMON, *extra, f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
     if recipe_name == "grpo_arith":
         overrides = [o for o in overrides if "component_placement" not in o]
         overrides += ["cluster.component_placement={'actor,rollout,reward': 0}", "actor.model_path=./model"]
+    if recipe_name == "sac_pendulum":
+        overrides = [o for o in overrides if "component_placement" not in o]
+        overrides += ["cluster.component_placement={'actor,rollout,env,buffer': 0}"]
     try:
         recipe = load_recipe(recipe_name, overrides)
         with loop_class(recipe).from_recipe(recipe, cluster=cluster, run_dir=tmp_path / "run") as loop:
@@ -168,5 +176,5 @@ def test_every_choice_steps_or_is_refused_naming_its_key(cluster, tmp_path, monk
         assert key in str(e), f"{key}={value} refused without naming the key: {e}"
         return
     assert (key, value) not in REFUSED, f"{key}={value} must be refused on this machine, and trained"
-    loss = record.get("train/loss")
+    loss = record.get("train/q_loss" if recipe.family == "sac" else "train/loss")
     assert loss is not None and math.isfinite(loss), (key, value, record)

@@ -7,7 +7,7 @@ from rlnb.components.launch import launch
 from rlnb.components.lm import HFRollout, LMActor, RewardWorker, VLLMRollout
 from rlnb.components.replay import ReplayBuffer
 from rlnb.components.rollout import PolicyRollout
-from rlnb.components.sac import SACLearner
+from rlnb.components.sac import SACActor, SACCollector, SACLearner
 
 __all__ = [
     "Env",
@@ -17,6 +17,8 @@ __all__ = [
     "PolicyRollout",
     "ReplayBuffer",
     "RewardWorker",
+    "SACActor",
+    "SACCollector",
     "SACLearner",
     "VLLMRollout",
     "launch",

@@ -55,12 +55,15 @@ class ReplayBuffer:
         gamma: the discount those sums and ``discount`` use.
         max_bytes: refuse a ``capacity`` whose arrays would take more (``0``: no bound).
         seed: the sampler's seed.
+        in_checkpoint: :meth:`state_dict` holds the transitions (exact resume); ``False``: it holds none, and a
+            buffer loaded from it starts empty.
     """
 
     launch = launcher("buffer")
 
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, capacity: int, num_envs: int = 1,
-                 n_step: int = 1, gamma: float = 0.99, max_bytes: int = 0, seed: int = 0):  # fmt: skip
+                 n_step: int = 1, gamma: float = 0.99, max_bytes: int = 0, seed: int = 0,
+                 in_checkpoint: bool = True):  # fmt: skip
         for key, value, low in (("buffer.capacity", capacity, 1), ("buffer.n_step", n_step, 1),
                                 ("env.num_envs", num_envs, 1)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -85,6 +88,7 @@ class ReplayBuffer:
             "truncated": np.zeros(capacity, np.bool_),
             "discount": np.zeros(capacity, np.float32),
         }
+        self.in_checkpoint = bool(in_checkpoint)
         self.pos, self.size, self.added = 0, 0, 0
         self.rng = np.random.default_rng(seed)
         # each env's last n-1 steps, waiting for the steps that complete their n-step sums
@@ -106,12 +110,16 @@ class ReplayBuffer:
         terminated, truncated = np.asarray(terminated, bool), np.asarray(truncated, bool)
         if obs.shape[0] != self.num_envs:
             raise ValueError(f"add: {obs.shape[0]} envs' steps, this buffer takes {self.num_envs} at a time")
-        if self.n_step == 1:
-            for i in range(self.num_envs):
-                self._store(
-                    obs[i], actions[i], rewards[i], terminated[i], truncated[i], next_obs[i], self.gamma
-                )
-            return self.num_envs
+        if self.n_step == 1:  # every env's step at once: one slice (two where the ring wraps)
+            n, d = self.num_envs, self.data
+            rows = (self.pos + np.arange(n)) % self.capacity
+            d["obs"][rows], d["actions"][rows], d["rewards"][rows] = obs, actions, rewards
+            d["terminated"][rows], d["truncated"][rows], d["next_obs"][rows] = terminated, truncated, next_obs
+            d["discount"][rows] = self.gamma
+            self.pos = (self.pos + n) % self.capacity
+            self.size = min(self.size + n, self.capacity)
+            self.added += n
+            return n
         stored = 0
         for i in range(self.num_envs):
             window = self.windows[i]
@@ -150,6 +158,14 @@ class ReplayBuffer:
         idx = self.rng.integers(0, self.size, size=batch_size)
         return {k: torch.from_numpy(v[idx]).to(device) for k, v in self.data.items()}
 
+    def peek(self, n: int, seed: int = 0) -> dict[str, np.ndarray]:
+        """``n`` transitions drawn uniformly with a generator of their own (``seed``), as arrays: what a notebook
+        cell looks at (``loop.buffer.sample(5)``), the run's own sampling left as it was."""
+        if self.size == 0:
+            return {k: v[:0] for k, v in self.data.items()}
+        idx = np.random.default_rng(seed).integers(0, self.size, size=n)
+        return {k: v[idx] for k, v in self.data.items()}
+
     def last(self, n: int) -> dict[str, np.ndarray]:
         """The ``n`` transitions stored last, oldest first (what a notebook cell looks at)."""
         n = min(n, self.size)
@@ -159,10 +175,17 @@ class ReplayBuffer:
     def stats(self) -> dict:
         return {"size": self.size, "capacity": self.capacity, "added": self.added, "bytes": self.nbytes}
 
+    def describe(self) -> dict:
+        """What it was built with (a loop built from objects records it in its recipe, ``buffer.*``)."""
+        return {"capacity": self.capacity, "n_step": self.n_step, "in_checkpoint": self.in_checkpoint}
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """Everything to resume exactly: the filled part of the arrays, the write position, the sampler's RNG and
-        the n-step windows (plain arrays and numbers: loads without running code)."""
+        the n-step windows (plain arrays and numbers: loads without running code). Built with
+        ``in_checkpoint=False``: none of it (a buffer loaded from it starts empty)."""
+        if not self.in_checkpoint:
+            return {"kept": False}
         return {
             "data": {k: v[: self.size].copy() for k, v in self.data.items()},
             "pos": self.pos, "size": self.size, "added": self.added,
@@ -171,6 +194,10 @@ class ReplayBuffer:
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("kept", True) is False:  # (saved without its transitions: empty, to be refilled)
+            self.pos, self.size, self.added = 0, 0, 0
+            self.windows = [deque() for _ in range(self.num_envs)]
+            return
         size = int(state["size"])
         if size > self.capacity:
             raise ValueError(f"a checkpoint of {size} transitions into a buffer of {self.capacity}")

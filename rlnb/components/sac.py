@@ -5,14 +5,20 @@ in-process, and placing it on a slot is ``SACLearner.launch``."""
 
 from __future__ import annotations
 
+import time
+
 import gymnasium as gym
 import numpy as np
 import torch
 
 from rlnb.algorithms import sac
+from rlnb.components.env import Env
 from rlnb.components.launch import launcher
+from rlnb.components.rollout import RolloutBase
 from rlnb.errors import ConfigError
-from rlnb.models.sac import CategoricalActor, SquashedGaussianActor, TwinQ, flat_dim, target_copy
+from rlnb.models.sac import TwinQ, flat_dim, make_policy, target_copy
+from rlnb.runtime.rank import current_rank, local_peer
+from rlnb.seeding import rank_seed
 
 
 class SACLearner:
@@ -38,14 +44,8 @@ class SACLearner:
         self.device = torch.device(device)
         torch.manual_seed(seed)
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
-        obs_dim = flat_dim(obs_space, "env.observation_space")
-        if self.discrete:
-            self.policy = CategoricalActor(obs_dim, int(action_space.n), hidden)
-        elif isinstance(action_space, gym.spaces.Box):
-            self.policy = SquashedGaussianActor(obs_dim, action_space, hidden)
-        else:
-            raise ConfigError(f"env.id: SAC takes a box or discrete actions; got {action_space}", "env.id")
-        self.q = TwinQ(obs_dim, action_space, hidden)
+        self.policy = make_policy(obs_space, action_space, hidden)
+        self.q = TwinQ(flat_dim(obs_space, "env.observation_space"), action_space, hidden)
         self.policy.to(self.device)
         self.q.to(self.device)
         self.q_target = target_copy(self.q)
@@ -169,4 +169,285 @@ class SACLearner:
         torch.set_rng_state(state["torch_rng"])
 
 
-__all__ = ["SACLearner"]
+def _variant_misfit(variant: str, action_space: gym.Space) -> str | None:
+    """Why ``sac.variant`` cannot take ``action_space`` (``None``: it can)."""
+    discrete = isinstance(action_space, gym.spaces.Discrete)
+    if variant == "discrete" and not discrete:
+        return f"sac.variant: discrete SAC picks one of K actions, and this env's actions are {action_space}; use continuous (or auto)"
+    if variant == "continuous" and discrete:
+        return f"sac.variant: continuous SAC squashes a Gaussian into a box, and this env's actions are {action_space}; use discrete (or auto)"
+    return None
+
+
+class SACActor:
+    """SAC's learner as a loop's ``actor``: a :class:`SACLearner` built once the env's spaces are known
+    (:meth:`bind_spaces`), training on the replay buffer placed on its slot (:meth:`attach_buffer`, in-process).
+
+    Each batch of transitions the collectors hand over (:meth:`set_batch`) goes into the buffer; each
+    :meth:`train` then makes ``utd_ratio`` gradient updates for every transition added since the last, once
+    the buffer has seen ``learning_starts`` of them (none before: SB3's warm-up).
+
+    Args: the :class:`rlnb.config.SACConfig` settings by name (``variant``, ``lr``, ``batch_size``,
+    ``learning_starts``, ``utd_ratio``, ``tau``, ``alpha``, ``target_entropy``, ``hidden_sizes``, ``policy_delay``,
+    ``target_every``), ``seed``, ``device``, ``torch_threads``.
+    """
+
+    launch = launcher("actor")
+
+    def __init__(self, variant: str = "auto", lr: float = 3e-4, batch_size: int = 256, learning_starts: int = 1000,
+                 utd_ratio: float = 1.0, tau: float = 0.005, alpha: float | None = None,
+                 target_entropy: float | None = None, hidden_sizes=(256, 256), policy_delay: int = 1,
+                 target_every: int = 1, seed: int = 0, device: str = "cpu", torch_threads: int = 1):  # fmt: skip
+        if not isinstance(utd_ratio, (int, float)) or isinstance(utd_ratio, bool) or not utd_ratio > 0:
+            raise ConfigError(
+                f"sac.utd_ratio: expected updates per transition > 0, got {utd_ratio!r}", "sac.utd_ratio"
+            )
+        if batch_size > learning_starts:
+            raise ConfigError(
+                f"sac.batch_size: {batch_size} transitions a batch, more than the learning_starts={learning_starts} "
+                "the buffer holds when updates begin", "sac.batch_size",
+            )  # fmt: skip
+        self.settings = {
+            "variant": variant, "lr": lr, "batch_size": batch_size, "learning_starts": learning_starts,
+            "utd_ratio": float(utd_ratio), "tau": tau, "alpha": alpha, "target_entropy": target_entropy,
+            "hidden_sizes": list(hidden_sizes), "policy_delay": policy_delay, "target_every": target_every,
+        }  # fmt: skip
+        info = current_rank()
+        self.rank = info.rank if info is not None else 0
+        self.seed, self.torch_threads = seed, torch_threads
+        self.device = (
+            "cuda"
+            if device == "auto" and torch.cuda.is_available()
+            else ("cpu" if device == "auto" else device)
+        )
+        self.learner: SACLearner | None = None
+        self.buffer_name: str | None = None
+        self._buffer = None  # (an in-process buffer of one's own: tests, a notebook without a cluster)
+        self.owed = 0.0  # updates owed but not made yet (a fraction of one carried over)
+
+    def bind_spaces(self, obs_space: gym.Space, action_space: gym.Space) -> dict:
+        """Build the learner for one env's spaces; a variant those actions do not fit is refused."""
+        misfit = _variant_misfit(self.settings["variant"], action_space)
+        if misfit is not None:
+            raise ConfigError(misfit, "sac.variant")
+        s = self.settings
+        self.learner = SACLearner(
+            obs_space, action_space, lr=s["lr"], tau=s["tau"], alpha=s["alpha"], target_entropy=s["target_entropy"],
+            hidden=tuple(s["hidden_sizes"]), policy_delay=s["policy_delay"], target_every=s["target_every"],
+            seed=rank_seed(self.seed, self.rank, "actor"), device=self.device, torch_threads=self.torch_threads,
+        )  # fmt: skip
+        return {}
+
+    def attach_buffer(self, name: str) -> int:
+        """The replay buffer group ``name``, whose rank on this slot the learner fills and samples in-process."""
+        local_peer(name, self.rank)  # (refused here, naming it, if it is not on this slot)
+        self.buffer_name = name
+        return len(self.buffer)
+
+    @property
+    def buffer(self):
+        return self._buffer if self._buffer is not None else local_peer(self.buffer_name, self.rank)
+
+    def describe(self) -> dict:
+        return {"sac": dict(self.settings)}
+
+    def set_total_steps(self, total_steps: int) -> int:
+        """The run's length (a loop sets it); SAC's learning rate is constant, so nothing depends on it."""
+        return max(1, int(total_steps))
+
+    # ------------------------------------------------------------------ batches
+    def set_batch(self, batches: list[dict]) -> dict:
+        """Transitions ``[T, N, ...]`` of one or more collectors (joined along the env axis), time step by time
+        step into the buffer (each env's n-step sums stay its own)."""
+        if len(batches) == 1:
+            b = batches[0]
+        else:
+            b = {k: np.concatenate([x[k] for x in batches], axis=1) for k in TRANSITION_KEYS}
+        buf, added = self.buffer, 0
+        for t in range(len(b["rewards"])):
+            added += buf.add(*(b[k][t] for k in TRANSITION_KEYS))
+        if buf.added >= self.settings["learning_starts"]:  # (the warm-up's transitions owe no updates)
+            counted = min(added, buf.added - self.settings["learning_starts"])
+            self.owed += self.settings["utd_ratio"] * max(counted, 0)
+        return {"transitions": added}
+
+    def take_local_batches(self, rollout: str, ranks: list[int]) -> dict:
+        """Collocated hand-off: the batches of collector ranks in this process."""
+        return self.set_batch([local_peer(rollout, r).take_batch() for r in ranks])
+
+    def take_channel_batches(self, channel, keys: list[str]) -> dict:
+        """Apart: one batch per key from a channel."""
+        return self.set_batch([channel.get(key=k) for k in keys])
+
+    def compute_advantages(self) -> dict:
+        """Nothing to estimate: SAC's targets are computed inside each update."""
+        return {}
+
+    # ------------------------------------------------------------------ training
+    def train(self) -> dict:
+        """The updates owed (``utd_ratio`` a transition added since the last call), each on a fresh batch of
+        ``batch_size`` transitions sampled from the buffer; their mean metrics, ``updates`` made and
+        ``compute_s`` (the updates alone)."""
+        n = int(self.owed)
+        self.owed -= n
+        t0 = time.perf_counter()
+        sums: dict[str, float] = {}
+        buf, learner, size = self.buffer, self.learner, self.settings["batch_size"]
+        for _ in range(n):
+            for k, v in learner.update(buf.sample(size)).items():
+                sums[k] = sums.get(k, 0.0) + v
+        out = {k: v / n for k, v in sums.items()}
+        out.update(updates=n, updates_total=learner.updates, buffer_size=len(buf), alpha=float(learner.alpha),
+                   compute_s=time.perf_counter() - t0)  # fmt: skip
+        return out
+
+    # ------------------------------------------------------------------ weights
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """The policy's weights for the collectors (a detached copy)."""
+        return {k: v.detach().clone() for k, v in self.learner.policy.state_dict().items()}
+
+    def publish_weights(self, channel, keys: list[str], version: int) -> int:
+        """Apart: the policy's weights once per collector key."""
+        state = {k: v.cpu() for k, v in self.policy_state().items()}
+        for k in keys:
+            channel.put({"state": state, "version": version}, key=k)
+        return version
+
+    def act(self, obs, deterministic: bool = True) -> np.ndarray:
+        return self.learner.act(obs, deterministic)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        return {"learner": self.learner.state_dict(), "owed": self.owed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.learner.load_state_dict(state["learner"])
+        self.owed = float(state["owed"])
+
+
+TRANSITION_KEYS = (
+    "obs",
+    "actions",
+    "rewards",
+    "terminated",
+    "truncated",
+    "next_obs",
+)  # ReplayBuffer.add's order
+
+
+class SACCollector(RolloutBase):
+    """SAC's collector as a loop's ``rollout``: the policy (synced from the learner) stepping the env rank on its
+    slot in-process, uniformly random actions for its share of ``learning_starts`` first (SB3's warm-up). Each
+    :meth:`collect` keeps ``steps`` transitions of every env ``[T, N, ...]`` as its batch: ``obs``, ``actions``,
+    ``rewards``, ``terminated`` and ``truncated`` apart, and ``next_obs`` (an ended episode's real last
+    observation, not the reset one).
+
+    Args:
+        hidden_sizes: the policy's hidden widths (the learner's).
+        random_steps: env steps (over its envs) of random actions this rank takes first.
+        seed, torch_threads: as every component's.
+    """
+
+    launch = launcher("rollout")
+
+    def __init__(self, hidden_sizes=(256, 256), random_steps: int = 0, seed: int = 0, torch_threads: int = 1):
+        info = current_rank()
+        self.rank = info.rank if info is not None else 0
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.hidden = tuple(hidden_sizes)
+        self.random_left = int(random_steps)
+        seed = rank_seed(seed, self.rank, "rollout")
+        self.generator = torch.Generator().manual_seed(seed)
+        self.rng = np.random.default_rng(seed)
+        self.policy: torch.nn.Module | None = None
+        self.version = 0
+
+    def bind_spaces(self, obs_space: gym.Space, action_space: gym.Space) -> dict:
+        self.spaces = (obs_space, action_space)
+        self.discrete = isinstance(action_space, gym.spaces.Discrete)
+        self.policy = make_policy(obs_space, action_space, self.hidden).eval()
+        return {}
+
+    def load_weights(self, state_dict: dict, version: int) -> int:
+        self.policy.load_state_dict(state_dict)
+        self.version = version
+        return version
+
+    @torch.no_grad()
+    def actions(self, obs: np.ndarray, deterministic: bool = False) -> np.ndarray:
+        """Actions for observations ``[N, D]``: random during the warm-up, else the policy's (sampled, or its
+        mode)."""
+        n = len(obs)
+        if not deterministic and self.random_left > 0:
+            self.random_left -= n
+            space = self.spaces[1]
+            if self.discrete:
+                return self.rng.integers(0, int(space.n), size=n)
+            return self.rng.uniform(space.low, space.high, size=(n, *space.shape)).astype(space.dtype)
+        o = torch.as_tensor(obs, dtype=torch.float32)
+        if deterministic:
+            return self.policy.deterministic(o).numpy()
+        if self.discrete:
+            return self.policy.sample(o, self.generator).numpy()
+        return self.policy.sample(o, self.generator)[0].numpy()
+
+    def collect(self, steps: int, env: str, actor: str | None = None) -> dict:
+        """Step the env rank in this process ``steps`` times; with ``actor``, hand the transitions to that
+        learner rank in this process. Returns the summary (``steps``, ``version``, ``env_s``, ``inference_s``,
+        the env's finished ``episodes``)."""
+        env_obj = local_peer(env, self.rank)
+        if env_obj.stages != 1:
+            raise ConfigError(f"env.pipeline_stages: SAC's collectors step one stage, got {env_obj.stages}",
+                              "env.pipeline_stages")  # fmt: skip
+        obs = env_obj.current_obs()[0]
+        cols: dict[str, list] = {k: [] for k in TRANSITION_KEYS}
+        env_obj.pop_sim_s()
+        inference_s = 0.0
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            a = self.actions(obs)
+            inference_s += time.perf_counter() - t0
+            out = env_obj.step(0, a)
+            nxt = out["obs"]
+            if len(out["final_idx"]):  # truncated episodes: their real last observation, for bootstrapping
+                nxt = nxt.copy()
+                nxt[out["final_idx"]] = out["final_obs"]
+            for k, v in zip(
+                TRANSITION_KEYS, (obs, a, out["reward"], out["terminated"], out["truncated"], nxt)
+            ):
+                cols[k].append(v)
+            obs = out["obs"]
+        self.batch = {k: np.stack(v) for k, v in cols.items()}
+        self.batch["version"] = self.version
+        summary = {"steps": steps * len(obs), "version": self.version, "env_s": env_obj.pop_sim_s(),
+                   "inference_s": inference_s, "episodes": env_obj.pop_episodes()}  # fmt: skip
+        if actor is not None:
+            local_peer(actor, self.rank).set_batch([self.batch])
+        return summary
+
+    def evaluate(self, env_spec: dict, episodes: int, seed: int) -> dict:
+        """Deterministic episodes on fresh envs built from ``env_spec`` (:meth:`Env.spec`)."""
+        env = Env(env_spec["config"], seed=seed, make_env=env_spec.get("make_env"), num_envs=min(episodes, 8),
+                  pipeline_stages=1)  # fmt: skip
+        try:
+            return env.run_episodes(lambda obs: self.actions(obs, deterministic=True), episodes)
+        finally:
+            env.close()
+
+    def sample(self, n: int = 4) -> dict:
+        """The first ``n`` time steps of the last batch (``[n, N, ...]``)."""
+        return {k: v[:n] for k, v in (self.batch or {}).items() if k != "version"}
+
+    def state_dict(self) -> dict:
+        return {"policy": self.policy.state_dict(), "version": self.version, "random_left": self.random_left,
+                "generator": self.generator.get_state(), "rng": self.rng.bit_generator.state}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.version, self.random_left = int(state["version"]), int(state["random_left"])
+        self.generator.set_state(state["generator"])
+        self.rng.bit_generator.state = state["rng"]
+
+
+__all__ = ["SACActor", "SACCollector", "SACLearner"]

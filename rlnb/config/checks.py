@@ -10,9 +10,15 @@ from rlnb.bounds import Bounds, _num, bounded, bounds_errors  # noqa: F401 (one 
 from rlnb.errors import did_you_mean
 
 LM_BACKENDS = ("hf", "vllm")  # rollout.backend values of the GRPO family
-# the recipe sections one family alone reads (the others, cluster to rollout, every family reads): a recipe of
-# another family that sets one would have it ignored without a word
-FAMILY_SECTIONS = {"ppo": ("env",), "grpo": ("reward", "data")}
+# section -> the families that read it, for the sections some families alone read (cluster to rollout, every
+# family reads): a recipe of another family that sets one would have it ignored without a word
+FAMILY_SECTIONS = {
+    "env": ("ppo", "sac"),
+    "reward": ("grpo",),
+    "data": ("grpo",),
+    "sac": ("sac",),
+    "buffer": ("sac",),
+}
 # LM backends that generate whole completions: asynchronous mode sends them weights between batches
 WHOLE_COMPLETION_BACKENDS = ("vllm",)
 SFT_TURN_FIELDS = ("expression", "answer", "a", "op", "b")  # data.sft_turns' names for arithmetic problems

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from rlnb.config.checks import FAMILY_SECTIONS, LM_BACKENDS, bounded, bounds_errors, changed_keys, need
 from rlnb.config.sections_lm import DataConfig, RewardConfig, RolloutConfig
+from rlnb.config.sections_sac import BufferConfig, SACConfig
 from rlnb.errors import ConfigError, did_you_mean
 
 RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")  # a recipe's name: one path component, never '..'
@@ -116,15 +117,20 @@ class RunnerConfig:
         need(errs, lambda: not (isinstance(self.run_dir, str) and not self.run_dir.strip()), "runner.run_dir",
              "a directory (or empty for runs/<recipe>-<time>)", self.run_dir)  # fmt: skip
         if (
-            recipe.family == "ppo"
+            recipe.family != "grpo"
             and isinstance(self.completions_interval, int)
             and self.completions_interval
         ):
             errs.append(
                 f"runner.completions_interval: {self.completions_interval} logs an LM's completions; this recipe "
-                "trains a policy on an env (family: ppo): look at its batches with loop.sample() instead"
+                f"trains a policy on an env (family: {recipe.family}): look at its batches with loop.sample() instead"
             )
-        if recipe.family != "ppo" and isinstance(self.video_interval, int) and self.video_interval:
+        if recipe.family == "sac" and isinstance(self.video_interval, int) and self.video_interval:
+            errs.append(
+                f"runner.video_interval: {self.video_interval}: SAC's family records no episodes; watch "
+                "eval/return_mean (runner.eval_interval) instead"
+            )
+        elif recipe.family != "ppo" and isinstance(self.video_interval, int) and self.video_interval:
             errs.append(
                 f"runner.video_interval: {self.video_interval} records an env's episodes; this recipe trains an LM "
                 f"(family: {recipe.family}): see its completions with runner.completions_interval instead"
@@ -702,7 +708,7 @@ class EnvConfig:
             err = maniskill_misfit(e.num_envs, e.kwargs, e.vector_mode)
             if err:
                 errs.append(err)
-        if recipe.family == "ppo" and isinstance(e.id, str):
+        if recipe.family in ("ppo", "sac") and isinstance(e.id, str):
             from rlnb.config.envs import check_env_id, check_env_kwargs
 
             err = check_env_id(e.id) or check_env_kwargs(e.id, e.kwargs)
@@ -715,9 +721,10 @@ class EnvConfig:
 class Recipe:
     """A whole recipe."""
 
-    family: Literal["auto", "ppo", "grpo"] = "auto"
+    family: Literal["auto", "ppo", "grpo", "sac"] = "auto"
     """The algorithm family that runs the recipe (:mod:`rlnb.loop.families`): ``ppo`` (:class:`rlnb.Loop`: a policy
-    on environments) or ``grpo`` (:class:`rlnb.GRPOLoop`: an LM on prompts). ``auto`` (a recipe that does not say) is
+    on environments), ``grpo`` (:class:`rlnb.GRPOLoop`: an LM on prompts) or ``sac`` (:class:`rlnb.SACLoop`: an
+    off-policy learner fed by collectors through a replay buffer). ``auto`` (a recipe that does not say) is
     inferred once from ``rollout.backend`` when the recipe loads, with a message, and recorded in the run's
     ``recipe.yaml``. (Recipes written before families said ``loop: embodied`` or ``loop: grpo``: read as the family.)"""
     seed: int = bounded(1, 0, MAX_SEED, "what derives from it stays within numpy's 32 bits")
@@ -740,6 +747,10 @@ class Recipe:
     """Reward (LM RL)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Data (LM RL)."""
+    sac: SACConfig = field(default_factory=SACConfig)
+    """Soft Actor-Critic's settings (``family: sac``)."""
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    """The replay buffer (``family: sac``)."""
 
     def check(self) -> list[str]:
         """Every section's checks (each beside its dataclass), and the loop against its rollout; every problem."""
@@ -760,15 +771,15 @@ class Recipe:
                 f"rollout.backend: family: ppo runs a policy on environments (rollout.backend policy), got "
                 f"{self.rollout.backend!r}; an LM trains with family: grpo"
             )
-        for family, names in FAMILY_SECTIONS.items():
-            for name in names if family != self.family else ():
-                changed = changed_keys(getattr(self, name), f"{name}.")
-                if changed:
-                    errs.append(
-                        f"{changed[0]}: the {name} section is read by family {family} only; this recipe runs "
-                        f"family {self.family}, which would ignore it (remove it, or set family: {family})"
-                    )
+        for name, families in FAMILY_SECTIONS.items():
+            changed = changed_keys(getattr(self, name), f"{name}.") if self.family not in families else []
+            if changed:
+                which = " or ".join(families)
+                errs.append(
+                    f"{changed[0]}: the {name} section is read by family {which} only; this recipe runs "
+                    f"family {self.family}, which would ignore it (remove it, or set family: {families[0]})"
+                )
         for section in (self.runner, self.data, self.algorithm, self.actor, self.rollout, self.env, self.reward,
-                        self.cluster):  # fmt: skip
+                        self.cluster, self.sac, self.buffer):  # fmt: skip
             errs += section.check(self)
         return list(dict.fromkeys(errs))  # (a nested section's own errors() says its bounds again)

@@ -6,13 +6,15 @@ from rlnb.loop.checkpoint import CheckpointError, TrainingDivergedError, complet
 from rlnb.loop.embodied import Loop
 from rlnb.loop.families import Family
 from rlnb.loop.grpo import GRPOLoop
+from rlnb.loop.offpolicy import SACLoop
 from rlnb.loop.runner import Callback, EvaluateEvery, SaveEvery
 from rlnb.loop.steering import STEERABLE
 
 
 def loop_class(recipe) -> type[LoopBase]:
-    """The loop a recipe runs (its family): :class:`GRPOLoop` for ``grpo``, :class:`Loop` for ``ppo``."""
-    return GRPOLoop if recipe.family == "grpo" else Loop
+    """The loop a recipe runs (its family): :class:`GRPOLoop` for ``grpo``, :class:`SACLoop` for ``sac``,
+    :class:`Loop` for ``ppo``."""
+    return {"grpo": GRPOLoop, "sac": SACLoop}.get(recipe.family, Loop)
 
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "GRPOLoop",
     "Loop",
     "LoopBase",
+    "SACLoop",
     "SaveEvery",
     "TrainingDivergedError",
     "complete_checkpoints",

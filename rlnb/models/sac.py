@@ -66,10 +66,14 @@ class SquashedGaussianActor(nn.Module):
         log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)
         return self.mean(h), log_std.exp()
 
-    def sample(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A reparameterised action ``[M, A]`` and its log-probability ``[M]``."""
+    def sample(
+        self, obs: torch.Tensor, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A reparameterised action ``[M, A]`` and its log-probability ``[M]`` (``generator``: the noise's, else
+        torch's global one)."""
         mean, std = self._dist(obs)
-        u = mean + std * torch.randn_like(mean)  # [M, A]
+        noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+        u = mean + std * noise  # [M, A]
         y = torch.tanh(u)
         logp = torch.distributions.Normal(mean, std).log_prob(u)
         logp = logp - torch.log(self.scale * (1 - y.pow(2)) + 1e-6)  # tanh's and the rescaling's Jacobian
@@ -93,8 +97,9 @@ class CategoricalActor(nn.Module):
         logp = torch.log_softmax(self.net(obs), -1)
         return logp.exp(), logp
 
-    def sample(self, obs: torch.Tensor) -> torch.Tensor:
-        return torch.distributions.Categorical(logits=self.net(obs)).sample()  # [M]
+    def sample(self, obs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        probs = torch.softmax(self.net(obs), -1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [M]
 
     def deterministic(self, obs: torch.Tensor) -> torch.Tensor:
         return self.net(obs).argmax(-1)
@@ -118,6 +123,17 @@ class TwinQ(nn.Module):
         return self.q1(x).squeeze(-1), self.q2(x).squeeze(-1)
 
 
+def make_policy(obs_space: gym.Space, action_space: gym.Space, hidden: tuple[int, ...]) -> nn.Module:
+    """SAC's policy for these spaces: categorical over discrete actions, else a squashed Gaussian (the learner's
+    and the collectors' alike, so weights load from one into the other)."""
+    obs_dim = flat_dim(obs_space, "env.observation_space")
+    if isinstance(action_space, gym.spaces.Discrete):
+        return CategoricalActor(obs_dim, int(action_space.n), hidden)
+    if isinstance(action_space, gym.spaces.Box):
+        return SquashedGaussianActor(obs_dim, action_space, hidden)
+    raise ConfigError(f"env.id: SAC takes a box or discrete actions; got {action_space}", "env.id")
+
+
 def target_copy(module: nn.Module) -> nn.Module:
     """A frozen copy for the targets (moved by :func:`rlnb.algorithms.sac.polyak_`)."""
     target = copy.deepcopy(module)
@@ -126,4 +142,4 @@ def target_copy(module: nn.Module) -> nn.Module:
     return target
 
 
-__all__ = ["CategoricalActor", "SquashedGaussianActor", "TwinQ", "flat_dim", "target_copy"]
+__all__ = ["CategoricalActor", "SquashedGaussianActor", "TwinQ", "flat_dim", "make_policy", "target_copy"]
