@@ -416,7 +416,13 @@ def _export(args) -> int:
     recipe_file = Path(args.run_dir) / "recipe.yaml"
     if not recipe_file.is_file():
         raise ConfigError(f"RUN_DIR: {args.run_dir} is not a run directory (no recipe.yaml)", "RUN_DIR")
-    embodied = load_recipe(recipe_file).family == "ppo"
+    family = load_recipe(recipe_file).family
+    if family == "sac":
+        raise ConfigError(
+            f"RUN_DIR: {args.run_dir} is a SAC run (family: sac), which has no export yet: its checkpoints hold the "
+            "learner's policy (rlnb eval plays it; SACLoop.resume(RUN_DIR) continues it)", "RUN_DIR",
+        )  # fmt: skip
+    embodied = family == "ppo"
     if args.out is not None:  # refused before anything is read or started
         try:
             check_export_target(args.out, "file" if embodied else "directory", is_ours=is_policy_file)

@@ -193,3 +193,12 @@ def test_rlnb_run_sac_mujoco_from_the_cli(tmp_path):
     assert "step 4, 400 env steps" in out.stdout + out.stderr, out.stdout[-2000:]
     assert [p.name for p in complete_checkpoints(run_dir)] == ["step_000004"]
     assert_metrics_documented(run_dir)
+    cli = [sys.executable, "-m", "rlnb.cli"]
+    out = subprocess.run([*cli, "eval", str(run_dir)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "at step 4: eval/return_mean=" in out.stdout, (
+        out.stdout + out.stderr[-2000:]
+    )
+    out = subprocess.run([*cli, "export", str(run_dir)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "is a SAC run (family: sac), which has no export yet" in out.stderr, (
+        out.stderr
+    )

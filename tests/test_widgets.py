@@ -463,6 +463,25 @@ def test_an_embodied_runs_curves_go_along_env_steps_with_the_training_step_on_ho
     assert grpo.x_label == "completions" and grpo.x(2) == 256.0
 
 
+def test_a_sac_runs_dashboard_shows_its_q_values_entropy_and_alpha(tmp_path):
+    """SAC's panels (issue 56): what SB3's and CleanRL's users watch, each metric of them documented."""
+    from rlnb.metrics import MetricLogger, undocumented
+    from rlnb.widgets.model import SAC_CURVES, curves_for
+
+    assert curves_for("sac") is SAC_CURVES
+    assert not undocumented({k for p in SAC_CURVES for k in p.keys})
+    model = DashboardModel(total=10, panels=curves_for("sac"))
+    dash = Dashboard(model, title="sac", render_interval_s=0)
+    logger = MetricLogger(tmp_path, tensorboard=False)
+    logger.add_listener(model.update)
+    for i in range(1, 4):
+        logger.log(i, {"env/episode_return_mean": -1000.0 + 100 * i, "train/q1_mean": -50.0 + i, "train/q2_mean": -50.0,
+                       "train/q_loss": 1.0, "train/actor_loss": 40.0, "train/entropy": -0.5, "train/alpha": 0.5 / i,
+                       "buffer/size": 80.0 * i, "rollout/steps_per_s": 1000.0})  # fmt: skip
+    assert list(dash.plots.panels) == ["return / reward", "Q-values", "Q loss", "actor loss", "policy entropy",
+                                       "entropy coefficient", "replay buffer", "throughput"]  # fmt: skip
+
+
 def test_a_grpo_runs_dashboard_has_panels_of_its_own_smoothed_and_a_table_of_its_completions(tmp_path):
     """A GRPO run's dashboard shows what TRL's and veRL's users watch (reward, accuracy, response length, KL,
     entropy, clipping, tokens per second), not PPO's panels with accuracy under "return per episode"; noisy

@@ -86,8 +86,9 @@ class BufferConfig:
     """The replay buffer (:class:`rlnb.components.replay.ReplayBuffer`), placed with the learner."""
 
     capacity: int = bounded(1_000_000, 1, 2**40)
-    """Transitions kept; the oldest are overwritten first. Its bytes (``rlnb plan`` shows them) must fit the
-    slot's memory: a larger buffer is refused before launch."""
+    """Transitions kept; the oldest are overwritten first. The buffer takes this many times a transition's bytes
+    (two observations, the action, the reward, two flags and the discount; ``loop.buffer`` shows them), which must
+    fit its slot's worker: a larger one is refused before launch."""
     n_step: int = bounded(1, 1, 1000)
     """Rewards summed over this many steps into one transition (1: plain one-step targets)."""
     in_checkpoint: bool = True

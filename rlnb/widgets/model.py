@@ -95,9 +95,23 @@ LM_CURVES = (
 )
 """The GRPO family's panels: what TRL's and veRL's users watch (reward, accuracy, response length, KL, entropy,
 clipping, throughput), the noisy ones smoothed."""
+SAC_CURVES = (
+    EMBODIED_CURVES[0],  # return
+    EMBODIED_CURVES[1],  # success rate, where the env says
+    Panel("Q-values", ("train/q1_mean", "train/q2_mean"), "expected return", smooth=True),
+    Panel("Q loss", ("train/q_loss",), "squared error", floor=0.0, smooth=True),
+    Panel("actor loss", ("train/actor_loss",), "loss", smooth=True),
+    Panel("policy entropy", ("train/entropy",), "nats (a continuous policy's may be below 0)", smooth=True),
+    Panel("entropy coefficient", ("train/alpha",), "alpha", floor=0.0),
+    Panel("replay buffer", ("buffer/size",), "transitions", floor=0.0),
+    EMBODIED_CURVES[-3],  # throughput
+    *_ASYNC,
+)
+"""The SAC family's panels: what SB3's and CleanRL's users watch (return, the Q-values and their loss, the policy's
+entropy and its coefficient alpha), the buffer filling, throughput and staleness."""
 CURVES = EMBODIED_CURVES
 """The panels a dashboard shows by default (an embodied run's; :func:`curves_for` gives a family's)."""
-FAMILY_CURVES = {"ppo": EMBODIED_CURVES, "grpo": LM_CURVES}
+FAMILY_CURVES = {"ppo": EMBODIED_CURVES, "grpo": LM_CURVES, "sac": SAC_CURVES}
 
 
 def curves_for(family: str) -> tuple[Panel, ...]:
@@ -134,7 +148,7 @@ def smoothed(values, weight: float = SMOOTHING, state: list | None = None) -> li
     return out
 
 
-PANELS = {p.title: p for p in (*EMBODIED_CURVES, *LM_CURVES)}
+PANELS = {p.title: p for p in (*EMBODIED_CURVES, *LM_CURVES, *SAC_CURVES)}
 """Every panel by its title (a title names one panel in every family)."""
 
 

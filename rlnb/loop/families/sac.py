@@ -177,7 +177,7 @@ class SAC(Family):
         )
         s.groups["rollout"] = SACCollector.launch(
             cl, p["rollout"], hidden_sizes=sac.hidden_sizes, random_steps=-(-sac.learning_starts // n_env),
-            seed=r.seed, torch_threads=r.actor.torch_threads, **deadlines,
+            seed=r.seed, torch_threads=1, **deadlines,  # (one env step's inference: a thread more only contends)
         )  # fmt: skip
         s.groups["buffer"] = ReplayBuffer.launch(
             cl, p["buffer"], obs_space=self._probed[0], action_space=self._probed[1], capacity=b.capacity,
