@@ -208,6 +208,38 @@ def test_an_env_the_recipe_cannot_run_is_refused_before_a_cluster_starts(
     assert not (tmp_path / "run").exists()
 
 
+def test_a_scale_down_that_takes_a_components_worker_is_warned_at_once_naming_what_it_holds(caplog):
+    """Issue 57: `cluster.scale(n)` (or adapt()) on a cluster object can close the worker an actor lives on (Dask
+    cannot retire it gracefully, and a SpecCluster closes it anyway); nothing said so until the run's next call
+    failed. Now the driver warns as the scheduler retires it, naming the components, and the next call is a typed
+    error."""
+    from distributed import LocalCluster
+
+    from rlnb.errors import RlnbError
+
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as dask_cluster,
+        rlnb.Cluster(dask_cluster, timeout_s=60, min_slots=2) as cluster,
+    ):
+        names = {a: w["name"] for a, w in cluster.client.scheduler_info(n_workers=-1)["workers"].items()}
+        gone = next(s for s in cluster.slots if names[s.address] == 1)  # (scale(1) closes worker 1)
+        stays = next(s for s in cluster.slots if s is not gone)
+        env = rlnb.Env.launch(cluster, str(gone.rank), make_env="CartPole-v1", num_envs=2)
+        keep = rlnb.Env.launch(cluster, str(stays.rank), make_env="CartPole-v1", num_envs=2, name="kept")
+        leaving = gone.address
+        with caplog.at_level("WARNING", logger="rlnb"):
+            dask_cluster.scale(1)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and "env[0]" not in caplog.text:
+                time.sleep(0.1)
+        said = [r.getMessage() for r in caplog.records if leaving in r.getMessage()]
+        assert said and f"(slot {gone.rank})" in said[0] and "while it holds env[0]" in said[0], caplog.text
+        assert "loop.recover()" in said[0] and "kept[0]" not in " ".join(said)
+        with pytest.raises(RlnbError):
+            env.on(0).spaces().result()
+        assert keep.on(0).spaces().result()  # (the other worker's component goes on)
+
+
 def test_a_dask_cluster_object_that_is_closed_or_has_no_workers_is_refused_saying_what_to_do():
     """rlnb.Cluster(a LocalCluster, SLURMCluster...): a closed one raised Dask's RuntimeError; one with no workers
     said to start `dask worker` by hand. Now a ClusterError each, the second naming scale() and adapt()."""

@@ -403,6 +403,9 @@ class Cluster:
                     f"the scheduler at {address!r} has {n} worker(s); waited {timeout_s:g} s for {min_slots}. {how}."
                 ) from None
         self.slots: list[Slot] = self._discover_slots()
+        self._closing = False
+        with contextlib.suppress(Exception):  # (a scheduler without events: no warning, nothing else changes)
+            self.client.subscribe_topic("all", self._on_scheduler_event)
         daemonic = [s.rank for s in self.slots if s.daemonic]
         if daemonic and self._local is None:
             log.warning(
@@ -663,6 +666,35 @@ class Cluster:
     def placed_on(self, slot: int) -> list[str]:
         return list(self._placed.get(slot, []))
 
+    def _on_scheduler_event(self, event) -> None:
+        """A worker holding this driver's components is being retired (a scale-down of a cluster object, its
+        ``adapt()``, a job queue ending a job) or has left: said at once, naming the components. Components do
+        not move (Dask cannot retire a worker holding actors gracefully, and a cluster object that closes it
+        anyway takes them with it), so the run cannot go on without them."""
+        _, msg = event
+        if self._closing or not isinstance(msg, dict):
+            return
+        action = msg.get("action")
+        if action == "retire-workers":
+            leaving = [*msg.get("retired", ()), *msg.get("could-not-retire", ())]
+            what = "is being retired (a scale-down: scale(), adapt(), a job's end)"
+        elif action == "remove-worker":
+            leaving, what = [msg.get("worker")], "left the cluster"
+        else:
+            return
+        for address in leaving:
+            slot = next((s for s in self.slots if s.address == address), None)
+            held = self.placed_on(slot.rank) if slot is not None else []
+            if held:
+                log.warning(
+                    "worker %s (slot %d) %s while it holds %s: components do not move, so this run's next call "
+                    "to them fails (WorkerLostError) and loop.recover() resumes from the last checkpoint once "
+                    "the cluster has a worker for the slot again. Keep the workers that hold components when "
+                    "scaling down (%d of this cluster's), or save first (loop.save())",
+                    address, slot.rank, what, ", ".join(held), len({s.address for s in self.slots
+                                                                    if self.placed_on(s.rank)}),
+                )  # fmt: skip
+
     # ------------------------------------------------------------------ lifecycle
     def bind(self, actor):
         """Tie a Dask actor handle to this cluster's client.
@@ -679,6 +711,10 @@ class Cluster:
 
     def close(self) -> None:
         """Close channels, the client, and the embedded cluster if this object started it."""
+        self._closing = True  # (the workers this closes leave without a warning)
+        # (before the client closes: the scheduler would send events to a closed comm)
+        with contextlib.suppress(Exception):
+            self.client.unsubscribe_topic("all")
         for ch in self._channels:
             with contextlib.suppress(Exception):  # its worker may be gone already
                 ch.close()
