@@ -12,7 +12,7 @@ import pytest
 
 from rlnb.config import load_recipe
 from rlnb.errors import ConfigError, PlacementError
-from rlnb.loop import SACLoop, complete_checkpoints
+from rlnb.loop import Callback, SACLoop, complete_checkpoints
 from tests.conftest import assert_metrics_documented, kill_driver_inside_a_step, without_wall_clock
 
 QUIET = ["runner.tensorboard=false", "runner.eval_interval=0"]
@@ -78,6 +78,28 @@ def test_a_killed_sac_run_resumes_exactly_its_buffer_included(cluster, tmp_path)
     assert saved == 3 and 4 <= step <= 6, (saved, step, phase)
     with SACLoop.resume(cut, cluster=cluster) as loop:
         assert loop.step == 3 and len(loop.buffer) == 3 * 32
+        resumed = [without_wall_clock(r) for r in loop.run(progress=False)]
+    assert resumed == full[3:]
+
+
+class _StopAt(Callback):
+    def on_step(self, loop, record):
+        if loop.step == 3:
+            loop.stop()  # as the dashboard's stop button, or the CLI on a signal
+
+
+def test_a_sac_run_stopped_with_a_batch_in_flight_resumes_exactly(cluster, tmp_path):
+    """Stopped between checkpoints, the collectors' next batch is in flight: the checkpoint keeps it (numpy
+    transitions, read back without running code) and the resumed run trains on it as the uncut one did."""
+    base = [*SMALL, "runner.steps=6"]
+    with SACLoop.from_recipe("sac_pendulum", base, cluster=cluster, run_dir=tmp_path / "full") as loop:
+        full = [without_wall_clock(r) for r in loop.run(progress=False)]
+    with SACLoop.from_recipe("sac_pendulum", base, cluster=cluster, run_dir=tmp_path / "cut") as loop:
+        loop.run(progress=False, callbacks=[_StopAt()])
+        assert loop.step == 3 and loop.rollout_status()["in_flight"]
+        assert (loop.save() / "in_flight.pt").is_file()
+    with SACLoop.resume(tmp_path / "cut", cluster=cluster) as loop:
+        assert loop.rollout_status()["in_flight"]
         resumed = [without_wall_clock(r) for r in loop.run(progress=False)]
     assert resumed == full[3:]
 

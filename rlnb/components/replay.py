@@ -27,6 +27,9 @@ FIELDS = ("obs", "actions", "rewards", "terminated", "truncated", "next_obs", "d
 def _storage_shape(space: gym.Space, key: str) -> tuple[tuple[int, ...], np.dtype]:
     if isinstance(space, gym.spaces.Discrete):
         return (), np.dtype(np.int64)
+    if isinstance(space, gym.spaces.Box) and space.dtype == np.float64:
+        # (rlnb's envs hand float64 observations over as float32)
+        return tuple(space.shape), np.dtype(np.float32)
     if isinstance(space, (gym.spaces.Box, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)):
         return tuple(space.shape), np.dtype(space.dtype)
     raise ConfigError(
