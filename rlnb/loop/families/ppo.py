@@ -8,22 +8,19 @@ observations and actions flow through channels, with ``env.pipeline_stages`` sta
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections import deque
 from pathlib import Path
 
 import gymnasium as gym
 
 from rlnb.algorithms.contract import EMBODIED, check_algorithm
 from rlnb.components.actor import PPOActor
-from rlnb.components.env import Env, success_rate
+from rlnb.components.env import Env
 from rlnb.components.rollout import PolicyRollout
 from rlnb.envs.gym_envs import probe_env
 from rlnb.envs.obs import layout_of
 from rlnb.errors import ConfigError, PlacementError
-from rlnb.loop.checkpoint import MAX_STEP, ListOf, Num
-from rlnb.loop.families import Family
+from rlnb.loop.families.env import EnvFamily
 from rlnb.loop.phase import Phase, count_or_default
 from rlnb.loop.roles import EnvRole, PolicyRolloutRole, PPOActorRole
 from rlnb.loop.runner import Callback
@@ -31,7 +28,6 @@ from rlnb.models.policies import check_spaces
 from rlnb.runtime.channel import Channel
 
 log = logging.getLogger("rlnb")
-EPISODE_WINDOW = 20  # episode statistics over the last 20 finished training episodes, as SB3 reports them
 
 
 class WarmStartFirst(Callback):
@@ -42,7 +38,7 @@ class WarmStartFirst(Callback):
             loop.warm_start()
 
 
-class PPO(Family):
+class PPO(EnvFamily):
     """Embodied PPO (see the module's docstring)."""
 
     name = "ppo"
@@ -51,10 +47,6 @@ class PPO(Family):
         "env": (EnvRole, "rlnb.Env"),
         "rollout": (PolicyRolloutRole, "rlnb.PolicyRollout"),
         "actor": (PPOActorRole, "rlnb.PPOActor"),
-    }
-    STATE = {
-        "global_step": Num(0, MAX_STEP),
-        "episodes": ListOf(ListOf(max_len=3), max_len=EPISODE_WINDOW),
     }
     SUMMARY_KEYS = (
         "env/episode_return_mean",
@@ -192,12 +184,6 @@ class PPO(Family):
             check_vla(*spaces, vla_spec(config, processor, key), v.head, v.cameras, v.instruction,
                       v.default_instruction)  # fmt: skip
 
-    def check_cluster(self) -> None:
-        if self.session.recipe.env.vector_mode == "async":
-            self.session.cluster.check_children(
-                self.session.placement["env"], "env.vector_mode=async (gymnasium AsyncVectorEnv)"
-            )
-
     def launch(self) -> None:
         """The recipe path: the same public ``launch`` calls a notebook makes."""
         s = self.session
@@ -246,8 +232,7 @@ class PPO(Family):
         super().compose(asynchronous)
 
     def reset_state(self) -> None:
-        self.global_step = 0
-        self.episodes: deque = deque(maxlen=EPISODE_WINDOW)
+        super().reset_state()
         self.warm_started = False  # (run() warm-starts at step 0 unless a cell did)
 
     def warm_start(self, demos: dict | None = None, episodes: int | None = None, epochs: int | None = None,
@@ -290,13 +275,6 @@ class PPO(Family):
         record["time/warm_start_s"] = time.perf_counter() - t0
         s.logger.log(s.step, record)
         return record
-
-    def state(self) -> dict:
-        return {"global_step": self.global_step, "episodes": list(self.episodes)}
-
-    def load_state(self, state: dict) -> None:
-        self.global_step = state["global_step"]
-        self.episodes = deque((tuple(x) for x in state["episodes"]), maxlen=EPISODE_WINDOW)
 
     # ------------------------------------------------------------------ phases
     def start_collection(self) -> list:
@@ -367,15 +345,6 @@ class PPO(Family):
             (actor, "compute_advantages", ()),
             (actor, "train", ()),
         ]
-
-    def solved(self) -> bool:
-        target = self.session.recipe.runner.stop_return
-        stats = self.episode_stats()
-        return (
-            target is not None
-            and len(self.episodes) >= EPISODE_WINDOW
-            and stats["episode_return_mean"] >= target
-        )
 
     def evaluate(self, n: int | None = None) -> dict:
         """Deterministic episodes on fresh envs (seeded apart from training) with the rollout's weights (the loop
@@ -494,18 +463,6 @@ class PPO(Family):
         return self.session.groups["env"].on(0).obs_normalization().result()[0]
 
     # ------------------------------------------------------------------ metrics
-    def episode_stats(self) -> dict:
-        """Mean return and length of the last (up to) 20 finished training episodes, ``None`` before any (a few
-        µs: the loop reads it several times a step)."""
-        if not self.episodes:
-            return {"episode_return_mean": None, "episode_len_mean": None, "episode_success_rate": None}
-        n = len(self.episodes)
-        return {
-            "episode_return_mean": math.fsum(e[0] for e in self.episodes) / n,
-            "episode_len_mean": math.fsum(e[1] for e in self.episodes) / n,
-            "episode_success_rate": success_rate(self.episodes),
-        }
-
     def log_step(self, sequential: bool) -> None:
         s = self.session
         stats = self.episode_stats()
@@ -532,12 +489,6 @@ class PPO(Family):
             if f"rollout/{key}" in p:
                 record[f"rollout/{key}"] = p[f"rollout/{key}"]
         s.log_record(record)
-
-    def summary(self) -> str:
-        ret = self.episode_stats()["episode_return_mean"]
-        return f"step {self.session.step}, {self.global_step} env steps; train return (last 20) " + (
-            "n/a" if ret is None else f"{ret:.1f}"
-        )
 
     def sample(self, n: int = 4) -> dict:
         """The first ``n`` time steps of the batch actor rank 0 trains on (``[n, N, ...]``); rollout rank 0's batch

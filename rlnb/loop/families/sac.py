@@ -15,23 +15,19 @@ actor's slot (sampled in-process), one actor rank.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections import deque
 from typing import Protocol
 
-from rlnb.components.env import Env, success_rate
+from rlnb.components.env import Env
 from rlnb.components.replay import ReplayBuffer, transition_bytes
 from rlnb.components.sac import SACActor, SACCollector, _variant_misfit
 from rlnb.envs.gym_envs import probe_env
 from rlnb.errors import ConfigError, PlacementError
-from rlnb.loop.checkpoint import MAX_STEP, ListOf, Num
-from rlnb.loop.families import Family
+from rlnb.loop.families.env import EnvFamily
 from rlnb.loop.phase import Phase, count_or_default
 from rlnb.loop.roles import ActorRole, EnvRole
 
 log = logging.getLogger("rlnb")
-EPISODE_WINDOW = 20  # episode statistics over the last 20 finished training episodes, as SB3 reports them
 
 
 class CollectorRole(Protocol):
@@ -70,7 +66,7 @@ class LearnerRole(ActorRole, Protocol):
     def set_total_steps(self, total_steps: int) -> int: ...
 
 
-class SAC(Family):
+class SAC(EnvFamily):
     """SAC's phases (see the module's docstring)."""
 
     name = "sac"
@@ -79,10 +75,6 @@ class SAC(Family):
         "rollout": (CollectorRole, "rlnb.components.SACCollector"),
         "buffer": (BufferRole, "rlnb.components.ReplayBuffer"),
         "actor": (LearnerRole, "rlnb.components.SACActor"),
-    }
-    STATE = {
-        "global_step": Num(0, MAX_STEP),
-        "episodes": ListOf(ListOf(max_len=3), max_len=EPISODE_WINDOW),
     }
     SUMMARY_KEYS = ("env/episode_return_mean", "train/q_loss", "train/alpha", "rollout/steps_per_s")
     _probed: tuple | None = None
@@ -153,12 +145,6 @@ class SAC(Family):
         s = self.session
         return s.cluster.slots[s.placement["buffer"][0]].memory_limit_bytes
 
-    def check_cluster(self) -> None:
-        if self.session.recipe.env.vector_mode == "async":
-            self.session.cluster.check_children(
-                self.session.placement["env"], "env.vector_mode=async (gymnasium AsyncVectorEnv)"
-            )
-
     def launch(self) -> None:
         """The recipe path: the same public ``launch`` calls a notebook makes."""
         s = self.session
@@ -217,17 +203,6 @@ class SAC(Family):
             k: ",".join(map(str, v)) for k, v in s.placement.slots.items()
         }
 
-    def reset_state(self) -> None:
-        self.global_step = 0
-        self.episodes: deque = deque(maxlen=EPISODE_WINDOW)
-
-    def state(self) -> dict:
-        return {"global_step": self.global_step, "episodes": list(self.episodes)}
-
-    def load_state(self, state: dict) -> None:
-        self.global_step = state["global_step"]
-        self.episodes = deque((tuple(x) for x in state["episodes"]), maxlen=EPISODE_WINDOW)
-
     # ------------------------------------------------------------------ phases
     def start_collection(self) -> list:
         s = self.session
@@ -273,25 +248,6 @@ class SAC(Family):
         s.logger.log(s.step, record)
         return record
 
-    def solved(self) -> bool:
-        target = self.session.recipe.runner.stop_return
-        return (
-            target is not None
-            and len(self.episodes) >= EPISODE_WINDOW
-            and self.episode_stats()["episode_return_mean"] >= target
-        )
-
-    # ------------------------------------------------------------------ metrics
-    def episode_stats(self) -> dict:
-        if not self.episodes:
-            return {"episode_return_mean": None, "episode_len_mean": None, "episode_success_rate": None}
-        n = len(self.episodes)
-        return {
-            "episode_return_mean": math.fsum(e[0] for e in self.episodes) / n,
-            "episode_len_mean": math.fsum(e[1] for e in self.episodes) / n,
-            "episode_success_rate": success_rate(self.episodes),
-        }
-
     def log_step(self, sequential: bool) -> None:
         s, stats = self.session, self.episode_stats()
         p = s.pending
@@ -311,12 +267,6 @@ class SAC(Family):
             if f"rollout/{key}" in p:
                 record[f"rollout/{key}"] = p[f"rollout/{key}"]
         s.log_record({k: v for k, v in record.items() if v is not None or k.startswith("env/")})
-
-    def summary(self) -> str:
-        ret = self.episode_stats()["episode_return_mean"]
-        return f"step {self.session.step}, {self.global_step} env steps; train return (last 20) " + (
-            "n/a" if ret is None else f"{ret:.1f}"
-        )
 
     def sample(self, n: int = 4) -> dict:
         """The first ``n`` time steps of collector rank 0's last batch (``[n, N, ...]``)."""

@@ -8,7 +8,8 @@ import math
 import time
 from collections import deque
 
-from rlnb.loop.families.ppo import EPISODE_WINDOW, PPO
+from rlnb.loop.families.env import EPISODE_WINDOW
+from rlnb.loop.families.ppo import PPO
 from rlnb.loop.phase import mean_dicts
 from rlnb.loop.schedules.sync import Sync
 from rlnb.runtime.chain import RunAhead, chain, take_run_ahead
