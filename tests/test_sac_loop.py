@@ -1,6 +1,6 @@
-"""SAC's family under the composed loop (issue 56): it learns Pendulum on workers, synchronously and with the
-collectors apart and running ahead; a killed run resumes exactly, its buffer included; the objects path, the CLI
-and the recipe checks."""
+"""SAC's family under the composed loop (issue 56): it learns Pendulum on workers synchronously (and with the
+collectors apart, running a batch ahead: notebooks/10_off_policy_sac.ipynb, whose checks the test command runs);
+a killed run resumes exactly, its buffer included; the objects path, the CLI and the recipe checks."""
 
 import subprocess
 import sys
@@ -47,20 +47,6 @@ def test_sac_learns_pendulum_on_a_worker_one_phase_after_another(cluster, tmp_pa
         assert last["train/updates_total"] == 4000 - 1000  # one a transition, after the 1,000 of the warm-up
         assert last["buffer/size"] == 4000 and last["train/alpha"] < 1.0
         assert len(loop.buffer) == 4000
-    assert_metrics_documented(tmp_path)
-
-
-def test_sac_learns_with_the_collectors_apart_running_one_batch_ahead(cluster, tmp_path):
-    """The recipe as shipped: collectors on slot 0, learner and buffer on slot 1, weights through a channel; the
-    collectors run one version ahead, never more (seen: -1293 -> -202 at 4,000 env steps; seed 1 learns later,
-    -1310 -> -1250 there, and seed 3 -1315 -> -128)."""
-    overrides = [*QUIET, "runner.steps=50", "runner.stop_return=null", "seed=2"]
-    with SACLoop.from_recipe("sac_pendulum", overrides, cluster=cluster, run_dir=tmp_path) as loop:
-        assert type(loop.schedule).__name__ == "Ahead" and loop.weight_sync == "channel"
-        before, after = _learns(loop)
-        assert after > before + 500, (before, after)
-        stale = [r["rollout/staleness_max"] for r in loop.history if "rollout/staleness_max" in r]
-        assert set(stale) <= {0, 1} and stale.count(1) >= len(stale) // 2, stale
     assert_metrics_documented(tmp_path)
 
 
@@ -208,7 +194,7 @@ def test_rlnb_run_sac_mujoco_from_the_cli(tmp_path):
     """The MuJoCo recipe, made short, from the command line (HalfCheetah's 17 observations, 6 actions)."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "rlnb.cli", "run", "sac_mujoco", "runner.steps=4", "runner.eval_interval=2",
-           "runner.save_interval=4", "sac.learning_starts=256", "sac.hidden_sizes=[32,32]", "runner.tensorboard=false",
+           "runner.save_interval=4", "runner.eval_episodes=1", "sac.learning_starts=256", "sac.hidden_sizes=[32,32]", "runner.tensorboard=false",
            f"runner.run_dir={run_dir}"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr[-3000:]
