@@ -166,6 +166,7 @@ def test_discrete_sac_runs_cartpole_through_the_loop(cluster, tmp_path):
         ),
         (["actor.lr=0.01"], ConfigError, r"actor.lr: family sac does not read it .*sac.lr"),
         (["env.normalize_obs=true"], ConfigError, r"env.normalize_obs: the replay buffer keeps transitions"),
+        (["env.id=rlnb/PixelReach-v0"], ConfigError, r"env.id: SAC's MLPs take flat vector observations"),
         (
             ["cluster.component_placement={'env,rollout,actor': 0, buffer: 1}"],
             PlacementError,

@@ -26,6 +26,7 @@ from rlnb.errors import ConfigError, PlacementError
 from rlnb.loop.families.env import EnvFamily
 from rlnb.loop.phase import Phase, count_or_default
 from rlnb.loop.roles import ActorRole, EnvRole
+from rlnb.models.sac import flat_dim
 
 log = logging.getLogger("rlnb")
 
@@ -110,6 +111,7 @@ class SAC(EnvFamily):
                               "env.pipeline_stages")  # fmt: skip
         spaces = probe_env(env.id, env.kwargs) if isinstance(env.id, str) else None
         if spaces is not None:
+            flat_dim(spaces[0], "env.id")  # (an image or a dict of parts: refused here, not on a worker)
             misfit = _variant_misfit(r.sac.variant, spaces[1])
             if misfit is not None:
                 raise ConfigError(misfit, "sac.variant")
