@@ -59,6 +59,20 @@ class EnvFamily(Family):
             and self.episode_stats()["episode_return_mean"] >= target
         )
 
+    def episode_record(self) -> dict:
+        """The step record's env part: ``global_step``, the episodes' mean return and length (and success rate,
+        where the env says), and the rollout's throughput."""
+        stats = self.episode_stats()
+        record = {
+            "global_step": self.global_step,
+            "env/episode_return_mean": stats["episode_return_mean"],
+            "env/episode_len_mean": stats["episode_len_mean"],
+            "rollout/steps_per_s": self.session.pending.get("rollout/steps_per_s"),
+        }
+        if stats["episode_success_rate"] is not None:  # an env that says whether its episodes succeeded
+            record["env/success_rate"] = stats["episode_success_rate"]
+        return record
+
     def summary(self) -> str:
         ret = self.episode_stats()["episode_return_mean"]
         return f"step {self.session.step}, {self.global_step} env steps; train return (last 20) " + (

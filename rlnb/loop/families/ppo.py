@@ -465,16 +465,8 @@ class PPO(EnvFamily):
     # ------------------------------------------------------------------ metrics
     def log_step(self, sequential: bool) -> None:
         s = self.session
-        stats = self.episode_stats()
         p = s.pending
-        record = {
-            "global_step": self.global_step,
-            "env/episode_return_mean": stats["episode_return_mean"],
-            "env/episode_len_mean": stats["episode_len_mean"],
-            "rollout/steps_per_s": p.get("rollout/steps_per_s"),
-        }
-        if stats["episode_success_rate"] is not None:  # an env that says whether its episodes succeeded
-            record["env/success_rate"] = stats["episode_success_rate"]
+        record = self.episode_record()
         work = {  # seconds of the work itself inside the phases, timed where it runs (wall clock: time/)
             "time/env_s": p.pop("rollout/env_s", None),
             "time/inference_s": p.pop("rollout/inference_s", None),

@@ -251,24 +251,20 @@ class SAC(EnvFamily):
         return record
 
     def log_step(self, sequential: bool) -> None:
-        s, stats = self.session, self.episode_stats()
+        s = self.session
         p = s.pending
-        record = {
-            "global_step": self.global_step,
-            "env/episode_return_mean": stats["episode_return_mean"],
-            "env/episode_len_mean": stats["episode_len_mean"],
-            "rollout/steps_per_s": p.get("rollout/steps_per_s"),
+        record = self.episode_record()
+        work = {
             "buffer/size": p.pop("train/buffer_size", None),
             "time/env_s": p.pop("rollout/env_s", None),
             "time/inference_s": p.pop("rollout/inference_s", None),
             "time/train_compute_s": p.pop("train/compute_s", None),
         }
-        if stats["episode_success_rate"] is not None:
-            record["env/success_rate"] = stats["episode_success_rate"]
+        record.update({k: v for k, v in work.items() if v is not None})
         for key in ("staleness_mean", "staleness_max", "overlap_frac"):
             if f"rollout/{key}" in p:
                 record[f"rollout/{key}"] = p[f"rollout/{key}"]
-        s.log_record({k: v for k, v in record.items() if v is not None or k.startswith("env/")})
+        s.log_record(record)
 
     def sample(self, n: int = 4) -> dict:
         """The first ``n`` time steps of collector rank 0's last batch (``[n, N, ...]``)."""
