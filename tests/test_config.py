@@ -156,7 +156,7 @@ def test_a_section_of_another_family_is_refused_naming_its_key_not_ignored(tmp_p
         RecipeError, match=r"data.prompts_per_step: the data section is read by family grpo only"
     ):
         load_recipe("ppo_cartpole", ["data.prompts_per_step=8"])
-    with pytest.raises(RecipeError, match=r"env.num_envs: the env section is read by family ppo only"):
+    with pytest.raises(RecipeError, match=r"env.num_envs: the env section is read by family ppo or sac only"):
         load_recipe("grpo_arith", ["env.num_envs=3"])
     with pytest.raises(
         RecipeError, match=r"reward.name: the reward section .* \(remove it, or set family: grpo\)"
