@@ -222,7 +222,6 @@ class SACActor:
         )
         self.learner: SACLearner | None = None
         self.buffer_name: str | None = None
-        self._buffer = None  # (an in-process buffer of one's own: tests, a notebook without a cluster)
         self.owed = 0.0  # updates owed but not made yet (a fraction of one carried over)
 
     def bind_spaces(self, obs_space: gym.Space, action_space: gym.Space) -> dict:
@@ -246,7 +245,7 @@ class SACActor:
 
     @property
     def buffer(self):
-        return self._buffer if self._buffer is not None else local_peer(self.buffer_name, self.rank)
+        return local_peer(self.buffer_name, self.rank)
 
     def describe(self) -> dict:
         return {"sac": dict(self.settings)}
