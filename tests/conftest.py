@@ -67,6 +67,7 @@ FIRST = (
     "02_grpo_arithmetic",
     "test_browser",
     "test_lm_modes",
+    "test_tools",
     "07_async_steering_mujoco",
     "test_precision",
 )

@@ -34,7 +34,8 @@ def _free_port() -> int:
 
 # points of the return curve drawn in the page: the SVG path's segments + 1
 POINTS = """() => { const f = Array.from(document.querySelectorAll('.bqplot')).find(e => e.textContent.includes('return / reward'));
-  if (!f) return -1; const d = f.querySelector('path.line').getAttribute('d') || '';
+  if (!f) return -1; const l = f.querySelector('path.line'); if (!l) return 0;  /* the figure before its line */
+  const d = l.getAttribute('d') || '';
   return d ? (d.match(/L/g) || []).length + 1 : 0; }"""
 TICKS = """() => Array.from(Array.from(document.querySelectorAll('.bqplot')).find(e => e.textContent.includes('return / reward'))
   .querySelectorAll('g.axis')[0].querySelectorAll('g.tick text')).map(t => t.textContent)"""

@@ -819,7 +819,8 @@ PRESETS_DR = {"advantage": "grpo", "policy_loss": "ppo", "scale": "none", "agg":
 
 def test_dr_grpos_constant_makes_the_update_the_same_however_wide_the_batch_is_padded(tiny_lm):
     """agg: seq-mean-token-sum-norm divides each completion's token sum by algorithm.agg_max_tokens: the same
-    batch padded 3 columns wider trains to the same weights; by the batch's width instead (null) it does not."""
+    batch padded 3 columns wider gives the same gradient; by the batch's width instead (null), one smaller by the
+    widths' ratio."""
     ro = HFRollout(tiny_lm, max_new_tokens=3, seed=1)
     ro.generate(["1+1=", "2+2="], ["2", "4"], n=2)
     ro.set_rewards([1.0, 0.0, 0.0, 1.0])
@@ -829,19 +830,19 @@ def test_dr_grpos_constant_makes_the_update_the_same_however_wide_the_batch_is_p
         pad = batch[key].new_full((batch[key].shape[0], 3), ro.tok.pad_token_id if key == "input_ids" else 0)
         wide[key] = torch.cat([pad, batch[key]], 1)  # (left padding, as the rollout pads)
 
-    def trained(b, constant):
+    def grad_norm(b, constant):
         algo = AlgorithmConfig(**{**PRESETS_DR, "agg_max_tokens": constant}, group_size=2, num_minibatches=1,
                                update_epochs=1)  # fmt: skip
         actor = LMActor(tiny_lm, algo, lr=1e-2, micro_batch_size=8, seed=0, anneal_lr=False)
         actor.set_batch([dict(b)])
-        actor.train()
-        return actor.policy_state()
+        return actor.train()["grad_norm"]
 
-    def same(a, b):
-        return all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
-
-    assert same(trained(batch, 8), trained(wide, 8))
-    assert not same(trained(batch, None), trained(wide, None))
+    # (the gradient, not the weights after the step: Adam's first step is lr * sign(grad) wherever the gradient
+    # is not ~0, so the weights tell a scaled loss from another only through its eps, and the last bits of a
+    # padded batch's sums differ between CPUs)
+    assert grad_norm(batch, 8) == pytest.approx(grad_norm(wide, 8), rel=1e-5)
+    width, wider = batch["input_ids"].shape[1], wide["input_ids"].shape[1]
+    assert grad_norm(batch, None) / grad_norm(wide, None) == pytest.approx(wider / width, rel=1e-4)
 
 
 def test_a_mismatch_correction_weighs_each_tokens_loss_by_trainer_over_engine(tiny_lm):

@@ -158,6 +158,9 @@ def test_tool_settings_that_cannot_work_are_refused_naming_the_key():
 CALL = '<tool_call>{{"name": "python", "arguments": {{"code": "print({a}{op}{b})"}}}}</tool_call>'
 
 
+# (600 warm-start steps: 45 s alone, 140 s inside the suite, past 300 on a loaded machine; fewer steps, at a
+# higher rate or not, left some seeds' model calling the tool wrongly)
+@pytest.mark.timeout(900)
 def test_a_tiny_model_trained_here_calls_the_python_tool_in_its_template_on_workers(cluster, tmp_path):
     """``grpo_calculator`` with ``rollout.tools=[python]`` and the chat template: the multi-turn warm start teaches
     the tiny model to call the tool with the problem's product (the sandbox's answer rendered in the template's tool
