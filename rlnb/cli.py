@@ -417,21 +417,22 @@ def _export(args) -> int:
     if not recipe_file.is_file():
         raise ConfigError(f"RUN_DIR: {args.run_dir} is not a run directory (no recipe.yaml)", "RUN_DIR")
     family = load_recipe(recipe_file).family
-    if family == "sac":
-        raise ConfigError(
-            f"RUN_DIR: {args.run_dir} is a SAC run (family: sac), which has no export yet: its checkpoints hold the "
-            "learner's policy (rlnb eval plays it; SACLoop.resume(RUN_DIR) continues it)", "RUN_DIR",
-        )  # fmt: skip
-    embodied = family == "ppo"
+    embodied = family in ("ppo", "sac")
     if args.out is not None:  # refused before anything is read or started
         try:
             check_export_target(args.out, "file" if embodied else "directory", is_ours=is_policy_file)
         except UnsafePathError as e:
             raise ConfigError(f"--out: {e.strerror}", "--out") from None
-    if embodied:
+    if family == "sac":
+        from rlnb.export import sac_policy_from_checkpoint
+
+        out = Path(args.out) if args.out is not None else Path(args.run_dir) / "policy.pt"
+        path = sac_policy_from_checkpoint(args.run_dir).save(out)  # (no cluster: the learner's weights)
+    elif embodied:
         from rlnb.export import export_from_checkpoint
 
         path = export_from_checkpoint(args.run_dir, args.out)  # (no cluster: the built-in policy's weights)
+    if embodied:
         if path is not None:
             print(
                 f"rlnb: exported {args.run_dir} at step {_policy_step(path)} to {path} (no cluster started); "

@@ -5,8 +5,8 @@ into its input (the frozen observation normalisation of ``env.normalize_obs``) a
 actions (continuous actions clipped to the action space, as the rollout clips them). :func:`load_policy` reads
 it back in any process, with no cluster, Dask or rlnb component running.
 
-The file holds only tensors and plain data (format ``rlnb-policy/2``): the built-in actor-critic's settings and
-weights, the spaces, the normalisation statistics. It loads with ``torch.load(weights_only=True)``: a file from
+The file holds only tensors and plain data (format ``rlnb-policy/2``): the built-in actor-critic's (or a SAC
+agent's: its policy and twin Q-networks) settings and weights, the spaces, the normalisation statistics. It loads with ``torch.load(weights_only=True)``: a file from
 someone else cannot run code. A policy class of the user's own (defined in a notebook cell) cannot be rebuilt
 from data: it travels pickled by value inside the file, and :func:`load_policy` unpickles it only when told the
 file is trusted (``trust=True``); so does an env class or factory the file names for :meth:`TrainedPolicy.evaluate`.
@@ -376,6 +376,9 @@ class TrainedPolicy:
         if vla:
             check_export_target(vla_dir, "directory")
         path.parent.mkdir(parents=True, exist_ok=True)
+        from rlnb.models.sac import SACPolicy
+
+        sac = type(self.module) is SACPolicy
         builtin = type(self.module) is ActorCritic
         if vla:
             import tempfile
@@ -394,11 +397,14 @@ class TrainedPolicy:
         state = {
             "format": FORMAT,
             "actor_critic": self.module.config if builtin else None,
-            "weights": self.module.state_dict() if builtin else self.module.head_state() if vla else None,
+            "weights": (
+                self.module.state_dict() if builtin or sac else self.module.head_state() if vla else None
+            ),
+            "sac": self.module.config if sac else None,
             # a VLA: its settings, the model in the directory beside (named relative to this file)
             "vla": {**self.module.config, "path": vla_dir.name} if vla else None,
             # by value where a class is not importable (defined in a notebook cell or a script's __main__)
-            "module_pickle": None if builtin or vla else cloudpickle.dumps(self.module),
+            "module_pickle": None if builtin or vla or sac else cloudpickle.dumps(self.module),
             "observation_space": space_to_data(self.observation_space),
             "action_space": space_to_data(self.action_space),
             "obs_normalization": None
@@ -521,6 +527,13 @@ def _module_from(state: dict, path: Path, trust: bool):
         return module
     if state.get("vla") is not None:
         return _vla_from(state, path)
+    if state.get("sac") is not None:
+        from rlnb.models.sac import SACPolicy
+
+        obs, act = space_from_data(state["observation_space"]), space_from_data(state["action_space"])
+        module = SACPolicy(obs, act, **state["sac"])
+        module.load_state_dict(state["weights"])
+        return module
     if not trust:
         raise PolicyFileError(
             f"load_policy: {path} holds a policy class of its author's own, pickled (unpickling runs code): "
@@ -633,6 +646,41 @@ def export_from_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike | 
     if policy is None:
         return None
     return policy.save(Path(out) if out is not None else Path(run_dir) / "policy.pt")
+
+
+def sac_policy_from_checkpoint(run_dir: str | os.PathLike) -> TrainedPolicy:
+    """The SAC agent of a run's latest checkpoint in this process, without a cluster: the policy and twin
+    Q-networks rebuilt from the run's recipe (``sac.hidden_sizes``) and the learner's checkpointed weights, the
+    spaces from one env built here.
+
+    Raises:
+        rlnb.loop.CheckpointError: the run has no complete checkpoint, it cannot be read, or its weights hold NaN
+            or inf.
+    """
+    from rlnb.components.env import Env
+    from rlnb.files import nonfinite
+    from rlnb.loop.checkpoint import CheckpointError
+    from rlnb.models.sac import SACPolicy
+
+    recipe, checkpoint, step, actor = _latest_checkpoint(run_dir)
+    env = Env(recipe.env, seed=recipe.seed, num_envs=1, pipeline_stages=1)
+    try:
+        spaces = (env.observation_space, env.action_space)
+    finally:
+        env.close()
+    try:
+        learner = actor["learner"]
+        weights = {**{f"policy.{k}": v for k, v in learner["policy"].items()},
+                   **{f"q.{k}": v for k, v in learner["q"].items()}}  # fmt: skip
+        bad = nonfinite(weights, "agent")
+        if bad is not None:
+            raise ValueError(f"{bad} holds NaN or inf values")
+        module = SACPolicy(*spaces, recipe.sac.hidden_sizes)
+        module.load_state_dict(weights)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"could not read {checkpoint}: actor_rank0.pt: {e}") from e
+    return TrainedPolicy(module.eval(), *spaces, None, step=step, source=str(run_dir),
+                         env_spec={"config": recipe.env, "make_env": None})  # fmt: skip
 
 
 def lm_actor_from_checkpoint(run_dir: str | os.PathLike) -> tuple | None:

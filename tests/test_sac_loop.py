@@ -2,6 +2,7 @@
 collectors apart, running a batch ahead: notebooks/10_off_policy_sac.ipynb, whose checks the test command runs);
 a killed run resumes exactly, its buffer included; the objects path, the CLI and the recipe checks."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
+import rlnb
 from rlnb.config import load_recipe
 from rlnb.errors import ConfigError, PlacementError
 from rlnb.loop import Callback, SACLoop, complete_checkpoints
@@ -136,7 +138,18 @@ def test_discrete_sac_runs_cartpole_through_the_loop(cluster, tmp_path):
     with SACLoop.from_recipe("sac_pendulum", overrides, cluster=cluster, run_dir=tmp_path) as loop:
         records = loop.run(progress=False)
         assert records[-1]["train/updates"] > 0 and np.isfinite(records[-1]["train/q_loss"])
-        assert loop.evaluate(2)["eval/len_mean"] >= 8
+        shown = loop.evaluate(2)
+        assert shown["eval/len_mean"] >= 8
+        # the export plays the learner's policy in this process: the loop's evaluation on the same seeds, and the
+        # collectors' greedy actions
+        policy = rlnb.load_policy(loop.export())
+        assert (
+            policy.evaluate(episodes=2, seed=loop.recipe.seed + 1_000_003)["return_mean"]
+            == shown["eval/return_mean"]
+        )
+        obs = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+        greedy = loop.groups["rollout"].on(0).actions(obs, deterministic=True).result()[0]
+        assert (policy.predict(obs) == greedy).all() and "TrainedPolicy(SACPolicy, step 6" in repr(policy)
 
 
 @pytest.mark.parametrize(
@@ -207,7 +220,15 @@ def test_rlnb_run_sac_mujoco_from_the_cli(tmp_path):
     assert out.returncode == 0 and "at step 4: eval/return_mean=" in out.stdout, (
         out.stdout + out.stderr[-2000:]
     )
-    out = subprocess.run([*cli, "export", str(run_dir)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "is a SAC run (family: sac), which has no export yet" in out.stderr, (
-        out.stderr
-    )
+    shown = float(re.search(r"eval/return_mean=(-?[0-9.]+)", out.stdout)[1])
+    out = subprocess.run([*cli, "export", str(run_dir)], capture_output=True, text=True, timeout=120)
+    assert (
+        out.returncode == 0 and f"at step 4 to {run_dir / 'policy.pt'} (no cluster started)" in out.stdout
+    ), out.stdout + out.stderr[-2000:]
+    # the file plays the checkpoint's policy: its evaluation on the loop's seeds is the one rlnb eval printed
+    policy = rlnb.load_policy(run_dir / "policy.pt")
+    seed = load_recipe(run_dir / "recipe.yaml").seed + 1_000_003
+    assert policy.evaluate(episodes=1, seed=seed)["return_mean"] == pytest.approx(shown, abs=0.01)
+    assert policy.predict(np.zeros(17, np.float32)).shape == (6,)
+    steps = policy.inspect_episode(max_steps=5)
+    assert len(steps) == 5 and np.isfinite(steps["value"]).all() and np.isfinite(steps["logprob"]).all()

@@ -305,6 +305,12 @@ class SACActor:
         """The policy's weights for the collectors (a detached copy)."""
         return {k: v.detach().clone() for k, v in self.learner.policy.state_dict().items()}
 
+    def agent_state(self) -> dict[str, torch.Tensor]:
+        """The policy's and the Q-networks' weights (:class:`rlnb.models.sac.SACPolicy`'s, what an export holds)."""
+        learner = self.learner
+        return {**{f"policy.{k}": v for k, v in learner.policy.state_dict().items()},
+                **{f"q.{k}": v for k, v in learner.q.state_dict().items()}}  # fmt: skip
+
     def publish_weights(self, channel, keys: list[str], version: int) -> int:
         """Apart: the policy's weights once per collector key."""
         state = {k: v.cpu() for k, v in self.policy_state().items()}

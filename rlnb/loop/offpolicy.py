@@ -10,6 +10,7 @@ Example (one phase per notebook cell):
 from __future__ import annotations
 
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 
@@ -119,6 +120,18 @@ class SACLoop(LoopBase):
 
     def episode_stats(self) -> dict:
         return self.family.episode_stats()
+
+    def export(self, path=None) -> Path:
+        """Write the trained agent to ``path`` (default ``<run_dir>/policy.pt``), atomically: the policy, the twin
+        Q-networks (``inspect_episode``'s values are ``min(Q1, Q2)`` of each action) and the env's spaces.
+        :func:`rlnb.load_policy` reads it in any process, with no cluster; ``predict`` plays the policy's mean
+        action, as :meth:`evaluate` does. Returns the path.
+
+        Example:
+            >>> policy = rlnb.load_policy(loop.export())                              # doctest: +SKIP
+            >>> action = policy.predict(obs)  # obs from gymnasium.make(...).reset()   # doctest: +SKIP
+        """
+        return self.family.export(path)
 
     def sample(self, n: int = 4) -> dict:
         """The first ``n`` time steps of collector rank 0's last batch (``[n, N, ...]``)."""

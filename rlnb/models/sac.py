@@ -73,7 +73,12 @@ class SquashedGaussianActor(nn.Module):
         torch's global one)."""
         mean, std = self._dist(obs)
         noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
-        u = mean + std * noise  # [M, A]
+        return self._squash(mean, std, mean + std * noise)
+
+    def _squash(
+        self, mean: torch.Tensor, std: torch.Tensor, u: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The action ``[M, A]`` of the pre-squash sample ``u`` and its log-probability ``[M]``."""
         y = torch.tanh(u)
         logp = torch.distributions.Normal(mean, std).log_prob(u)
         logp = logp - torch.log(self.scale * (1 - y.pow(2)) + 1e-6)  # tanh's and the rescaling's Jacobian
@@ -123,6 +128,39 @@ class TwinQ(nn.Module):
         return self.q1(x).squeeze(-1), self.q2(x).squeeze(-1)
 
 
+class SACPolicy(nn.Module):
+    """A trained SAC agent as :class:`rlnb.export.TrainedPolicy` plays it: the policy with its twin Q-networks,
+    ``act(obs, generator, deterministic) -> (actions, logprob, value)`` as the actor-critic's, where the value is
+    ``min(Q1, Q2)`` of the action taken (SAC has no state-value network). ``config`` rebuilds it with the spaces."""
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space, hidden_sizes=(256, 256)):
+        super().__init__()
+        hidden = tuple(int(h) for h in hidden_sizes)
+        self.config = {"hidden_sizes": list(hidden)}
+        self.discrete = isinstance(action_space, gym.spaces.Discrete)
+        self.policy = make_policy(observation_space, action_space, hidden)
+        self.q = TwinQ(flat_dim(observation_space, "env.observation_space"), action_space, hidden)
+
+    @torch.no_grad()
+    def act(self, obs: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = True):
+        """Actions ``[M(, A)]`` for observations ``[M, D]``, their log-probabilities ``[M]`` and Q-values ``[M]``."""
+        obs = obs.float()
+        if self.discrete:
+            probs, logp = self.policy.probs_logp(obs)  # [M, K] each
+            a = probs.argmax(-1) if deterministic else torch.multinomial(probs, 1, generator=generator)[:, 0]
+            q1, q2 = self.q(obs)
+            pick = a[:, None]
+            return a, logp.gather(1, pick)[:, 0], torch.minimum(q1, q2).gather(1, pick)[:, 0]
+        mean, std = self.policy._dist(obs)
+        u = (
+            mean
+            if deterministic
+            else mean + std * torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
+        )
+        a, logp = self.policy._squash(mean, std, u)
+        return a, logp, torch.minimum(*self.q(obs, a))
+
+
 def make_policy(obs_space: gym.Space, action_space: gym.Space, hidden: tuple[int, ...]) -> nn.Module:
     """SAC's policy for these spaces: categorical over discrete actions, else a squashed Gaussian (the learner's
     and the collectors' alike, so weights load from one into the other)."""
@@ -142,4 +180,12 @@ def target_copy(module: nn.Module) -> nn.Module:
     return target
 
 
-__all__ = ["CategoricalActor", "SquashedGaussianActor", "TwinQ", "flat_dim", "make_policy", "target_copy"]
+__all__ = [
+    "CategoricalActor",
+    "SACPolicy",
+    "SquashedGaussianActor",
+    "TwinQ",
+    "flat_dim",
+    "make_policy",
+    "target_copy",
+]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Protocol
 
 from rlnb.components.env import Env
@@ -64,6 +65,7 @@ class LearnerRole(ActorRole, Protocol):
 
     def bind_spaces(self, obs_space, act_space) -> dict: ...
     def attach_buffer(self, name: str) -> int: ...
+    def agent_state(self) -> dict: ...
     def set_total_steps(self, total_steps: int) -> int: ...
 
 
@@ -265,6 +267,26 @@ class SAC(EnvFamily):
             if f"rollout/{key}" in p:
                 record[f"rollout/{key}"] = p[f"rollout/{key}"]
         s.log_record(record)
+
+    def trained_policy(self):
+        """The learner's policy and Q-networks as they are now, with the env's spaces: a
+        :class:`rlnb.export.TrainedPolicy` in this process (what :meth:`export` writes)."""
+        from rlnb.export import TrainedPolicy
+        from rlnb.models.sac import SACPolicy
+
+        s = self.session
+        module = SACPolicy(
+            *self.spaces, s.groups["actor"].on(0).describe().result()[0]["sac"]["hidden_sizes"]
+        )
+        module.load_state_dict(s.groups["actor"].on(0).agent_state().result()[0])
+        return TrainedPolicy(
+            module, *self.spaces, None, step=s.step, source=str(s.run_dir), env_spec=self.env_spec
+        )
+
+    def export(self, path=None) -> Path:
+        """Write the trained agent to ``path`` (default ``<run_dir>/policy.pt``): see :meth:`rlnb.SACLoop.export`."""
+        s = self.session
+        return self.trained_policy().save(Path(path) if path is not None else s.run_dir / "policy.pt")
 
     def sample(self, n: int = 4) -> dict:
         """The first ``n`` time steps of collector rank 0's last batch (``[n, N, ...]``)."""
