@@ -657,21 +657,14 @@ def sac_policy_from_checkpoint(run_dir: str | os.PathLike) -> TrainedPolicy:
         rlnb.loop.CheckpointError: the run has no complete checkpoint, it cannot be read, or its weights hold NaN
             or inf.
     """
-    from rlnb.components.env import Env
     from rlnb.files import nonfinite
     from rlnb.loop.checkpoint import CheckpointError
-    from rlnb.models.sac import SACPolicy
+    from rlnb.models.sac import SACPolicy, agent_weights
 
     recipe, checkpoint, step, actor = _latest_checkpoint(run_dir)
-    env = Env(recipe.env, seed=recipe.seed, num_envs=1, pipeline_stages=1)
+    spaces = _spaces_of(recipe)
     try:
-        spaces = (env.observation_space, env.action_space)
-    finally:
-        env.close()
-    try:
-        learner = actor["learner"]
-        weights = {**{f"policy.{k}": v for k, v in learner["policy"].items()},
-                   **{f"q.{k}": v for k, v in learner["q"].items()}}  # fmt: skip
+        weights = agent_weights(actor["learner"]["policy"], actor["learner"]["q"])
         bad = nonfinite(weights, "agent")
         if bad is not None:
             raise ValueError(f"{bad} holds NaN or inf values")
@@ -755,6 +748,17 @@ def _latest_checkpoint(run_dir: str | os.PathLike) -> tuple:
         raise CheckpointError(f"could not read {checkpoint}: {e}") from e
 
 
+def _spaces_of(recipe) -> tuple:
+    """The observation and action spaces of a recipe's env, from one env built in this process."""
+    from rlnb.components.env import Env
+
+    env = Env(recipe.env, seed=recipe.seed, num_envs=1, pipeline_stages=1)
+    try:
+        return env.observation_space, env.action_space
+    finally:
+        env.close()
+
+
 def policy_from_checkpoint(run_dir: str | os.PathLike) -> TrainedPolicy | None:
     """The policy of an embodied run's latest checkpoint in this process, without a cluster: the built-in
     actor-critic rebuilt from the run's recipe and the actor's checkpointed weights, the spaces from one env
@@ -764,7 +768,6 @@ def policy_from_checkpoint(run_dir: str | os.PathLike) -> TrainedPolicy | None:
     Raises:
         rlnb.loop.CheckpointError: the run has no complete checkpoint, or it cannot be read.
     """
-    from rlnb.components.env import Env
     from rlnb.envs.gym_envs import RunningMeanStd
     from rlnb.files import nonfinite, torch_load_safe
     from rlnb.loop.checkpoint import CheckpointError
@@ -779,11 +782,7 @@ def policy_from_checkpoint(run_dir: str | os.PathLike) -> TrainedPolicy | None:
             raise ValueError(f"actor_rank0.pt: {bad} holds NaN or inf values")
     except (OSError, ValueError) as e:
         raise CheckpointError(f"could not read {checkpoint}: {e}") from e
-    env = Env(recipe.env, seed=recipe.seed, num_envs=1, pipeline_stages=1)
-    try:
-        spaces = (env.observation_space, env.action_space)
-    finally:
-        env.close()
+    spaces = _spaces_of(recipe)
     try:
         module = build_policy(recipe.actor.model, *spaces)
         if isinstance(module, VLAPolicy):  # (a VLA trained with LoRA: its checkpoint names PEFT's layers)

@@ -15,8 +15,9 @@ from rlnb.algorithms import sac
 from rlnb.components.env import Env
 from rlnb.components.launch import launcher
 from rlnb.components.rollout import RolloutBase
+from rlnb.config.sections_sac import batch_over_warm_up
 from rlnb.errors import ConfigError
-from rlnb.models.sac import TwinQ, flat_dim, make_policy, target_copy
+from rlnb.models.sac import TwinQ, agent_weights, flat_dim, make_policy, target_copy
 from rlnb.runtime.rank import current_rank, local_peer
 from rlnb.seeding import rank_seed
 
@@ -202,11 +203,9 @@ class SACActor:
             raise ConfigError(
                 f"sac.utd_ratio: expected updates per transition > 0, got {utd_ratio!r}", "sac.utd_ratio"
             )
-        if batch_size > learning_starts:
-            raise ConfigError(
-                f"sac.batch_size: {batch_size} transitions a batch, more than the learning_starts={learning_starts} "
-                "the buffer holds when updates begin", "sac.batch_size",
-            )  # fmt: skip
+        misfit = batch_over_warm_up(batch_size, learning_starts)
+        if misfit:
+            raise ConfigError(misfit, "sac.batch_size")
         self.settings = {
             "variant": variant, "lr": lr, "batch_size": batch_size, "learning_starts": learning_starts,
             "utd_ratio": float(utd_ratio), "tau": tau, "alpha": alpha, "target_entropy": target_entropy,
@@ -307,9 +306,7 @@ class SACActor:
 
     def agent_state(self) -> dict[str, torch.Tensor]:
         """The policy's and the Q-networks' weights (:class:`rlnb.models.sac.SACPolicy`'s, what an export holds)."""
-        learner = self.learner
-        return {**{f"policy.{k}": v for k, v in learner.policy.state_dict().items()},
-                **{f"q.{k}": v for k, v in learner.q.state_dict().items()}}  # fmt: skip
+        return agent_weights(self.learner.policy.state_dict(), self.learner.q.state_dict())
 
     def publish_weights(self, channel, keys: list[str], version: int) -> int:
         """Apart: the policy's weights once per collector key."""

@@ -72,13 +72,20 @@ class SACConfig:
                     "settings are under sac.* (sac.lr, sac.batch_size...) and buffer.*"
                 )
         ints = isinstance(self.batch_size, int) and isinstance(self.learning_starts, int)
-        if ints and self.batch_size > self.learning_starts:
-            errs.append(
-                f"sac.batch_size: {self.batch_size} transitions a batch, more than the sac.learning_starts="
-                f"{self.learning_starts} the buffer holds when updates begin; raise sac.learning_starts to "
-                f"{self.batch_size} or more, or lower the batch"
-            )
+        if ints and (misfit := batch_over_warm_up(self.batch_size, self.learning_starts)):
+            errs.append(misfit)
         return errs
+
+
+def batch_over_warm_up(batch_size: int, learning_starts: int) -> str | None:
+    """The error of a batch larger than the buffer holds when updates begin, or ``None`` (the recipe's check and
+    :class:`rlnb.components.SACActor`'s alike)."""
+    if batch_size <= learning_starts:
+        return None
+    return (
+        f"sac.batch_size: {batch_size} transitions a batch, more than the sac.learning_starts={learning_starts} the "
+        f"buffer holds when updates begin; raise sac.learning_starts to {batch_size} or more, or lower the batch"
+    )
 
 
 @dataclass

@@ -161,6 +161,14 @@ class SACPolicy(nn.Module):
         return a, logp, torch.minimum(*self.q(obs, a))
 
 
+def agent_weights(policy_state: dict, q_state: dict) -> dict:
+    """:class:`SACPolicy`'s state dict from the policy's and the twin Q-networks' (as the learner holds them)."""
+    return {
+        **{f"policy.{k}": v for k, v in policy_state.items()},
+        **{f"q.{k}": v for k, v in q_state.items()},
+    }
+
+
 def make_policy(obs_space: gym.Space, action_space: gym.Space, hidden: tuple[int, ...]) -> nn.Module:
     """SAC's policy for these spaces: categorical over discrete actions, else a squashed Gaussian (the learner's
     and the collectors' alike, so weights load from one into the other)."""
