@@ -33,6 +33,17 @@ def test_every_notebook_ends_in_a_cell_of_checks_the_docs_leave_out(tmp_path):
         assert "check of what this notebook shows" not in text and "assert " not in text, stem
 
 
+def test_every_notebook_is_valid_nbformat_as_stored_each_cell_with_its_own_id():
+    """As the file stands (nbformat.read fills missing ids in, with a warning that later versions make an error)."""
+    import json
+
+    for path in NOTEBOOKS:
+        raw = json.loads(path.read_text())
+        ids = [c.get("id") for c in raw["cells"]]
+        assert None not in ids and len(set(ids)) == len(ids), f"{path.name}: cell ids {ids}"
+        nbformat.validate(nbformat.from_dict(raw))
+
+
 def test_nbmake_collects_the_notebooks_with_their_setup():
     """``pytest --nbmake notebooks/`` as a user types it: one item a notebook, each with the notebook
     timeout of ``notebooks/conftest.py`` (the suite's 300 s would cut the GRPO notebook short)."""
