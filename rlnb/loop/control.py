@@ -129,7 +129,7 @@ class ControlServer:
         elif op != "status":
             return {"ok": False, "error": f"unknown op {op!r}"}
         return {"ok": True, "step": loop.step, "total": loop.recipe.runner.steps, "paused": loop.paused,
-                "stopping": loop.stopped, "outcome": self.outcome}  # fmt: skip
+                "held": loop.steer.holding, "stopping": loop.stopped, "outcome": self.outcome}  # fmt: skip
 
     def close(self, outcome: str | None = None) -> None:
         """Stop serving, and leave ``control.json`` saying how the run ended (``outcome``)."""
@@ -353,7 +353,9 @@ class AttachedRun:
         return self.status()["step"]
 
     def status(self) -> dict:
-        """``step``, ``total``, ``paused``, ``stopping`` and ``outcome`` of the run now."""
+        """``step``, ``total``, ``paused`` (asked to), ``held`` (paused, and holding at a step boundary now: the
+        steps its worker ran ahead when the pause came are taken first), ``stopping`` and ``outcome`` of the run
+        now."""
         return self._call("status")
 
     def pause(self) -> None:

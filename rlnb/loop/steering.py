@@ -36,6 +36,9 @@ class Steering:
         self._running.set()
         self.save_requested = False
         self.stop_requested = False
+        # held now at a step boundary (paused, and the steps a worker ran ahead taken): what `paused` alone, a
+        # request, does not say
+        self.holding = False
         self.applied: list[dict] = []
         self._tasks: list[tuple] = []  # (fn, Future): run in the loop's thread between steps
 
@@ -137,7 +140,13 @@ class Steering:
         return not self._running.is_set()
 
     def wait_while_paused(self) -> None:
-        while not self._running.wait(0.1):
-            self.run_tasks()  # (held between steps: nothing of the run's under way)
-            if self.stop_requested:
-                return
+        if self._running.is_set():
+            return
+        self.holding = True
+        try:
+            while not self._running.wait(0.1):
+                self.run_tasks()  # (held between steps: nothing of the run's under way)
+                if self.stop_requested:
+                    return
+        finally:
+            self.holding = False
