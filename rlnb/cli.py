@@ -423,16 +423,10 @@ def _export(args) -> int:
             check_export_target(args.out, "file" if embodied else "directory", is_ours=is_policy_file)
         except UnsafePathError as e:
             raise ConfigError(f"--out: {e.strerror}", "--out") from None
-    if family == "sac":
-        from rlnb.export import sac_policy_from_checkpoint
-
-        out = Path(args.out) if args.out is not None else Path(args.run_dir) / "policy.pt"
-        path = sac_policy_from_checkpoint(args.run_dir).save(out)  # (no cluster: the learner's weights)
-    elif embodied:
+    if embodied:
         from rlnb.export import export_from_checkpoint
 
         path = export_from_checkpoint(args.run_dir, args.out)  # (no cluster: the built-in policy's weights)
-    if embodied:
         if path is not None:
             print(
                 f"rlnb: exported {args.run_dir} at step {_policy_step(path)} to {path} (no cluster started); "

@@ -648,34 +648,6 @@ def export_from_checkpoint(run_dir: str | os.PathLike, out: str | os.PathLike | 
     return policy.save(Path(out) if out is not None else Path(run_dir) / "policy.pt")
 
 
-def sac_policy_from_checkpoint(run_dir: str | os.PathLike) -> TrainedPolicy:
-    """The SAC agent of a run's latest checkpoint in this process, without a cluster: the policy and twin
-    Q-networks rebuilt from the run's recipe (``sac.hidden_sizes``) and the learner's checkpointed weights, the
-    spaces from one env built here.
-
-    Raises:
-        rlnb.loop.CheckpointError: the run has no complete checkpoint, it cannot be read, or its weights hold NaN
-            or inf.
-    """
-    from rlnb.files import nonfinite
-    from rlnb.loop.checkpoint import CheckpointError
-    from rlnb.models.sac import SACPolicy, agent_weights
-
-    recipe, checkpoint, step, actor = _latest_checkpoint(run_dir)
-    spaces = _spaces_of(recipe)
-    try:
-        weights = agent_weights(actor["learner"]["policy"], actor["learner"]["q"])
-        bad = nonfinite(weights, "agent")
-        if bad is not None:
-            raise ValueError(f"{bad} holds NaN or inf values")
-        module = SACPolicy(*spaces, recipe.sac.hidden_sizes)
-        module.load_state_dict(weights)
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"could not read {checkpoint}: actor_rank0.pt: {e}") from e
-    return TrainedPolicy(module.eval(), *spaces, None, step=step, source=str(run_dir),
-                         env_spec={"config": recipe.env, "make_env": None})  # fmt: skip
-
-
 def lm_actor_from_checkpoint(run_dir: str | os.PathLike) -> tuple | None:
     """``(actor, recipe, step)``: an LM run's actor at its latest checkpoint, built in this process (no cluster)
     from the run's recipe, its weights read from the checkpoint's actor rank file; ``None`` where they are DCP
@@ -763,7 +735,7 @@ def policy_from_checkpoint(run_dir: str | os.PathLike) -> TrainedPolicy | None:
     """The policy of an embodied run's latest checkpoint in this process, without a cluster: the built-in
     actor-critic rebuilt from the run's recipe and the actor's checkpointed weights, the spaces from one env
     built here, the observation statistics from env rank 0's state; ``None`` where the run's policy is not the
-    built-in one.
+    built-in one. A SAC run's: its learner's policy and twin Q-networks (:class:`rlnb.models.sac.SACPolicy`).
 
     Raises:
         rlnb.loop.CheckpointError: the run has no complete checkpoint, or it cannot be read.
@@ -775,6 +747,8 @@ def policy_from_checkpoint(run_dir: str | os.PathLike) -> TrainedPolicy | None:
     from rlnb.models.vla import VLAPolicy
 
     recipe, checkpoint, step, actor = _latest_checkpoint(run_dir)
+    if recipe.family == "sac":
+        return _sac_policy(recipe, checkpoint, step, actor, run_dir)
     try:
         env_state = torch_load_safe(checkpoint / "env_rank0.pt")
         bad = nonfinite(actor.get("policy"), "policy")
@@ -795,3 +769,24 @@ def policy_from_checkpoint(run_dir: str | os.PathLike) -> TrainedPolicy | None:
         module.eval().requires_grad_(False), *spaces, rms, step=step, source=str(run_dir),
         env_spec={"config": recipe.env, "make_env": None},
     )  # fmt: skip
+
+
+def _sac_policy(recipe, checkpoint: Path, step: int, actor: dict, run_dir) -> TrainedPolicy:
+    """A SAC run's checkpointed learner (``actor_rank0.pt``) as :class:`rlnb.models.sac.SACPolicy`, rebuilt from
+    the recipe's ``sac.hidden_sizes`` (:func:`policy_from_checkpoint`)."""
+    from rlnb.files import nonfinite
+    from rlnb.loop.checkpoint import CheckpointError
+    from rlnb.models.sac import SACPolicy, agent_weights
+
+    spaces = _spaces_of(recipe)
+    try:
+        weights = agent_weights(actor["learner"]["policy"], actor["learner"]["q"])
+        bad = nonfinite(weights, "agent")
+        if bad is not None:
+            raise ValueError(f"{bad} holds NaN or inf values")
+        module = SACPolicy(*spaces, recipe.sac.hidden_sizes)
+        module.load_state_dict(weights)
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"could not read {checkpoint}: actor_rank0.pt: {e}") from e
+    return TrainedPolicy(module.eval(), *spaces, None, step=step, source=str(run_dir),
+                         env_spec={"config": recipe.env, "make_env": None})  # fmt: skip

@@ -128,6 +128,8 @@ def test_a_sac_loop_from_objects_records_its_recipe_and_shows_its_buffer(cluster
         assert seen["obs"].shape == (5, 3) and seen["actions"].shape == (5, 1)
         assert np.array_equal(loop.buffer.sample(5)["rewards"], seen["rewards"])  # (its own generator)
         assert "128 of 1,000 transitions" in repr(loop.buffer)
+        # the export rebuilds the learner's networks from what the loop recorded of it (16-wide, not the default)
+        assert rlnb.load_policy(loop.export()).module.config == {"hidden_sizes": [16, 16]}
     recorded = load_recipe(tmp_path / "recipe.yaml")
     assert recorded.family == "sac" and recorded.sac.learning_starts == 64
 

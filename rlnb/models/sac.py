@@ -67,19 +67,18 @@ class SquashedGaussianActor(nn.Module):
         return self.mean(h), log_std.exp()
 
     def sample(
-        self, obs: torch.Tensor, generator: torch.Generator | None = None
+        self, obs: torch.Tensor, generator: torch.Generator | None = None, mode: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A reparameterised action ``[M, A]`` and its log-probability ``[M]`` (``generator``: the noise's, else
-        torch's global one)."""
+        torch's global one); ``mode``: the Gaussian's mean instead of a draw (an exported agent's greedy action)."""
         mean, std = self._dist(obs)
-        noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
-        return self._squash(mean, std, mean + std * noise)
-
-    def _squash(
-        self, mean: torch.Tensor, std: torch.Tensor, u: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The action ``[M, A]`` of the pre-squash sample ``u`` and its log-probability ``[M]``."""
-        y = torch.tanh(u)
+        if mode:
+            u = mean
+        else:
+            u = mean + std * torch.randn(
+                mean.shape, generator=generator, device=mean.device, dtype=mean.dtype
+            )
+        y = torch.tanh(u)  # [M, A]
         logp = torch.distributions.Normal(mean, std).log_prob(u)
         logp = logp - torch.log(self.scale * (1 - y.pow(2)) + 1e-6)  # tanh's and the rescaling's Jacobian
         return y * self.scale + self.bias, logp.sum(-1)
@@ -151,13 +150,7 @@ class SACPolicy(nn.Module):
             q1, q2 = self.q(obs)
             pick = a[:, None]
             return a, logp.gather(1, pick)[:, 0], torch.minimum(q1, q2).gather(1, pick)[:, 0]
-        mean, std = self.policy._dist(obs)
-        u = (
-            mean
-            if deterministic
-            else mean + std * torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
-        )
-        a, logp = self.policy._squash(mean, std, u)
+        a, logp = self.policy.sample(obs, generator, mode=deterministic)
         return a, logp, torch.minimum(*self.q(obs, a))
 
 

@@ -276,8 +276,8 @@ class SAC(EnvFamily):
 
         s = self.session
         module = SACPolicy(
-            *self.spaces, s.groups["actor"].on(0).describe().result()[0]["sac"]["hidden_sizes"]
-        )
+            *self.spaces, s.recipe.sac.hidden_sizes
+        )  # (objects path: recorded from the learner)
         module.load_state_dict(s.groups["actor"].on(0).agent_state().result()[0])
         return TrainedPolicy(
             module, *self.spaces, None, step=s.step, source=str(s.run_dir), env_spec=self.env_spec
