@@ -54,6 +54,8 @@ SLOW_TESTS = {
     "test_the_libero_tests_run_in_the_environment_that_has_libero",
     "test_rlnb_run_vla_maniskill_warm_starts_on_the_scripted_expert_and_trains_from_the_command_line",
     "test_a_detached_run_outlives_its_kernel_and_is_attached_steered_listed_and_stopped_from_elsewhere",
+    "test_a_worker_killed_mid_collection_has_its_share_collected_again_and_its_replacement_joins",
+    "test_a_retired_worker_leaves_between_steps_and_a_worker_added_later_joins_on_a_new_slot",
 }
 
 

@@ -14,7 +14,7 @@ import time
 import uuid
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rlnb.cluster.placement import Placement, resolve_placement
@@ -79,6 +79,7 @@ class Slot:
         gpu_name: the GPU model, if any.
         daemonic: the worker process is daemonic, so code on it cannot start child processes
             (gymnasium's ``AsyncVectorEnv``, a vLLM engine).
+        name: the Dask worker's name (an embedded worker its Nanny restarted keeps it).
     """
 
     rank: int
@@ -90,6 +91,7 @@ class Slot:
     memory_limit_bytes: int = 0
     gpu_name: str = ""
     daemonic: bool = False
+    name: str = ""
 
     @property
     def host(self) -> str:
@@ -348,6 +350,7 @@ class Cluster:
         # drivers (notebooks, `rlnb run`) sharing the same scheduler
         self.session = uuid.uuid4().hex[:12]
         self._placed: dict[int, list[str]] = defaultdict(list)
+        self._elastic: set[str] = set()  # components' ranks an elastic run goes on without (mark_elastic)
         self._channels: list = []  # closed with the cluster, freeing their shared memory
         self.unresponsive: set[str] = set()  # workers that let a call time out: closing does not wait on them
         self._done_once: set[str] = set()  # see once
@@ -532,6 +535,7 @@ class Cluster:
                 memory_limit_bytes=int(w.get("memory_limit") or 0),
                 gpu_name=probe.get("gpu_name", ""),
                 daemonic=bool(probe.get("daemonic", False)),
+                name=str(w.get("name", addr)),
             )
             for i, (host, _o, addr, w, probe, groups) in enumerate(rows)
         ]
@@ -573,6 +577,33 @@ class Cluster:
         self._placed.clear()
         self.slots = self._discover_slots()
         return self.slots
+
+    def update_slots(self) -> tuple[list[int], list[int]]:
+        """For an elastic run, between steps: ``(joined, gone)``, the slots whose worker joined since the slots
+        were read and those whose worker has left. Slots keep their numbers: a worker restarted under a gone
+        slot's name (an embedded worker's Nanny, a job queue's replacement of the same name) takes that slot, any
+        other new worker a new slot after the others. Asks the scheduler only, unless a worker joined."""
+        listed = self.client.scheduler_info(n_workers=-1)["workers"]
+        known = {s.address for s in self.slots}
+        gone = [s.rank for s in self.slots if s.address not in listed]
+        if all(a in known for a in listed):
+            return [], gone
+        fresh = {s.address: s for s in self._discover_slots()}  # (probes every worker: only when one joined)
+        joined = []
+        for address, slot in fresh.items():
+            if address in known:
+                continue
+            same_name = next((self.slots[r] for r in gone if self.slots[r].name == slot.name), None)
+            rank = same_name.rank if same_name is not None else len(self.slots)
+            slot = replace(slot, rank=rank)
+            if same_name is not None:
+                self.slots[rank] = slot
+                gone.remove(rank)
+                self._placed.pop(rank, None)
+            else:
+                self.slots.append(slot)
+            joined.append(rank)
+        return sorted(joined), gone
 
     # ------------------------------------------------------------------ queries
     @property
@@ -658,6 +689,11 @@ class Cluster:
         """Show ``label`` (a component's rank) on ``slot`` in this cluster's views."""
         self._placed[slot].append(label)
 
+    def mark_elastic(self, labels: list[str]) -> None:
+        """Components' ranks (``env[1]``...) an elastic run goes on without: their worker's leaving is said as
+        such, not as an error to come."""
+        self._elastic.update(labels)
+
     def unregister_component(self, label: str) -> None:
         for labels in self._placed.values():
             if label in labels:
@@ -685,7 +721,10 @@ class Cluster:
         for address in leaving:
             slot = next((s for s in self.slots if s.address == address), None)
             held = self.placed_on(slot.rank) if slot is not None else []
-            if held:
+            if held and all(label in self._elastic for label in held):
+                log.info("worker %s (slot %d) %s while it holds %s: elastic ranks, whose work the ranks left take "
+                         "over", address, slot.rank, what, ", ".join(held))  # fmt: skip
+            elif held:
                 log.warning(
                     "worker %s (slot %d) %s while it holds %s: components do not move, so this run's next call "
                     "to them fails (WorkerLostError) and loop.recover() resumes from the last checkpoint once "

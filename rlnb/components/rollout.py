@@ -425,6 +425,16 @@ class PolicyRollout(RolloutBase):
             summary["episodes"] = env_obj.pop_episodes()
         return summary
 
+    def collect_into(self, steps: int, env: str, channel, puts: list[tuple[str, int]]) -> list[dict]:
+        """An elastic run's collection: one :meth:`collect` of ``steps`` per ``(key, shards)`` of ``puts`` (the
+        shares of a step's batch this rank runs: its own, or a lost rank's), each batch put into ``channel``
+        (:meth:`put_batch`) as soon as it is made. Their summaries, in order."""
+        summaries = []
+        for key, shards in puts:
+            summaries.append(self.collect(steps, env))
+            self.put_batch(channel, key, shards)
+        return summaries
+
     def _collect_from(self, env_obj: Env, obs: list, steps: int) -> dict:
         """:meth:`collect`'s collection: the batch (``self.batch``) and its summary."""
         traj = _Trajectory(steps, env_obj.stages)

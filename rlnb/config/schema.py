@@ -38,6 +38,11 @@ class ClusterConfig:
     start_timeout_s: float = bounded(120.0, 0, 1e5, low_open=True)
     """How long a component's ranks may take to start (seconds): its import and construction on the workers, a
     vLLM engine's start included (minutes on a loaded 2-core machine)."""
+    elastic: bool = False
+    """Embodied PPO with env and rollout on slots of their own: their ranks may leave and join between steps. A
+    lost worker's share of the step's batch is collected again by the ranks left, a worker that joins (a restart,
+    ``scale()``, ``adapt()``) is given env and rollout ranks and the latest weights, and the run goes on without a
+    restart; the actor's slots stay fixed (logged: ``cluster/ranks``, ``cluster/reissued``, ``cluster/joined``)."""
 
     def deadlines(self) -> dict[str, float]:
         """The components' deadlines, as their ``launch`` takes them."""

@@ -59,6 +59,9 @@ class DataPaths:
         # says so: actor.lora.sync, a rollout that merges them)
         self.adapter_sync = False
         self._unlogged: dict = {}
+        # an elastic run's shares (rlnb.loop.elastic): batch keys by share, not by the rollout ranks live now
+        self.shares: list[int] | None = None
+        self.elastic = None  # its ElasticRanks: a rank lost while weights load is dropped, not an error
 
     def open(self, asynchronous: bool) -> None:
         """Channels (and the weight-sync process group) for whatever is not collocated between actor and rollout."""
@@ -104,7 +107,8 @@ class DataPaths:
             # publish first (unbounded channel: never blocks), then load: a rollout rank sharing actor rank 0's
             # worker would otherwise hold its actor thread waiting for weights not yet sent
             self.publish_weights(ch, keys, version)
-            rollout.call_each("load_from_channel", [(ch, k) for k in keys]).result()
+            loading = rollout.call_each("load_from_channel", [(ch, k) for k in keys])
+            self.elastic.settle(loading) if self.elastic is not None else loading.result()
             return dict(self._unlogged)
         return {}
 
@@ -146,12 +150,13 @@ class DataPaths:
         """The channel hand-off: per rollout rank ``(key, shards)`` it puts under, and per actor rank the keys it
         takes. With more actor than rollout ranks each batch is split (RLinf's hybrid)."""
         rollout, actor = self.session.groups["rollout"], self.session.groups["actor"]
-        n_act, n_roll = actor.world_size, rollout.world_size
+        sources = self.shares if self.shares is not None else rollout.ranks
+        n_act, n_roll = actor.world_size, len(sources)
         if n_act > n_roll:
             m = n_act // n_roll
-            return [(f"b{k}", m) for k in rollout.ranks], [[f"b{a // m}.{a % m}"] for a in actor.ranks]
-        takes = [[f"b{k}" for k in rollout.ranks if k % n_act == a] for a in actor.ranks]
-        return [(f"b{k}", 1) for k in rollout.ranks], takes
+            return [(f"b{k}", m) for k in sources], [[f"b{a // m}.{a % m}"] for a in actor.ranks]
+        takes = [[f"b{k}" for k in sources if k % n_act == a] for a in actor.ranks]
+        return [(f"b{k}", 1) for k in sources], takes
 
     def put_keys(self) -> list[str]:
         """Every channel key the rollout ranks put batches under, in rank order (``key.j`` for split ones)."""

@@ -51,6 +51,12 @@ class PolicyRolloutRole(Protocol):
     def sample(self, n: int = 4) -> dict: ...
 
 
+class ElasticRolloutRole(Protocol):
+    """A rollout rank of an elastic run (``cluster.elastic``): collects a step's shares and puts them itself."""
+
+    def collect_into(self, steps: int, env: str, channel, puts: list[tuple[str, int]]) -> list[dict]: ...
+
+
 class ActorRole(Protocol):
     """What every actor rank does, whatever its family: take batches, estimate advantages, train, publish its
     weights, checkpoint. :class:`PPOActorRole` and :class:`LMActorRole` add their family's calls."""

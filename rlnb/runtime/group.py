@@ -131,6 +131,32 @@ class GroupResult:
             self._owners[j].cluster.unresponsive.add(self._owners[j].infos[self.ranks[j]].address)
         raise self._owners[i]._timeout_error(self.ranks[i], self.method, timeout, pending) from None
 
+    def outcomes(self, timeout: float | None = None) -> list:
+        """Every rank's value or typed error (a :class:`RemoteError`), in rank order, waiting for all of them
+        within ``timeout`` (seconds): for a caller that goes on without a failed rank (an elastic run), where
+        :meth:`result` raises at the first failure."""
+        deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
+        errors: dict[int, RemoteError] = {}
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            while self._pending and time.monotonic() < deadline:
+                try:
+                    self._read_replies(deadline)
+                except RemoteError as e:
+                    i = next(j for j in range(len(self.ranks)) if self.ranks[j] == e.rank and j not in errors)
+                    errors[i] = e
+                    if i in self._pending:  # (lost while its reply was awaited: it will never come)
+                        self._pending.discard(i)
+                        self._calls[i].discard()
+            if self._pending:
+                pending = [f"{self._owners[j].name}[{self.ranks[j]}]" for j in sorted(self._pending)]
+                i = min(self._pending)
+                raise self._owners[i]._timeout_error(
+                    self.ranks[i], self.method, timeout or self.timeout_s, pending
+                )
+        return [errors.get(i, v) for i, v in enumerate(self._values)]
+
     def wait(self, timeout: float | None = None) -> GroupResult:
         """Like :meth:`result` but returns ``self`` (for chaining and timings)."""
         self.result(timeout)
@@ -169,6 +195,10 @@ class Group:
         self.infos = infos
         self.call_timeout_s = timeout_s
         self._ranks = list(range(len(infos)))
+        self._dropped: set[int] = set()  # ranks left out for good (drop)
+        # an elastic group's rank states are saved and loaded by position among its ranks, not by rank number
+        # (ranks come and go; a resumed run starts as many as it launched)
+        self.positional_state = False
         self._closed = False
         # how calls reach the ranks: Dask's rpc until the ranks offer direct sockets (chosen once, at launch)
         self._dask_route = DaskRoute(hosts, cluster.client)
@@ -234,47 +264,16 @@ class Group:
             seen[slot.node] += 1
         ensure_worker_runtime(cluster)
         uid = uuid.uuid4().hex[:16]  # unique across drivers sharing the scheduler (Dask dedups by key)
-        futures = []
-        for info in infos:
-            kw = dict(kwargs or {})
-            if rank_kwargs is not None:
-                kw.update(rank_kwargs(info.rank))
-            futures.append(
-                cluster.client.submit(
-                    RankHost,
-                    component_cls,
-                    tuple(args),
-                    kw,
-                    info,
-                    actor=True,
-                    workers=[info.address],
-                    allow_other_workers=False,
-                    key=f"rlnb-{name}-{uid}-rank{info.rank}",
-                    pure=False,
-                )
-            )
-        hosts = []
-        for info, fut in zip(infos, futures):
-            try:
-                hosts.append(cluster.bind(fut.result(timeout=start_timeout_s)))
-            except TimeoutError:
-                raise RemoteTimeoutError(
-                    f"rank did not start within {start_timeout_s:g} s",
-                    name,
-                    info.rank,
-                    info.address,
-                    "__init__",
-                ) from None
-            except Exception as e:
-                raise WorkerLostError(
-                    f"could not start: {e}", name, info.rank, info.address, "__init__"
-                ) from None
+        hosts = _start_hosts(
+            component_cls, cluster, infos, args, kwargs, rank_kwargs, name, uid, start_timeout_s
+        )
         group = cls(name, cluster, component_cls, hosts, infos, call_timeout_s)
         group._launch_spec = {
             "component_cls": component_cls, "cluster": cluster, "placement": slots, "args": args,
             "kwargs": kwargs, "rank_kwargs": rank_kwargs, "name": name, "call_timeout_s": call_timeout_s,
             "start_timeout_s": start_timeout_s,
         }  # fmt: skip
+        group._uid = uid
         ready = group._raw("ready", (), {}, group._ranks, label="__init__").result(start_timeout_s)
         group._route = DirectRoute.connect([r["direct"] for r in ready]) or group._dask_route
         for info in infos:
@@ -284,6 +283,51 @@ class Group:
     def relaunch(self) -> Group:
         """A new group of the same class, arguments, slots and name (after a lost worker was replaced)."""
         return type(self).launch(**self._launch_spec)
+
+    # ------------------------------------------------------------------ elastic membership
+    def drop(self, ranks: Sequence[int]) -> None:
+        """Leave ``ranks`` out of this group's calls from now on (their workers were lost or retired); their
+        numbers are never reused, so a rank's seed and name stay its own."""
+        for r in ranks:
+            if r in self._ranks:
+                self._ranks.remove(r)
+                self._dropped.add(r)
+                self.cluster.unregister_component(f"{self.name}[{r}]")
+
+    def grow(self, slot: int) -> int:
+        """Start one more rank of this group's class and arguments on ``slot`` (a worker that joined), numbered
+        after every rank it ever had; returns its rank. Calls from then on include it."""
+        spec = self._launch_spec
+        s = self.cluster.slots[slot]
+        rank = len(self.infos)
+        info = RankInfo(
+            component=self.name, rank=rank, world_size=rank + 1, local_rank=0, local_world_size=1, slot=slot,
+            device=s.device, address=s.address, node=s.node, session=self.cluster.session,
+        )  # fmt: skip
+        timeout = spec["start_timeout_s"]
+        (host,) = _start_hosts(
+            self.cls, self.cluster, [info], spec["args"], spec["kwargs"], spec["rank_kwargs"], self.name,
+            self._uid, timeout,
+        )  # fmt: skip
+        self.infos.append(info)
+        self._dask_route.hosts.append(host)
+        (ready,) = GroupResult(
+            self, "__init__", [rank], self._dask_route.send([(rank, "ready", ())], timeout), timeout
+        ).result()
+        if isinstance(self._route, DirectRoute):
+            link = DirectRoute.connect([ready["direct"]])
+            if link is None:
+                raise WorkerLostError(
+                    "its direct call port cannot be reached from the driver",
+                    self.name,
+                    rank,
+                    s.address,
+                    "__init__",
+                )
+            self._route.links.extend(link.links)
+        self._ranks.append(rank)
+        self.cluster.register_component(slot, f"{self.name}[{rank}]")
+        return rank
 
     # ------------------------------------------------------------------ calls
     def __getattr__(self, method: str):
@@ -387,12 +431,26 @@ class Group:
         return os.path.join(str(directory), f"{self.name}_rank{rank}.pt")
 
     def save_state(self, directory: str) -> GroupResult:
-        """Each rank writes ``<directory>/<name>_rank<r>.pt`` from its component's ``state_dict()`` (atomically)."""
-        return self._each("save_state", [(self.state_path(directory, r),) for r in self._ranks], "save_state")
+        """Each rank writes ``<directory>/<name>_rank<r>.pt`` from its component's ``state_dict()`` (atomically);
+        ``r`` its position among the ranks for a group with ``positional_state``."""
+        return self._each("save_state", [(self.state_path(directory, r),) for r in self._state_numbers()],
+                          "save_state")  # fmt: skip
 
     def load_state(self, directory: str) -> GroupResult:
-        """Each rank restores its component with ``load_state_dict`` from ``<directory>/<name>_rank<r>.pt``."""
-        return self._each("load_state", [(self.state_path(directory, r),) for r in self._ranks], "load_state")
+        """Each rank restores its component with ``load_state_dict`` from ``<directory>/<name>_rank<r>.pt``. A
+        group with ``positional_state`` (an elastic run's env and rollout ranks, whose number may have changed)
+        loads the files there are; a rank without one starts afresh."""
+        paths = [self.state_path(directory, r) for r in self._state_numbers()]
+        if not self.positional_state:
+            return self._each("load_state", [(p,) for p in paths], "load_state")
+        have = [i for i, path in enumerate(paths) if os.path.exists(path)]
+        view = self.on([self._ranks[i] for i in have]) if have else None
+        if view is None:
+            return GroupResult(self, "load_state", [], [], self.call_timeout_s)
+        return view._each("load_state", [(paths[i],) for i in have], "load_state")
+
+    def _state_numbers(self) -> list[int]:
+        return list(range(len(self._ranks))) if self.positional_state else list(self._ranks)
 
     def _each(self, op: str, per_rank_args: list[tuple], label: str) -> GroupResult:
         futures = self._start(op, list(zip(self._ranks, per_rank_args)))
@@ -423,7 +481,9 @@ class Group:
         """Ask every rank to free its component (see :func:`shutdown_groups`); ``None`` if shut down already."""
         if self._closed:
             return None
-        return self._raw("destroy_groups", (), {}, list(range(len(self.infos))))
+        return self._raw(
+            "destroy_groups", (), {}, [r for r in range(len(self.infos)) if r not in self._dropped]
+        )
 
     def _finish_shutdown(self) -> None:
         for info in self.infos:
@@ -447,6 +507,45 @@ class Group:
             f"({html.escape(self.cls.__name__)}, {len(self._ranks)} ranks, {self.transport} calls)"
             f"<table><tr><th>rank</th><th>slot</th><th>device</th><th>node</th><th>worker</th></tr>{rows}</table></div>"
         )
+
+
+def _start_hosts(
+    component_cls, cluster, infos, args, kwargs, rank_kwargs, name, uid, start_timeout_s
+) -> list:
+    """One :class:`RankHost` of ``component_cls`` per ``infos`` on its worker, waited for together; their actor
+    handles bound to ``cluster``."""
+    futures = []
+    for info in infos:
+        kw = dict(kwargs or {})
+        if rank_kwargs is not None:
+            kw.update(rank_kwargs(info.rank))
+        futures.append(
+            cluster.client.submit(
+                RankHost,
+                component_cls,
+                tuple(args),
+                kw,
+                info,
+                actor=True,
+                workers=[info.address],
+                allow_other_workers=False,
+                key=f"rlnb-{name}-{uid}-rank{info.rank}",
+                pure=False,
+            )
+        )
+    hosts = []
+    for info, fut in zip(infos, futures):
+        try:
+            hosts.append(cluster.bind(fut.result(timeout=start_timeout_s)))
+        except TimeoutError:
+            raise RemoteTimeoutError(
+                f"rank did not start within {start_timeout_s:g} s", name, info.rank, info.address, "__init__"
+            ) from None
+        except Exception as e:
+            raise WorkerLostError(
+                f"could not start: {e}", name, info.rank, info.address, "__init__"
+            ) from None
+    return hosts
 
 
 @functools.lru_cache(maxsize=1024)

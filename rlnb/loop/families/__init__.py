@@ -129,6 +129,10 @@ class Family:
         self.paths.hand_batches(batches)
         return summaries
 
+    def held_batches(self) -> list[dict]:
+        """The batch each rollout rank holds, not yet handed over (a settled collection's, for a checkpoint)."""
+        return self.session.groups["rollout"].take_batch().result()
+
     def collect(self, phase: Phase) -> None:
         """A synchronous collection, its metrics into ``phase``."""
         self.rollout_metrics(phase, self.finish_collection(self.start_collection()), {})

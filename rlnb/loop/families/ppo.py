@@ -20,12 +20,15 @@ from rlnb.components.rollout import PolicyRollout
 from rlnb.envs.gym_envs import probe_env
 from rlnb.envs.obs import layout_of
 from rlnb.errors import ConfigError, PlacementError
+from rlnb.loop.checkpoint import MAX_STEP, Num
+from rlnb.loop.elastic import ElasticRanks
 from rlnb.loop.families.env import EnvFamily
 from rlnb.loop.phase import Phase, count_or_default
-from rlnb.loop.roles import EnvRole, PolicyRolloutRole, PPOActorRole
+from rlnb.loop.roles import ElasticRolloutRole, EnvRole, PolicyRolloutRole, PPOActorRole, check_role
 from rlnb.loop.runner import Callback
 from rlnb.models.policies import check_spaces
 from rlnb.runtime.channel import Channel
+from rlnb.runtime.group import GroupResult
 
 log = logging.getLogger("rlnb")
 
@@ -42,6 +45,12 @@ class PPO(EnvFamily):
     """Embodied PPO (see the module's docstring)."""
 
     name = "ppo"
+    elastic: ElasticRanks | None = None  # cluster.elastic's shares and live ranks (compose)
+    STATE = {
+        **EnvFamily.STATE,
+        "cluster_reissued?": Num(0, MAX_STEP, optional=True),
+        "cluster_joined?": Num(0, MAX_STEP, optional=True),
+    }
     _probed: tuple | None = None  # the env's spaces, probed here on the recipe path (check_here)
     ROLES = {
         "env": (EnvRole, "rlnb.Env"),
@@ -106,12 +115,36 @@ class PPO(EnvFamily):
                 f"cannot be split evenly over {n_act // n_roll} actor ranks; make env.num_envs a multiple",
                 "component_placement",
             )
+        if recipe.cluster.elastic:
+            self.check_elastic()
         per_actor = recipe.rollout.steps_per_rollout * recipe.env.num_envs * n_env // n_act
         if per_actor < recipe.algorithm.num_minibatches:
             raise ConfigError(
                 f"algorithm.num_minibatches: {recipe.algorithm.num_minibatches} minibatches of a {per_actor}-sample batch "
                 "per actor rank; lower it or raise rollout.steps_per_rollout x env.num_envs", "algorithm.num_minibatches"
             )  # fmt: skip
+
+    def check_elastic(self) -> None:
+        """``cluster.elastic`` takes env and rollout ranks on the same slots (stepped in-process), none of them
+        the actor's (whose slots stay fixed), no more actor than rollout ranks (a share is one actor rank's), and
+        envs that keep no statistics of their own (a joining rank would start without them)."""
+        p, r = self.session.placement, self.session.recipe
+        env, rollout, actor = set(p["env"]), set(p["rollout"]), set(p["actor"])
+        example = "{actor: 0, 'env,rollout': 1-2}"
+        if env != rollout:
+            why = f"env {sorted(env)} and rollout {sorted(rollout)} on the same slots"
+        elif rollout & actor:
+            why = f"rollout {sorted(rollout)} apart from the actor {sorted(actor)}, whose slots stay fixed"
+        elif len(actor) > len(rollout):
+            why = f"at most as many actor ranks as rollout ranks (each takes whole shares); got {len(actor)} and {len(rollout)}"
+        elif r.env.normalize_obs:
+            why = "env.normalize_obs=false: each env rank keeps its own statistics, which a joining rank has not"
+        else:
+            return
+        raise PlacementError(
+            f"cluster.elastic: env and rollout ranks that come and go need {why} (e.g. component_placement={example})",
+            "cluster.elastic",
+        )
 
     def env_group_size(self, advantage=None) -> int:
         """``algorithm.group_size`` where the advantage (its registry entry; default the recipe's) compares a group's
@@ -230,6 +263,12 @@ class PPO(EnvFamily):
             for name in ("obs", "actions"):
                 s.channels[name] = Channel.create(s.cluster, name, slot=slot, timeout_s=timeout, max_bytes=0)
         super().compose(asynchronous)
+        self.elastic = None
+        if s.recipe.cluster.elastic:
+            check_role(
+                s.groups["rollout"], "rollout", ElasticRolloutRole, "rlnb.PolicyRollout", "of cluster.elastic"
+            )
+            self.elastic = ElasticRanks(s, self.paths, self.spaces)
 
     def reset_state(self) -> None:
         super().reset_state()
@@ -282,6 +321,9 @@ class PPO(EnvFamily):
         s = self.session
         T = s.recipe.rollout.steps_per_rollout
         env, rollout = s.groups["env"], s.groups["rollout"]
+        if self.elastic is not None:  # (nothing in flight here: a worker that joined takes ranks now)
+            self.elastic.admit(s.step)
+            return [self.elastic.start(T)]
         if self.env_local and self.paths.batch_local:  # the fast path: one call per rank does it all
             return [rollout.collect(T, env.name, s.groups["actor"].name)]
         if self.env_local:
@@ -305,13 +347,41 @@ class PPO(EnvFamily):
                 self.episodes.extend(summary.pop("episodes"))
             return summaries
         env = self.session.groups["env"]
-        for finished in env.pop_episodes().result():
+        live = self.elastic.settle if self.elastic is not None else GroupResult.result
+        for finished in live(env.pop_episodes()):
             self.episodes.extend(finished)
-        env_s = max(env.pop_sim_s().result())  # (the env ranks stepped apart: the slowest one's)
+        env_s = max(live(env.pop_sim_s()))  # (the env ranks stepped apart: the slowest one's)
         for summary in summaries:
             summary["env_s"] = env_s
-        self.paths.hand_batches(batches)
+        if self.elastic is not None and batches is None:  # (the ranks put them as they made them)
+            self.paths.take_batches(self.paths.batch_keys()[1])
+        else:
+            self.paths.hand_batches(batches)
         return summaries
+
+    def state(self) -> dict:
+        out = super().state()
+        if self.elastic is not None:  # (its counts go on from a resume)
+            out.update(cluster_reissued=self.elastic.reissued, cluster_joined=self.elastic.joined)
+        return out
+
+    def load_state(self, state: dict) -> None:
+        super().load_state(state)
+        if self.elastic is not None:
+            self.elastic.reissued = state.get("cluster_reissued", 0)
+            self.elastic.joined = state.get("cluster_joined", 0)
+
+    def held_batches(self) -> list[dict]:
+        """An elastic run's ranks put their batches into the channel as they made them: read there (and put
+        back, for the step that takes them), one per share."""
+        if self.elastic is None:
+            return super().held_batches()
+        ch = self.session.channels["batches"]
+        keys = self.paths.put_keys()
+        batches = [ch.get(k) for k in keys]
+        for key, batch in zip(keys, batches):
+            ch.put(batch, key=key)
+        return batches
 
     def rollout_metrics(self, phase: Phase, summaries: list[dict], extra: dict) -> None:
         steps = sum(s["steps"] for s in summaries)
@@ -360,7 +430,8 @@ class PPO(EnvFamily):
         normalization = self.obs_normalization()
         if normalization is not None:
             args += (normalization,)
-        res = s.groups["rollout"].on(0).evaluate(*args).result()[0]
+        rollout = s.groups["rollout"]
+        res = rollout.on(rollout.ranks[0]).evaluate(*args).result()[0]
         record = {f"eval/{k}": v for k, v in res.items()}
         record["time/eval_s"] = time.perf_counter() - t0
         s.logger.log(s.step, record)
@@ -460,7 +531,8 @@ class PPO(EnvFamily):
         evaluation and an exported policy normalise with."""
         if not self.env_spec["config"].normalize_obs:
             return None
-        return self.session.groups["env"].on(0).obs_normalization().result()[0]
+        env = self.session.groups["env"]
+        return env.on(env.ranks[0]).obs_normalization().result()[0]
 
     # ------------------------------------------------------------------ metrics
     def log_step(self, sequential: bool) -> None:
@@ -480,6 +552,8 @@ class PPO(EnvFamily):
         for key in ("staleness_mean", "staleness_max", "overlap_frac", "pipeline_overlap_frac"):
             if f"rollout/{key}" in p:
                 record[f"rollout/{key}"] = p[f"rollout/{key}"]
+        if self.elastic is not None:
+            record.update(self.elastic.metrics())
         s.log_record(record)
 
     def sample(self, n: int = 4) -> dict:
@@ -488,7 +562,7 @@ class PPO(EnvFamily):
         n = count_or_default(n, "n", 4)
         groups = self.session.groups
         got = groups["actor"].on(0).sample(n).result()[0] if self.capabilities.actor_samples else None
-        got = got or groups["rollout"].on(0).sample(n).result()[0]
+        got = got or groups["rollout"].on(groups["rollout"].ranks[0]).sample(n).result()[0]
         layout = layout_of(self.spaces[0]) if got and "obs" in got else None
         if layout is not None:  # dict observations: their parts by name, [n, N, ...] each
             got["obs"] = layout.unpack(got["obs"])

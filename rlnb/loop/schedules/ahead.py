@@ -124,8 +124,8 @@ class Ahead(Schedule):
         return {"values": [p.result() for p in self.in_flight], "batches": self.held_batches()}
 
     def held_batches(self) -> list[dict]:
-        """The batch each rollout rank holds, not yet handed over (a settled collection's)."""
-        return self.session.groups["rollout"].take_batch().result()
+        """The batches of a settled collection, not yet handed over (the family's :meth:`held_batches`)."""
+        return self.family.held_batches()
 
     def restore_in_flight(self, saved: dict) -> None:
         values = saved["values"]

@@ -1,0 +1,205 @@
+"""Elastic env and rollout ranks (``cluster.elastic``): workers that leave and join a run between steps.
+
+A step's batch is made of *shares*, one per rollout rank the run launched with; each share has a channel key of its
+own (``b0``, ``b1``...), which the actor ranks take as they would without elasticity. A live rollout rank runs the
+shares it owns (:meth:`rlnb.PolicyRollout.collect_into`: collect, then put under the share's key). When a rank's
+worker is lost mid-collection, the shares it owned move to the ranks left (fewest first) and are collected again
+in the same step, so the actor trains on as many env steps as ever and nothing that was made is taken twice.
+Between steps, a worker that joined the cluster (an embedded worker's restart, ``scale()``, ``adapt()``) is given
+an env rank and a rollout rank, the actor's latest weights, and a share from the rank that runs most. The actor's
+slots never change: losing one stays the typed error that ``loop.recover()`` answers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rlnb.errors import WorkerLostError
+
+log = logging.getLogger("rlnb")
+
+
+class ElasticRanks:
+    """The shares of a step's batch and the live env and rollout ranks running them (see the module's docstring).
+
+    Args:
+        session: the run's session (its groups ``env``, ``rollout`` and ``actor``, the cluster, the channels).
+        paths: its :class:`~rlnb.loop.paths.DataPaths` (the share keys are its batch keys).
+        spaces: the env's spaces, which a joining rollout rank binds.
+    """
+
+    def __init__(self, session, paths, spaces: tuple):
+        self.session, self.paths, self.spaces = session, paths, spaces
+        rollout = session.groups["rollout"]
+        self.shares = rollout.ranks  # one per rollout rank at launch, for the whole run
+        self.owner = {k: k for k in self.shares}  # share -> the rollout rank that runs it
+        paths.shares = list(self.shares)
+        paths.elastic = self
+        for name in ("env", "rollout"):
+            group = session.groups[name]
+            group.positional_state = True
+            session.cluster.mark_elastic([f"{group.name}[{r}]" for r in group.ranks])
+        self.reissued = 0  # shares collected again after their rank was lost
+        self.joined = 0  # ranks given to workers that joined
+
+    # ------------------------------------------------------------------ a step's collection
+    def start(self, steps: int) -> ElasticCollection:
+        """Start every live rank on the shares it owns (each put into the batch channel as it is made)."""
+        return ElasticCollection(self, steps, self._issue(steps, self._assignment()))
+
+    def _assignment(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {r: [] for r in self.session.groups["rollout"].ranks}
+        for k in self.shares:
+            out[self.owner[k]].append(k)
+        return {r: ks for r, ks in out.items() if ks}
+
+    def _issue(self, steps: int, assignment: dict[int, list[int]]):
+        s = self.session
+        puts = dict(self.paths.batch_keys()[0])  # share key -> shards
+        ranks = sorted(assignment)
+        per_rank = [
+            (
+                steps,
+                s.groups["env"].name,
+                s.channels["batches"],
+                [(f"b{k}", puts[f"b{k}"]) for k in assignment[r]],
+            )
+            for r in ranks
+        ]
+        return s.groups["rollout"].on(ranks).call_each("collect_into", per_rank), assignment
+
+    def lose(self, ranks: list[int], steps: int, why: WorkerLostError):
+        """Drop ``ranks`` (their workers are gone) and collect their shares again on the ranks left; the new
+        calls and their assignment. Raises ``why`` where no rank is left."""
+        lost, redo = self._drop(ranks, why)
+        ch = self.session.channels["batches"]
+        for k in lost:  # what a lost rank put before it went is dropped: each key holds one batch a step
+            while ch.qsize(f"b{k}"):
+                ch.get_nowait(f"b{k}")
+        self.reissued += len(lost)
+        log.warning(
+            "env/rollout rank(s) %s lost (%s); their share(s) %s of this step's batch are collected again by "
+            "rank(s) %s, and the run goes on with %d rollout rank(s)",
+            ranks, why.args[0] if why.args else why, lost, sorted(redo), self.session.groups["rollout"].world_size,
+        )  # fmt: skip
+        return self._issue(steps, redo)
+
+    def _drop(self, ranks: list[int], why: WorkerLostError) -> tuple[list[int], dict[int, list[int]]]:
+        """Leave ``ranks`` out of the env and rollout groups and give their shares to the ranks left (fewest
+        first): the shares moved and the new owners' lists of them. Raises ``why`` where no rank is left."""
+        groups = self.session.groups
+        lost = [k for k in self.shares if self.owner[k] in ranks]
+        for name in ("env", "rollout"):
+            groups[name].drop(ranks)
+        weights = self.session.channels.get("weights")
+        for r in ranks:  # (weights published for a rank that went are never read)
+            while weights is not None and weights.qsize(f"w{r}"):
+                weights.get_nowait(f"w{r}")
+        live = groups["rollout"].ranks
+        if not live:
+            raise why
+        load = {r: sum(1 for k in self.shares if self.owner[k] == r) for r in live}
+        redo: dict[int, list[int]] = {}
+        for k in lost:
+            r = min(live, key=lambda r: (load[r], r))
+            self.owner[k] = r
+            load[r] += 1
+            redo.setdefault(r, []).append(k)
+        return lost, redo
+
+    def settle(self, call) -> list:
+        """The values of a call on the env or rollout ranks from those that answered; a rank lost meanwhile is
+        dropped (its shares go to the others from the next step on). Other errors are raised."""
+        values, lost = [], []
+        for rank, got in zip(call.ranks, call.outcomes()):
+            if isinstance(got, WorkerLostError):
+                lost.append((rank, got))
+            elif isinstance(got, Exception):
+                raise got
+            else:
+                values.append(got)
+        if lost:
+            self._drop([r for r, _ in lost], lost[0][1])
+            log.warning("env/rollout rank(s) %s lost between steps; %d rollout rank(s) go on",
+                        [r for r, _ in lost], self.session.groups["rollout"].world_size)  # fmt: skip
+        return values
+
+    # ------------------------------------------------------------------ between steps
+    def admit(self, version: int) -> list[int]:
+        """Give each worker that joined since the last step an env and a rollout rank, the actor's weights (as
+        ``version``) and, where a rank runs more than one share, one of them. Returns the new rollout ranks."""
+        s = self.session
+        joined, _gone = s.cluster.update_slots()
+        actor_slots = set(s.placement["actor"])
+        new = []
+        for slot in joined:
+            if slot in actor_slots or s.cluster.placed_on(slot):
+                continue
+            env, rollout = s.groups["env"], s.groups["rollout"]
+            e, r = env.grow(slot), rollout.grow(slot)
+            if e != r:  # (they are dropped and grown together, so their numbers match)
+                raise AssertionError(f"env rank {e} and rollout rank {r} on slot {slot}")
+            s.cluster.mark_elastic([f"{env.name}[{e}]", f"{rollout.name}[{r}]"])
+            rollout.on(r).bind_spaces(*self.spaces).result()
+            ch = s.channels["weights"]
+            self.paths.publish_weights(ch, [f"w{r}"], version)
+            rollout.on(r).load_from_channel(ch, f"w{r}").result()
+            busiest = max(rollout.ranks, key=lambda q: sum(1 for k in self.shares if self.owner[k] == q))
+            mine = [k for k in self.shares if self.owner[k] == busiest]
+            if len(mine) > 1:
+                self.owner[mine[-1]] = r
+            self.joined += 1
+            new.append(r)
+            log.info("a worker joined on slot %d: it runs env and rollout rank %d", slot, r)
+        return new
+
+    def metrics(self) -> dict:
+        return {
+            "cluster/ranks": self.session.groups["rollout"].world_size,
+            "cluster/reissued": self.reissued,
+            "cluster/joined": self.joined,
+        }
+
+
+class ElasticCollection:
+    """A step's collection in flight on the live ranks, standing where a group call would (``wait``,
+    ``result``, ``durations_s``): its result is one summary per share, in share order, with a lost rank's
+    shares collected again by the ranks left."""
+
+    def __init__(self, elastic: ElasticRanks, steps: int, issued):
+        self.elastic, self.steps = elastic, steps
+        self.calls = [issued]
+        self.summaries: list[dict] | None = None
+
+    @property
+    def durations_s(self) -> list:
+        return [d for call, _ in self.calls for d in call.durations_s]
+
+    def result(self, timeout: float | None = None) -> list[dict]:
+        if self.summaries is not None:
+            return self.summaries
+        by_share: dict[int, dict] = {}
+        call, assignment = self.calls[-1]
+        while True:
+            outcomes = call.outcomes(timeout)
+            lost = []
+            for rank, got in zip(call.ranks, outcomes):
+                if isinstance(got, WorkerLostError):
+                    lost.append((rank, got))
+                elif isinstance(got, Exception):
+                    raise got
+                else:
+                    by_share.update(zip(assignment[rank], got))
+            if not lost:
+                break
+            call, assignment = self.elastic.lose([r for r, _ in lost], self.steps, lost[0][1])
+            self.calls.append((call, assignment))
+        self.summaries = [by_share[k] for k in self.elastic.shares]
+        return self.summaries
+
+    def wait(self, timeout: float | None = None) -> ElasticCollection:
+        self.result(timeout)
+        return self
+
+    def done(self) -> bool:
+        return self.summaries is not None or self.calls[-1][0].done()
