@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from rlnb.errors import WorkerLostError
+from rlnb.errors import RemoteError, WorkerLostError
 
 log = logging.getLogger("rlnb")
 
@@ -41,6 +41,7 @@ class ElasticRanks:
             session.cluster.mark_elastic([f"{group.name}[{r}]" for r in group.ranks])
         self.reissued = 0  # shares collected again after their rank was lost
         self.joined = 0  # ranks given to workers that joined
+        self.admitting = True  # whether a worker that joins is given ranks (until one could not take them)
 
     # ------------------------------------------------------------------ a step's collection
     def start(self, steps: int) -> ElasticCollection:
@@ -133,17 +134,20 @@ class ElasticRanks:
         actor_slots = set(s.placement["actor"])
         new = []
         for slot in joined:
-            if slot in actor_slots or s.cluster.placed_on(slot):
+            if slot in actor_slots or s.cluster.placed_on(slot) or not self.admitting:
                 continue
             env, rollout = s.groups["env"], s.groups["rollout"]
-            e, r = env.grow(slot), rollout.grow(slot)
-            if e != r:  # (they are dropped and grown together, so their numbers match)
-                raise AssertionError(f"env rank {e} and rollout rank {r} on slot {slot}")
-            s.cluster.mark_elastic([f"{env.name}[{e}]", f"{rollout.name}[{r}]"])
-            rollout.on(r).bind_spaces(*self.spaces).result()
-            ch = s.channels["weights"]
-            self.paths.publish_weights(ch, [f"w{r}"], version)
-            rollout.on(r).load_from_channel(ch, f"w{r}").result()
+            try:
+                r = self._start_ranks(slot, version)
+            except RemoteError as e:
+                # (a worker that cannot host them, or the env rank started and the rollout's did not: the two
+                # groups' numbers no longer match, so no worker joins this run again)
+                self.admitting = False
+                for group in (env, rollout):
+                    group.drop([q for q in group.ranks if group.infos[q].slot == slot])
+                log.warning("a worker joined on slot %d but could not take env and rollout ranks (%s); the run goes "
+                            "on with the ranks it has, and takes no more workers", slot, e)  # fmt: skip
+                continue
             busiest = max(rollout.ranks, key=lambda q: sum(1 for k in self.shares if self.owner[k] == q))
             mine = [k for k in self.shares if self.owner[k] == busiest]
             if len(mine) > 1:
@@ -152,6 +156,22 @@ class ElasticRanks:
             new.append(r)
             log.info("a worker joined on slot %d: it runs env and rollout rank %d", slot, r)
         return new
+
+    def _start_ranks(self, slot: int, version: int) -> int:
+        """An env and a rollout rank on ``slot``, bound to the env's spaces, with the actor's weights as
+        ``version``; the rollout rank's number."""
+        s = self.session
+        env, rollout = s.groups["env"], s.groups["rollout"]
+        e = env.grow(slot)
+        r = rollout.grow(slot)
+        if e != r:  # (they are dropped and grown together, so their numbers match)
+            raise AssertionError(f"env rank {e} and rollout rank {r} on slot {slot}")
+        s.cluster.mark_elastic([f"{env.name}[{e}]", f"{rollout.name}[{r}]"])
+        rollout.on(r).bind_spaces(*self.spaces).result()
+        ch = s.channels["weights"]
+        self.paths.publish_weights(ch, [f"w{r}"], version)
+        rollout.on(r).load_from_channel(ch, f"w{r}").result()
+        return r
 
     def metrics(self) -> dict:
         return {

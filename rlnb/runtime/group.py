@@ -311,19 +311,21 @@ class Group:
         )  # fmt: skip
         self.infos.append(info)
         self._dask_route.hosts.append(host)
-        (ready,) = GroupResult(
-            self, "__init__", [rank], self._dask_route.send([(rank, "ready", ())], timeout), timeout
-        ).result()
-        if isinstance(self._route, DirectRoute):
-            link = DirectRoute.connect([ready["direct"]])
-            if link is None:
-                raise WorkerLostError(
-                    "its direct call port cannot be reached from the driver",
-                    self.name,
-                    rank,
-                    s.address,
-                    "__init__",
-                )
+        link = None
+        try:
+            (ready,) = GroupResult(
+                self, "__init__", [rank], self._dask_route.send([(rank, "ready", ())], timeout), timeout
+            ).result()
+            if isinstance(self._route, DirectRoute):
+                link = DirectRoute.connect([ready["direct"]])
+                if link is None:
+                    raise WorkerLostError("its direct call port cannot be reached from the driver", self.name,
+                                          rank, s.address, "__init__")  # fmt: skip
+        except RemoteError:
+            self.infos.pop()  # (as if it had never started: its number is free again)
+            self._dask_route.hosts.pop()
+            raise
+        if link is not None:
             self._route.links.extend(link.links)
         self._ranks.append(rank)
         self.cluster.register_component(slot, f"{self.name}[{rank}]")
