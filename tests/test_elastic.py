@@ -168,3 +168,14 @@ def test_an_elastic_run_stopped_with_work_in_flight_resumes_exactly(tmp_path):
     assert resumed == full[3:]
     assert {r["cluster/ranks"] for r in full} == {2}
     assert_metrics_documented(tmp_path / "full")
+
+
+@pytest.mark.parametrize("recipe", ["grpo_arith", "sac_pendulum"])
+def test_elastic_ranks_in_a_family_that_keeps_its_ranks_are_refused_naming_the_key(recipe):
+    from rlnb.config import load_recipe
+    from rlnb.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cluster.elastic") as e:
+        load_recipe(recipe, ["cluster.elastic=true"])
+    family = recipe.split("_")[0]
+    assert "cluster.elastic: " in str(e.value) and f"family {family} keeps its ranks" in str(e.value)

@@ -57,6 +57,11 @@ class ClusterConfig:
             )
         need(errs, lambda: not (isinstance(self.address, str) and not self.address.strip()), "cluster.address",
              "a scheduler address like tcp://host:8786 (or empty for an embedded cluster)", self.address)  # fmt: skip
+        if self.elastic is True and recipe.family != "ppo":
+            errs.append(
+                f"cluster.elastic: env and rollout ranks that come and go are embodied PPO's and embodied GRPO's "
+                f"(family ppo); family {recipe.family} keeps its ranks for the run (a lost one: loop.recover())"
+            )
         return errs
 
 
