@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 import rlnb
 from rlnb.errors import PlacementError
@@ -179,3 +180,28 @@ def test_elastic_ranks_in_a_family_that_keeps_its_ranks_are_refused_naming_the_k
         load_recipe(recipe, ["cluster.elastic=true"])
     family = recipe.split("_")[0]
     assert "cluster.elastic: " in str(e.value) and f"family {family} keeps its ranks" in str(e.value)
+
+
+def test_a_resumed_elastic_run_gives_the_latest_weights_to_ranks_its_checkpoint_kept_no_state_for(tmp_path):
+    """A checkpoint written while fewer ranks were live keeps fewer env and rollout states (by position); the resumed
+    run launches the recipe's ranks, and those without a state start with fresh episodes and the actor's weights,
+    not the random ones they were built with."""
+    base = [*elastic_recipe(6), "env.id=CartPole-v1", "env.kwargs={}"]
+    with rlnb.Cluster(slots=3, gpus=False) as cluster:
+        with Loop.from_recipe("ppo_cartpole", base, cluster=cluster, run_dir=tmp_path) as loop:
+            loop.run(3, progress=False)
+            loop.sync_weights()  # (the rollout ranks then hold the step's version: the resumed run sends none)
+            checkpoint = loop.save()
+        for name in ("env_rank1.pt", "rollout_rank1.pt"):  # as if rank 1 had gone when it was written
+            (checkpoint / name).unlink()
+        with Loop.resume(tmp_path, cluster=cluster) as loop:
+            rollout, actor = loop.groups["rollout"], loop.groups["actor"]
+            assert rollout.on(1).state_dict().result()[0]["version"] == 0  # built, not restored
+            loop.rollout()  # (the ranks it restored hold this version's weights: no sync before it)
+            state = rollout.on(1).state_dict().result()[0]
+            assert state["version"] == loop.step == 3
+            weights = actor.on(0).policy_state().result()[0]
+            assert all(torch.equal(v, weights[k]) for k, v in state["policy"].items())
+            loop.advantages()
+            loop.train()
+            assert loop.step == 4

@@ -130,6 +130,10 @@ class ElasticRanks:
         """Give each worker that joined since the last step an env and a rollout rank, the actor's weights (as
         ``version``) and, where a rank runs more than one share, one of them. Returns the new rollout ranks."""
         s = self.session
+        rollout = s.groups["rollout"]
+        if rollout.unrestored:  # a resumed run's ranks beyond those the checkpoint kept: the latest weights
+            self._load_weights(rollout.unrestored, version)
+            rollout.unrestored = []
         joined, _gone = s.cluster.update_slots()
         actor_slots = set(s.placement["actor"])
         new = []
@@ -168,10 +172,13 @@ class ElasticRanks:
             raise AssertionError(f"env rank {e} and rollout rank {r} on slot {slot}")
         s.cluster.mark_elastic([f"{env.name}[{e}]", f"{rollout.name}[{r}]"])
         rollout.on(r).bind_spaces(*self.spaces).result()
-        ch = s.channels["weights"]
-        self.paths.publish_weights(ch, [f"w{r}"], version)
-        rollout.on(r).load_from_channel(ch, f"w{r}").result()
+        self._load_weights([r], version)
         return r
+
+    def _load_weights(self, ranks: list[int], version: int) -> None:
+        ch, rollout = self.session.channels["weights"], self.session.groups["rollout"]
+        self.paths.publish_weights(ch, [f"w{r}" for r in ranks], version)
+        rollout.on(ranks).call_each("load_from_channel", [(ch, f"w{r}") for r in ranks]).result()
 
     def metrics(self) -> dict:
         return {

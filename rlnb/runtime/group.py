@@ -199,6 +199,9 @@ class Group:
         # an elastic group's rank states are saved and loaded by position among its ranks, not by rank number
         # (ranks come and go; a resumed run starts as many as it launched)
         self.positional_state = False
+        self.unrestored: list[
+            int
+        ] = []  # with positional_state: the ranks the last load_state had no file for
         self._closed = False
         # how calls reach the ranks: Dask's rpc until the ranks offer direct sockets (chosen once, at launch)
         self._dask_route = DaskRoute(hosts, cluster.client)
@@ -446,6 +449,7 @@ class Group:
         if not self.positional_state:
             return self._each("load_state", [(p,) for p in paths], "load_state")
         have = [i for i, path in enumerate(paths) if os.path.exists(path)]
+        self.unrestored = [r for i, r in enumerate(self._ranks) if i not in have]
         view = self.on([self._ranks[i] for i in have]) if have else None
         if view is None:
             return GroupResult(self, "load_state", [], [], self.call_timeout_s)
