@@ -33,7 +33,6 @@ class ElasticRanks:
         rollout = session.groups["rollout"]
         self.shares = rollout.ranks  # one per rollout rank at launch, for the whole run
         self.owner = {k: k for k in self.shares}  # share -> the rollout rank that runs it
-        paths.shares = list(self.shares)
         paths.elastic = self
         for name in ("env", "rollout"):
             group = session.groups[name]
@@ -46,13 +45,16 @@ class ElasticRanks:
     # ------------------------------------------------------------------ a step's collection
     def start(self, steps: int) -> ElasticCollection:
         """Start every live rank on the shares it owns (each put into the batch channel as it is made)."""
-        return ElasticCollection(self, steps, self._issue(steps, self._assignment()))
+        running = {r: ks for r, ks in self._assignment().items() if ks}
+        return ElasticCollection(self, steps, self._issue(steps, running))
 
     def _assignment(self) -> dict[int, list[int]]:
+        """Each live rollout rank's shares (empty for one that stands by; a dropped rank's are in none)."""
         out: dict[int, list[int]] = {r: [] for r in self.session.groups["rollout"].ranks}
         for k in self.shares:
-            out[self.owner[k]].append(k)
-        return {r: ks for r, ks in out.items() if ks}
+            if self.owner[k] in out:
+                out[self.owner[k]].append(k)
+        return out
 
     def _issue(self, steps: int, assignment: dict[int, list[int]]):
         s = self.session
@@ -73,10 +75,8 @@ class ElasticRanks:
         """Drop ``ranks`` (their workers are gone) and collect their shares again on the ranks left; the new
         calls and their assignment. Raises ``why`` where no rank is left."""
         lost, redo = self._drop(ranks, why)
-        ch = self.session.channels["batches"]
         for k in lost:  # what a lost rank put before it went is dropped: each key holds one batch a step
-            while ch.qsize(f"b{k}"):
-                ch.get_nowait(f"b{k}")
+            _drain(self.session.channels["batches"], f"b{k}")
         self.reissued += len(lost)
         log.warning(
             "env/rollout rank(s) %s lost (%s); their share(s) %s of this step's batch are collected again by "
@@ -94,12 +94,12 @@ class ElasticRanks:
             groups[name].drop(ranks)
         weights = self.session.channels.get("weights")
         for r in ranks:  # (weights published for a rank that went are never read)
-            while weights is not None and weights.qsize(f"w{r}"):
-                weights.get_nowait(f"w{r}")
-        live = groups["rollout"].ranks
-        if not live:
+            if weights is not None:
+                _drain(weights, f"w{r}")
+        if not groups["rollout"].ranks:
             raise why
-        load = {r: sum(1 for k in self.shares if self.owner[k] == r) for r in live}
+        load = {r: len(ks) for r, ks in self._assignment().items()}
+        live = list(load)
         redo: dict[int, list[int]] = {}
         for k in lost:
             r = min(live, key=lambda r: (load[r], r))
@@ -111,14 +111,8 @@ class ElasticRanks:
     def settle(self, call) -> list:
         """The values of a call on the env or rollout ranks from those that answered; a rank lost meanwhile is
         dropped (its shares go to the others from the next step on). Other errors are raised."""
-        values, lost = [], []
-        for rank, got in zip(call.ranks, call.outcomes()):
-            if isinstance(got, WorkerLostError):
-                lost.append((rank, got))
-            elif isinstance(got, Exception):
-                raise got
-            else:
-                values.append(got)
+        got, lost = answers(call)
+        values = list(got.values())
         if lost:
             self._drop([r for r, _ in lost], lost[0][1])
             log.warning("env/rollout rank(s) %s lost between steps; %d rollout rank(s) go on",
@@ -152,8 +146,7 @@ class ElasticRanks:
                 log.warning("a worker joined on slot %d but could not take env and rollout ranks (%s); the run goes "
                             "on with the ranks it has, and takes no more workers", slot, e)  # fmt: skip
                 continue
-            busiest = max(rollout.ranks, key=lambda q: sum(1 for k in self.shares if self.owner[k] == q))
-            mine = [k for k in self.shares if self.owner[k] == busiest]
+            mine = max(self._assignment().values(), key=len)  # (the busiest rank's shares)
             if len(mine) > 1:
                 self.owner[mine[-1]] = r
             self.joined += 1
@@ -208,15 +201,9 @@ class ElasticCollection:
         by_share: dict[int, dict] = {}
         call, assignment = self.calls[-1]
         while True:
-            outcomes = call.outcomes(timeout)
-            lost = []
-            for rank, got in zip(call.ranks, outcomes):
-                if isinstance(got, WorkerLostError):
-                    lost.append((rank, got))
-                elif isinstance(got, Exception):
-                    raise got
-                else:
-                    by_share.update(zip(assignment[rank], got))
+            got, lost = answers(call, timeout)
+            for rank, summaries in got.items():
+                by_share.update(zip(assignment[rank], summaries))
             if not lost:
                 break
             call, assignment = self.elastic.lose([r for r, _ in lost], self.steps, lost[0][1])
@@ -230,3 +217,22 @@ class ElasticCollection:
 
     def done(self) -> bool:
         return self.summaries is not None or self.calls[-1][0].done()
+
+
+def answers(call, timeout: float | None = None) -> tuple[dict, list]:
+    """A call's values by rank from the ranks that answered, and ``(rank, error)`` for those whose worker was lost;
+    any other error is raised."""
+    got, lost = {}, []
+    for rank, outcome in zip(call.ranks, call.outcomes(timeout)):
+        if isinstance(outcome, WorkerLostError):
+            lost.append((rank, outcome))
+        elif isinstance(outcome, Exception):
+            raise outcome
+        else:
+            got[rank] = outcome
+    return got, lost
+
+
+def _drain(channel, key: str) -> None:
+    while channel.qsize(key):
+        channel.get_nowait(key)

@@ -59,9 +59,9 @@ class DataPaths:
         # says so: actor.lora.sync, a rollout that merges them)
         self.adapter_sync = False
         self._unlogged: dict = {}
-        # an elastic run's shares (rlnb.loop.elastic): batch keys by share, not by the rollout ranks live now
-        self.shares: list[int] | None = None
-        self.elastic = None  # its ElasticRanks: a rank lost while weights load is dropped, not an error
+        # an elastic run's ElasticRanks (rlnb.loop.elastic): batch keys by its shares, not by the rollout ranks live
+        # now; a rank lost while weights load is dropped, not an error
+        self.elastic = None
 
     def open(self, asynchronous: bool) -> None:
         """Channels (and the weight-sync process group) for whatever is not collocated between actor and rollout."""
@@ -150,7 +150,7 @@ class DataPaths:
         """The channel hand-off: per rollout rank ``(key, shards)`` it puts under, and per actor rank the keys it
         takes. With more actor than rollout ranks each batch is split (RLinf's hybrid)."""
         rollout, actor = self.session.groups["rollout"], self.session.groups["actor"]
-        sources = self.shares if self.shares is not None else rollout.ranks
+        sources = self.elastic.shares if self.elastic is not None else rollout.ranks
         n_act, n_roll = actor.world_size, len(sources)
         if n_act > n_roll:
             m = n_act // n_roll
@@ -162,6 +162,15 @@ class DataPaths:
         """Every channel key the rollout ranks put batches under, in rank order (``key.j`` for split ones)."""
         puts, _ = self.batch_keys()
         return [k for key, n in puts for k in ([key] if n == 1 else [f"{key}.{j}" for j in range(n)])]
+
+    def peek_batches(self) -> list[dict]:
+        """The batches waiting in the batch channel, one per put key, read and put back (a checkpoint of work in
+        flight whose ranks put their batches themselves leaves the pipeline as it was)."""
+        ch, keys = self.session.channels["batches"], self.put_keys()
+        held = [ch.get(key=k) for k in keys]
+        for k, batch in zip(keys, held):
+            ch.put(batch, key=k)
+        return held
 
     def take_batches(self, takes: list[list[str]]) -> list[dict]:
         ch, actor = self.session.channels["batches"], self.session.groups["actor"]

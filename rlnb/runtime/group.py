@@ -125,17 +125,23 @@ class GroupResult:
         with self._lock:
             if self._read(timeout):
                 return self._values
+        raise self._timed_out(timeout) from None
+
+    def _timed_out(self, timeout: float) -> RemoteTimeoutError:
+        """The error for ranks still pending after ``timeout`` seconds; their workers are marked unresponsive
+        (closing does not wait on them again: see shutdown_groups)."""
         i = min(self._pending) if self._pending else 0
         pending = [f"{self._owners[j].name}[{self.ranks[j]}]" for j in sorted(self._pending)]
-        for j in self._pending:  # (closing does not wait on their workers again: see shutdown_groups)
+        for j in self._pending:
             self._owners[j].cluster.unresponsive.add(self._owners[j].infos[self.ranks[j]].address)
-        raise self._owners[i]._timeout_error(self.ranks[i], self.method, timeout, pending) from None
+        return self._owners[i]._timeout_error(self.ranks[i], self.method, timeout, pending)
 
     def outcomes(self, timeout: float | None = None) -> list:
         """Every rank's value or typed error (a :class:`RemoteError`), in rank order, waiting for all of them
         within ``timeout`` (seconds): for a caller that goes on without a failed rank (an elastic run), where
         :meth:`result` raises at the first failure."""
-        deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
+        timeout = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         errors: dict[int, RemoteError] = {}
         with self._lock:
             if self._failure is not None:
@@ -150,11 +156,7 @@ class GroupResult:
                         self._pending.discard(i)
                         self._calls[i].discard()
             if self._pending:
-                pending = [f"{self._owners[j].name}[{self.ranks[j]}]" for j in sorted(self._pending)]
-                i = min(self._pending)
-                raise self._owners[i]._timeout_error(
-                    self.ranks[i], self.method, timeout or self.timeout_s, pending
-                )
+                raise self._timed_out(timeout)
         return [errors.get(i, v) for i, v in enumerate(self._values)]
 
     def wait(self, timeout: float | None = None) -> GroupResult:

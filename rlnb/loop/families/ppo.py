@@ -374,14 +374,7 @@ class PPO(EnvFamily):
     def held_batches(self) -> list[dict]:
         """An elastic run's ranks put their batches into the channel as they made them: read there (and put
         back, for the step that takes them), one per share."""
-        if self.elastic is None:
-            return super().held_batches()
-        ch = self.session.channels["batches"]
-        keys = self.paths.put_keys()
-        batches = [ch.get(k) for k in keys]
-        for key, batch in zip(keys, batches):
-            ch.put(batch, key=key)
-        return batches
+        return super().held_batches() if self.elastic is None else self.paths.peek_batches()
 
     def rollout_metrics(self, phase: Phase, summaries: list[dict], extra: dict) -> None:
         steps = sum(s["steps"] for s in summaries)

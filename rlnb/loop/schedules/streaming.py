@@ -126,11 +126,7 @@ class Streaming(Ahead):
     def held_batches(self) -> list[dict]:
         """Streaming generation puts each finished batch into the batch channel itself: read back from there (and
         put again: a checkpoint leaves the pipeline as it was)."""
-        ch, keys = self.session.channels["batches"], self.paths.put_keys()
-        held = [ch.get(key=k) for k in keys]
-        for k, batch in zip(keys, held):
-            ch.put(batch, key=k)
-        return held
+        return self.paths.peek_batches()
 
     def restore_in_flight(self, saved: dict) -> None:
         ch = self.session.channels["batches"]
