@@ -171,17 +171,6 @@ def test_an_elastic_run_stopped_with_work_in_flight_resumes_exactly(tmp_path):
     assert_metrics_documented(tmp_path / "full")
 
 
-@pytest.mark.parametrize("recipe", ["grpo_arith", "sac_pendulum"])
-def test_elastic_ranks_in_a_family_that_keeps_its_ranks_are_refused_naming_the_key(recipe):
-    from rlnb.config import load_recipe
-    from rlnb.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="cluster.elastic") as e:
-        load_recipe(recipe, ["cluster.elastic=true"])
-    family = recipe.split("_")[0]
-    assert "cluster.elastic: " in str(e.value) and f"family {family} keeps its ranks" in str(e.value)
-
-
 def test_a_resumed_elastic_run_gives_the_latest_weights_to_ranks_its_checkpoint_kept_no_state_for(tmp_path):
     """A checkpoint written while fewer ranks were live keeps fewer env and rollout states (by position); the resumed
     run launches the recipe's ranks, and those without a state start with fresh episodes and the actor's weights,
@@ -205,3 +194,42 @@ def test_a_resumed_elastic_run_gives_the_latest_weights_to_ranks_its_checkpoint_
             loop.advantages()
             loop.train()
             assert loop.step == 4
+
+
+def test_a_sac_collector_killed_mid_collection_has_its_share_collected_again_and_its_replacement_joins(
+    tmp_path,
+):
+    """SAC's collectors apart from the learner, one batch ahead, with 3-step returns: the lost collector's share is
+    collected again by the other, its envs' n-step sums in the buffer ended first (another env steps that share from
+    then on), and the restarted worker joins without a random warm-up of its own."""
+    overrides = [
+        "runner.steps=10", "runner.eval_interval=0", "runner.stop_return=100000", "runner.tensorboard=false",
+        "runner.save_interval=0", "sac.learning_starts=160", "sac.batch_size=64", "buffer.n_step=3", "cluster.elastic=true",
+        "cluster.component_placement={'actor,buffer': 0, 'env,rollout': 1-2}",
+    ]  # fmt: skip
+    with rlnb.Cluster(slots=3, gpus=False) as cluster:
+        loop = rlnb.SACLoop.from_recipe("sac_pendulum", overrides, cluster=cluster, run_dir=tmp_path)
+        try:
+            loop.run(3, progress=False)
+            loop.sync_weights()
+            loop.rollout()  # the next batch is collected now, while this step trains
+            os.kill(cluster.slots[2].pid, signal.SIGKILL)
+            loop.advantages()
+            loop.train()
+            loop.run(2, progress=False)  # no error, no restart: slot 1's collector collects both shares
+            wait_for_workers(cluster, 3)
+            loop.run(progress=False)
+            rollout = loop.groups["rollout"]
+            assert loop.step == 10 and rollout.ranks == [0, 2]
+            # past the warm-up when it joined: no random steps of its own
+            assert rollout.on(2).warm_up_left(10**9).result()[0] == 0
+            buffer = loop.groups["buffer"].on(0)
+            pending = sum(len(w) for w in buffer.state_dict().result()[0]["windows"])
+            assert buffer.stats().result()[0]["added"] + pending == loop.history[-1]["global_step"]
+        finally:
+            loop.close()
+    records = [r for r in read_metrics(tmp_path) if "global_step" in r]
+    steps = [b["global_step"] - a["global_step"] for a, b in itertools.pairwise(records)]
+    assert steps == [2 * 4 * 20] * 9, steps  # every step both shares' transitions
+    assert records[-1]["cluster/reissued"] == 1 and records[-1]["cluster/joined"] == 1
+    assert records[-1]["cluster/ranks"] == 2

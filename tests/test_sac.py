@@ -96,6 +96,23 @@ def test_the_buffer_is_a_ring_and_its_n_step_sums_stop_where_an_episode_ends():
     assert len(n3) == 4  # (the new episode's step waits for the two after it)
 
 
+def test_a_cut_ends_an_envs_n_step_sums_bootstrapped_where_they_stop_and_leaves_the_others():
+    space = gym.spaces.Box(-100, 100, (1,), np.float32)
+    buf = ReplayBuffer(space, BOX1, capacity=10, num_envs=2, n_step=3, gamma=0.5, seed=0)
+    for t, (r0, r1) in enumerate(
+        [(1.0, 10.0), (2.0, 20.0)]
+    ):  # two steps: neither env's first sum is complete
+        buf.add(np.array([[t], [t]], np.float32), np.array([[t], [t]], np.float32), [r0, r1], [False, False],
+                [False, False], np.array([[t + 1], [t + 1]], np.float32))  # fmt: skip
+    assert len(buf) == 0
+    assert buf.cut([1]) == 2  # (env 1's share is stepped by other envs from here: its sums end now)
+    got = buf.last(2)
+    assert got["rewards"].tolist() == [10 + 0.5 * 20, 20.0]
+    assert got["next_obs"][:, 0].tolist() == [2.0, 2.0]  # bootstrapped from the last step they have
+    assert got["discount"].tolist() == [0.25, 0.5] and got["terminated"].tolist() == [0, 0]
+    assert len(buf.windows[0]) == 2 and not buf.windows[1]  # env 0's sums go on
+
+
 def test_the_buffer_resumes_exactly_and_refuses_more_bytes_than_allowed(tmp_path):
     space = gym.spaces.Box(-1, 1, (3,), np.float32)
     a = ReplayBuffer(space, BOX1, capacity=50, num_envs=2, n_step=2, seed=3)

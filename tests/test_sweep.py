@@ -90,7 +90,7 @@ COVERED_ELSEWHERE = {
     "runner.overwrite",  # tests/test_trust.py (a run directory holding a run)
     "runner.resume_fallback",  # tests/test_isolation.py (an unreadable latest checkpoint)
     "runner.control",  # read by rlnb run: tests/test_hosts.py (network, across hosts), test_operations.py (loopback)
-    "cluster.elastic",  # tests/test_elastic.py (on three slots: a worker killed, one closed, one added)
+    "cluster.elastic",  # tests/test_elastic.py, test_elastic_lm.py (three slots: a worker killed, closed, added)
 }
 # the choices refused on this machine (no GPU, no vLLM): each must be refused naming its key before any step;
 # every other choice must train a step

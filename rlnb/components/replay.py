@@ -135,6 +135,19 @@ class ReplayBuffer:
                 stored += 1
         return stored
 
+    def cut(self, envs: list[int]) -> int:
+        """End the n-step sums in progress of ``envs`` (an elastic run's share of them now stepped by other envs):
+        each pending step stored with the rewards it has and bootstrapped from its last step's next observation.
+        Returns the transitions stored."""
+        stored = 0
+        for i in envs:
+            window = self.windows[i]
+            while window:
+                self._store_window(window)
+                window.popleft()
+                stored += 1
+        return stored
+
     def _store_window(self, window: deque) -> None:
         ret, k = 0.0, 0
         for k, (_, _, r, term, trunc, _) in enumerate(window):

@@ -230,12 +230,19 @@ class RolloutBase:
     def put_batch(self, channel, key: str, shards: int = 1) -> int:
         """Send the last batch to actor ranks through a channel (worker to worker): whole under ``key``,
         or split into ``shards`` equal parts under ``key.0``, ``key.1``... (more actor than rollout ranks)."""
-        if shards == 1:
-            channel.put(self.batch, key=key)
-        else:
-            for j, part in enumerate(self.split_batch(self.batch, shards)):
-                channel.put(part, key=f"{key}.{j}")
+        self.put_shares(channel, [(key, shards)])
         return self.batch["version"]
+
+    def put_shares(self, channel, puts: list[tuple[str, int]]) -> None:
+        """The last batch in ``len(puts)`` equal parts, each put as :meth:`put_batch` puts a whole one under its
+        ``(key, shards)`` (an elastic run's rank making several shares of a step's batch at once)."""
+        parts = [self.batch] if len(puts) == 1 else self.split_batch(self.batch, len(puts))
+        for (key, shards), part in zip(puts, parts):
+            if shards == 1:
+                channel.put(part, key=key)
+            else:
+                for j, piece in enumerate(self.split_batch(part, shards)):
+                    channel.put(piece, key=f"{key}.{j}")
 
     @staticmethod
     def split_batch(batch: dict, shards: int) -> list[dict]:
@@ -243,7 +250,22 @@ class RolloutBase:
         raise NotImplementedError
 
 
-class PolicyRollout(RolloutBase):
+class CollectsShares:
+    """A mixin of the embodied collectors (:class:`PolicyRollout`, :class:`rlnb.components.SACCollector`): an
+    elastic run's collection of several shares of a step's batch."""
+
+    def collect_into(self, steps: int, env: str, channel, puts: list[tuple[str, int]]) -> list[dict]:
+        """An elastic run's collection: one ``collect`` of ``steps`` per ``(key, shards)`` of ``puts`` (the
+        shares of a step's batch this rank runs: its own, or a lost rank's), each batch put into ``channel``
+        (:meth:`put_batch`) as soon as it is made. Their summaries, in order."""
+        summaries = []
+        for key, shards in puts:
+            summaries.append(self.collect(steps, env))
+            self.put_batch(channel, key, shards)
+        return summaries
+
+
+class PolicyRollout(CollectsShares, RolloutBase):
     """Runs an actor-critic policy: ``act``, ``collect`` (collocated env) or ``serve`` (env over channels).
 
     Args:
@@ -424,16 +446,6 @@ class PolicyRollout(RolloutBase):
             local_peer(actor, self.rank).set_batch([self.batch])
             summary["episodes"] = env_obj.pop_episodes()
         return summary
-
-    def collect_into(self, steps: int, env: str, channel, puts: list[tuple[str, int]]) -> list[dict]:
-        """An elastic run's collection: one :meth:`collect` of ``steps`` per ``(key, shards)`` of ``puts`` (the
-        shares of a step's batch this rank runs: its own, or a lost rank's), each batch put into ``channel``
-        (:meth:`put_batch`) as soon as it is made. Their summaries, in order."""
-        summaries = []
-        for key, shards in puts:
-            summaries.append(self.collect(steps, env))
-            self.put_batch(channel, key, shards)
-        return summaries
 
     def _collect_from(self, env_obj: Env, obs: list, steps: int) -> dict:
         """:meth:`collect`'s collection: the batch (``self.batch``) and its summary."""

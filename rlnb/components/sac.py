@@ -14,7 +14,7 @@ import torch
 from rlnb.algorithms import sac
 from rlnb.components.env import Env
 from rlnb.components.launch import launcher
-from rlnb.components.rollout import RolloutBase
+from rlnb.components.rollout import CollectsShares, RolloutBase
 from rlnb.config.sections_sac import batch_over_warm_up
 from rlnb.errors import ConfigError
 from rlnb.models.sac import TwinQ, agent_weights, flat_dim, make_policy, target_copy
@@ -264,10 +264,21 @@ class SACActor:
         buf, added = self.buffer, 0
         for t in range(len(b["rewards"])):
             added += buf.add(*(b[k][t] for k in TRANSITION_KEYS))
+        self._owe(added)
+        return {"transitions": added}
+
+    def cut_envs(self, envs: list[int]) -> int:
+        """An elastic run: the buffer's n-step sums in progress of ``envs`` end here (their share of the batch is
+        stepped by other envs from now on); the transitions this stores. (Nothing to end with ``n_step=1``.)"""
+        stored = self.buffer.cut(envs)
+        self._owe(stored)
+        return stored
+
+    def _owe(self, added: int) -> None:
+        buf = self.buffer
         if buf.added >= self.settings["learning_starts"]:  # (the warm-up's transitions owe no updates)
             counted = min(added, buf.added - self.settings["learning_starts"])
             self.owed += self.settings["utd_ratio"] * max(counted, 0)
-        return {"transitions": added}
 
     def take_local_batches(self, rollout: str, ranks: list[int]) -> dict:
         """Collocated hand-off: the batches of collector ranks in this process."""
@@ -337,7 +348,7 @@ TRANSITION_KEYS = (
 )  # ReplayBuffer.add's order
 
 
-class SACCollector(RolloutBase):
+class SACCollector(CollectsShares, RolloutBase):
     """SAC's collector as a loop's ``rollout``: the policy (synced from the learner) stepping the env rank on its
     slot in-process, uniformly random actions for its share of ``learning_starts`` first (SB3's warm-up). Each
     :meth:`collect` keeps ``steps`` transitions of every env ``[T, N, ...]`` as its batch: ``obs``, ``actions``,
@@ -375,6 +386,12 @@ class SACCollector(RolloutBase):
         self.policy.load_state_dict(state_dict)
         self.version = version
         return version
+
+    def warm_up_left(self, steps: int) -> int:
+        """Random env steps left to take (an elastic run's joining collector: the warm-up the others have left,
+        not a whole one of its own); returns it."""
+        self.random_left = min(self.random_left, max(0, int(steps)))
+        return self.random_left
 
     @torch.no_grad()
     def actions(self, obs: np.ndarray, deterministic: bool = False) -> np.ndarray:

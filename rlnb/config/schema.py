@@ -39,10 +39,12 @@ class ClusterConfig:
     """How long a component's ranks may take to start (seconds): its import and construction on the workers, a
     vLLM engine's start included (minutes on a loaded 2-core machine)."""
     elastic: bool = False
-    """Embodied PPO with env and rollout on slots of their own: their ranks may leave and join between steps. A
-    lost worker's share of the step's batch is collected again by the ranks left, a worker that joins (a restart,
-    ``scale()``, ``adapt()``) is given env and rollout ranks and the latest weights, and the run goes on without a
-    restart; the actor's slots stay fixed (logged: ``cluster/ranks``, ``cluster/reissued``, ``cluster/joined``)."""
+    """Rollout ranks on slots of their own that may leave and join between steps: embodied PPO's and GRPO's env
+    and rollout ranks, SAC's collectors, or asynchronous LM GRPO's rollout and reward ranks. A lost worker's
+    share of the step's batch is made again by the ranks left (an LM's from the problems it held), a worker that
+    joins (a restart, ``scale()``, ``adapt()``) is given ranks and the latest weights, and the run goes on without
+    a restart; the actor's slots stay fixed (logged: ``cluster/ranks``, ``cluster/reissued``,
+    ``cluster/joined``)."""
 
     def deadlines(self) -> dict[str, float]:
         """The components' deadlines, as their ``launch`` takes them."""
@@ -57,11 +59,6 @@ class ClusterConfig:
             )
         need(errs, lambda: not (isinstance(self.address, str) and not self.address.strip()), "cluster.address",
              "a scheduler address like tcp://host:8786 (or empty for an embedded cluster)", self.address)  # fmt: skip
-        if self.elastic is True and recipe.family != "ppo":
-            errs.append(
-                f"cluster.elastic: env and rollout ranks that come and go are embodied PPO's and embodied GRPO's "
-                f"(family ppo); family {recipe.family} keeps its ranks for the run (a lost one: loop.recover())"
-            )
         return errs
 
 

@@ -100,11 +100,20 @@ class ArithmeticTask:
         for _ in range(n):
             epoch, i = divmod(self.position, len(self.train))
             if i == 0 or not self._order:
-                self._order = list(range(len(self.train)))
-                random.Random(hash((epoch, len(self.train))) & 0xFFFFFFFF).shuffle(self._order)
+                self._order = self._epoch_order(epoch)
             out.append(self.train[self._order[i]])
             self.position += 1
         return out
+
+    def problem(self, serial: int) -> Problem:
+        """The training problem :meth:`sample` drew (or will draw) at position ``serial``."""
+        epoch, i = divmod(serial, len(self.train))
+        return self.train[self._epoch_order(epoch)[i]]
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.train)))
+        random.Random(hash((epoch, len(self.train))) & 0xFFFFFFFF).shuffle(order)
+        return order
 
     def state_dict(self) -> dict:
         return {"position": self.position}
@@ -113,9 +122,7 @@ class ArithmeticTask:
         self.position = state["position"]
         self._order = []
         if self.position % len(self.train):  # rebuild the current epoch's order
-            epoch = self.position // len(self.train)
-            self._order = list(range(len(self.train)))
-            random.Random(hash((epoch, len(self.train))) & 0xFFFFFFFF).shuffle(self._order)
+            self._order = self._epoch_order(self.position // len(self.train))
 
 
 def load_qa_file(

@@ -1,13 +1,14 @@
-"""Elastic env and rollout ranks (``cluster.elastic``): workers that leave and join a run between steps.
+"""Elastic rollout ranks (``cluster.elastic``): workers that leave and join a run between steps.
 
 A step's batch is made of *shares*, one per rollout rank the run launched with; each share has a channel key of its
 own (``b0``, ``b1``...), which the actor ranks take as they would without elasticity. A live rollout rank runs the
-shares it owns (:meth:`rlnb.PolicyRollout.collect_into`: collect, then put under the share's key). When a rank's
-worker is lost mid-collection, the shares it owned move to the ranks left (fewest first) and are collected again
-in the same step, so the actor trains on as many env steps as ever and nothing that was made is taken twice.
-Between steps, a worker that joined the cluster (an embedded worker's restart, ``scale()``, ``adapt()``) is given
-an env rank and a rollout rank, the actor's latest weights, and a share from the rank that runs most. The actor's
-slots never change: losing one stays the typed error that ``loop.recover()`` answers.
+shares it owns (embodied: :meth:`rlnb.PolicyRollout.collect_into`, collect then put under the share's key; an LM's
+partial rollouts: :class:`rlnb.loop.schedules.streaming.ElasticStreaming`). When a rank's worker is lost
+mid-collection, the shares it owned move to the ranks left (fewest first) and are made again in the same step, so
+the actor trains on as much data as ever and nothing that was made is taken twice. Between steps, a worker that
+joined the cluster (an embedded worker's restart, ``scale()``, ``adapt()``) is given a rank of each group that
+moves with the rollout (the env's, or the reward's), the actor's latest weights, and a share from the rank that
+runs most. The actor's slots never change: losing one stays the typed error that ``loop.recover()`` answers.
 """
 
 from __future__ import annotations
@@ -20,24 +21,28 @@ log = logging.getLogger("rlnb")
 
 
 class ElasticRanks:
-    """The shares of a step's batch and the live env and rollout ranks running them (see the module's docstring).
+    """The shares of a step's batch and the live rollout ranks running them (see the module's docstring).
 
     Args:
-        session: the run's session (its groups ``env``, ``rollout`` and ``actor``, the cluster, the channels).
+        session: the run's session (its groups, the cluster, the channels).
         paths: its :class:`~rlnb.loop.paths.DataPaths` (the share keys are its batch keys).
-        spaces: the env's spaces, which a joining rollout rank binds.
+        groups: the groups whose ranks come and go together, one rank of each on a worker, ``rollout`` among
+            them (embodied: ``env`` and ``rollout``; an LM: ``rollout`` and its collocated ``reward``).
+        prepare: called with a joining rollout rank's number before it takes weights (binding the env's spaces).
     """
 
-    def __init__(self, session, paths, spaces: tuple):
-        self.session, self.paths, self.spaces = session, paths, spaces
+    def __init__(self, session, paths, groups: tuple[str, ...], prepare=None):
+        self.session, self.paths, self.names, self.prepare = session, paths, groups, prepare
         rollout = session.groups["rollout"]
         self.shares = rollout.ranks  # one per rollout rank at launch, for the whole run
         self.owner = {k: k for k in self.shares}  # share -> the rollout rank that runs it
         paths.elastic = self
-        for name in ("env", "rollout"):
+        for name in groups:
             group = session.groups[name]
             group.positional_state = True
             session.cluster.mark_elastic([f"{group.name}[{r}]" for r in group.ranks])
+        self.on_drop: list = []  # called with the ranks dropped (a schedule tracking what they held)
+        self.moved: set[int] = set()  # shares given to another rank since broken_shares() was last asked
         self.reissued = 0  # shares collected again after their rank was lost
         self.joined = 0  # ranks given to workers that joined
         self.admitting = True  # whether a worker that joins is given ranks (until one could not take them)
@@ -45,11 +50,11 @@ class ElasticRanks:
     # ------------------------------------------------------------------ a step's collection
     def start(self, steps: int) -> ElasticCollection:
         """Start every live rank on the shares it owns (each put into the batch channel as it is made)."""
-        running = {r: ks for r, ks in self._assignment().items() if ks}
+        running = {r: ks for r, ks in self.assignment().items() if ks}
         return ElasticCollection(self, steps, self._issue(steps, running))
 
-    def _assignment(self) -> dict[int, list[int]]:
-        """Each live rollout rank's shares (empty for one that stands by; a dropped rank's are in none)."""
+    def assignment(self) -> dict[int, list[int]]:
+        """Each live rollout rank's shares, in order (empty for one that stands by; a dropped rank's are in none)."""
         out: dict[int, list[int]] = {r: [] for r in self.session.groups["rollout"].ranks}
         for k in self.shares:
             if self.owner[k] in out:
@@ -74,33 +79,45 @@ class ElasticRanks:
     def lose(self, ranks: list[int], steps: int, why: WorkerLostError):
         """Drop ``ranks`` (their workers are gone) and collect their shares again on the ranks left; the new
         calls and their assignment. Raises ``why`` where no rank is left."""
+        return self._issue(steps, self.lose_shares(ranks, why))
+
+    def lose_shares(self, ranks: list[int], why: WorkerLostError) -> dict[int, list[int]]:
+        """Drop ``ranks`` mid-step: what they put of their shares is drained (each key holds one batch a step),
+        and the shares go to the ranks left, which make them again; the new owners' lists of them. Raises ``why``
+        where no rank is left."""
         lost, redo = self._drop(ranks, why)
-        for k in lost:  # what a lost rank put before it went is dropped: each key holds one batch a step
-            _drain(self.session.channels["batches"], f"b{k}")
+        puts = dict(self.paths.batch_keys()[0])
+        for k in lost:
+            key, n = f"b{k}", puts[f"b{k}"]
+            for part in [key] if n == 1 else [f"{key}.{j}" for j in range(n)]:
+                _drain(self.session.channels["batches"], part)
         self.reissued += len(lost)
         log.warning(
-            "env/rollout rank(s) %s lost (%s); their share(s) %s of this step's batch are collected again by "
-            "rank(s) %s, and the run goes on with %d rollout rank(s)",
+            "rollout rank(s) %s lost (%s); their share(s) %s of this step's batch are made again by rank(s) %s, "
+            "and the run goes on with %d rollout rank(s)",
             ranks, why.args[0] if why.args else why, lost, sorted(redo), self.session.groups["rollout"].world_size,
         )  # fmt: skip
-        return self._issue(steps, redo)
+        return redo
 
     def _drop(self, ranks: list[int], why: WorkerLostError) -> tuple[list[int], dict[int, list[int]]]:
-        """Leave ``ranks`` out of the env and rollout groups and give their shares to the ranks left (fewest
-        first): the shares moved and the new owners' lists of them. Raises ``why`` where no rank is left."""
+        """Leave ``ranks`` out of the groups and give their shares to the ranks left (fewest first): the shares
+        moved and the new owners' lists of them. Raises ``why`` where no rank is left."""
         groups = self.session.groups
         lost = [k for k in self.shares if self.owner[k] in ranks]
-        for name in ("env", "rollout"):
+        for name in self.names:
             groups[name].drop(ranks)
+        for hook in self.on_drop:
+            hook(ranks)
         weights = self.session.channels.get("weights")
         for r in ranks:  # (weights published for a rank that went are never read)
             if weights is not None:
                 _drain(weights, f"w{r}")
         if not groups["rollout"].ranks:
             raise why
-        load = {r: len(ks) for r, ks in self._assignment().items()}
+        load = {r: len(ks) for r, ks in self.assignment().items()}
         live = list(load)
         redo: dict[int, list[int]] = {}
+        self.moved.update(lost)
         for k in lost:
             r = min(live, key=lambda r: (load[r], r))
             self.owner[k] = r
@@ -109,15 +126,19 @@ class ElasticRanks:
         return lost, redo
 
     def settle(self, call) -> list:
-        """The values of a call on the env or rollout ranks from those that answered; a rank lost meanwhile is
+        """The values of a call on the elastic groups' ranks from those that answered; a rank lost meanwhile is
         dropped (its shares go to the others from the next step on). Other errors are raised."""
         got, lost = answers(call)
-        values = list(got.values())
         if lost:
-            self._drop([r for r, _ in lost], lost[0][1])
-            log.warning("env/rollout rank(s) %s lost between steps; %d rollout rank(s) go on",
-                        [r for r, _ in lost], self.session.groups["rollout"].world_size)  # fmt: skip
-        return values
+            self.drop_between_steps([r for r, _ in lost], lost[0][1])
+        return list(got.values())
+
+    def drop_between_steps(self, ranks: list[int], why: WorkerLostError) -> None:
+        """Drop ``ranks``, lost while nothing of this step's batch was being made (their shares go to the others
+        from the next step on)."""
+        self._drop(ranks, why)
+        log.warning("rollout rank(s) %s lost between steps; %d rollout rank(s) go on", ranks,
+                    self.session.groups["rollout"].world_size)  # fmt: skip
 
     # ------------------------------------------------------------------ between steps
     def admit(self, version: int) -> list[int]:
@@ -134,37 +155,38 @@ class ElasticRanks:
         for slot in joined:
             if slot in actor_slots or s.cluster.placed_on(slot) or not self.admitting:
                 continue
-            env, rollout = s.groups["env"], s.groups["rollout"]
             try:
                 r = self._start_ranks(slot, version)
             except RemoteError as e:
-                # (a worker that cannot host them, or the env rank started and the rollout's did not: the two
+                # (a worker that cannot host them, or one group's rank started and another's did not: the
                 # groups' numbers no longer match, so no worker joins this run again)
                 self.admitting = False
-                for group in (env, rollout):
+                for group in (s.groups[name] for name in self.names):
                     group.drop([q for q in group.ranks if group.infos[q].slot == slot])
-                log.warning("a worker joined on slot %d but could not take env and rollout ranks (%s); the run goes "
-                            "on with the ranks it has, and takes no more workers", slot, e)  # fmt: skip
+                log.warning("a worker joined on slot %d but could not take %s ranks (%s); the run goes on with the "
+                            "ranks it has, and takes no more workers", slot, " and ".join(self.names), e)  # fmt: skip
                 continue
-            mine = max(self._assignment().values(), key=len)  # (the busiest rank's shares)
+            mine = max(self.assignment().values(), key=len)  # (the busiest rank's shares)
             if len(mine) > 1:
                 self.owner[mine[-1]] = r
+                self.moved.add(mine[-1])
             self.joined += 1
             new.append(r)
-            log.info("a worker joined on slot %d: it runs env and rollout rank %d", slot, r)
+            log.info("a worker joined on slot %d: it runs %s rank %d", slot, " and ".join(self.names), r)
         return new
 
     def _start_ranks(self, slot: int, version: int) -> int:
-        """An env and a rollout rank on ``slot``, bound to the env's spaces, with the actor's weights as
-        ``version``; the rollout rank's number."""
+        """A rank of each elastic group on ``slot``, prepared (``prepare``), with the actor's weights as
+        ``version``; their number."""
         s = self.session
-        env, rollout = s.groups["env"], s.groups["rollout"]
-        e = env.grow(slot)
-        r = rollout.grow(slot)
-        if e != r:  # (they are dropped and grown together, so their numbers match)
-            raise AssertionError(f"env rank {e} and rollout rank {r} on slot {slot}")
-        s.cluster.mark_elastic([f"{env.name}[{e}]", f"{rollout.name}[{r}]"])
-        rollout.on(r).bind_spaces(*self.spaces).result()
+        groups = [s.groups[name] for name in self.names]
+        numbers = {g.grow(slot) for g in groups}
+        if len(numbers) != 1:  # (they are dropped and grown together, so their numbers match)
+            raise AssertionError(f"ranks {sorted(numbers)} of {self.names} on slot {slot}")
+        (r,) = numbers
+        s.cluster.mark_elastic([f"{g.name}[{r}]" for g in groups])
+        if self.prepare is not None:
+            self.prepare(r)
         self._load_weights([r], version)
         return r
 
@@ -172,6 +194,14 @@ class ElasticRanks:
         ch, rollout = self.session.channels["weights"], self.session.groups["rollout"]
         self.paths.publish_weights(ch, [f"w{r}" for r in ranks], version)
         rollout.on(ranks).call_each("load_from_channel", [(ch, f"w{r}") for r in ranks]).result()
+
+    def broken_shares(self) -> list[int]:
+        """The shares whose batch is not its last one's sequel on the same envs: moved to another rank since
+        the last call, or run by a rank that runs several (one after another on its envs)."""
+        runs = self.assignment()
+        broken = self.moved | {k for ks in runs.values() if len(ks) > 1 for k in ks}
+        self.moved = set()
+        return sorted(broken)
 
     def metrics(self) -> dict:
         return {

@@ -149,6 +149,13 @@ class StreamsGeneration(Protocol):
     def stream(self, problems: list, n: int, train_version: int, groups: int, **links: Any) -> list: ...
 
 
+class ElasticStreamsGeneration(StreamsGeneration, Protocol):
+    """An LM rollout of an elastic run (``cluster.elastic``): makes several shares of a step's batch at once
+    (``stream(..., puts=[(key, shards), ...])``) and gives up groups of its pool when a share moves away."""
+
+    def release(self, n: int) -> list[int]: ...
+
+
 class Replays(Protocol):
     """An actor that gives its batch as plain data and re-runs an update on one under other settings
     (``loop.capture()``, ``loop.replay()``)."""

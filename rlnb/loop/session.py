@@ -19,7 +19,7 @@ from rlnb.cluster.cluster import Cluster, default_cpu_slots
 from rlnb.cluster.placement import Placement, resolve_placement
 from rlnb.config.loader import load_recipe, to_yaml
 from rlnb.config.schema import Recipe, RunnerConfig
-from rlnb.errors import ComponentError, ConfigError, RemoteError
+from rlnb.errors import ComponentError, ConfigError, PlacementError, RemoteError
 from rlnb.files import write_private
 from rlnb.loop import run_dir as run_dirs
 from rlnb.loop.phase import Phase
@@ -43,7 +43,7 @@ def objects_recipe(name: str, seed: int, runner, **sections) -> Recipe:
 
 
 # a phase's metrics logged under their own names, not the phase's (sync/: a weight sync run inside another phase)
-QUALIFIED = ("memory/", "rollout/is_", "sync/")
+QUALIFIED = ("memory/", "rollout/is_", "sync/", "cluster/")
 
 
 class Session:
@@ -100,7 +100,16 @@ class Session:
     def place(self, roles: tuple[str, ...]) -> None:
         """The recipe's placement on the cluster, and the devices it asks of the actor and rollout."""
         c, cluster = self.recipe.cluster, self.cluster
+        # a cluster object handed in may have lost or gained workers since it read its slots (a scale, a restart)
+        _, gone = cluster.update_slots()
         self.placement = cluster.place(c.component_placement, required=roles, known=roles)
+        left = sorted({i for slots in self.placement.slots.values() for i in slots} & set(gone))
+        if left:
+            raise PlacementError(
+                f"component_placement: slot(s) {left} have no worker now (it left the cluster, and none took its "
+                f"place); the cluster's workers: {cluster.num_slots - len(gone)} of {cluster.num_slots} slots",
+                "component_placement",
+            )
         for key, dev in (
             ("actor.device", self.recipe.actor.device),
             ("rollout.device", self.recipe.rollout.device),

@@ -75,6 +75,7 @@ class StreamingPool:
     def stream(
         self, problems: list[tuple[int, str, str]], n: int, train_version: int, groups: int, max_staleness: int,
         weights, weights_key: str, batches, batch_key: str, reward: str, shards: int = 1, chunk_tokens: int = 8,
+        puts: list[tuple[str, int]] | None = None,
     ) -> dict:  # fmt: skip
         """Partial-rollout generation for asynchronous training (AReaL): admit ``problems``
         (``(serial, prompt, answer)`` or ``(serial, prompt, answer, fields)``, ``n`` completions each) to the
@@ -91,7 +92,8 @@ class StreamingPool:
         then ready for the batch), so the rollout does not idle while the actor trains. The
         finished groups, oldest first, are scored by the collocated ``reward`` and put in ``batches``
         under ``batch_key`` (or ``shards`` parts); groups still unfinished stay in the pool for the next
-        call, and in this rank's checkpoint.
+        call, and in this rank's checkpoint. ``puts``: an elastic run's shares of the batch this rank makes,
+        ``(key, shards)`` each, ``groups`` groups a share (instead of ``batch_key`` and ``shards``).
 
         With ``max_turns > 1``, a sequence whose turn ends (EOS, or ``max_new_tokens`` of that turn) gets the
         interaction's reply at once and its next turn goes on in the next chunks, beside the other sequences'
@@ -112,6 +114,8 @@ class StreamingPool:
                 "own loop", self.rank,
             )  # fmt: skip
         t0 = time.perf_counter()
+        puts = puts or [(batch_key, shards)]
+        groups *= len(puts)
         self._admit(problems, n)
         swaps, tokens, chunks = 0, 0, 0
         # the loop admitted these problems once it had published version train_version - 1, but a put does
@@ -164,9 +168,18 @@ class StreamingPool:
             b["texts"], b["answers"], b["prompts"], b["fields"]
         )
         summary.update(self.set_rewards(scored["rewards"], scored["terms"]))
-        self.put_batch(batches, batch_key, shards)
+        self.put_shares(batches, puts)
         summary["generate_s"] = time.perf_counter() - t0
         return summary
+
+    def release(self, n: int) -> list[int]:
+        """An elastic run moving a share of the batch to another rank: the ``n`` groups admitted last (those not
+        started first, then the latest started) leave this rank's pool; their serials, admitted again there."""
+        young = sorted(self.pool, key=lambda g: (g.start is not None, -(g.start or 0), -g.serial))[:n]
+        gone = {id(g) for g in young}
+        self.pool = [g for g in self.pool if id(g) not in gone]
+        self._carried = None
+        return [g.serial for g in young]
 
     def _admit(self, problems: list[tuple[int, str, str]], n: int) -> None:
         """Add ``problems`` (``(serial, prompt, answer)``, and the record's other ``fields``) to the pool,

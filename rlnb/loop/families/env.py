@@ -1,6 +1,7 @@
 """What every family of a policy on environments shares (embodied PPO, SAC): env steps counted, the last
-``EPISODE_WINDOW`` finished training episodes and their statistics, the stop at ``runner.stop_return``, and the
-check that an asynchronous vector env's slots may start child processes."""
+``EPISODE_WINDOW`` finished training episodes and their statistics, the stop at ``runner.stop_return``, the
+check that an asynchronous vector env's slots may start child processes, and env and rollout ranks that come and
+go (``cluster.elastic``, :mod:`rlnb.loop.elastic`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from collections import deque
 
 from rlnb.components.env import success_rate
 from rlnb.loop.checkpoint import MAX_STEP, ListOf, Num
+from rlnb.loop.elastic import ElasticRanks
 from rlnb.loop.families import Family
+from rlnb.loop.roles import ElasticRolloutRole, check_role
 
 EPISODE_WINDOW = 20  # episode statistics over the last 20 finished training episodes, as SB3 reports them
 
@@ -20,7 +23,10 @@ class EnvFamily(Family):
     STATE = {
         "global_step": Num(0, MAX_STEP),
         "episodes": ListOf(ListOf(max_len=3), max_len=EPISODE_WINDOW),
+        "cluster_reissued?": Num(0, MAX_STEP, optional=True),
+        "cluster_joined?": Num(0, MAX_STEP, optional=True),
     }
+    elastic: ElasticRanks | None = None  # cluster.elastic's shares and live ranks (compose_elastic)
 
     def check_cluster(self) -> None:
         if self.session.recipe.env.vector_mode == "async":
@@ -32,12 +38,42 @@ class EnvFamily(Family):
         self.global_step = 0
         self.episodes: deque = deque(maxlen=EPISODE_WINDOW)
 
+    def compose_elastic(self, builtin: str) -> None:
+        """With ``cluster.elastic``: the env and rollout ranks that come and go (a joining rollout rank binds the
+        env's spaces; ``warm_up``: what else it is given first). ``builtin``: the rollout class to subclass."""
+        s = self.session
+        self.elastic = None
+        if not s.recipe.cluster.elastic:
+            return
+        rollout = s.groups["rollout"]
+        check_role(rollout, "rollout", ElasticRolloutRole, builtin, "of cluster.elastic")
+
+        def prepare(r: int) -> None:
+            rollout.on(r).bind_spaces(*self.spaces).result()
+            self.prepare_joining(r)
+
+        self.elastic = ElasticRanks(s, self.paths, ("env", "rollout"), prepare)
+
+    def prepare_joining(self, rank: int) -> None:
+        """An elastic run's joining rollout rank, its spaces bound, before it takes weights (nothing here)."""
+
     def state(self) -> dict:
-        return {"global_step": self.global_step, "episodes": list(self.episodes)}
+        out = {"global_step": self.global_step, "episodes": list(self.episodes)}
+        if self.elastic is not None:  # (its counts go on from a resume)
+            out.update(cluster_reissued=self.elastic.reissued, cluster_joined=self.elastic.joined)
+        return out
 
     def load_state(self, state: dict) -> None:
         self.global_step = state["global_step"]
         self.episodes = deque((tuple(x) for x in state["episodes"]), maxlen=EPISODE_WINDOW)
+        if self.elastic is not None:
+            self.elastic.reissued = state.get("cluster_reissued", 0)
+            self.elastic.joined = state.get("cluster_joined", 0)
+
+    def held_batches(self) -> list[dict]:
+        """An elastic run's ranks put their batches into the channel as they made them: read there (and put
+        back, for the step that takes them), one per share."""
+        return super().held_batches() if self.elastic is None else self.paths.peek_batches()
 
     def episode_stats(self) -> dict:
         """Mean return and length of the last (up to) 20 finished training episodes, ``None`` before any (a few

@@ -20,11 +20,9 @@ from rlnb.components.rollout import PolicyRollout
 from rlnb.envs.gym_envs import probe_env
 from rlnb.envs.obs import layout_of
 from rlnb.errors import ConfigError, PlacementError
-from rlnb.loop.checkpoint import MAX_STEP, Num
-from rlnb.loop.elastic import ElasticRanks
 from rlnb.loop.families.env import EnvFamily
 from rlnb.loop.phase import Phase, count_or_default
-from rlnb.loop.roles import ElasticRolloutRole, EnvRole, PolicyRolloutRole, PPOActorRole, check_role
+from rlnb.loop.roles import EnvRole, PolicyRolloutRole, PPOActorRole
 from rlnb.loop.runner import Callback
 from rlnb.models.policies import check_spaces
 from rlnb.runtime.channel import Channel
@@ -45,12 +43,7 @@ class PPO(EnvFamily):
     """Embodied PPO (see the module's docstring)."""
 
     name = "ppo"
-    elastic: ElasticRanks | None = None  # cluster.elastic's shares and live ranks (compose)
-    STATE = {
-        **EnvFamily.STATE,
-        "cluster_reissued?": Num(0, MAX_STEP, optional=True),
-        "cluster_joined?": Num(0, MAX_STEP, optional=True),
-    }
+    STATE = EnvFamily.STATE
     _probed: tuple | None = None  # the env's spaces, probed here on the recipe path (check_here)
     ROLES = {
         "env": (EnvRole, "rlnb.Env"),
@@ -263,12 +256,7 @@ class PPO(EnvFamily):
             for name in ("obs", "actions"):
                 s.channels[name] = Channel.create(s.cluster, name, slot=slot, timeout_s=timeout, max_bytes=0)
         super().compose(asynchronous)
-        self.elastic = None
-        if s.recipe.cluster.elastic:
-            check_role(
-                s.groups["rollout"], "rollout", ElasticRolloutRole, "rlnb.PolicyRollout", "of cluster.elastic"
-            )
-            self.elastic = ElasticRanks(s, self.paths, self.spaces)
+        self.compose_elastic("rlnb.PolicyRollout")
 
     def reset_state(self) -> None:
         super().reset_state()
@@ -358,23 +346,6 @@ class PPO(EnvFamily):
         else:
             self.paths.hand_batches(batches)
         return summaries
-
-    def state(self) -> dict:
-        out = super().state()
-        if self.elastic is not None:  # (its counts go on from a resume)
-            out.update(cluster_reissued=self.elastic.reissued, cluster_joined=self.elastic.joined)
-        return out
-
-    def load_state(self, state: dict) -> None:
-        super().load_state(state)
-        if self.elastic is not None:
-            self.elastic.reissued = state.get("cluster_reissued", 0)
-            self.elastic.joined = state.get("cluster_joined", 0)
-
-    def held_batches(self) -> list[dict]:
-        """An elastic run's ranks put their batches into the channel as they made them: read there (and put
-        back, for the step that takes them), one per share."""
-        return super().held_batches() if self.elastic is None else self.paths.peek_batches()
 
     def rollout_metrics(self, phase: Phase, summaries: list[dict], extra: dict) -> None:
         steps = sum(s["steps"] for s in summaries)

@@ -66,6 +66,7 @@ class LearnerRole(ActorRole, Protocol):
     def bind_spaces(self, obs_space, act_space) -> dict: ...
     def attach_buffer(self, name: str) -> int: ...
     def agent_state(self) -> dict: ...
+    def cut_envs(self, envs: list[int]) -> int: ...
     def set_total_steps(self, total_steps: int) -> int: ...
 
 
@@ -129,6 +130,13 @@ class SAC(EnvFamily):
             )  # fmt: skip
         if self._probed is not None:
             self.check_buffer_fits(transition_bytes(*self._probed))
+        shared = sorted(set(p["rollout"]) & set(p["actor"]))
+        if self.session.recipe.cluster.elastic and shared:
+            raise PlacementError(
+                f"cluster.elastic: collectors that come and go need slots apart from the learner's, whose slots stay "
+                f"fixed; env and rollout share slot(s) {shared} with it (e.g. component_placement={{'actor,buffer': "
+                "0, 'env,rollout': 1-2})", "cluster.elastic",
+            )  # fmt: skip
 
     def check_buffer_fits(self, per_transition: int) -> None:
         """A buffer of ``buffer.capacity`` transitions fits its slot's memory (the worker's limit), else refused
@@ -207,10 +215,25 @@ class SAC(EnvFamily):
             k: ",".join(map(str, v)) for k, v in s.placement.slots.items()
         }
 
+    def compose(self, asynchronous: bool) -> None:
+        super().compose(asynchronous)
+        self.compose_elastic("rlnb.components.SACCollector")
+
+    def prepare_joining(self, rank: int) -> None:
+        """A joining collector takes the random warm-up the others have left (each launched with its part of
+        ``sac.learning_starts``), not a whole one of its own."""
+        s = self.session
+        per_collector = -(-s.recipe.sac.learning_starts // len(self.elastic.shares))
+        done = s.step * s.recipe.rollout.steps_per_rollout * s.recipe.env.num_envs
+        s.groups["rollout"].on(rank).warm_up_left(per_collector - done).result()
+
     # ------------------------------------------------------------------ phases
     def start_collection(self) -> list:
         s = self.session
         T, env, rollout = s.recipe.rollout.steps_per_rollout, s.groups["env"], s.groups["rollout"]
+        if self.elastic is not None:  # (nothing in flight here: a worker that joined takes ranks now)
+            self.elastic.admit(s.step)
+            return [self.elastic.start(T)]
         if (
             self.paths.batch_local
         ):  # collocated with the learner: the transitions go into its buffer in-process
@@ -221,6 +244,15 @@ class SAC(EnvFamily):
         summaries = pending[0].result()
         for summary in summaries:
             self.episodes.extend(tuple(e) for e in summary.pop("episodes"))
+        if self.elastic is not None:
+            # a share stepped by other envs than its last batch's: its envs' n-step sums end before it is added
+            n = self.session.recipe.env.num_envs
+            cut = [k * n + i for k in self.elastic.broken_shares() for i in range(n)]
+            if cut:
+                self.session.groups["actor"].cut_envs(cut).result()
+            if batches is None:  # (the ranks put them as they made them)
+                self.paths.take_batches(self.paths.batch_keys()[1])
+                return summaries
         if not self.paths.batch_local:
             self.paths.hand_batches(batches)
         return summaries
@@ -266,6 +298,8 @@ class SAC(EnvFamily):
         for key in ("staleness_mean", "staleness_max", "overlap_frac"):
             if f"rollout/{key}" in p:
                 record[f"rollout/{key}"] = p[f"rollout/{key}"]
+        if self.elastic is not None:
+            record.update(self.elastic.metrics())
         s.log_record(record)
 
     def trained_policy(self):

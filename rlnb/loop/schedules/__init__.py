@@ -6,7 +6,8 @@
 - :class:`~rlnb.loop.schedules.ahead.Ahead`: whole batches ahead (``max_staleness >= 1``): the next batch is
   collected while the actor trains on this one (embodied PPO; an LM engine generating whole completions).
 - :class:`~rlnb.loop.schedules.streaming.Streaming`: partial rollouts (``max_staleness >= 1``, an LM rollout
-  generating a chunk of tokens at a time and taking new weights between chunks, AReaL's admission control).
+  generating a chunk of tokens at a time and taking new weights between chunks, AReaL's admission control);
+  :class:`~rlnb.loop.schedules.streaming.ElasticStreaming` with rollout ranks that come and go (``cluster.elastic``).
 
 A schedule is the only part of the loop that knows what runs ahead (``max_staleness``, work in flight, steps the
 worker took ahead): the family's phases, the checkpoints and ``run()`` ask it.
@@ -17,7 +18,7 @@ from __future__ import annotations
 from rlnb.loop.schedules.ahead import Ahead
 from rlnb.loop.schedules.base import Schedule
 from rlnb.loop.schedules.chained import Chained
-from rlnb.loop.schedules.streaming import Streaming
+from rlnb.loop.schedules.streaming import ElasticStreaming, Streaming
 from rlnb.loop.schedules.sync import Sync
 
 
@@ -33,7 +34,9 @@ def choose_schedule(recipe, family_name: str, placement, capabilities=None) -> t
                 if capabilities is not None
                 else recipe.rollout.backend == "vllm"
             )
-            return Ahead if whole else Streaming
+            if whole:
+                return Ahead
+            return ElasticStreaming if recipe.cluster.elastic else Streaming
         return Ahead
     slots = {tuple(v) for v in placement.slots.values()}
     if family_name == "ppo" and len(slots) == 1 and len(next(iter(slots))) == 1:
@@ -41,4 +44,4 @@ def choose_schedule(recipe, family_name: str, placement, capabilities=None) -> t
     return Sync
 
 
-__all__ = ["Ahead", "Chained", "Schedule", "Streaming", "Sync", "choose_schedule"]
+__all__ = ["Ahead", "Chained", "ElasticStreaming", "Schedule", "Streaming", "Sync", "choose_schedule"]

@@ -10,7 +10,8 @@ import time
 
 from rlnb.errors import ConfigError
 from rlnb.loop.checkpoint import MAX_STEP, ListOf, Num
-from rlnb.loop.roles import StreamsGeneration, check_role
+from rlnb.loop.elastic import ElasticRanks, answers
+from rlnb.loop.roles import ElasticStreamsGeneration, StreamsGeneration, check_role
 from rlnb.loop.schedules.ahead import Ahead, Settled
 
 
@@ -154,3 +155,178 @@ class Streaming(Ahead):
         out = super().status()
         out.pop("next_batch_staleness")
         return {**out, "admitted": list(self.admitted), "admission_limit": self.admission_limit()}
+
+
+class ElasticStreaming(Streaming):
+    """Partial rollouts whose rollout ranks come and go (``cluster.elastic``, :mod:`rlnb.loop.elastic`): each share
+    of a step's batch (one per rollout rank launched) has its own admissions, and the loop knows which problems
+    each rank holds in its pool, not yet handed over. A lost rank's are admitted again where its shares go, and made
+    into the shares' batches in the same step; a share that moves to a joining rank takes as many problems along;
+    so every problem admitted is trained once. The reward ranks, next to the rollout's, come and go with them."""
+
+    STATE = {
+        **Streaming.STATE,
+        "held?": ListOf(ListOf(Num(0, MAX_STEP))),
+        "free?": ListOf(Num(0, MAX_STEP)),
+        "cluster_reissued?": Num(0, MAX_STEP, optional=True),
+        "cluster_joined?": Num(0, MAX_STEP, optional=True),
+    }
+
+    def __init__(self, session, paths, family, steer):
+        super().__init__(session, paths, family, steer)
+        check_role(session.groups["rollout"], "rollout", ElasticStreamsGeneration, "rlnb.components.HFRollout",
+                   "of cluster.elastic")  # fmt: skip
+        self.elastic = ElasticRanks(session, paths, ("rollout", "reward"))
+        self.elastic.on_drop.append(self._freed)
+
+    def reset_state(self) -> None:
+        super().reset_state()
+        # the serials each live rollout rank holds in its pool (admitted, not yet handed over), and those a lost
+        # rank held, to admit again
+        self.held: dict[int, list[int]] = {r: [] for r in self.session.groups["rollout"].ranks}
+        self.free: list[int] = []
+
+    def _freed(self, ranks: list[int]) -> None:
+        for r in ranks:
+            self.free += self.held.pop(r, [])
+
+    def rollout(self) -> dict:
+        out = super().rollout()
+        self.session.pending.update(self.elastic.metrics())
+        return out
+
+    def start_stream(self, train_version: int):
+        """A worker that joined takes ranks and a share; the problems held follow the shares; each live rank is
+        admitted its shares' new problems (see :meth:`Streaming.start_stream`) and starts making them."""
+        s = self.session
+        self.elastic.admit(s.step)
+        readmit = self._rebalance()
+        limit = self.admission_limit()
+        work = {}
+        for r, shares in self.elastic.assignment().items():
+            new = sum(max(0, limit - self.admitted[k]) for k in shares)
+            for k in shares:
+                self.admitted[k] = max(self.admitted[k], limit)
+            first = self.family.task.position
+            fresh = list(zip(range(first, first + new), self.family.task.sample(new)))
+            if shares:
+                work[r] = (shares, self._problems(readmit.pop(r, [])) + fresh)
+        return ElasticStream(self, train_version, work)
+
+    def _rebalance(self) -> dict[int, list[int]]:
+        """Each live rank to hold as many problems as its shares: a rank holding more gives up its youngest groups
+        (``release``); they, and those of lost ranks, are admitted again by ranks holding fewer. Returns those
+        serials by rank."""
+        rollout = self.session.groups["rollout"]
+        while True:
+            shares = self.elastic.assignment()
+            total = sum(len(self.held.setdefault(r, [])) for r in shares) + len(self.free)
+            per_share, extra = divmod(total, len(self.elastic.shares))
+            want = {r: per_share * len(ks) for r, ks in shares.items()}
+            for r in sorted(want)[:extra]:
+                want[r] += 1
+            over = {r: len(self.held[r]) - want[r] for r in shares if len(self.held[r]) > want[r]}
+            if not over:
+                break
+            ranks = sorted(over)
+            got, lost = answers(rollout.on(ranks).call_each("release", [(over[r],) for r in ranks]))
+            for r, serials in got.items():
+                gone = set(serials)
+                self.held[r] = [x for x in self.held[r] if x not in gone]
+                self.free += serials
+            if not lost:
+                break
+            self.elastic.drop_between_steps([r for r, _ in lost], lost[0][1])  # (and again, without them)
+        readmit: dict[int, list[int]] = {}
+        for r in sorted(want):
+            n = max(0, want[r] - len(self.held[r]))
+            readmit[r], self.free = self.free[:n], self.free[n:]
+        return readmit
+
+    def _problems(self, serials: list[int]) -> list[tuple]:
+        return [(i, self.family.task.problem(i)) for i in serials]
+
+    def issue(self, train_version: int, work: dict[int, tuple[list[int], list[tuple]]]):
+        """``stream`` on each rank of ``work`` (its shares, and the problems it is admitted), their pools holding
+        those from now on."""
+        s = self.session
+        puts = dict(self.paths.batch_keys()[0])
+        ranks = sorted(work)
+        for r in ranks:
+            self.held.setdefault(r, []).extend(i for i, _ in work[r][1])
+        calls = [
+            self.family.stream_args(work[r][1], [(f"b{k}", puts[f"b{k}"]) for k in work[r][0]], f"w{r}",
+                                    train_version, self.max_staleness)
+            for r in ranks
+        ]  # fmt: skip
+        return s.groups["rollout"].on(ranks).call_each("stream", calls)
+
+    def handed(self, rank: int, summary: dict) -> None:
+        gone = set(summary["serials"])
+        self.held[rank] = [x for x in self.held[rank] if x not in gone]
+
+    def state(self) -> dict:
+        # by position, as the ranks' own checkpoints: a resumed run's ranks are numbered afresh
+        held = [self.held.get(r, []) for r in self.session.groups["rollout"].ranks]
+        return {**super().state(), "held": held, "free": self.free, "cluster_reissued": self.elastic.reissued,
+                "cluster_joined": self.elastic.joined}  # fmt: skip
+
+    def load_state(self, state: dict) -> None:
+        super().load_state(state)
+        ranks = self.session.groups["rollout"].ranks
+        saved = state.get("held", [])
+        # a rank the checkpoint kept no pool for starts empty; pools of ranks this run does not have are
+        # admitted again
+        self.held = {r: list(saved[i]) if i < len(saved) else [] for i, r in enumerate(ranks)}
+        self.free = list(state.get("free", [])) + [x for pool in saved[len(ranks) :] for x in pool]
+        self.elastic.reissued = state.get("cluster_reissued", 0)
+        self.elastic.joined = state.get("cluster_joined", 0)
+
+
+class ElasticStream:
+    """A step's partial rollouts in flight on the live ranks, standing where a group call would (``result``,
+    ``wait``, ``durations_s``): a rank lost meanwhile has its shares made again, in the same step, by the ranks
+    left, from the problems it held. Its result is every call's summary."""
+
+    def __init__(self, schedule: ElasticStreaming, train_version: int, work: dict):
+        self.schedule, self.train_version = schedule, train_version
+        self.calls = [schedule.issue(train_version, work)]
+        self.summaries: list[dict] | None = None
+
+    @property
+    def durations_s(self) -> list:
+        return [d for call in self.calls for d in call.durations_s]
+
+    def result(self, timeout: float | None = None) -> list[dict]:
+        if self.summaries is not None:
+            return self.summaries
+        sch, out, last = self.schedule, [], {}
+        while True:
+            got, lost = answers(self.calls[-1], timeout)
+            for r, summary in got.items():
+                sch.handed(r, summary)
+                if r in last:  # (a rank that answered twice: its pool counted once, as it is now)
+                    last[r]["pool"] = 0
+                last[r] = summary
+                out.append(summary)
+            if not lost:
+                break
+            redo = sch.elastic.lose_shares([r for r, _ in lost], lost[0][1])
+            # the lost ranks' problems, shared over the new owners by the shares each takes
+            n_lost = sum(len(ks) for ks in redo.values())
+            work, given = {}, 0
+            for r in sorted(redo):
+                n = len(sch.free) * len(redo[r]) // n_lost if r != max(redo) else len(sch.free) - given
+                work[r] = (redo[r], sch._problems(sch.free[given : given + n]))
+                given += n
+            sch.free = []
+            self.calls.append(sch.issue(self.train_version, work))
+        self.summaries = out
+        return out
+
+    def wait(self, timeout: float | None = None) -> ElasticStream:
+        self.result(timeout)
+        return self
+
+    def done(self) -> bool:
+        return self.summaries is not None or self.calls[-1].done()

@@ -92,6 +92,32 @@ class GRPO(Family):
                 + (f" and then over {n_act // n_roll} actor ranks each" if n_act > n_roll else ""),
                 "data.prompts_per_step",
             )
+        if s.recipe.cluster.elastic:
+            self.check_elastic()
+
+    def check_elastic(self) -> None:
+        """``cluster.elastic`` takes asynchronous partial rollouts (the shares of a batch are made from pools of
+        problems a chunk at a time), rollout ranks apart from the actor's (whose slots stay fixed), no more actor
+        than rollout ranks (a share is one actor rank's), and whole weights to each rank (a joining one holds no
+        base for adapters alone)."""
+        s = self.session
+        p, r = s.placement, s.recipe
+        rollout, actor = set(p["rollout"]), set(p["actor"])
+        if not r.algorithm.asynchronous or r.rollout.backend != "hf":
+            why = ("asynchronous partial rollouts (algorithm.max_staleness >= 1 with rollout.backend=hf); got "
+                   f"max_staleness={r.algorithm.max_staleness}, backend={r.rollout.backend}")  # fmt: skip
+        elif rollout & actor:
+            why = f"rollout {sorted(rollout)} apart from the actor {sorted(actor)}, whose slots stay fixed"
+        elif len(actor) > len(rollout):
+            why = f"at most as many actor ranks as rollout ranks (each takes whole shares); got {len(actor)} and {len(rollout)}"
+        elif r.actor.lora.rank > 0 and r.actor.lora.sync == "adapters":
+            why = "actor.lora.sync=merged: a joining rank holds no base model for adapters alone"
+        else:
+            return
+        raise PlacementError(
+            f"cluster.elastic: LM rollout ranks that come and go need {why} (e.g. "
+            "component_placement={actor: 0, 'rollout,reward': 1-2}, algorithm.max_staleness=1)", "cluster.elastic",
+        )  # fmt: skip
 
     def check_cluster(self) -> None:
         s = self.session
@@ -298,24 +324,27 @@ class GRPO(Family):
     def stream_calls(self, admissions: list[int], train_version: int, max_staleness: int) -> list[dict]:
         """Asynchronous generation a chunk of tokens at a time: each rollout rank's ``stream`` arguments, with
         ``admissions[k]`` more problems admitted to rank ``k``, for the batch trained at ``train_version``."""
-        s = self.session
-        r, rollout = s.recipe, s.groups["rollout"]
-        per_rank = r.data.prompts_per_step // rollout.world_size
         puts, _ = self.paths.batch_keys()
         calls = []
-        for k, new in zip(rollout.ranks, admissions):
+        for k, new in zip(self.session.groups["rollout"].ranks, admissions):
             first = self.task.position
-            problems = [
-                (first + i, p.prompt, p.answer, p.fields) for i, p in enumerate(self.task.sample(new))
-            ]
-            key, shards = puts[k]
-            calls.append(
-                dict(problems=problems, n=r.algorithm.group_size, train_version=train_version, groups=per_rank,
-                     max_staleness=max_staleness, weights=s.channels["weights"], weights_key=f"w{k}",
-                     batches=s.channels["batches"], batch_key=key, reward=s.groups["reward"].name, shards=shards,
-                     chunk_tokens=r.rollout.chunk_tokens)
-            )  # fmt: skip
+            problems = list(zip(range(first, first + new), self.task.sample(new)))
+            calls.append(self.stream_args(problems, [puts[k]], f"w{k}", train_version, max_staleness))
         return calls
+
+    def stream_args(self, problems: list[tuple], puts: list[tuple[str, int]], weights_key: str, train_version: int,
+                    max_staleness: int) -> dict:  # fmt: skip
+        """One rollout rank's ``stream`` arguments: ``problems`` (``(serial, Problem)``) admitted to its pool, and
+        the shares of the batch it makes (``(key, shards)`` each, a share of ``data.prompts_per_step`` groups)."""
+        s = self.session
+        r = s.recipe
+        return dict(
+            problems=[(i, p.prompt, p.answer, p.fields) for i, p in problems], n=r.algorithm.group_size,
+            train_version=train_version, groups=r.data.prompts_per_step // len(self.paths.batch_keys()[0]),
+            max_staleness=max_staleness, weights=s.channels["weights"], weights_key=weights_key,
+            batches=s.channels["batches"], batch_key=puts[0][0], reward=s.groups["reward"].name, shards=puts[0][1],
+            chunk_tokens=r.rollout.chunk_tokens, **({"puts": puts} if len(puts) > 1 else {}),
+        )  # fmt: skip
 
     def evaluate(self, n: int | None = None, samples: int | None = None) -> dict:
         """Greedy answers to held-out problems, scored by the reward: logs ``eval/accuracy``; with ``samples`` > 1,

@@ -63,6 +63,10 @@ class FileTask:
         self.position += n
         return out
 
+    def problem(self, serial: int) -> Problem:
+        """The training problem :meth:`sample` drew (or will draw) at position ``serial``."""
+        return self.train[serial % len(self.train)]
+
     def state_dict(self) -> dict:
         return {"position": self.position}
 
