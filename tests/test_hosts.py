@@ -27,8 +27,11 @@ from rlnb.loop import Loop
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = f"rlnb{os.getpid() % 10000}"  # unique per test process: parallel runs do not collide
-NAMESPACES = {"sched": "10.77.0.1", "hosta": "10.77.0.2", "hostb": "10.77.0.3"}
-BRIDGE, DRIVER_IP = f"{PREFIX}br", "10.77.0.254"
+# The subnet too: two bridges holding one subnet (this file's and test_ssh's, side by side under xdist) make the
+# host's route to it ambiguous, and a run's connections were reset mid-step when the other test's bridge came.
+SUBNET = f"10.{64 + os.getpid() % 128}.0"
+NAMESPACES = {"sched": f"{SUBNET}.1", "hosta": f"{SUBNET}.2", "hostb": f"{SUBNET}.3"}
+BRIDGE, DRIVER_IP = f"{PREFIX}br", f"{SUBNET}.254"
 DASK = str(Path(sys.executable).with_name("dask"))
 
 
@@ -53,6 +56,10 @@ def _build_hosts() -> None:
     """The namespaces of :data:`NAMESPACES` on one bridge, or the test skipped with the reason."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("needs root and iproute2 to build network namespaces")
+    taken = subprocess.run(
+        ["ip", "route", "show", f"{SUBNET}.0/24"], capture_output=True, text=True, timeout=30
+    )
+    assert not taken.stdout.strip(), f"{SUBNET}.0/24 is routed here already (a stale bridge?): {taken.stdout}"
     try:
         _ip("link", "add", BRIDGE, "type", "bridge")
         _ip("addr", "add", f"{DRIVER_IP}/24", "dev", BRIDGE)
