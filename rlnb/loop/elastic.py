@@ -20,6 +20,45 @@ from rlnb.errors import RemoteError, WorkerLostError
 log = logging.getLogger("rlnb")
 
 
+class FixedRanks:
+    """The rollout ranks a run launched with, kept for the whole run (no ``cluster.elastic``): it answers what
+    :class:`ElasticRanks` answers, so a family and the data paths ask whichever was chosen at composition and never
+    check which. Each rank's batch stays on it until handed over; a lost rank's worker is the typed error that
+    ``loop.recover()`` answers."""
+
+    def __init__(self, session, paths):
+        self.session, self.paths = session, paths
+
+    @property
+    def shares(self) -> list[int]:
+        return self.session.groups["rollout"].ranks
+
+    def collect(self, version: int, steps: int, start) -> list:
+        """A step's collection: ``start(steps)``, the family's own calls for its placement."""
+        return start(steps)
+
+    def settle(self, call) -> list:
+        return call.result()
+
+    def take(self, batches: list[dict] | None) -> None:
+        self.paths.hand_batches(batches)
+
+    def held_batches(self) -> list[dict]:
+        return self.session.groups["rollout"].take_batch().result()
+
+    def broken_shares(self) -> list[int]:
+        return []  # (every share's batch follows its last on the same envs)
+
+    def metrics(self) -> dict:
+        return {}
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Nothing to restore."""
+
+
 class ElasticRanks:
     """The shares of a step's batch and the live rollout ranks running them (see the module's docstring).
 
@@ -36,7 +75,7 @@ class ElasticRanks:
         rollout = session.groups["rollout"]
         self.shares = rollout.ranks  # one per rollout rank at launch, for the whole run
         self.owner = {k: k for k in self.shares}  # share -> the rollout rank that runs it
-        paths.elastic = self
+        paths.ranks = self
         for name in groups:
             group = session.groups[name]
             group.positional_state = True
@@ -48,6 +87,25 @@ class ElasticRanks:
         self.admitting = True  # whether a worker that joins is given ranks (until one could not take them)
 
     # ------------------------------------------------------------------ a step's collection
+    def collect(self, version: int, steps: int, start=None) -> list:
+        """A step's collection: workers that joined take ranks first (nothing is in flight now), then every live
+        rank runs its shares (``start``, the family's calls for fixed ranks, is not used)."""
+        self.admit(version)
+        return [self.start(steps)]
+
+    def take(self, batches: list[dict] | None) -> None:
+        """The step's batches to the actor: from the channel, where the ranks put them as they made them, or
+        ``batches`` (a checkpoint's) put there from here."""
+        if batches is None:
+            self.paths.take_batches(self.paths.batch_keys()[1])
+        else:
+            self.paths.hand_batches(batches)
+
+    def held_batches(self) -> list[dict]:
+        """The ranks put their batches into the channel as they made them: read there (and put back, for the
+        step that takes them), one per share."""
+        return self.paths.peek_batches()
+
     def start(self, steps: int) -> ElasticCollection:
         """Start every live rank on the shares it owns (each put into the batch channel as it is made)."""
         running = {r: ks for r, ks in self.assignment().items() if ks}
@@ -209,6 +267,14 @@ class ElasticRanks:
             "cluster/reissued": self.reissued,
             "cluster/joined": self.joined,
         }
+
+    def state(self) -> dict:
+        """Its counts, which go on from a resume (the checkpoint's ``cluster_reissued?``/``cluster_joined?``)."""
+        return {"cluster_reissued": self.reissued, "cluster_joined": self.joined}
+
+    def load_state(self, state: dict) -> None:
+        self.reissued = state.get("cluster_reissued", 0)
+        self.joined = state.get("cluster_joined", 0)
 
 
 class ElasticCollection:

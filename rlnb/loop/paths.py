@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from rlnb.errors import ConfigError, PlacementError
+from rlnb.loop.elastic import FixedRanks
 from rlnb.loop.roles import BroadcastsWeights, ReceivesWeights, check_role
 from rlnb.runtime.channel import Channel
 from rlnb.runtime.group import init_collective
@@ -59,9 +60,9 @@ class DataPaths:
         # says so: actor.lora.sync, a rollout that merges them)
         self.adapter_sync = False
         self._unlogged: dict = {}
-        # an elastic run's ElasticRanks (rlnb.loop.elastic): batch keys by its shares, not by the rollout ranks live
-        # now; a rank lost while weights load is dropped, not an error
-        self.elastic = None
+        # the rollout ranks' FixedRanks or, in an elastic run, ElasticRanks (rlnb.loop.elastic): batch keys by its
+        # shares, not by the rollout ranks live now; a rank lost while weights load is dropped, not an error
+        self.ranks = FixedRanks(session, self)
 
     def open(self, asynchronous: bool) -> None:
         """Channels (and the weight-sync process group) for whatever is not collocated between actor and rollout."""
@@ -108,7 +109,7 @@ class DataPaths:
             # worker would otherwise hold its actor thread waiting for weights not yet sent
             self.publish_weights(ch, keys, version)
             loading = rollout.call_each("load_from_channel", [(ch, k) for k in keys])
-            self.elastic.settle(loading) if self.elastic is not None else loading.result()
+            self.ranks.settle(loading)
             return dict(self._unlogged)
         return {}
 
@@ -149,8 +150,8 @@ class DataPaths:
     def batch_keys(self) -> tuple[list[tuple[str, int]], list[list[str]]]:
         """The channel hand-off: per rollout rank ``(key, shards)`` it puts under, and per actor rank the keys it
         takes. With more actor than rollout ranks each batch is split (RLinf's hybrid)."""
-        rollout, actor = self.session.groups["rollout"], self.session.groups["actor"]
-        sources = self.elastic.shares if self.elastic is not None else rollout.ranks
+        actor = self.session.groups["actor"]
+        sources = self.ranks.shares
         n_act, n_roll = actor.world_size, len(sources)
         if n_act > n_roll:
             m = n_act // n_roll

@@ -10,7 +10,7 @@ from collections import deque
 
 from rlnb.components.env import success_rate
 from rlnb.loop.checkpoint import MAX_STEP, ListOf, Num
-from rlnb.loop.elastic import ElasticRanks
+from rlnb.loop.elastic import ElasticRanks, FixedRanks
 from rlnb.loop.families import Family
 from rlnb.loop.roles import ElasticRolloutRole, check_role
 
@@ -26,7 +26,7 @@ class EnvFamily(Family):
         "cluster_reissued?": Num(0, MAX_STEP, optional=True),
         "cluster_joined?": Num(0, MAX_STEP, optional=True),
     }
-    elastic: ElasticRanks | None = None  # cluster.elastic's shares and live ranks (compose_elastic)
+    ranks: FixedRanks | ElasticRanks  # the env and rollout ranks, fixed or coming and going (compose_ranks)
 
     def check_cluster(self) -> None:
         if self.session.recipe.env.vector_mode == "async":
@@ -38,11 +38,12 @@ class EnvFamily(Family):
         self.global_step = 0
         self.episodes: deque = deque(maxlen=EPISODE_WINDOW)
 
-    def compose_elastic(self, builtin: str) -> None:
-        """With ``cluster.elastic``: the env and rollout ranks that come and go (a joining rollout rank binds the
-        env's spaces; ``warm_up``: what else it is given first). ``builtin``: the rollout class to subclass."""
+    def compose_ranks(self, builtin: str) -> None:
+        """The env and rollout ranks, chosen once: fixed, or with ``cluster.elastic`` ranks that come and go (a
+        joining rollout rank binds the env's spaces, then :meth:`prepare_joining`). ``builtin``: the rollout class
+        an elastic run's rollout must be or subclass."""
         s = self.session
-        self.elastic = None
+        self.ranks = self.paths.ranks  # (FixedRanks: what the paths hold until an ElasticRanks replaces it)
         if not s.recipe.cluster.elastic:
             return
         rollout = s.groups["rollout"]
@@ -52,28 +53,32 @@ class EnvFamily(Family):
             rollout.on(r).bind_spaces(*self.spaces).result()
             self.prepare_joining(r)
 
-        self.elastic = ElasticRanks(s, self.paths, ("env", "rollout"), prepare)
+        self.ranks = ElasticRanks(s, self.paths, ("env", "rollout"), prepare)
 
     def prepare_joining(self, rank: int) -> None:
         """An elastic run's joining rollout rank, its spaces bound, before it takes weights (nothing here)."""
 
     def state(self) -> dict:
-        out = {"global_step": self.global_step, "episodes": list(self.episodes)}
-        if self.elastic is not None:  # (its counts go on from a resume)
-            out.update(cluster_reissued=self.elastic.reissued, cluster_joined=self.elastic.joined)
-        return out
+        return {"global_step": self.global_step, "episodes": list(self.episodes), **self.ranks.state()}
 
     def load_state(self, state: dict) -> None:
         self.global_step = state["global_step"]
         self.episodes = deque((tuple(x) for x in state["episodes"]), maxlen=EPISODE_WINDOW)
-        if self.elastic is not None:
-            self.elastic.reissued = state.get("cluster_reissued", 0)
-            self.elastic.joined = state.get("cluster_joined", 0)
+        self.ranks.load_state(state)
 
     def held_batches(self) -> list[dict]:
-        """An elastic run's ranks put their batches into the channel as they made them: read there (and put
-        back, for the step that takes them), one per share."""
-        return super().held_batches() if self.elastic is None else self.paths.peek_batches()
+        """The batches of a settled collection, not yet handed over: on the rollout ranks, or where an elastic
+        run's ranks put them (the channel)."""
+        return self.ranks.held_batches()
+
+    def start_collection(self) -> list:
+        """Start a step's collection (the pending calls): the ranks' own (:meth:`start_ranks` for fixed ranks)."""
+        s = self.session
+        return self.ranks.collect(s.step, s.recipe.rollout.steps_per_rollout, self.start_ranks)
+
+    def start_ranks(self, steps: int) -> list:
+        """Fixed ranks' collection of ``steps`` env steps for the family's placement: the pending calls."""
+        raise NotImplementedError
 
     def episode_stats(self) -> dict:
         """Mean return and length of the last (up to) 20 finished training episodes, ``None`` before any (a few

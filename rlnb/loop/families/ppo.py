@@ -26,7 +26,6 @@ from rlnb.loop.roles import EnvRole, PolicyRolloutRole, PPOActorRole
 from rlnb.loop.runner import Callback
 from rlnb.models.policies import check_spaces
 from rlnb.runtime.channel import Channel
-from rlnb.runtime.group import GroupResult
 
 log = logging.getLogger("rlnb")
 
@@ -256,7 +255,7 @@ class PPO(EnvFamily):
             for name in ("obs", "actions"):
                 s.channels[name] = Channel.create(s.cluster, name, slot=slot, timeout_s=timeout, max_bytes=0)
         super().compose(asynchronous)
-        self.compose_elastic("rlnb.PolicyRollout")
+        self.compose_ranks("rlnb.PolicyRollout")
 
     def reset_state(self) -> None:
         super().reset_state()
@@ -304,14 +303,10 @@ class PPO(EnvFamily):
         return record
 
     # ------------------------------------------------------------------ phases
-    def start_collection(self) -> list:
-        """Start collecting (returns the pending calls); the batches stay on the rollout ranks."""
+    def start_ranks(self, T: int) -> list:
+        """Start collecting on fixed ranks (the pending calls); the batches stay on the rollout ranks."""
         s = self.session
-        T = s.recipe.rollout.steps_per_rollout
         env, rollout = s.groups["env"], s.groups["rollout"]
-        if self.elastic is not None:  # (nothing in flight here: a worker that joined takes ranks now)
-            self.elastic.admit(s.step)
-            return [self.elastic.start(T)]
         if self.env_local and self.paths.batch_local:  # the fast path: one call per rank does it all
             return [rollout.collect(T, env.name, s.groups["actor"].name)]
         if self.env_local:
@@ -335,16 +330,13 @@ class PPO(EnvFamily):
                 self.episodes.extend(summary.pop("episodes"))
             return summaries
         env = self.session.groups["env"]
-        live = self.elastic.settle if self.elastic is not None else GroupResult.result
+        live = self.ranks.settle
         for finished in live(env.pop_episodes()):
             self.episodes.extend(finished)
         env_s = max(live(env.pop_sim_s()))  # (the env ranks stepped apart: the slowest one's)
         for summary in summaries:
             summary["env_s"] = env_s
-        if self.elastic is not None and batches is None:  # (the ranks put them as they made them)
-            self.paths.take_batches(self.paths.batch_keys()[1])
-        else:
-            self.paths.hand_batches(batches)
+        self.ranks.take(batches)
         return summaries
 
     def rollout_metrics(self, phase: Phase, summaries: list[dict], extra: dict) -> None:
@@ -516,8 +508,7 @@ class PPO(EnvFamily):
         for key in ("staleness_mean", "staleness_max", "overlap_frac", "pipeline_overlap_frac"):
             if f"rollout/{key}" in p:
                 record[f"rollout/{key}"] = p[f"rollout/{key}"]
-        if self.elastic is not None:
-            record.update(self.elastic.metrics())
+        record.update(self.ranks.metrics())
         s.log_record(record)
 
     def sample(self, n: int = 4) -> dict:

@@ -217,23 +217,20 @@ class SAC(EnvFamily):
 
     def compose(self, asynchronous: bool) -> None:
         super().compose(asynchronous)
-        self.compose_elastic("rlnb.components.SACCollector")
+        self.compose_ranks("rlnb.components.SACCollector")
 
     def prepare_joining(self, rank: int) -> None:
         """A joining collector takes the random warm-up the others have left (each launched with its part of
         ``sac.learning_starts``), not a whole one of its own."""
         s = self.session
-        per_collector = -(-s.recipe.sac.learning_starts // len(self.elastic.shares))
+        per_collector = -(-s.recipe.sac.learning_starts // len(self.ranks.shares))
         done = s.step * s.recipe.rollout.steps_per_rollout * s.recipe.env.num_envs
         s.groups["rollout"].on(rank).warm_up_left(per_collector - done).result()
 
     # ------------------------------------------------------------------ phases
-    def start_collection(self) -> list:
+    def start_ranks(self, T: int) -> list:
         s = self.session
-        T, env, rollout = s.recipe.rollout.steps_per_rollout, s.groups["env"], s.groups["rollout"]
-        if self.elastic is not None:  # (nothing in flight here: a worker that joined takes ranks now)
-            self.elastic.admit(s.step)
-            return [self.elastic.start(T)]
+        env, rollout = s.groups["env"], s.groups["rollout"]
         if (
             self.paths.batch_local
         ):  # collocated with the learner: the transitions go into its buffer in-process
@@ -244,17 +241,14 @@ class SAC(EnvFamily):
         summaries = pending[0].result()
         for summary in summaries:
             self.episodes.extend(tuple(e) for e in summary.pop("episodes"))
-        if self.elastic is not None:
-            # a share stepped by other envs than its last batch's: its envs' n-step sums end before it is added
-            n = self.session.recipe.env.num_envs
-            cut = [k * n + i for k in self.elastic.broken_shares() for i in range(n)]
-            if cut:
-                self.session.groups["actor"].cut_envs(cut).result()
-            if batches is None:  # (the ranks put them as they made them)
-                self.paths.take_batches(self.paths.batch_keys()[1])
-                return summaries
+        # a share stepped by other envs than its last batch's: its envs' n-step sums end before it is added
+        n = self.session.recipe.env.num_envs
+        cut = [k * n + i for k in self.ranks.broken_shares() for i in range(n)]
+        if cut:
+            self.session.groups["actor"].cut_envs(cut).result()
+        # (collocated, the collectors put into the learner's buffer themselves)
         if not self.paths.batch_local:
-            self.paths.hand_batches(batches)
+            self.ranks.take(batches)
         return summaries
 
     def rollout_metrics(self, phase: Phase, summaries: list[dict], extra: dict) -> None:
@@ -298,8 +292,7 @@ class SAC(EnvFamily):
         for key in ("staleness_mean", "staleness_max", "overlap_frac"):
             if f"rollout/{key}" in p:
                 record[f"rollout/{key}"] = p[f"rollout/{key}"]
-        if self.elastic is not None:
-            record.update(self.elastic.metrics())
+        record.update(self.ranks.metrics())
         s.log_record(record)
 
     def trained_policy(self):

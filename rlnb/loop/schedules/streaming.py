@@ -268,8 +268,7 @@ class ElasticStreaming(Streaming):
     def state(self) -> dict:
         # by position, as the ranks' own checkpoints: a resumed run's ranks are numbered afresh
         held = [self.held.get(r, []) for r in self.session.groups["rollout"].ranks]
-        return {**super().state(), "held": held, "free": self.free, "cluster_reissued": self.elastic.reissued,
-                "cluster_joined": self.elastic.joined}  # fmt: skip
+        return {**super().state(), "held": held, "free": self.free, **self.elastic.state()}
 
     def load_state(self, state: dict) -> None:
         super().load_state(state)
@@ -279,8 +278,7 @@ class ElasticStreaming(Streaming):
         # admitted again
         self.held = {r: list(saved[i]) if i < len(saved) else [] for i, r in enumerate(ranks)}
         self.free = list(state.get("free", [])) + [x for pool in saved[len(ranks) :] for x in pool]
-        self.elastic.reissued = state.get("cluster_reissued", 0)
-        self.elastic.joined = state.get("cluster_joined", 0)
+        self.elastic.load_state(state)
 
 
 class ElasticStream:
