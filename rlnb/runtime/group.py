@@ -251,22 +251,9 @@ class Group:
         seen: _Counter = _Counter()
         infos = []
         for rank, s in enumerate(slots):
-            slot = cluster.slots[s]
-            infos.append(
-                RankInfo(
-                    component=name,
-                    rank=rank,
-                    world_size=len(slots),
-                    local_rank=seen[slot.node],
-                    local_world_size=per_node[slot.node],
-                    slot=s,
-                    device=slot.device,
-                    address=slot.address,
-                    node=slot.node,
-                    session=cluster.session,
-                )
-            )
-            seen[slot.node] += 1
+            node = cluster.slots[s].node
+            infos.append(_rank_info(cluster, name, rank, len(slots), s, seen[node], per_node[node]))
+            seen[node] += 1
         ensure_worker_runtime(cluster)
         uid = uuid.uuid4().hex[:16]  # unique across drivers sharing the scheduler (Dask dedups by key)
         hosts = _start_hosts(
@@ -305,10 +292,7 @@ class Group:
         spec = self._launch_spec
         s = self.cluster.slots[slot]
         rank = len(self.infos)
-        info = RankInfo(
-            component=self.name, rank=rank, world_size=rank + 1, local_rank=0, local_world_size=1, slot=slot,
-            device=s.device, address=s.address, node=s.node, session=self.cluster.session,
-        )  # fmt: skip
+        info = _rank_info(self.cluster, self.name, rank, rank + 1, slot, 0, 1)
         timeout = spec["start_timeout_s"]
         (host,) = _start_hosts(
             self.cls, self.cluster, [info], spec["args"], spec["kwargs"], spec["rank_kwargs"], self.name,
@@ -567,6 +551,18 @@ def _method_help(cls: type, method: str) -> tuple[str, inspect.Signature | None]
     except (TypeError, ValueError):
         return doc, None
     return doc, inspect.Signature(params[1:] if params and params[0].name == "self" else params)
+
+
+def _rank_info(
+    cluster, name: str, rank: int, world_size: int, slot: int, local_rank: int, local_world_size: int
+):
+    """Rank ``rank`` of ``world_size`` of component ``name`` on ``slot``, with the slot's device, address and node
+    (``local_rank`` of ``local_world_size``: its place among the group's ranks on that node)."""
+    s = cluster.slots[slot]
+    return RankInfo(
+        component=name, rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
+        slot=slot, device=s.device, address=s.address, node=s.node, session=cluster.session,
+    )  # fmt: skip
 
 
 def _refuse_shadowed_methods(component_cls: type, name: str) -> None:
