@@ -6,11 +6,13 @@ Needs root (``ip netns``, ``sshd``); skipped with the reason elsewhere.
 """
 
 import contextlib
+import glob
 import os
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +42,7 @@ def ssh_hosts(tmp_path):
     pytest.importorskip("asyncssh", reason="SSHCluster's asyncssh is a dev dependency: make setup")
     _build_hosts()
     procs = []
+    before = set(glob.glob("/dev/shm/sem.*"))
     try:
         key, host_key = tmp_path / "id_ed25519", tmp_path / "host_key"
         for path in (key, host_key):
@@ -71,16 +74,44 @@ def ssh_hosts(tmp_path):
                 os.killpg(p.pid, 15)
                 p.wait(20)
             log.close()
-        for (
-            ns
-        ) in NAMESPACES:  # what SSH sessions started (Dask's processes) outlives sshd: nothing stays behind
-            pids = subprocess.run(
-                ["ip", "netns", "pids", f"{PREFIX}-{ns}"], capture_output=True, text=True
-            ).stdout
-            for pid in pids.split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), 9)
+        _end_namespace_processes()
         _teardown()
+    left = _unmapped(set(glob.glob("/dev/shm/sem.*")) - before)
+    assert not left, f"named semaphores no process holds were left in /dev/shm: {sorted(left)}"
+
+
+def _unmapped(paths: set[str]) -> set[str]:
+    """Those of ``paths`` that no live process maps (an orphan: its owner died before unlinking it)."""
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            lines = Path(maps).read_text().splitlines()
+            mapped.update(line.split()[-1] for line in lines if "/dev/shm/" in line)
+    return {p for p in paths if p not in mapped and os.path.exists(p)}
+
+
+def _end_namespace_processes(grace_s: float = 15.0) -> None:
+    """What SSH sessions started (Dask's processes) outlives sshd: asked to stop, then killed after ``grace_s``.
+    (Killed at once, a worker's multiprocessing resource tracker died with it and left its named semaphores in
+    /dev/shm; asked first, the processes exit and the tracker unlinks them.)"""
+
+    def alive() -> list[int]:
+        out = []
+        for ns in NAMESPACES:
+            pids = subprocess.run(["ip", "netns", "pids", f"{PREFIX}-{ns}"], capture_output=True, text=True,
+                                  timeout=30).stdout  # fmt: skip
+            out += [int(pid) for pid in pids.split()]
+        return out
+
+    for sig, wait_s in ((15, grace_s), (9, 10.0)):
+        pids = alive()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = alive()
 
 
 def test_a_disaggregated_run_learns_across_hosts_started_by_sshcluster(ssh_hosts, tmp_path):
