@@ -233,7 +233,7 @@ RUNS = Path(__file__).resolve().parents[1] / "runs"
 RUNS_BEFORE = set(RUNS.glob("*")) if RUNS.is_dir() else set()  # (a user's runs there stay)
 
 
-def _mapped_semaphores(pids) -> set[str]:
+def mapped_semaphores(pids) -> set[str]:
     """The named semaphores (``/dev/shm/sem.*``) the processes ``pids`` have open (mapped)."""
     found = set()
     for pid in pids:
@@ -262,13 +262,13 @@ def kill_group(pgid: int) -> None:
     """SIGKILL the process group ``pgid`` (a driver the test started in a session of its own, its fork server,
     workers and resource tracker), then unlink the named semaphores its processes held and no process holds now:
     its resource tracker, killed with it, cannot. Nothing another program made is touched."""
-    held = _mapped_semaphores(group_members(pgid))
+    held = mapped_semaphores(group_members(pgid))
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    others = _mapped_semaphores(int(p.name) for p in Path("/proc").glob("[0-9]*"))
+    others = mapped_semaphores(int(p.name) for p in Path("/proc").glob("[0-9]*"))
     for path in held - others:
         with contextlib.suppress(OSError):
             os.unlink(path)

@@ -18,6 +18,7 @@ import pytest
 
 import rlnb
 from rlnb.loop import Loop
+from tests.conftest import mapped_semaphores
 from tests.test_hosts import NAMESPACES, PREFIX, _build_hosts, _teardown
 
 SSHD_CONFIG = """\
@@ -76,18 +77,9 @@ def ssh_hosts(tmp_path):
             log.close()
         _end_namespace_processes()
         _teardown()
-    left = _unmapped(set(glob.glob("/dev/shm/sem.*")) - before)
+    held = mapped_semaphores(int(p.name) for p in Path("/proc").glob("[0-9]*"))
+    left = {p for p in set(glob.glob("/dev/shm/sem.*")) - before - held if os.path.exists(p)}
     assert not left, f"named semaphores no process holds were left in /dev/shm: {sorted(left)}"
-
-
-def _unmapped(paths: set[str]) -> set[str]:
-    """Those of ``paths`` that no live process maps (an orphan: its owner died before unlinking it)."""
-    mapped = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        with contextlib.suppress(OSError):
-            lines = Path(maps).read_text().splitlines()
-            mapped.update(line.split()[-1] for line in lines if "/dev/shm/" in line)
-    return {p for p in paths if p not in mapped and os.path.exists(p)}
 
 
 def _end_namespace_processes(grace_s: float = 15.0) -> None:

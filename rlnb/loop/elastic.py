@@ -64,7 +64,8 @@ class ElasticRanks:
 
     Args:
         session: the run's session (its groups, the cluster, the channels).
-        paths: its :class:`~rlnb.loop.paths.DataPaths` (the share keys are its batch keys).
+        paths: its :class:`~rlnb.loop.paths.DataPaths` (the share keys are its batch keys), whose ``ranks`` the
+            caller sets to this.
         groups: the groups whose ranks come and go together, one rank of each on a worker, ``rollout`` among
             them (embodied: ``env`` and ``rollout``; an LM: ``rollout`` and its collocated ``reward``).
         prepare: called with a joining rollout rank's number before it takes weights (binding the env's spaces).
@@ -75,7 +76,6 @@ class ElasticRanks:
         rollout = session.groups["rollout"]
         self.shares = rollout.ranks  # one per rollout rank at launch, for the whole run
         self.owner = {k: k for k in self.shares}  # share -> the rollout rank that runs it
-        paths.ranks = self
         for name in groups:
             group = session.groups[name]
             group.positional_state = True

@@ -26,7 +26,6 @@ class EnvFamily(Family):
         "cluster_reissued?": Num(0, MAX_STEP, optional=True),
         "cluster_joined?": Num(0, MAX_STEP, optional=True),
     }
-    ranks: FixedRanks | ElasticRanks  # the env and rollout ranks, fixed or coming and going (compose_ranks)
 
     def check_cluster(self) -> None:
         if self.session.recipe.env.vector_mode == "async":
@@ -38,13 +37,17 @@ class EnvFamily(Family):
         self.global_step = 0
         self.episodes: deque = deque(maxlen=EPISODE_WINDOW)
 
+    @property
+    def ranks(self) -> FixedRanks | ElasticRanks:
+        """The env and rollout ranks, fixed or coming and going (:meth:`compose_ranks`): the data paths' own."""
+        return self.paths.ranks
+
     def compose_ranks(self, builtin: str) -> None:
         """The env and rollout ranks, chosen once: fixed, or with ``cluster.elastic`` ranks that come and go (a
         joining rollout rank binds the env's spaces, then :meth:`prepare_joining`). ``builtin``: the rollout class
         an elastic run's rollout must be or subclass."""
         s = self.session
-        self.ranks = self.paths.ranks  # (FixedRanks: what the paths hold until an ElasticRanks replaces it)
-        if not s.recipe.cluster.elastic:
+        if not s.recipe.cluster.elastic:  # (the paths' FixedRanks stand)
             return
         rollout = s.groups["rollout"]
         check_role(rollout, "rollout", ElasticRolloutRole, builtin, "of cluster.elastic")
@@ -53,7 +56,7 @@ class EnvFamily(Family):
             rollout.on(r).bind_spaces(*self.spaces).result()
             self.prepare_joining(r)
 
-        self.ranks = ElasticRanks(s, self.paths, ("env", "rollout"), prepare)
+        self.paths.ranks = ElasticRanks(s, self.paths, ("env", "rollout"), prepare)
 
     def prepare_joining(self, rank: int) -> None:
         """An elastic run's joining rollout rank, its spaces bound, before it takes weights (nothing here)."""

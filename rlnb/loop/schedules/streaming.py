@@ -176,7 +176,7 @@ class ElasticStreaming(Streaming):
         super().__init__(session, paths, family, steer)
         check_role(session.groups["rollout"], "rollout", ElasticStreamsGeneration, "rlnb.components.HFRollout",
                    "of cluster.elastic")  # fmt: skip
-        self.elastic = ElasticRanks(session, paths, ("rollout", "reward"))
+        self.elastic = paths.ranks = ElasticRanks(session, paths, ("rollout", "reward"))
         self.elastic.on_drop.append(self._freed)
 
     def reset_state(self) -> None:
