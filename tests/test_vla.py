@@ -351,22 +351,34 @@ def test_bf16_compute_on_the_vla_actor_autocasts_its_forwards_and_keeps_float32_
 @pytest.mark.timeout(
     900
 )  # (ManiSkill's subprocesses importing it and starting renderers on a loaded machine)
-def test_rlnb_run_vla_maniskill_warm_starts_on_the_scripted_expert_and_trains_from_the_command_line(tmp_path):
-    """The recipe as shipped, made small: ManiSkill's PushCube on its CPU simulation (two envs, each in a subprocess,
-    rendering its 32 px camera), a tiny VLA built where the recipe says, behaviour cloning on rlnb's scripted
-    expert for PushCube (which succeeds), two PPO steps, the final evaluation, all from ``rlnb run``."""
+@pytest.mark.parametrize(
+    "recipe, model, small",
+    [
+        ("vla_maniskill", "tiny-vla-maniskill", ["rollout.steps_per_rollout=10"]),
+        # embodied GRPO: one group of both envs, a rollout of one whole 25-step episode each
+        ("vla_maniskill_grpo", "tiny-vla-maniskill-16", ["algorithm.group_size=2"]),
+    ],
+    ids=["ppo", "grpo"],
+)
+def test_rlnb_run_vla_maniskill_warm_starts_on_the_scripted_expert_and_trains_from_the_command_line(
+    tmp_path, recipe, model, small
+):
+    """The recipes as shipped, made small: ManiSkill's PushCube on its CPU simulation (two envs, each in a
+    subprocess, rendering its 32 px camera), a tiny VLA built where the recipe says, behaviour cloning on rlnb's
+    scripted expert for PushCube (which succeeds), two PPO (or embodied GRPO) steps, the final evaluation, all from
+    ``rlnb run``."""
     from rlnb.envs.gym_envs import maniskill_problem
 
     reason = maniskill_problem("PushCube-v1")
     if reason is not None:
         pytest.skip(reason)
-    overrides = ["env.num_envs=2", "rollout.steps_per_rollout=10", "runner.steps=2", "runner.eval_episodes=1",
-                 "runner.tensorboard=false", "actor.warm_start.episodes=3", "actor.warm_start.epochs=2",
-                 "algorithm.num_minibatches=2"]  # fmt: skip
-    done = subprocess.run([*RLNB, "run", "vla_maniskill", *overrides, "--no-progress", "--run-dir", "run"],
+    overrides = ["env.num_envs=2", "runner.steps=2", "runner.eval_episodes=1", "runner.tensorboard=false",
+                 "actor.warm_start.episodes=3", "actor.warm_start.epochs=2", "algorithm.num_minibatches=2",
+                 *small]  # fmt: skip
+    done = subprocess.run([*RLNB, "run", recipe, *overrides, "--no-progress", "--run-dir", "run"],
                           capture_output=True, text=True, timeout=900, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (tmp_path / "runs/models/tiny-vla-maniskill/config.json").exists()  # built where the recipe says
+    assert (tmp_path / f"runs/models/{model}/config.json").exists()  # built where the recipe says
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     warm = rows[0]
     assert warm["warm_start/expert_success_rate"] == 1.0 and warm["warm_start/samples"] >= 3 * 5
