@@ -1,4 +1,5 @@
 import contextlib
+import glob
 import multiprocessing.util
 import os
 import shutil
@@ -234,14 +235,22 @@ RUNS_BEFORE = set(RUNS.glob("*")) if RUNS.is_dir() else set()  # (a user's runs 
 
 
 def mapped_semaphores(pids) -> set[str]:
-    """The named semaphores (``/dev/shm/sem.*``) the processes ``pids`` have open (mapped)."""
-    found = set()
+    """The named semaphores (``/dev/shm/sem.*``) the processes ``pids`` have open (mapped), matched by inode: the
+    process that creates one maps glibc's temporary file, linked to the name afterwards, so its maps line names
+    the temporary file, deleted."""
+    inodes = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
-                found.update(line.split()[-1] for line in f if "/dev/shm/sem." in line)
+                # (address, perms, offset, device, inode, path)
+                inodes.update(int(line.split()[4]) for line in f if "/dev/shm/" in line)
         except OSError:  # it ended meanwhile
             continue
+    found = set()
+    for path in glob.glob("/dev/shm/sem.*"):
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino in inodes:
+                found.add(path)
     return found
 
 
