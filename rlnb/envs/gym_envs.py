@@ -253,8 +253,11 @@ MANISKILL_CPU_SIMS = ("physx_cpu", "cpu")
 
 
 # ManiSkill's defaults where a recipe says nothing: state observations and joint-delta control (the renderer
-# a state env can skip is chosen where the env is made, `make_maniskill_cpu_env`)
-MANISKILL_DEFAULTS = {"obs_mode": "state", "control_mode": "pd_joint_delta_pos"}
+# a state env can skip is chosen where the env is made, `make_maniskill_cpu_env`). enhanced_determinism: an
+# unseeded reset (every episode after the first) draws its initial state from the env's RNG, which the first
+# reset's seed set; without it the task draws from the process's torch RNG, seeded at random in each process, so
+# the same seeds gave other episodes in every run and every evaluation
+MANISKILL_DEFAULTS = {"obs_mode": "state", "control_mode": "pd_joint_delta_pos", "enhanced_determinism": True}
 
 # the observation modes of a CPU env: ManiSkill's flat state; "rgb", the cameras' images side by side along the
 # channels (``{"rgb": H x W x 3k}``), as ManiSkill's own ``ppo_rgb.py`` takes them; "rgb+state", both
@@ -403,6 +406,9 @@ class ManiSkillCPUState(gym.Wrapper):
             "elapsed_steps": base._elapsed_steps.clone(),
             "episode_rng": _rng_state(base._episode_rng),
             "batched_episode_rng": _rng_state(base._batched_episode_rng),
+            # (what an unseeded reset draws its episode's seed from, with enhanced_determinism)
+            "main_rng": _rng_state(base._main_rng),
+            "batched_main_rng": _rng_state(base._batched_main_rng),
             "torch_rng": torch.get_rng_state(),
             "numpy_rng": np.random.get_state(),
         }
@@ -417,6 +423,8 @@ class ManiSkillCPUState(gym.Wrapper):
         base._elapsed_steps = state["elapsed_steps"].clone()
         _set_rng_state(base._episode_rng, state["episode_rng"])
         _set_rng_state(base._batched_episode_rng, state["batched_episode_rng"])
+        _set_rng_state(base._main_rng, state["main_rng"])
+        _set_rng_state(base._batched_main_rng, state["batched_main_rng"])
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])
 
