@@ -423,8 +423,9 @@ class ManiSkillCPUState(gym.Wrapper):
         base._elapsed_steps = state["elapsed_steps"].clone()
         _set_rng_state(base._episode_rng, state["episode_rng"])
         _set_rng_state(base._batched_episode_rng, state["batched_episode_rng"])
-        _set_rng_state(base._main_rng, state["main_rng"])
-        _set_rng_state(base._batched_main_rng, state["batched_main_rng"])
+        if "main_rng" in state:  # (a checkpoint written before enhanced_determinism has none)
+            _set_rng_state(base._main_rng, state["main_rng"])
+            _set_rng_state(base._batched_main_rng, state["batched_main_rng"])
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])
 
@@ -526,6 +527,7 @@ class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN)
             "elapsed_steps": host(base._elapsed_steps),
             "metrics": host(metrics),
             "episode_rng": getattr(base, "_batched_episode_rng", None),  # numpy generators: plain data
+            "main_rng": getattr(base, "_batched_main_rng", None),  # (an unseeded reset's seeds come from it)
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(self.env.device) if self.env.device.type == "cuda" else None,
         }
@@ -544,6 +546,8 @@ class ManiSkillVector:  # pragma: no cover - needs a Vulkan-capable GPU (SAPIEN)
             setattr(self.env, k, to_dev(v))
         if state["episode_rng"] is not None:
             base._batched_episode_rng = state["episode_rng"]
+        if state.get("main_rng") is not None:
+            base._batched_main_rng = state["main_rng"]
         torch.set_rng_state(state["torch_rng"])
         if state["cuda_rng"] is not None:
             torch.cuda.set_rng_state(state["cuda_rng"], dev)
