@@ -13,6 +13,7 @@ from typing import Literal
 import pytest
 
 import rlnb
+from rlnb.cluster.cluster import listed_workers
 from rlnb.config import load_recipe
 from rlnb.config.loader import RecipeError, _hints
 from rlnb.config.schema import Recipe
@@ -221,7 +222,7 @@ def test_a_scale_down_that_takes_a_components_worker_is_warned_at_once_naming_wh
         LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None) as dask_cluster,
         rlnb.Cluster(dask_cluster, timeout_s=60, min_slots=2) as cluster,
     ):
-        names = {a: w["name"] for a, w in cluster.client.scheduler_info(n_workers=-1)["workers"].items()}
+        names = {a: w["name"] for a, w in listed_workers(cluster.client).items()}
         gone = next(s for s in cluster.slots if names[s.address] == 1)  # (scale(1) closes worker 1)
         stays = next(s for s in cluster.slots if s is not gone)
         env = rlnb.Env.launch(cluster, str(gone.rank), make_env="CartPole-v1", num_envs=2)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 import rlnb
+from rlnb.cluster.cluster import listed_workers
 from rlnb.errors import PlacementError
 from rlnb.loop import GRPOLoop
 from rlnb.metrics import read_metrics
@@ -90,7 +91,7 @@ def test_an_elastic_lm_run_resumes_exactly_from_fewer_ranks_than_it_launched_wit
             loop.run(2, progress=False)
             leaving = cluster.slots[2].address
             cluster._local.scale(2)  # a scale-down: slot 2's worker closes between steps
-            while leaving in cluster.client.scheduler_info(n_workers=-1)["workers"]:
+            while leaving in listed_workers(cluster.client):
                 time.sleep(0.1)
             loop.sync_weights()
             loop.rollout()

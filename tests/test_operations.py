@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import rlnb
+from rlnb.cluster.cluster import listed_workers
 from rlnb.loop import CheckpointError, Loop, TrainingDivergedError, complete_checkpoints
 from rlnb.metrics import MetricLogger, read_metrics
 from tests.conftest import group_members, kill_group, without_wall_clock
@@ -708,7 +709,7 @@ def test_a_tensorboard_that_cannot_be_imported_is_said_once_not_silently_skipped
 def test_a_recipes_start_deadline_bounds_how_long_its_components_take_to_start(cluster, tmp_path):
     """``cluster.start_timeout_s`` reaches every component's launch (a vLLM engine's start on a loaded machine
     took past the 120 s it was fixed at): a deadline no rank can meet is said naming it, the ranks given back."""
-    before = len(cluster.client.scheduler_info()["workers"])
+    before = len(listed_workers(cluster.client))
     overrides = ["cluster.start_timeout_s=0.001", "runner.tensorboard=false"]
     with pytest.raises(rlnb.errors.RemoteTimeoutError, match=r"did not start within 0.001 s"):
         Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path / "run")
@@ -716,7 +717,7 @@ def test_a_recipes_start_deadline_bounds_how_long_its_components_take_to_start(c
         "ppo_cartpole", ["runner.tensorboard=false"], cluster=cluster, run_dir=tmp_path / "ok"
     ) as loop:
         loop.step_once()  # the cluster is as it was
-    assert len(cluster.client.scheduler_info()["workers"]) == before
+    assert len(listed_workers(cluster.client)) == before
 
 
 class _StartsAChildThenHangs:

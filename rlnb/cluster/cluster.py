@@ -27,6 +27,13 @@ log = logging.getLogger("rlnb")
 _CAPACITY_RESOURCES = {"GPU", "CPU", "MEMORY", "gpu", "cpu", "memory", "TPU"}
 
 
+def listed_workers(client) -> dict[str, dict]:
+    """The scheduler's workers now (address -> info), asked of the scheduler itself. ``client.scheduler_info()``
+    returns the client's cache, which the client's periodic refresh (every 2 s) rewrites with no workers listed,
+    at times between that call's own fetch and its return: a healthy cluster's workers all read as gone."""
+    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+
+
 def _alive(pid: int) -> bool:
     """Whether the process ``pid`` of this machine runs (a zombie does not)."""
     import psutil
@@ -391,7 +398,7 @@ class Cluster:
             try:
                 self.client.wait_for_workers(min_slots, timeout=timeout_s)
             except (TimeoutError, OSError):
-                n = len(self.client.scheduler_info(n_workers=-1)["workers"])
+                n = len(listed_workers(self.client))
                 if self._owns_client:
                     self.client.close()
                 asked = len(getattr(address, "worker_spec", None) or {})  # (a SpecCluster's: workers or jobs)
@@ -514,7 +521,7 @@ class Cluster:
         )
 
     def _discover_slots(self) -> list[Slot]:
-        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        workers = listed_workers(self.client)
         probes = self.client.run(_probe_worker)
         rows = []
         for addr, w in workers.items():
@@ -546,7 +553,7 @@ class Cluster:
         n, deadline = len(self._local.worker_spec), time.monotonic() + timeout_s
         dead = {s.address for s in self.slots if not _alive(s.pid)}
         while True:
-            listed = set(self.client.scheduler_info(n_workers=-1)["workers"])
+            listed = set(listed_workers(self.client))
             if len(listed) >= n and not listed & dead:
                 return
             if time.monotonic() > deadline:
@@ -567,7 +574,7 @@ class Cluster:
             self._wait_for_restarted_workers(timeout_s)
         else:
             n, deadline = len(self.slots), time.monotonic() + timeout_s
-            while len(listed := self.client.scheduler_info(n_workers=-1)["workers"]) < n:
+            while len(listed := listed_workers(self.client)) < n:
                 if time.monotonic() > deadline:
                     raise ClusterError(
                         f"only {len(listed)} of the cluster's {n} workers are there after {timeout_s:g} s (a lost "
@@ -583,7 +590,7 @@ class Cluster:
         were read and those whose worker has left. Slots keep their numbers: a worker restarted under a gone
         slot's name (an embedded worker's Nanny, a job queue's replacement of the same name) takes that slot, any
         other new worker a new slot after the others. Asks the scheduler only, unless a worker joined."""
-        listed = self.client.scheduler_info(n_workers=-1)["workers"]
+        listed = listed_workers(self.client)
         known = {s.address for s in self.slots}
         gone = [s.rank for s in self.slots if s.address not in listed]
         if all(a in known for a in listed):

@@ -6,6 +6,8 @@ import html
 
 import ipywidgets as w
 
+from rlnb.cluster.cluster import listed_workers
+
 
 def cluster_view(cluster) -> w.HTML:
     """An HTML widget of the cluster's slots; call again (or ``refresh_cluster_view``) to update it."""
@@ -15,7 +17,7 @@ def cluster_view(cluster) -> w.HTML:
 
 
 def refresh_cluster_view(view: w.HTML, cluster) -> None:
-    workers = cluster.client.scheduler_info(n_workers=-1).get("workers", {})
+    workers = listed_workers(cluster.client)
     rows = []
     for node, ranks in cluster.nodes.items():
         for r in ranks:
