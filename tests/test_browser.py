@@ -399,13 +399,16 @@ def test_the_dashboards_controls_steer_a_run_in_the_foreground_in_jupyterlab(tmp
         assert step() >= held + 3, f"the run did not resume: step {step()}"
         clicked_at = step()
         page.get_by_role("button", name="stop").click()
+        asked = page.get_by_text(re.compile(r"stop asked after step \d+"))
+        asked.wait_for(timeout=30_000)
+        asked_at = int(re.search(r"stop asked after step (\d+)", asked.inner_text()).group(1))
         ended = page.get_by_text(re.compile(r"stopped at step \d+ of 200"))
         ended.wait_for(timeout=60_000)
         stopped = int(re.search(r"stopped at step (\d+)", ended.inner_text()).group(1))
-        assert clicked_at <= stopped <= clicked_at + 5, (
-            clicked_at,
-            stopped,
-        )  # (0.3 s a step: latency, under load)
+        # the step under way when the kernel had the click ends, and the one the worker runs ahead at this pace,
+        # no other (the click took 3 s and more to reach the kernel under CI's load: bounded by the wait above, not
+        # counted in steps)
+        assert clicked_at <= asked_at <= stopped <= asked_at + 2, (clicked_at, asked_at, stopped)
         expect(page.get_by_role("button", name="stop")).to_be_disabled(timeout=10_000)
         # the cell ended with the run, and the lr applied while paused was logged from the next step
         printed = page.get_by_text(re.compile(r"after the run: step \d+, steered"))

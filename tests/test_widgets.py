@@ -1,5 +1,6 @@
 """Widgets driven without a browser: the model after N updates, the view's widget state, background runs."""
 
+import re
 import time
 
 import pytest
@@ -348,6 +349,8 @@ def test_the_dashboard_steers_a_background_run(cluster, tmp_path):
     ]
     with Loop.from_recipe("ppo_cartpole", overrides, cluster=cluster, run_dir=tmp_path) as loop:
         dash = loop.dashboard()
+        # paced: the worker runs one step ahead of the driver at a time (a block of about 0.1 s of steps)
+        loop.logger.add_listener(lambda record: time.sleep(0.1))
         loop.run(background=True)
         _wait_until(lambda: loop.step >= 2)
         dash.pause_button.value = True
@@ -367,8 +370,9 @@ def test_the_dashboard_steers_a_background_run(cluster, tmp_path):
         dash.pause_button.value = False
         _wait_until(lambda: loop.step >= held + 3)
         dash.stop_button.click()
+        asked = int(re.fullmatch(r"stop asked after step (\d+): .*", dash.model.messages[-1]).group(1))
         loop.join(60)
-        assert held + 3 <= loop.step < 400
+        assert held + 3 <= asked <= loop.step <= asked + 2  # the step under way and one run ahead
         changed = [r for r in loop.history if any(k.startswith("steer/") for k in r)]
         assert [(r["step"], r["steer/lr"], r["steer/clip_coef"]) for r in changed] == [(held + 1, 5e-4, 0.1)]
         lrs = {r["step"]: r["train/lr"] for r in loop.history}

@@ -215,6 +215,11 @@ class Dashboard(w.VBox):
         def on_stop(_):
             loop.stop()
             loop.unpause()  # a paused run ends too
+            # (said at once: under load the click reaches the kernel seconds after it was made)
+            self.model.note(
+                f"stop asked after step {loop.step}: the run ends after the step under way (and those the worker "
+                "already runs ahead)"
+            )
 
         def on_save(_):
             loop.request_save()
