@@ -9,7 +9,8 @@ and learner stepped in one process as CleanRL's ``sac_continuous_action.py`` ste
 return of each (the deterministic policy on the same 10 episodes, mean over seeds), and each one's wall time
 against SB3's (from building it to the end of training; ``apart``'s includes starting its cluster, shown apart).
 SB3 and ``inproc`` train with ``--threads`` torch threads (default torch's own: the cores); ``apart``'s learner
-with one, its slot's core.
+with ``--learner-threads`` (default one, its slot's core). rlnb's sides run ``--kernel`` (default ``fused``, the
+recipe's: the same update with its gradients written out; ``autograd`` is the readable one).
 
 Run: ``.venv/bin/python bench/sac_vs_sb3.py [--steps 10000] [--seeds 3]`` (needs ``pip install
 stable-baselines3``: the ``bench`` extra).
@@ -44,13 +45,15 @@ def evaluate(act, seed: int, episodes: int = 10) -> float:
     return float(np.mean(returns))
 
 
-def rlnb_inproc(steps: int, seed: int, threads: int) -> tuple[float, float, float]:
+def rlnb_inproc(steps: int, seed: int, threads: int, args) -> tuple[float, float, float]:
     from rlnb.components.replay import ReplayBuffer
     from rlnb.components.sac import SACLearner
 
     env = gym.make(ENV)
     t0 = time.perf_counter()
-    learner = SACLearner(env.observation_space, env.action_space, seed=seed, torch_threads=threads)
+    learner = SACLearner(
+        env.observation_space, env.action_space, seed=seed, torch_threads=threads, kernel=args.kernel
+    )
     buf = ReplayBuffer(env.observation_space, env.action_space, capacity=steps, seed=seed)
     obs, _ = env.reset(seed=seed)
     env.action_space.seed(seed)
@@ -65,7 +68,7 @@ def rlnb_inproc(steps: int, seed: int, threads: int) -> tuple[float, float, floa
     return evaluate(lambda o: learner.act(o[None], deterministic=True)[0], seed), wall, 0.0
 
 
-def rlnb_apart(steps: int, seed: int, threads: int) -> tuple[float, float, float]:
+def rlnb_apart(steps: int, seed: int, threads: int, args) -> tuple[float, float, float]:
     """The SAC family on 2 slots: env and collector on one, buffer and learner on the other; a slot is a core,
     so the learner takes one thread (two beside the collector's would contend for the two cores: 2.4x slower
     in one run)."""
@@ -77,7 +80,8 @@ def rlnb_apart(steps: int, seed: int, threads: int) -> tuple[float, float, float
         f"seed={seed + 1}", f"runner.steps={steps // CHUNK}", "runner.eval_interval=0", "runner.stop_return=null",
         "runner.tensorboard=false", "sac.lr=0.0003", "sac.hidden_sizes=[256,256]", "sac.batch_size=256",
         f"sac.learning_starts={LEARNING_STARTS}", f"buffer.capacity={steps}", "env.num_envs=1",
-        f"rollout.steps_per_rollout={CHUNK}", "algorithm.max_staleness=1", "actor.torch_threads=1",
+        f"rollout.steps_per_rollout={CHUNK}", "algorithm.max_staleness=1",
+        f"actor.torch_threads={args.learner_threads}", f"sac.kernel={args.kernel}",
     ]  # fmt: skip
     with tempfile.TemporaryDirectory() as run_dir:
         t0 = time.perf_counter()
@@ -90,7 +94,7 @@ def rlnb_apart(steps: int, seed: int, threads: int) -> tuple[float, float, float
     return ret, wall, start_s
 
 
-def sb3_sac(steps: int, seed: int, threads: int) -> tuple[float, float, float]:
+def sb3_sac(steps: int, seed: int, threads: int, args) -> tuple[float, float, float]:
     from stable_baselines3 import SAC
 
     torch.set_num_threads(threads)
@@ -111,19 +115,24 @@ def main() -> None:
     p.add_argument(
         "--threads", type=int, default=torch.get_num_threads(), help="torch threads of each learner"
     )
+    p.add_argument(
+        "--kernel", choices=("fused", "autograd"), default="fused", help="rlnb's update (sac.kernel)"
+    )
+    p.add_argument("--learner-threads", type=int, default=1, help="torch threads of apart's learner")
     args = p.parse_args()
     sides = (("sb3", sb3_sac), ("apart", rlnb_apart), ("inproc", rlnb_inproc))
     rows: dict[str, list] = {name: [] for name, _ in sides}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for name, fn in sides:  # (alternating: drift falls on every side)
-            ret, wall, start_s = fn(args.steps, seed, args.threads)
+            ret, wall, start_s = fn(args.steps, seed, args.threads, args)
             rows[name].append((ret, wall, start_s))
             print(f"seed {seed} {name:6s} final return {ret:8.1f}  wall {wall:6.1f} s (start-up {start_s:.1f} s)",
                   flush=True)  # fmt: skip
     ret = {k: statistics.mean(r for r, _, _ in v) for k, v in rows.items()}
     wall = {k: statistics.mean(w for _, w, _ in v) for k, v in rows.items()}
     start = statistics.mean(s for _, _, s in rows["apart"])
-    print(f"{args.steps} env steps, {args.seeds} seed(s), {args.threads} torch thread(s) each")
+    print(f"{args.steps} env steps, {args.seeds} seed(s), {args.threads} torch thread(s) each (apart's learner "
+          f"{args.learner_threads}), sac.kernel={args.kernel}")  # fmt: skip
     for name in ("apart", "inproc"):
         # returns are negative on Pendulum: within 10% of SB3's
         close = abs(ret[name] - ret["sb3"]) <= 0.1 * abs(ret["sb3"])

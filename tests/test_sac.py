@@ -180,7 +180,74 @@ def test_sac_learns_pendulum_in_one_process():
     assert learner.alpha < 1.0  # (tuned down from 1 as the policy's entropy fell to its target)
 
 
-def test_a_learner_resumed_from_its_state_takes_the_same_steps():
+def _batches(n: int, size: int = 64) -> list[dict]:
+    """Pendulum-shaped transitions, some of them terminal."""
+    rng = np.random.default_rng(0)
+    f32 = {"dtype": torch.float32}
+    return [
+        {
+            "obs": torch.as_tensor(rng.normal(size=(size, 3)), **f32),
+            "next_obs": torch.as_tensor(rng.normal(size=(size, 3)), **f32),
+            "actions": torch.as_tensor(rng.uniform(-2, 2, (size, 1)), **f32),
+            "rewards": torch.as_tensor(rng.normal(size=size), **f32),
+            "terminated": torch.as_tensor(rng.random(size) < 0.1),
+            "discount": torch.full((size,), 0.99),
+        }
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"alpha": 0.2, "policy_delay": 2, "target_every": 2, "tau": 0.5, "hidden": (32,)},
+        {"hidden": (16, 24, 8)},
+    ],
+    ids=["sb3", "fixed-alpha-delayed", "three-layers"],
+)
+def test_the_fused_update_moves_every_weight_as_autograds_does(settings):
+    """``sac.kernel=fused`` writes SAC's gradients out (the twin Q-networks batched, Adam over flat tensors): the
+    same update, so after 12 updates from the same weights and noise the two learners hold the same weights, to
+    float rounding, and logged the same figures."""
+    env = gym.make("Pendulum-v1")
+    ref = SACLearner(env.observation_space, env.action_space, seed=0, **settings)
+    fused = SACLearner(env.observation_space, env.action_space, seed=0, kernel="fused", **settings)
+    parts = ("policy", "q", "q_target")
+    start = {part: copy.deepcopy(list(getattr(ref, part).parameters())) for part in parts}
+    for i, b in enumerate(_batches(12)):
+        torch.manual_seed(i)
+        want = ref.update(b)
+        torch.manual_seed(i)
+        got = fused.update(b)
+        assert got.keys() == want.keys()
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-5), i
+    for part in parts:  # how far each weight moved (Adam's steps are about lr each: 1e-3 and less)
+        named = zip(getattr(ref, part).named_parameters(), getattr(fused, part).parameters(), start[part])
+        for (name, w), g, w0 in named:
+            torch.testing.assert_close(g - w0, w - w0, rtol=1e-3, atol=1e-7, msg=f"{part}.{name}")
+    torch.testing.assert_close(fused.log_alpha.detach(), ref.log_alpha.detach())
+    assert fused.updates == ref.updates == 12
+
+
+def test_the_fused_update_takes_only_continuous_actions_and_resumes_only_its_own_checkpoints():
+    box = gym.make("Pendulum-v1")
+    cartpole = gym.make("CartPole-v1")
+    with pytest.raises(ConfigError, match=r"sac.kernel: the fused update is written for continuous actions, .*"
+                                          r"Discrete\(2\); use sac.kernel=autograd"):  # fmt: skip
+        SACLearner(cartpole.observation_space, cartpole.action_space, kernel="fused")
+    with pytest.raises(ConfigError, match="sac.kernel: expected one of autograd, fused, got 'jit'"):
+        SACLearner(box.observation_space, box.action_space, kernel="jit")
+    autograd = SACLearner(box.observation_space, box.action_space, hidden=(8,))
+    fused = SACLearner(box.observation_space, box.action_space, hidden=(8,), kernel="fused")
+    with pytest.raises(
+        ConfigError, match="written by the autograd update and this learner runs the fused one"
+    ):
+        fused.load_state_dict(autograd.state_dict())
+
+
+@pytest.mark.parametrize("kernel", ["autograd", "fused"])
+def test_a_learner_resumed_from_its_state_takes_the_same_steps(kernel):
     env = gym.make("Pendulum-v1")
     buf = ReplayBuffer(env.observation_space, env.action_space, capacity=500, seed=0)
     rng = np.random.default_rng(0)
@@ -193,14 +260,14 @@ def test_a_learner_resumed_from_its_state_takes_the_same_steps():
             [False],
             rng.random((1, 3)),
         )
-    a = SACLearner(env.observation_space, env.action_space, hidden=(16, 16), seed=1)
+    a = SACLearner(env.observation_space, env.action_space, hidden=(16, 16), seed=1, kernel=kernel)
     for _ in range(5):
         a.update(buf.sample(32))
     saved, buf_state = (
         copy.deepcopy(a.state_dict()),
         copy.deepcopy(buf.state_dict()),
     )  # (as a file holds them)
-    b = SACLearner(env.observation_space, env.action_space, hidden=(16, 16), seed=7)
+    b = SACLearner(env.observation_space, env.action_space, hidden=(16, 16), seed=7, kernel=kernel)
     b.load_state_dict(saved)
     first = [a.update(buf.sample(32)) for _ in range(3)]
     buf.load_state_dict(buf_state)

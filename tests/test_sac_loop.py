@@ -37,10 +37,12 @@ def _learns(loop) -> tuple[float, float]:
 
 
 def test_sac_learns_pendulum_on_a_worker_one_phase_after_another(cluster, tmp_path):
-    """Everything on one slot, synchronous: 4,000 env steps, one update each (seen: -1252 -> -147)."""
+    """Everything on one slot, synchronous: 4,000 env steps, one update each (seen: -1252 -> -147), with the
+    recipe's fused update (autograd's learns in tests/test_sac.py, the same update: a test there holds them equal)."""
     overrides = [*QUIET, TOGETHER, "algorithm.max_staleness=0", "runner.steps=50", "runner.stop_return=null"]
     with SACLoop.from_recipe("sac_pendulum", overrides, cluster=cluster, run_dir=tmp_path) as loop:
         assert type(loop.schedule).__name__ == "Sync" and loop.weight_sync == "local"
+        assert loop.recipe.sac.kernel == "fused"
         before, after = _learns(loop)
         assert after > before + 500, (before, after)
         last = next(
@@ -135,7 +137,7 @@ def test_a_sac_loop_from_objects_records_its_recipe_and_shows_its_buffer(cluster
 
 
 def test_discrete_sac_runs_cartpole_through_the_loop(cluster, tmp_path):
-    overrides = [*SMALL, TOGETHER, "algorithm.max_staleness=0", "env.id=CartPole-v1", "runner.steps=6",
+    overrides = [*SMALL, TOGETHER, "algorithm.max_staleness=0", "env.id=CartPole-v1", "sac.kernel=autograd", "runner.steps=6",
                  "runner.stop_return=null"]  # fmt: skip
     with SACLoop.from_recipe("sac_pendulum", overrides, cluster=cluster, run_dir=tmp_path) as loop:
         records = loop.run(progress=False)
@@ -179,6 +181,12 @@ def test_discrete_sac_runs_cartpole_through_the_loop(cluster, tmp_path):
             PlacementError,
             r"buffer.capacity: 1,000,000,000,000 transitions of \d+ bytes take .* GiB, more than the .* GiB",
         ),
+        (
+            ["env.id=CartPole-v1"],
+            ConfigError,
+            r"sac.kernel: the fused update is written for continuous actions, and this env's are Discrete\(2\)",
+        ),
+        (["sac.kernel=jit"], ConfigError, r"sac.kernel"),
         (["actor.lr=0.01"], ConfigError, r"actor.lr: family sac does not read it .*sac.lr"),
         (["env.normalize_obs=true"], ConfigError, r"env.normalize_obs: the replay buffer keeps transitions"),
         (["env.id=rlnb/PixelReach-v0"], ConfigError, r"env.id: SAC's MLPs take flat vector observations"),

@@ -73,6 +73,7 @@ SWEEP = {
     "actor.offload": (GRPO, ["actor.strategy=fsdp2"]),
     "rollout.backend": (None, []),  # policy -> PPO, hf and vllm -> GRPO
     "family": (None, []),  # ppo and auto -> PPO, grpo -> GRPO, sac -> SAC
+    "sac.kernel": (SAC, []),
     "sac.variant": (SAC, []),  # (discrete SAC on CartPole: tests/test_sac_loop.py)
     "buffer.in_checkpoint": (SAC, []),  # (what each leaves in a checkpoint: tests/test_sac_loop.py)
     "rollout.device": (PPO, []),

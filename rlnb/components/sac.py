@@ -21,6 +21,8 @@ from rlnb.models.sac import TwinQ, agent_weights, flat_dim, make_policy, target_
 from rlnb.runtime.rank import current_rank, local_peer
 from rlnb.seeding import rank_seed
 
+KERNELS = ("autograd", "fused")
+
 
 class SACLearner:
     """Args (SB3's defaults):
@@ -32,6 +34,8 @@ class SACLearner:
     target_entropy: ``None``: ``-dim(A)`` (continuous), 0.89 ``log K`` (discrete).
     hidden: the MLPs' hidden widths ([256, 256]). policy_delay: policy (and alpha) steps every this many Q steps
     (CleanRL's ``policy_frequency``; 1 for SB3). target_every: target updates every this many Q steps.
+    kernel: ``autograd``, or ``fused`` (continuous actions): the same update with its gradients written out, over
+    flat parameters (:class:`rlnb.components.sac_fused.FusedSAC`).
     """
 
     launch = launcher("learner")
@@ -39,7 +43,12 @@ class SACLearner:
     def __init__(self, obs_space: gym.Space, action_space: gym.Space, lr: float = 3e-4,
                  tau: float = 0.005, alpha: float | None = None, target_entropy: float | None = None,
                  hidden: tuple[int, ...] = (256, 256), policy_delay: int = 1, target_every: int = 1,
-                 seed: int = 0, device: str = "cpu", torch_threads: int | None = None):  # fmt: skip
+                 seed: int = 0, device: str = "cpu", torch_threads: int | None = None,
+                 kernel: str = "autograd"):  # fmt: skip
+        if kernel not in KERNELS:
+            raise ConfigError(
+                f"sac.kernel: expected one of {', '.join(KERNELS)}, got {kernel!r}", "sac.kernel"
+            )
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.device = torch.device(device)
@@ -62,6 +71,13 @@ class SACLearner:
         self.policy_opt = torch.optim.Adam(self.policy.parameters(), lr=lr)
         self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=lr) if self.auto_alpha else None
         self.updates = 0
+        self.kernel, self.fused = kernel, None
+        if kernel == "fused":
+            if (misfit := _variant_misfit("auto", action_space, kernel)) is not None:
+                raise ConfigError(misfit, "sac.kernel")
+            from rlnb.components.sac_fused import FusedSAC
+
+            self.fused = FusedSAC(self)  # (its optimizers replace the two above)
 
     @property
     def alpha(self) -> torch.Tensor:
@@ -85,6 +101,8 @@ class SACLearner:
         """One gradient step of the Q-networks on a sampled ``batch`` (:meth:`ReplayBuffer.sample`), of the policy
         and alpha every ``policy_delay`` of them, the targets every ``target_every``. Returns float metrics."""
         b = {k: v.to(self.device) for k, v in batch.items()}
+        if self.fused is not None:
+            return self.fused.update(b)
         obs, next_obs = b["obs"].float(), b["next_obs"].float()
         alpha = self.alpha
         with torch.no_grad():
@@ -154,10 +172,17 @@ class SACLearner:
             "log_alpha": self.log_alpha.detach().clone(), "q_opt": self.q_opt.state_dict(),
             "policy_opt": self.policy_opt.state_dict(),
             "alpha_opt": self.alpha_opt.state_dict() if self.alpha_opt is not None else None,
-            "updates": self.updates, "torch_rng": torch.get_rng_state(),
+            "updates": self.updates, "torch_rng": torch.get_rng_state(), "kernel": self.kernel,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
+        written = state.get("kernel", "autograd")
+        if written != self.kernel:  # (their optimizers hold one state a parameter, or one a flat tensor)
+            raise ConfigError(
+                f"sac.kernel: this checkpoint was written by the {written} update and this learner runs the "
+                f"{self.kernel} one; resume with sac.kernel={written}",
+                "sac.kernel",
+            )
         self.policy.load_state_dict(state["policy"])
         self.q.load_state_dict(state["q"])
         self.q_target.load_state_dict(state["q_target"])
@@ -170,13 +195,18 @@ class SACLearner:
         torch.set_rng_state(state["torch_rng"])
 
 
-def _variant_misfit(variant: str, action_space: gym.Space) -> str | None:
-    """Why ``sac.variant`` cannot take ``action_space`` (``None``: it can)."""
+def _variant_misfit(variant: str, action_space: gym.Space, kernel: str = "autograd") -> str | None:
+    """Why ``sac.variant`` (or else ``sac.kernel``) cannot take ``action_space`` (``None``: it can)."""
     discrete = isinstance(action_space, gym.spaces.Discrete)
     if variant == "discrete" and not discrete:
         return f"sac.variant: discrete SAC picks one of K actions, and this env's actions are {action_space}; use continuous (or auto)"
     if variant == "continuous" and discrete:
         return f"sac.variant: continuous SAC squashes a Gaussian into a box, and this env's actions are {action_space}; use discrete (or auto)"
+    if kernel == "fused" and discrete:
+        return (
+            f"sac.kernel: the fused update is written for continuous actions, and this env's are {action_space}; "
+            "use sac.kernel=autograd"
+        )
     return None
 
 
@@ -190,7 +220,7 @@ class SACActor:
 
     Args: the :class:`rlnb.config.SACConfig` settings by name (``variant``, ``lr``, ``batch_size``,
     ``learning_starts``, ``utd_ratio``, ``tau``, ``alpha``, ``target_entropy``, ``hidden_sizes``, ``policy_delay``,
-    ``target_every``), ``seed``, ``device``, ``torch_threads``.
+    ``target_every``, ``kernel``), ``seed``, ``device``, ``torch_threads``.
     """
 
     launch = launcher("actor")
@@ -198,7 +228,8 @@ class SACActor:
     def __init__(self, variant: str = "auto", lr: float = 3e-4, batch_size: int = 256, learning_starts: int = 1000,
                  utd_ratio: float = 1.0, tau: float = 0.005, alpha: float | None = None,
                  target_entropy: float | None = None, hidden_sizes=(256, 256), policy_delay: int = 1,
-                 target_every: int = 1, seed: int = 0, device: str = "cpu", torch_threads: int = 1):  # fmt: skip
+                 target_every: int = 1, seed: int = 0, device: str = "cpu", torch_threads: int = 1,
+                 kernel: str = "autograd"):  # fmt: skip
         if not isinstance(utd_ratio, (int, float)) or isinstance(utd_ratio, bool) or not utd_ratio > 0:
             raise ConfigError(
                 f"sac.utd_ratio: expected updates per transition > 0, got {utd_ratio!r}", "sac.utd_ratio"
@@ -210,6 +241,7 @@ class SACActor:
             "variant": variant, "lr": lr, "batch_size": batch_size, "learning_starts": learning_starts,
             "utd_ratio": float(utd_ratio), "tau": tau, "alpha": alpha, "target_entropy": target_entropy,
             "hidden_sizes": list(hidden_sizes), "policy_delay": policy_delay, "target_every": target_every,
+            "kernel": kernel,
         }  # fmt: skip
         info = current_rank()
         self.rank = info.rank if info is not None else 0
@@ -225,14 +257,15 @@ class SACActor:
 
     def bind_spaces(self, obs_space: gym.Space, action_space: gym.Space) -> dict:
         """Build the learner for one env's spaces; a variant those actions do not fit is refused."""
-        misfit = _variant_misfit(self.settings["variant"], action_space)
-        if misfit is not None:
-            raise ConfigError(misfit, "sac.variant")
         s = self.settings
+        misfit = _variant_misfit(s["variant"], action_space, s["kernel"])
+        if misfit is not None:
+            raise ConfigError(misfit, misfit.split(":", 1)[0])
         self.learner = SACLearner(
             obs_space, action_space, lr=s["lr"], tau=s["tau"], alpha=s["alpha"], target_entropy=s["target_entropy"],
             hidden=tuple(s["hidden_sizes"]), policy_delay=s["policy_delay"], target_every=s["target_every"],
             seed=rank_seed(self.seed, self.rank, "actor"), device=self.device, torch_threads=self.torch_threads,
+            kernel=s["kernel"],
         )  # fmt: skip
         return {}
 

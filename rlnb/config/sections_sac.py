@@ -55,6 +55,10 @@ class SACConfig:
     ``policy_frequency``; 1 for SB3)."""
     target_every: int = bounded(1, 1, 1000)
     """Target updates every this many Q steps (SB3's ``target_update_interval``)."""
+    kernel: Literal["autograd", "fused"] = "autograd"
+    """How an update computes its gradients: ``autograd``, or ``fused`` (continuous actions only): the same update
+    with its gradients written out, the twin Q-networks batched and Adam fused over flat parameters, about a third
+    less CPU an update (``docs/benchmarks.md``). A checkpoint resumes with the kernel that wrote it."""
 
     def check(self, recipe: Recipe) -> list[str]:
         """The batch fits the warm-up; the rest is bounds (and the variant against the env, on the driver before

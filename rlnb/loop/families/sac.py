@@ -115,9 +115,9 @@ class SAC(EnvFamily):
         spaces = probe_env(env.id, env.kwargs) if isinstance(env.id, str) else None
         if spaces is not None:
             flat_dim(spaces[0], "env.id")  # (an image or a dict of parts: refused here, not on a worker)
-            misfit = _variant_misfit(r.sac.variant, spaces[1])
+            misfit = _variant_misfit(r.sac.variant, spaces[1], r.sac.kernel)
             if misfit is not None:
-                raise ConfigError(misfit, "sac.variant")
+                raise ConfigError(misfit, misfit.split(":", 1)[0])
         self._probed = spaces
 
     def check_placement(self) -> None:
@@ -187,7 +187,7 @@ class SAC(EnvFamily):
             learning_starts=sac.learning_starts, utd_ratio=sac.utd_ratio, tau=sac.tau, alpha=sac.alpha,
             target_entropy=sac.target_entropy, hidden_sizes=sac.hidden_sizes, policy_delay=sac.policy_delay,
             target_every=sac.target_every, seed=r.seed, device=r.actor.device, torch_threads=r.actor.torch_threads,
-            **deadlines,
+            kernel=sac.kernel, **deadlines,
         )  # fmt: skip
 
     def bind(self) -> None:
