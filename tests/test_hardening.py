@@ -290,6 +290,17 @@ def test_segments_are_private_and_those_of_a_killed_worker_are_swept_when_it_res
                 os.unlink(path)
 
 
+def test_a_workers_segments_are_unlinked_when_its_cluster_closes():
+    """A worker's pooled segments go with a normal close, not only with the next worker's sweep (a SAC run's
+    learner left its segment: the worker process ends without running its atexit handlers)."""
+    with rlnb.Cluster(slots=1, gpus=False) as cluster:
+        group = rlnb.Group.launch(Echo, cluster, "0", name="producer")
+        channel = rlnb.Channel.create(cluster, "closing")
+        (segments,) = group.apply(_put_big, channel, 2.0).result(30)
+        assert segments and all(os.path.exists(p) for p in segments)
+    assert not [p for p in segments if os.path.exists(p)], "the closed worker left its segments in /dev/shm"
+
+
 def test_concurrent_senders_never_share_a_segment(one_slot):
     import sys
 

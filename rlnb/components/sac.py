@@ -6,6 +6,7 @@ in-process, and placing it on a slot is ``SACLearner.launch``."""
 from __future__ import annotations
 
 import time
+import typing
 
 import gymnasium as gym
 import numpy as np
@@ -15,13 +16,13 @@ from rlnb.algorithms import sac
 from rlnb.components.env import Env
 from rlnb.components.launch import launcher
 from rlnb.components.rollout import CollectsShares, RolloutBase
-from rlnb.config.sections_sac import batch_over_warm_up
+from rlnb.config.sections_sac import SACKernel, batch_over_warm_up
 from rlnb.errors import ConfigError
 from rlnb.models.sac import TwinQ, agent_weights, flat_dim, make_policy, target_copy
 from rlnb.runtime.rank import current_rank, local_peer
 from rlnb.seeding import rank_seed
 
-KERNELS = ("autograd", "fused")
+KERNELS = typing.get_args(SACKernel)
 
 
 class SACLearner:
@@ -67,17 +68,18 @@ class SACLearner:
         self.log_alpha = torch.zeros((), device=self.device, requires_grad=self.auto_alpha)
         if not self.auto_alpha:
             self.log_alpha.data.fill_(float(np.log(alpha)))
-        self.q_opt = torch.optim.Adam(self.q.parameters(), lr=lr)
-        self.policy_opt = torch.optim.Adam(self.policy.parameters(), lr=lr)
         self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=lr) if self.auto_alpha else None
         self.updates = 0
         self.kernel, self.fused = kernel, None
         if kernel == "fused":
-            if (misfit := _variant_misfit("auto", action_space, kernel)) is not None:
-                raise ConfigError(misfit, "sac.kernel")
+            if (misfit := variant_misfit("auto", action_space, kernel)) is not None:
+                raise ConfigError(misfit[1], misfit[0])
             from rlnb.components.sac_fused import FusedSAC
 
-            self.fused = FusedSAC(self)  # (its optimizers replace the two above)
+            self.fused = FusedSAC(self, lr)  # (it builds the Q and policy optimizers, over flat parameters)
+        else:
+            self.q_opt = torch.optim.Adam(self.q.parameters(), lr=lr)
+            self.policy_opt = torch.optim.Adam(self.policy.parameters(), lr=lr)
 
     @property
     def alpha(self) -> torch.Tensor:
@@ -195,15 +197,22 @@ class SACLearner:
         torch.set_rng_state(state["torch_rng"])
 
 
-def _variant_misfit(variant: str, action_space: gym.Space, kernel: str = "autograd") -> str | None:
-    """Why ``sac.variant`` (or else ``sac.kernel``) cannot take ``action_space`` (``None``: it can)."""
+def variant_misfit(variant: str, action_space: gym.Space, kernel: str = "autograd") -> tuple[str, str] | None:
+    """The key (``sac.variant``, or else ``sac.kernel``) that cannot take ``action_space``, and why (``None``:
+    both can)."""
     discrete = isinstance(action_space, gym.spaces.Discrete)
     if variant == "discrete" and not discrete:
-        return f"sac.variant: discrete SAC picks one of K actions, and this env's actions are {action_space}; use continuous (or auto)"
-    if variant == "continuous" and discrete:
-        return f"sac.variant: continuous SAC squashes a Gaussian into a box, and this env's actions are {action_space}; use discrete (or auto)"
-    if kernel == "fused" and discrete:
         return (
+            "sac.variant",
+            f"sac.variant: discrete SAC picks one of K actions, and this env's actions are {action_space}; use continuous (or auto)",
+        )
+    if variant == "continuous" and discrete:
+        return (
+            "sac.variant",
+            f"sac.variant: continuous SAC squashes a Gaussian into a box, and this env's actions are {action_space}; use discrete (or auto)",
+        )
+    if kernel == "fused" and discrete:
+        return "sac.kernel", (
             f"sac.kernel: the fused update is written for continuous actions, and this env's are {action_space}; "
             "use sac.kernel=autograd"
         )
@@ -258,9 +267,9 @@ class SACActor:
     def bind_spaces(self, obs_space: gym.Space, action_space: gym.Space) -> dict:
         """Build the learner for one env's spaces; a variant those actions do not fit is refused."""
         s = self.settings
-        misfit = _variant_misfit(s["variant"], action_space, s["kernel"])
+        misfit = variant_misfit(s["variant"], action_space, s["kernel"])
         if misfit is not None:
-            raise ConfigError(misfit, misfit.split(":", 1)[0])
+            raise ConfigError(misfit[1], misfit[0])
         self.learner = SACLearner(
             obs_space, action_space, lr=s["lr"], tau=s["tau"], alpha=s["alpha"], target_entropy=s["target_entropy"],
             hidden=tuple(s["hidden_sizes"]), policy_delay=s["policy_delay"], target_every=s["target_every"],

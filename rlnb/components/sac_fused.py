@@ -73,16 +73,15 @@ def _relu_backward(grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 class FusedSAC:
     """The update of ``learner`` (a continuous :class:`~rlnb.components.sac.SACLearner`, built and not yet
-    trained) with its gradients written out. Rebinds the learner's parameters to flat tensors and replaces its Q
-    and policy optimizers with fused Adam over them (the same hyperparameters)."""
+    trained) with its gradients written out. Rebinds the learner's parameters to flat tensors and gives the learner
+    its Q and policy optimizers: fused Adam over them at learning rate ``lr``."""
 
-    def __init__(self, learner):
+    def __init__(self, learner, lr: float):
         L = self.learner = learner
         dev = L.device
         self.q_flat, self.q_layers = _twin_layers(L.q, dev)
         self.qt_flat, self.qt_layers = _twin_layers(L.q_target, dev)
         self.p_flat, self.p_layers = _policy_layers(L.policy, dev)
-        lr = L.q_opt.param_groups[0]["lr"]
         self.q_param = nn.Parameter(self.q_flat, requires_grad=False)
         self.p_param = nn.Parameter(self.p_flat, requires_grad=False)
         self.q_param.grad, self.p_param.grad = torch.zeros_like(self.q_flat), torch.zeros_like(self.p_flat)

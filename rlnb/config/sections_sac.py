@@ -18,6 +18,10 @@ SAC_READS_ACTOR = ("actor.torch_threads", "actor.device")
 SAC_READS_ROLLOUT = ("rollout.steps_per_rollout", "rollout.weight_sync")
 
 
+SACKernel = Literal["autograd", "fused"]
+"""How a SAC update computes its gradients (:attr:`SACConfig.kernel`)."""
+
+
 @dataclass
 class SACConfig:
     """Soft Actor-Critic (Haarnoja et al., 2018) with SB3's defaults, and SAC-Discrete for discrete actions.
@@ -55,7 +59,7 @@ class SACConfig:
     ``policy_frequency``; 1 for SB3)."""
     target_every: int = bounded(1, 1, 1000)
     """Target updates every this many Q steps (SB3's ``target_update_interval``)."""
-    kernel: Literal["autograd", "fused"] = "autograd"
+    kernel: SACKernel = "autograd"
     """How an update computes its gradients: ``autograd``, or ``fused`` (continuous actions only): the same update
     with its gradients written out, the twin Q-networks batched and Adam fused over flat parameters, about a third
     less CPU an update (``docs/benchmarks.md``). A checkpoint resumes with the kernel that wrote it."""

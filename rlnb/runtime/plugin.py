@@ -16,7 +16,7 @@ from distributed import WorkerPlugin
 
 from rlnb._dask import leave_stop_signals_to_driver
 from rlnb.runtime import direct
-from rlnb.runtime.shm import sweep_dead_segments
+from rlnb.runtime.shm import close_pool, sweep_dead_segments
 
 log = logging.getLogger("rlnb")
 NAME = "rlnb-runtime"
@@ -66,6 +66,7 @@ class WorkerRuntime(WorkerPlugin):
         if self.server is not None:
             self.server.close()
             self.server = None
+        close_pool()
 
 
 class _HeartbeatAtClose(logging.Filter):

@@ -374,6 +374,12 @@ def _take_unsent(t, nbytes: int) -> _Unsent | None:
 atexit.register(_POOL.close)
 
 
+def close_pool() -> None:
+    """Unlink this process's pooled segments: a worker's, at its close (the atexit handler above does not run
+    when Dask's nanny ends a worker process). Readers keep what they mapped."""
+    _POOL.close()
+
+
 def pack(item, node: str):
     """Replace big tensors/arrays by shared-memory handles and CUDA tensors by CUDA IPC handles (when
     we are on the channel's node; from another node, CUDA tensors travel as CPU tensors)."""

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from rlnb.components.env import Env
 from rlnb.components.replay import ReplayBuffer, transition_bytes
-from rlnb.components.sac import SACActor, SACCollector, _variant_misfit
+from rlnb.components.sac import SACActor, SACCollector, variant_misfit
 from rlnb.envs.gym_envs import probe_env
 from rlnb.errors import ConfigError, PlacementError
 from rlnb.loop.families.env import EnvFamily
@@ -115,9 +115,9 @@ class SAC(EnvFamily):
         spaces = probe_env(env.id, env.kwargs) if isinstance(env.id, str) else None
         if spaces is not None:
             flat_dim(spaces[0], "env.id")  # (an image or a dict of parts: refused here, not on a worker)
-            misfit = _variant_misfit(r.sac.variant, spaces[1], r.sac.kernel)
+            misfit = variant_misfit(r.sac.variant, spaces[1], r.sac.kernel)
             if misfit is not None:
-                raise ConfigError(misfit, misfit.split(":", 1)[0])
+                raise ConfigError(misfit[1], misfit[0])
         self._probed = spaces
 
     def check_placement(self) -> None:
