@@ -66,6 +66,25 @@ def _policy_layers(policy: nn.Module, device) -> tuple[torch.Tensor, list[tuple[
     return flat, [*layers, (w.reshape(-1, w.shape[-1]), b.reshape(-1))]
 
 
+def _adam_step(opt: torch.optim.Adam) -> None:
+    """``opt.step()`` for an Adam over one parameter, as one fused op: torch's ``step()`` spends several times the
+    op itself in Python (its grouping by device and dtype, a hook check), a tenth of an update here. The first
+    step is ``opt.step()`` itself, which makes the state (the same tensors, so ``state_dict`` is unchanged)."""
+    group = opt.param_groups[0]
+    (p,) = group["params"]
+    state = opt.state[p]
+    if not state:
+        opt.step()
+        return
+    beta1, beta2 = group["betas"]
+    state["step"].add_(1)
+    torch._fused_adam_(
+        [p], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
+        lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+        amsgrad=False, maximize=False, grad_scale=None, found_inf=None,
+    )  # fmt: skip
+
+
 def _relu_backward(grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``grad`` where the ReLU's output ``out`` is positive, else 0 (autograd's own op for a ReLU's backward)."""
     return torch.ops.aten.threshold_backward(grad, out, 0)
@@ -184,7 +203,7 @@ class FusedSAC:
         diff = q[:, :, 0] - y  # [2, B]
         q_loss = (diff * diff).mean(1).sum()  # MSE(Q1, y) + MSE(Q2, y)
         self._twin_backward(self.q_layers, acts, (2.0 / n) * diff.unsqueeze(-1), self.q_grads)
-        L.q_opt.step()
+        _adam_step(L.q_opt)
         metrics = {"q_loss": q_loss, "q1_mean": q[0].mean(), "q2_mean": q[1].mean()}
         L.updates += 1
         if L.updates % L.policy_delay == 0:
@@ -210,13 +229,13 @@ class FusedSAC:
         d_q = torch.stack([first, 1 - first]).unsqueeze(-1) * (-1.0 / n)
         d_x = self._twin_backward(self.q_layers, acts, d_q)
         self._policy_backward(d_x[:, obs.shape[1] :], float(alpha) / n, saved)
-        L.policy_opt.step()
+        _adam_step(L.policy_opt)
         metrics = {"actor_loss": actor_loss, "entropy": -logp.mean()}
         if L.auto_alpha:
             shifted = logp + L.target_entropy
             metrics.update(alpha_loss=-(L.log_alpha * shifted).mean(), alpha=L.log_alpha.exp())
             L.log_alpha.grad = -shifted.mean().reshape(())
-            L.alpha_opt.step()
+            _adam_step(L.alpha_opt)
         else:
             metrics["alpha"] = alpha
         return metrics
