@@ -9,7 +9,8 @@ and learner stepped in one process as CleanRL's ``sac_continuous_action.py`` ste
 return of each (the deterministic policy on the same 10 episodes, mean over seeds), and each one's wall time
 against SB3's (from building it to the end of training; ``apart``'s includes starting its cluster, shown apart).
 SB3 and ``inproc`` train with ``--threads`` torch threads (default torch's own: the cores); ``apart``'s learner
-with ``--learner-threads`` (default one, its slot's core). rlnb's sides run ``--kernel`` (default ``fused``, the
+with ``--learner-threads`` (default 2: the learner is the bottleneck, and one Pendulum collector needs little of the
+other core). rlnb's sides run ``--kernel`` (default ``fused``, the
 recipe's: the same update with its gradients written out; ``autograd`` is the readable one).
 
 Run: ``.venv/bin/python bench/sac_vs_sb3.py [--steps 10000] [--seeds 3]`` (needs ``pip install
@@ -69,9 +70,8 @@ def rlnb_inproc(steps: int, seed: int, threads: int, args) -> tuple[float, float
 
 
 def rlnb_apart(steps: int, seed: int, threads: int, args) -> tuple[float, float, float]:
-    """The SAC family on 2 slots: env and collector on one, buffer and learner on the other; a slot is a core,
-    so the learner takes one thread (two beside the collector's would contend for the two cores: 2.4x slower
-    in one run)."""
+    """The SAC family on 2 slots: env and collector on one, buffer and learner on the other (the learner on
+    ``--learner-threads`` threads: two made the whole run 0.79x as long as one did, docs/benchmarks.md)."""
     import tempfile
 
     import rlnb
@@ -118,7 +118,7 @@ def main() -> None:
     p.add_argument(
         "--kernel", choices=("fused", "autograd"), default="fused", help="rlnb's update (sac.kernel)"
     )
-    p.add_argument("--learner-threads", type=int, default=1, help="torch threads of apart's learner")
+    p.add_argument("--learner-threads", type=int, default=2, help="torch threads of apart's learner")
     args = p.parse_args()
     sides = (("sb3", sb3_sac), ("apart", rlnb_apart), ("inproc", rlnb_inproc))
     rows: dict[str, list] = {name: [] for name, _ in sides}
