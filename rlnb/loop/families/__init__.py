@@ -130,8 +130,9 @@ class Family:
         return summaries
 
     def held_batches(self) -> list[dict]:
-        """The batch each rollout rank holds, not yet handed over (a settled collection's, for a checkpoint)."""
-        return self.session.groups["rollout"].take_batch().result()
+        """The batches of a settled collection, not yet handed over (for a checkpoint): on the rollout ranks, or
+        where an elastic run's ranks put them (the channel)."""
+        return self.paths.ranks.held_batches()
 
     def collect(self, phase: Phase) -> None:
         """A synchronous collection, its metrics into ``phase``."""

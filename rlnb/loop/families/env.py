@@ -69,11 +69,6 @@ class EnvFamily(Family):
         self.episodes = deque((tuple(x) for x in state["episodes"]), maxlen=EPISODE_WINDOW)
         self.ranks.load_state(state)
 
-    def held_batches(self) -> list[dict]:
-        """The batches of a settled collection, not yet handed over: on the rollout ranks, or where an elastic
-        run's ranks put them (the channel)."""
-        return self.ranks.held_batches()
-
     def start_collection(self) -> list:
         """Start a step's collection (the pending calls): the ranks' own (:meth:`start_ranks` for fixed ranks)."""
         s = self.session
