@@ -51,6 +51,21 @@ def test_the_soft_targets_and_losses_are_the_papers_by_hand():
         sac.soft_target(r, term, disc, nq1, torch.zeros(3), nlogp, 0.5)
 
 
+def test_a_collectors_action_is_the_sampled_one_without_its_log_probability():
+    from rlnb.models.sac import make_policy
+
+    space = gym.spaces.Box(-2.0, 2.0, (2,), np.float32)
+    policy = make_policy(gym.spaces.Box(-1.0, 1.0, (3,), np.float32), space, (16, 16))
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    obs = torch.randn(5, 3)
+    with torch.no_grad():
+        sampled, _ = policy.sample(obs, g1)
+        acted = policy.act(obs, g2)
+    assert torch.equal(sampled, acted)  # the same noise, the same action: a run's trajectories are unchanged
+    assert torch.equal(g1.get_state(), g2.get_state())
+    assert (acted.abs() <= 2.0).all() and not torch.equal(acted, policy.deterministic(obs))
+
+
 def test_polyak_moves_the_targets_a_tau_of_the_way():
     src, tgt = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
     before = tgt.weight.detach().clone()

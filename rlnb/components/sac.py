@@ -95,7 +95,7 @@ class SACLearner:
         elif self.discrete:
             a = self.policy.sample(o)
         else:
-            a, _ = self.policy.sample(o)
+            a = self.policy.act(o)
         return a.cpu().numpy()
 
     # ------------------------------------------------------------------ learning
@@ -451,7 +451,7 @@ class SACCollector(CollectsShares, RolloutBase):
             return self.policy.deterministic(o).numpy()
         if self.discrete:
             return self.policy.sample(o, self.generator).numpy()
-        return self.policy.sample(o, self.generator)[0].numpy()
+        return self.policy.act(o, self.generator).numpy()
 
     def collect(self, steps: int, env: str, actor: str | None = None) -> dict:
         """Step the env rank in this process ``steps`` times; with ``actor``, hand the transitions to that

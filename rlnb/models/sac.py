@@ -71,17 +71,25 @@ class SquashedGaussianActor(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A reparameterised action ``[M, A]`` and its log-probability ``[M]`` (``generator``: the noise's, else
         torch's global one); ``mode``: the Gaussian's mean instead of a draw (an exported agent's greedy action)."""
-        mean, std = self._dist(obs)
-        if mode:
-            u = mean
-        else:
-            u = mean + std * torch.randn(
-                mean.shape, generator=generator, device=mean.device, dtype=mean.dtype
-            )
+        mean, std, u = self._draw(obs, generator, mode)
         y = torch.tanh(u)  # [M, A]
         logp = torch.distributions.Normal(mean, std).log_prob(u)
         logp = logp - torch.log(self.scale * (1 - y.pow(2)) + 1e-6)  # tanh's and the rescaling's Jacobian
         return y * self.scale + self.bias, logp.sum(-1)
+
+    def act(self, obs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The action :meth:`sample` draws (the same noise), without its log-probability: a collector's step, where
+        the log-probability's distribution object cost more than the network (0.57 ms against 0.23 for one env)."""
+        _, _, u = self._draw(obs, generator, False)
+        return torch.tanh(u) * self.scale + self.bias
+
+    def _draw(self, obs: torch.Tensor, generator: torch.Generator | None, mode: bool):
+        """The Gaussian's ``mean``, ``std`` and the pre-squash action ``u`` (a draw, or the mean), each ``[M, A]``."""
+        mean, std = self._dist(obs)
+        if mode:
+            return mean, std, mean
+        noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+        return mean, std, mean + std * noise
 
     def deterministic(self, obs: torch.Tensor) -> torch.Tensor:
         """The action at the Gaussian's mean (evaluation)."""
