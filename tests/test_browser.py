@@ -356,7 +356,8 @@ def test_dashboard_curves_stream_in_jupyterlab(tmp_path):
         assert middle and all(abs(points - step) <= 2 for step, points, _ in middle), (
             seen
         )  # grows as it trains
-        assert all(spread > 0.8 for *_, spread in middle), seen  # and spans its axis, not one x
+        # and spans its axis, not one x (where it has two points: under load the first sample can have one)
+        assert all(spread > 0.8 for _, points, spread in middle if points >= 2), seen
 
 
 @pytest.mark.skipif(

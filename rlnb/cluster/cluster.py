@@ -552,15 +552,37 @@ class Cluster:
         # the dead one, then a list without it. Wait until the dead ones are gone and every worker is back.
         n, deadline = len(self._local.worker_spec), time.monotonic() + timeout_s
         dead = {s.address for s in self.slots if not _alive(s.pid)}
+        freed: set[str] = set()  # (once each: a new worker could, rarely, take a dead one's port)
         while True:
             listed = set(listed_workers(self.client))
             if len(listed) >= n and not listed & dead:
                 return
+            self._revive_workers((listed & dead) - freed)
+            freed |= listed & dead
             if time.monotonic() > deadline:
                 raise ClusterError(
                     f"only {len(listed - dead)} of the {n} embedded workers came back within {timeout_s:g} s"
                 )
             time.sleep(0.05)
+
+    def _revive_workers(self, dead_listed: set[str]) -> None:
+        # A worker killed before its Nanny had its start-up message is unregistered under the worker before it,
+        # so the scheduler keeps the dead one's name until it notices the lost connection (seconds under load);
+        # the restarted worker is refused ("name taken") and its Nanny closes for good. The processes are known
+        # dead here: free their names at once, and start a Nanny in place of each one that gave up.
+        for address in dead_listed:
+            self.client.sync(self.client.scheduler.unregister, address=address, stimulus_id="rlnb-refresh")
+        from distributed.core import Status
+
+        gave_up = [
+            name
+            for name, w in list(self._local.workers.items())
+            if w.status in (Status.closed, Status.failed)
+        ]
+        for name in gave_up:
+            del self._local.workers[name]
+        if gave_up:  # (opens a worker for each name of the spec without one)
+            self._local.scale(len(self._local.worker_spec))
 
     def refresh(self, timeout_s: float = 60.0) -> list[Slot]:
         """Re-read the workers after a failure: waits for the embedded cluster's restarted workers
