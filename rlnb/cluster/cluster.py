@@ -557,7 +557,7 @@ class Cluster:
             listed = set(listed_workers(self.client))
             if len(listed) >= n and not listed & dead:
                 return
-            self._revive_workers((listed & dead) - freed)
+            self._revive_workers((listed & dead) - freed, deadline - time.monotonic())
             freed |= listed & dead
             if time.monotonic() > deadline:
                 raise ClusterError(
@@ -565,7 +565,7 @@ class Cluster:
                 )
             time.sleep(0.05)
 
-    def _revive_workers(self, dead_listed: set[str]) -> None:
+    def _revive_workers(self, dead_listed: set[str], timeout_s: float) -> None:
         # A worker killed before its Nanny had its start-up message is unregistered under the worker before it,
         # so the scheduler keeps the dead one's name until it notices the lost connection (seconds under load);
         # the restarted worker is refused ("name taken") and its Nanny closes for good. The processes are known
@@ -574,15 +574,19 @@ class Cluster:
             self.client.sync(self.client.scheduler.unregister, address=address, stimulus_id="rlnb-refresh")
         from distributed.core import Status
 
-        gave_up = [
-            name
-            for name, w in list(self._local.workers.items())
-            if w.status in (Status.closed, Status.failed)
-        ]
-        for name in gave_up:
-            del self._local.workers[name]
-        if gave_up:  # (opens a worker for each name of the spec without one)
-            self._local.scale(len(self._local.worker_spec))
+        local = self._local
+
+        async def replace_closed():  # (on the cluster's loop, which owns local.workers)
+            gave_up = [
+                name for name, w in local.workers.items() if w.status in (Status.closed, Status.failed)
+            ]
+            for name in gave_up:
+                del local.workers[name]
+            if gave_up:
+                await local._correct_state()  # (opens a worker for each name of the spec without one)
+
+        with contextlib.suppress(TimeoutError):  # (the caller's deadline says what did not come back)
+            local.sync(replace_closed, callback_timeout=max(timeout_s, 0.1))
 
     def refresh(self, timeout_s: float = 60.0) -> list[Slot]:
         """Re-read the workers after a failure: waits for the embedded cluster's restarted workers
