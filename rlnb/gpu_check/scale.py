@@ -125,15 +125,20 @@ def check_lm_bf16_cuda(
     return out
 
 
-def check_lora_bf16_cuda(work: Path, device: str = "cuda", steps: int = 20) -> dict:
+def check_lora_bf16_cuda(
+    work: Path, device: str = "cuda", steps: int = 20, sft_steps: int | None = None
+) -> dict:
     """GRPO with LoRA adapters (``actor.lora.rank=8``) and ``actor.dtype=bfloat16``: the losses stay finite, the
     rollout gets the merged weights in bf16, and the actor rank holds the frozen base in bf16 with float32
     adapters: under a fifth of the state a float32 actor training the whole model would hold (weights, gradients
-    and AdamW's two moments); ``memory/cuda_peak_bytes`` logged on the GPU."""
+    and AdamW's two moments); ``memory/cuda_peak_bytes`` logged on the GPU. ``sft_steps``: the warm start's
+    (default the recipe's; bf16 on a CPU without bf16 arithmetic takes seven times float32's time for it)."""
     from rlnb.components.lm.shard_load import weight_count
 
     overrides = [f"runner.steps={steps}", "actor.lora.rank=8", "actor.lora.alpha=16", "actor.dtype=bfloat16",
                  "actor.lr=1e-3", "runner.eval_interval=0"]  # fmt: skip
+    if sft_steps is not None:
+        overrides.append(f"actor.sft_steps={sft_steps}")
     loop = _grpo(work, "grpo_lora_bf16", device, overrides)
     try:
         records = loop.run(progress=False)
