@@ -557,8 +557,9 @@ def _vla_from(state: dict, path: Path):
         )
     obs, act = space_from_data(state["observation_space"]), space_from_data(state["action_space"])
     module = VLAPolicy(
-        obs, act, str(model_dir), v["head"], v["cameras"], v["instruction"], v["default_instruction"]
-    )
+        obs, act, str(model_dir), v["head"], v["cameras"], v["instruction"], v["default_instruction"],
+        proprio=v.get("proprio", "logits"),  # (files written before the setting had the logits' term)
+    )  # fmt: skip
     missing, unexpected = module.load_state_dict(state["weights"], strict=False)
     if unexpected or any(not k.startswith("vla.") for k in missing):
         raise PolicyFileError(

@@ -144,6 +144,37 @@ def test_a_checkpoint_laid_out_as_a_released_openvla_scores_its_vocabularys_last
     assert policy.action_ids.tolist() == list(spec.action_token_ids)
 
 
+def test_the_proprio_token_is_read_by_the_decoder_and_scored_as_it_is_decoded(tiny, env):
+    """``proprio="token"`` (OpenVLA-OFT's proprio projector): the state, projected, is one input embedding at the
+    prompt's end; the action decoded with the KV cache and scored teacher-forced get the same log-probability, the
+    state changes the action tokens' distribution through the decoder (there is no linear logits' term), and the
+    loss's gradient reaches the projector and the decoder's layers. Another value is refused naming the key."""
+    box = gym.spaces.Box(-1, 1, (4,), np.float32)
+    policy = VLAPolicy(env.observation_space, box, tiny, proprio="token")
+    assert policy.state_logits is None and policy.proprio_proj is not None
+    assert policy.config["proprio"] == "token"
+    obs = observations(env)
+    with torch.no_grad():
+        actions, logprob, value = policy.act(obs, torch.Generator().manual_seed(0))
+        again, _, value2 = policy(obs, actions)
+    assert torch.allclose(logprob, again, atol=1e-5) and torch.allclose(value, value2, atol=1e-5)
+    # the same images and instruction with another state: another distribution over the action's tokens
+    other = obs.clone()
+    state = policy.layout.unpack(other)[policy.layout.vectors[0].key]  # (a view into the rows)
+    state.copy_(1.0 - state)
+    with torch.no_grad():
+        assert not torch.allclose(policy(other, actions)[0], logprob, atol=1e-4)
+    lp, _, _ = policy(obs, actions)
+    lp.mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.proprio_proj.parameters())
+    layer = policy.vla.model.language_model.layers[0].self_attn.q_proj.weight
+    assert layer.grad is not None and layer.grad.abs().sum() > 0
+    with pytest.raises(
+        ConfigError, match=r"actor.model.vla.proprio: expected one of logits, token, got 'mlp'"
+    ):
+        VLAPolicy(env.observation_space, box, tiny, proprio="mlp")
+
+
 @pytest.mark.parametrize("detached", [False, True])
 def test_a_detached_critic_trains_its_head_alone_and_never_moves_the_vla(tiny, env, detached):
     """``actor.model.vla.critic_detached``: the value's gradient reaches the value head and stops at the VLA's
@@ -251,8 +282,8 @@ def vla_overrides(tiny, *more):
 def test_ppo_trains_the_vla_on_workers_and_a_cut_run_resumes_exactly(cluster, tmp_path, tiny):
     """The VLA as the rollout's and the actor's policy on workers (collocated): a step samples action tokens,
     scores them on the actor, updates; weights reach the rollout; a run cut after its checkpoint and resumed
-    logs what the uncut one did."""
-    overrides = vla_overrides(tiny, "runner.steps=3", "runner.save_interval=1")
+    logs what the uncut one did. (With the proprio token: the export carries its projector.)"""
+    overrides = vla_overrides(tiny, "runner.steps=3", "runner.save_interval=1", "actor.model.vla.proprio=token")
     with Loop.from_recipe("ppo_pixelreach", overrides, cluster=cluster, run_dir=tmp_path / "one") as loop:
         loop.run(2, progress=False)
         row = loop.history[-1]
@@ -269,6 +300,7 @@ def test_ppo_trains_the_vla_on_workers_and_a_cut_run_resumes_exactly(cluster, tm
     obs, _ = gym.make("rlnb/PixelReach-v0").reset(seed=0)
     assert type(policy.module).__name__ == "VLAPolicy" and policy.predict(obs) in range(4)
     assert torch.equal(policy.module.state_dict()["value_head.0.weight"], actor["value_head.0.weight"])
+    assert torch.equal(policy.module.state_dict()["proprio_proj.0.weight"], actor["proprio_proj.0.weight"])
     assert row["global_step"] == 64 and np.isfinite(row["train/policy_loss"]) and row["train/approx_kl"] > 0
     assert any(k.startswith("vla.model.vision_tower.") for k in actor) and "value_head.0.weight" in actor
     assert_resume_is_exact("ppo_pixelreach", overrides, cluster, tmp_path / "resume", cut_at=1)

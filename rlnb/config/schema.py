@@ -378,6 +378,11 @@ class VLAConfig:
     """The observations' text part holding the task's instruction; empty: the first text part."""
     default_instruction: str = ""
     """The instruction where the observations hold none (an env without a text part)."""
+    proprio: Literal["logits", "token"] = "logits"
+    """How the proprioception (the observations' vector parts) reaches the action: ``logits``, a linear map of it
+    added to each action token's logits, zero at start (OpenVLA reads none); ``token``, a two-layer projection of
+    it into one input embedding at the prompt's end, which the decoder reads with the image and the instruction
+    (OpenVLA-OFT's proprio projector): the action can then depend on it through the decoder's layers."""
     critic_detached: bool = False
     """The value head reads the VLA's last hidden state without its gradient reaching the VLA: the value loss
     trains the head alone and never moves the policy (the value loss's gradients through a tiny VLA were seen to

@@ -290,7 +290,7 @@ def build_policy(model_cfg, obs_space: gym.Space, act_space: gym.Space) -> nn.Mo
         v = model_cfg.vla if isinstance(model_cfg.vla, VLAConfig) else VLAConfig(**model_cfg.vla)
         return VLAPolicy(
             obs_space, act_space, v.path, v.head, v.cameras, v.instruction, v.default_instruction,
-            critic_detached=v.critic_detached,
+            critic_detached=v.critic_detached, proprio=v.proprio,
         )  # fmt: skip
     if model_cfg.kind == "cnn" and layout_of(obs_space) is None and len(obs_space.shape) != 3:
         raise ConfigError(

@@ -10,6 +10,10 @@ Two action heads, as the released VLAs have them:
 - ``chunk`` (OpenVLA-OFT): a Gaussian over a chunk of future actions, its mean a linear map of the prompt's last
   hidden state (and the proprioception), its standard deviation a learned parameter.
 
+The proprioception reaches the action as a linear term in each token's logits (``proprio="logits"``), or, as
+OpenVLA-OFT's proprio projector, as one input embedding at the prompt's end that the decoder reads
+(``proprio="token"``).
+
 The value head reads the prompt's last hidden state and the proprioception. The prompt is PaliGemma's layout (the
 image tokens, ``<bos>``, the text) with OpenVLA's question, so a released checkpoint of either kind reads what it
 was trained on. Images are resized and normalised with torch (no torchvision), as the model's processor would.
@@ -41,6 +45,7 @@ IMAGE_TOKEN = "<image>"
 # OpenVLA's prompt (its ``prismatic`` VLA's), the instruction lower-cased as it does
 PROMPT = "In: What action should the robot take to {instruction}?\nOut:"
 HEADS = ("tokens", "chunk")
+PROPRIO = ("logits", "token")
 # what rlnb writes beside a tiny VLA: how its actions are tokenised (a released OpenVLA says the same in its config)
 VLA_FILE = "rlnb_vla.json"
 
@@ -361,14 +366,20 @@ class VLAPolicy(nn.Module):
         instruction: the text part holding the instruction (default: the first text part); ``""`` with no text
             part: a fixed ``default_instruction``.
         critic_detached: the value head's gradient stops at the VLA's hidden state (``actor.model.vla``'s).
+        proprio: ``logits`` or ``token``: how the proprioception reaches the action (see the module's doc).
     """
 
     def __init__(
         self, obs_space: gym.Space, act_space: gym.Space, path: str, head: str = "tokens",
         cameras: list[str] | tuple[str, ...] = (), instruction: str = "", default_instruction: str = "",
-        device: str = "cpu", critic_detached: bool = False,
+        device: str = "cpu", critic_detached: bool = False, proprio: str = "logits",
     ):  # fmt: skip
         super().__init__()
+        if proprio not in PROPRIO:
+            raise ConfigError(
+                f"actor.model.vla.proprio: expected one of {', '.join(PROPRIO)}, got {proprio!r}",
+                "actor.model.vla.proprio",
+            )
         self.critic_detached = critic_detached
         key = "actor.model.vla"
         self.vla, processor = load_vla(path, device, f"{key}.path")
@@ -385,11 +396,18 @@ class VLAPolicy(nn.Module):
         self.layout, self.cameras, self.head_kind = layout, names, head
         self.default_instruction = default_instruction
         self.config = {"kind": "vla", "path": str(path), "head": head, "cameras": names,
-                       "instruction": instruction, "default_instruction": default_instruction}  # fmt: skip
+                       "instruction": instruction, "default_instruction": default_instruction,
+                       "proprio": proprio}  # fmt: skip
         self.processor, self.tok = processor, processor.tokenizer
         hidden = self.vla.config.get_text_config().hidden_size
         self.state_dim = sum(int(np.prod(p.shape)) for p in layout.vectors)
         feat = hidden + self.state_dim
+        # OFT's proprio projector (fc, GELU, fc) into the decoder's embedding space: the token at the prompt's end
+        self.proprio_proj = (
+            nn.Sequential(nn.Linear(self.state_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden))
+            if proprio == "token" and self.state_dim
+            else None
+        )
         self.discrete = isinstance(act_space, gym.spaces.Discrete)
         if head == "tokens":
             self.bins = ActionBins(act_space, len(self.spec.action_token_ids), "env.id")
@@ -399,7 +417,9 @@ class VLAPolicy(nn.Module):
             )
             # the proprioception's say in each token's logits (OpenVLA reads none; OFT projects it in): 0 at start
             self.state_logits = (
-                nn.Linear(self.state_dim, self.bins.dims * self.bins.n) if self.state_dim else None
+                nn.Linear(self.state_dim, self.bins.dims * self.bins.n)
+                if self.state_dim and self.proprio_proj is None
+                else None
             )
             if self.state_logits is not None:
                 nn.init.zeros_(self.state_logits.weight)
@@ -487,6 +507,8 @@ class VLAPolicy(nn.Module):
             ids = [s.image_token_id] * (s.image_seq_length * len(self.cameras))
             ids += [s.bos_token_id] if s.bos_token_id is not None else []
             ids += self.tok(text, add_special_tokens=False)["input_ids"]
+            if self.proprio_proj is not None:  # (its embedding is replaced by the projected state: _run)
+                ids += [s.pad_token_id]
             if len(self._prompts) < 4096:  # (instructions repeat: a suite has tens)
                 self._prompts[instruction] = ids
         return ids
@@ -514,13 +536,14 @@ class VLAPolicy(nn.Module):
         state = torch.cat(state, -1).float() if state else obs.new_zeros((b, 0), dtype=torch.float32)
         return ids.to(obs.device), mask.to(obs.device), pixels, state
 
-    def _run(self, ids, mask, pixels=None, cache=None, use_cache=False, prompt_length=0):
+    def _run(self, ids, mask, pixels=None, cache=None, use_cache=False, prompt_length=0, state=None):
         """The VLA's trunk (its ``.model``: vision tower, projector and decoder, without the LM head): ``(hidden
         [B, L, H], cache)``; the LM head runs on the positions that need logits only (:meth:`_logits`). A
         PaliGemma attends both ways within its prefix (the image and the prompt: its ``token_type_ids`` 0) and
         causally from the action tokens (1), as it was trained; a decoding step with the cache attends causally to
         all before it, the same attention as the whole sequence's. (Not ``output_hidden_states``: transformers
-        then hooks the layers, and a module with those hooks no longer pickles.)"""
+        then hooks the layers, and a module with those hooks no longer pickles.) With the proprio token, ``state
+        [B, S]`` projected is the embedding at the prompt's last position (``prompt_length - 1``)."""
         from rlnb.models.lm import cache_kwarg
 
         trunk = self._base.model
@@ -529,7 +552,14 @@ class VLAPolicy(nn.Module):
             types = torch.ones_like(ids)
             types[:, :prompt_length] = 0
             extra["token_type_ids"] = types
-        out = trunk(input_ids=ids, attention_mask=mask, pixel_values=pixels, use_cache=use_cache, **extra)
+        if state is not None and self.proprio_proj is not None:
+            embeds = trunk.get_input_embeddings()(ids)
+            p = prompt_length - 1
+            token = self.proprio_proj(state).to(embeds.dtype)[:, None]
+            extra["inputs_embeds"] = torch.cat([embeds[:, :p], token, embeds[:, p + 1 :]], 1)
+        else:
+            extra["input_ids"] = ids
+        out = trunk(attention_mask=mask, pixel_values=pixels, use_cache=use_cache, **extra)
         return out.last_hidden_state, (_cache_of(out) if use_cache else None)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -560,7 +590,7 @@ class VLAPolicy(nn.Module):
     # -- the actor-critic contract ------------------------------------------------------------------------------
     def value(self, obs: torch.Tensor) -> torch.Tensor:  # [B, nbytes] -> [B]
         ids, mask, pixels, state = self._inputs(obs)
-        hidden = self._run(ids, mask, pixels, prompt_length=ids.shape[1])[0][:, -1]
+        hidden = self._run(ids, mask, pixels, prompt_length=ids.shape[1], state=state)[0][:, -1]
         return self._value(self._features(hidden, state))
 
     def act(self, obs: torch.Tensor, generator: torch.Generator | None = None, deterministic: bool = False):
@@ -568,7 +598,7 @@ class VLAPolicy(nn.Module):
         with the KV cache."""
         ids, mask, pixels, state = self._inputs(obs)
         hidden, cache = self._run(
-            ids, mask, pixels, use_cache=self.head_kind == "tokens", prompt_length=ids.shape[1]
+            ids, mask, pixels, use_cache=self.head_kind == "tokens", prompt_length=ids.shape[1], state=state
         )
         feat = self._features(hidden[:, -1], state)
         value = self._value(feat)
@@ -606,7 +636,7 @@ class VLAPolicy(nn.Module):
             bins = self.bins.to_bins(actions)  # [B, D]
             ids = torch.cat([ids, self.action_ids[bins[:, :-1]]], 1)
             mask = torch.cat([mask, mask.new_ones(bins[:, :-1].shape)], 1)
-        hidden, _ = self._run(ids, mask, pixels, prompt_length=length)
+        hidden, _ = self._run(ids, mask, pixels, prompt_length=length, state=state)
         feat = self._features(hidden[:, length - 1], state)
         value = self._value(feat)
         if self.head_kind == "chunk":
