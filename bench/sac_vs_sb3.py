@@ -119,8 +119,17 @@ def main() -> None:
         "--kernel", choices=("fused", "autograd"), default="fused", help="rlnb's update (sac.kernel)"
     )
     p.add_argument("--learner-threads", type=int, default=2, help="torch threads of apart's learner")
+    p.add_argument(
+        "--sides",
+        default="apart,inproc",
+        help="rlnb's sides to run beside SB3: apart, inproc or both (default)",
+    )
     args = p.parse_args()
-    sides = (("sb3", sb3_sac), ("apart", rlnb_apart), ("inproc", rlnb_inproc))
+    ours = {"apart": rlnb_apart, "inproc": rlnb_inproc}
+    picked = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if not picked or set(picked) - set(ours):
+        p.error(f"--sides: expected a comma-separated choice of {sorted(ours)}, got {args.sides!r}")
+    sides = (("sb3", sb3_sac), *((name, ours[name]) for name in picked))
     rows: dict[str, list] = {name: [] for name, _ in sides}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         for name, fn in sides:  # (alternating: drift falls on every side)
@@ -130,10 +139,10 @@ def main() -> None:
                   flush=True)  # fmt: skip
     ret = {k: statistics.mean(r for r, _, _ in v) for k, v in rows.items()}
     wall = {k: statistics.mean(w for _, w, _ in v) for k, v in rows.items()}
-    start = statistics.mean(s for _, _, s in rows["apart"])
+    start = statistics.mean(s for _, _, s in rows["apart"]) if "apart" in rows else 0.0
     print(f"{args.steps} env steps, {args.seeds} seed(s), {args.threads} torch thread(s) each (apart's learner "
           f"{args.learner_threads}), sac.kernel={args.kernel}")  # fmt: skip
-    for name in ("apart", "inproc"):
+    for name in picked:
         # returns are negative on Pendulum: within 10% of SB3's
         close = abs(ret[name] - ret["sb3"]) <= 0.1 * abs(ret["sb3"])
         print(f"rlnb {name:6s}: final return {ret[name]:.1f} (SB3 {ret['sb3']:.1f}; within 10%: {close}); wall "

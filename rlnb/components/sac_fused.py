@@ -7,7 +7,12 @@ Adam's per-parameter loops. Here the twin Q-networks run as one batched matmul a
 op, and Adam is one fused step over each flat tensor (measured in ``docs/benchmarks.md``).
 
 Shapes: ``B`` transitions, ``D`` observation and ``A`` action dims, ``[2, B, .]`` the twin Q-networks side by side.
-A network's layers are ``(W [out, in], b [out])`` views into its flat tensor; ``acts[i]`` is layer ``i``'s input.
+A network's layers are ``(W [out, in], b [out])`` views into its flat tensor (and, made once, the views the
+matmuls take: ``W`` transposed, the twins' ``b [2, 1, out]``); ``acts[i]`` is layer ``i``'s input.
+
+Why so few ops: an eager op costs about 10 us of dispatch on this CPU whatever its size, and an update is about 16
+large matmuls (3 ms on two threads) and 200 small ops; the policy's two forwards of an update (on the next
+observations for the target, on the observations for its own step, the same weights) run as one.
 """
 
 from __future__ import annotations
@@ -110,6 +115,11 @@ class FusedSAC:
         L.policy_opt = torch.optim.Adam([self.p_param], lr=lr, fused=True)
         self.act_dim = L.policy.mean.out_features
         self.scale, self.bias = L.policy.scale, L.policy.bias
+        self.one = torch.ones((), device=dev)
+        # the views the forwards take, made once (the flat tensors are updated in place, so they stay valid)
+        self.q_fwd = [(w.transpose(1, 2), b.unsqueeze(1)) for w, b in self.q_layers]
+        self.qt_fwd = [(w.transpose(1, 2), b.unsqueeze(1)) for w, b in self.qt_layers]
+        self.p_fwd = [(w.t(), b) for w, b in self.p_layers]
 
     @staticmethod
     def _grad_views(
@@ -124,13 +134,15 @@ class FusedSAC:
 
     # ------------------------------------------------------------------ networks
     @staticmethod
-    def _twin(layers, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Both Q-networks on ``x [B, D+A]``: ``q [2, B, 1]`` and each layer's input."""
+    def _twin(fwd, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Both Q-networks (their layers' :attr:`q_fwd` views) on ``x [B, D+A]``: ``q [2, B, 1]`` and each layer's
+        input."""
         h, acts = x.expand(2, *x.shape), []
-        for i, (w, b) in enumerate(layers):
+        last = len(fwd) - 1
+        for i, (w_t, b) in enumerate(fwd):
             acts.append(h)
-            h = torch.baddbmm(b.unsqueeze(1), h, w.transpose(1, 2))
-            if i < len(layers) - 1:
+            h = torch.baddbmm(b, h, w_t)
+            if i < last:
                 h = h.relu_()
         return h, acts
 
@@ -153,22 +165,30 @@ class FusedSAC:
         """The squashed Gaussian on ``obs [B, D]`` with noise ``eps [B, A]``: the action ``[B, A]``, ``log pi
         [B]`` (as :meth:`~rlnb.models.sac.SquashedGaussianActor.sample`), and what the backward pass needs."""
         h, acts = obs, []
-        for w, b in self.p_layers[:-1]:
+        for w_t, b in self.p_fwd[:-1]:
             acts.append(h)
-            h = torch.addmm(b, h, w.t()).relu_()
+            h = torch.addmm(b, h, w_t).relu_()
         acts.append(h)
-        w, b = self.p_layers[-1]
-        head = torch.addmm(b, h, w.t())  # [B, 2A]
+        w_t, b = self.p_fwd[-1]
+        head = torch.addmm(b, h, w_t)  # [B, 2A]
+        half = 0.5 * (LOG_STD_MAX - LOG_STD_MIN)
         mean, t = head[:, : self.act_dim], torch.tanh(head[:, self.act_dim :])
-        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (t + 1)
+        log_std = t.mul(half).add_(LOG_STD_MIN + half)  # LOG_STD_MIN + half (t + 1)
         std = log_std.exp()
-        u = mean + std * eps
-        y = torch.tanh(u)
-        jac = self.scale * (1 - y * y) + 1e-6  # tanh's and the rescaling's Jacobian
-        # Normal(mean, std).log_prob(u), with (u - mean) / std computed as autograd's path computes it
-        z = (u - mean) / std
-        logp = (-0.5 * z * z - log_std - 0.5 * LOG_2PI - jac.log()).sum(-1)
-        return y * self.scale + self.bias, logp, (acts, t, std, y, jac, eps)
+        y = torch.addcmul(mean, std, eps).tanh_()  # u = mean + std eps, squashed
+        ys = y * self.scale
+        # tanh's and the rescaling's Jacobian, scale (1 - y^2) + 1e-6, rounded as the policy's own (the 1e-6 is
+        # most of it where y is near +-1, so it is added last)
+        jac = torch.addcmul(self.one, y, y, value=-1.0).mul_(self.scale).add_(1e-6)
+        # Normal(mean, std).log_prob(u): its z = (u - mean) / std is eps
+        logp = (eps * eps).mul_(-0.5).sub_(log_std).sub_(jac.log()).sum(-1).sub_(0.5 * LOG_2PI * self.act_dim)
+        return ys.add_(self.bias), logp, (acts, t, std, y, jac, eps)
+
+    @staticmethod
+    def _rows(saved, rows: slice):
+        """The policy's saved forward (``_policy``'s third value) for the batch's ``rows``."""
+        acts, *rest = saved
+        return ([a[rows] for a in acts], *(x[rows] for x in rest))
 
     def _policy_backward(self, d_action: torch.Tensor, d_logp: float, saved) -> None:
         """Into the policy's gradients, from ``dL/da [B, A]`` and ``dL/dlog pi`` (the same for every sample).
@@ -195,33 +215,49 @@ class FusedSAC:
         obs, next_obs = b["obs"].float(), b["next_obs"].float()
         n = obs.shape[0]
         alpha = L.alpha
-        na, nlogp, _ = self._policy(next_obs, self._noise(n))
-        nq, _ = self._twin(self.qt_layers, torch.cat([next_obs, na], -1))
-        soft_v = torch.minimum(nq[0, :, 0], nq[1, :, 0]) - alpha * nlogp
-        y = b["rewards"] + (1.0 - b["terminated"].float()) * b["discount"] * soft_v
-        q, acts = self._twin(self.q_layers, torch.cat([obs, b["actions"].float()], -1))
+        first_step = None
+        if (L.updates + 1) % L.policy_delay == 0:
+            # the target's next actions and the policy step's actions in one forward: the policy's weights are
+            # the same for both (the noise drawn in the same order as two forwards draw it)
+            eps = torch.cat([self._noise(n), self._noise(n)])
+            act, logp, saved = self._policy(torch.cat([next_obs, obs]), eps)
+            na, nlogp = act[:n], logp[:n]
+            first_step = (act[n:], logp[n:], self._rows(saved, slice(n, None)))
+        else:
+            na, nlogp, _ = self._policy(next_obs, self._noise(n))
+        nq, _ = self._twin(self.qt_fwd, torch.cat([next_obs, na], -1))
+        soft_v = torch.minimum(nq[0, :, 0], nq[1, :, 0]).sub_(alpha * nlogp)
+        y = (1.0 - b["terminated"].float()).mul_(b["discount"]).mul_(soft_v).add_(b["rewards"])
+        q, acts = self._twin(self.q_fwd, torch.cat([obs, b["actions"].float()], -1))
         diff = q[:, :, 0] - y  # [2, B]
-        q_loss = (diff * diff).mean(1).sum()  # MSE(Q1, y) + MSE(Q2, y)
         self._twin_backward(self.q_layers, acts, (2.0 / n) * diff.unsqueeze(-1), self.q_grads)
         _adam_step(L.q_opt)
-        metrics = {"q_loss": q_loss, "q1_mean": q[0].mean(), "q2_mean": q[1].mean()}
+        # MSE(Q1, y) + MSE(Q2, y), and each Q's mean: the figures read out together at the end
+        names, figures = ["q_loss", "q1_mean", "q2_mean"], [(diff * diff).mean(1).sum(), *q.mean((1, 2))]
         L.updates += 1
         if L.updates % L.policy_delay == 0:
-            for _ in range(L.policy_delay):  # (CleanRL: as many policy steps as Q steps skipped)
-                metrics.update(self._policy_step(obs))
+            for i in range(L.policy_delay):  # (CleanRL: as many policy steps as Q steps skipped)
+                for k, v in self._policy_step(obs, first_step if i == 0 else None).items():
+                    if k in names:
+                        figures[names.index(k)] = v
+                    else:
+                        names.append(k)
+                        figures.append(v)
         if L.updates % L.target_every == 0:
             self.qt_flat.lerp_(self.q_flat, L.tau)
-        return {k: float(v) for k, v in metrics.items()}
+        return dict(zip(names, torch.stack(figures).tolist()))
 
     def _noise(self, n: int) -> torch.Tensor:
         return torch.randn((n, self.act_dim), device=self.q_flat.device)
 
-    def _policy_step(self, obs: torch.Tensor) -> dict:
+    def _policy_step(self, obs: torch.Tensor, forward=None) -> dict:
+        """The policy's (and alpha's) step on ``obs``, from its ``forward`` already made (``_policy``'s values for
+        ``obs``) or a fresh one. Returns its figures as 0-d tensors."""
         L = self.learner
         alpha = L.alpha
         n = obs.shape[0]
-        a, logp, saved = self._policy(obs, self._noise(n))
-        qa, acts = self._twin(self.q_layers, torch.cat([obs, a], -1))
+        a, logp, saved = forward if forward is not None else self._policy(obs, self._noise(n))
+        qa, acts = self._twin(self.q_fwd, torch.cat([obs, a], -1))
         q1, q2 = qa[0, :, 0], qa[1, :, 0]
         actor_loss = (alpha * logp - torch.minimum(q1, q2)).mean()
         # torch.minimum's gradient: to the smaller, halved on a tie
@@ -237,7 +273,7 @@ class FusedSAC:
             L.log_alpha.grad = -shifted.mean().reshape(())
             _adam_step(L.alpha_opt)
         else:
-            metrics["alpha"] = alpha
+            metrics["alpha"] = alpha.reshape(())
         return metrics
 
 
