@@ -10,9 +10,9 @@ Shapes: ``B`` transitions, ``D`` observation and ``A`` action dims, ``[2, B, .]`
 A network's layers are ``(W [out, in], b [out])`` views into its flat tensor (and, made once, the views the
 matmuls take: ``W`` transposed, the twins' ``b [2, 1, out]``); ``acts[i]`` is layer ``i``'s input.
 
-Why so few ops: an eager op costs about 10 us of dispatch on this CPU whatever its size, and an update is about 16
-large matmuls (3 ms on two threads) and 200 small ops; the policy's two forwards of an update (on the next
-observations for the target, on the observations for its own step, the same weights) run as one.
+Why few ops: beyond its 16 large matmuls, an update's time is mostly the dispatch of its small ops, whatever their
+size (``docs/benchmarks.md``); so the policy's two forwards of an update (on the next observations for the target,
+on the observations for its own step: the same weights) run as one.
 """
 
 from __future__ import annotations
@@ -232,20 +232,16 @@ class FusedSAC:
         diff = q[:, :, 0] - y  # [2, B]
         self._twin_backward(self.q_layers, acts, (2.0 / n) * diff.unsqueeze(-1), self.q_grads)
         _adam_step(L.q_opt)
-        # MSE(Q1, y) + MSE(Q2, y), and each Q's mean: the figures read out together at the end
-        names, figures = ["q_loss", "q1_mean", "q2_mean"], [(diff * diff).mean(1).sum(), *q.mean((1, 2))]
+        q1_mean, q2_mean = q.mean((1, 2))
+        # MSE(Q1, y) + MSE(Q2, y) and each Q's mean, as 0-d tensors: the figures are read out together at the end
+        metrics = {"q_loss": (diff * diff).mean(1).sum(), "q1_mean": q1_mean, "q2_mean": q2_mean}
         L.updates += 1
         if L.updates % L.policy_delay == 0:
             for i in range(L.policy_delay):  # (CleanRL: as many policy steps as Q steps skipped)
-                for k, v in self._policy_step(obs, first_step if i == 0 else None).items():
-                    if k in names:
-                        figures[names.index(k)] = v
-                    else:
-                        names.append(k)
-                        figures.append(v)
+                metrics.update(self._policy_step(obs, first_step if i == 0 else None))
         if L.updates % L.target_every == 0:
             self.qt_flat.lerp_(self.q_flat, L.tau)
-        return dict(zip(names, torch.stack(figures).tolist()))
+        return dict(zip(metrics, torch.stack(list(metrics.values())).tolist()))
 
     def _noise(self, n: int) -> torch.Tensor:
         return torch.randn((n, self.act_dim), device=self.q_flat.device)
