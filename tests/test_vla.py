@@ -283,7 +283,9 @@ def test_ppo_trains_the_vla_on_workers_and_a_cut_run_resumes_exactly(cluster, tm
     """The VLA as the rollout's and the actor's policy on workers (collocated): a step samples action tokens,
     scores them on the actor, updates; weights reach the rollout; a run cut after its checkpoint and resumed
     logs what the uncut one did. (With the proprio token: the export carries its projector.)"""
-    overrides = vla_overrides(tiny, "runner.steps=3", "runner.save_interval=1", "actor.model.vla.proprio=token")
+    overrides = vla_overrides(
+        tiny, "runner.steps=3", "runner.save_interval=1", "actor.model.vla.proprio=token"
+    )
     with Loop.from_recipe("ppo_pixelreach", overrides, cluster=cluster, run_dir=tmp_path / "one") as loop:
         loop.run(2, progress=False)
         row = loop.history[-1]
