@@ -52,6 +52,7 @@ SWEEP = {
     "actor.model.vla.build_if_missing": (PPO, []),  # (the VLA on workers: tests/test_vla.py)
     "actor.model.vla.head": (PPO, []),
     "actor.model.vla.critic_detached": (PPO, []),  # (both ways on a VLA: tests/test_vla.py)
+    "actor.model.vla.proprio": (PPO, []),  # (both ways on a VLA: tests/test_vla.py)
     "actor.anneal_lr": (PPO, []),
     "actor.compile": (PPO, []),
     "actor.fused_step": (PPO, []),
@@ -109,6 +110,7 @@ REFUSED = {
     ("actor.model.vla.build_if_missing", False),
     ("actor.model.vla.head", "chunk"),
     ("actor.model.vla.critic_detached", True),
+    ("actor.model.vla.proprio", "token"),
     ("actor.build_if_missing", False),  # ./model is not there and nothing may build it
     # the vllm engine's settings, with the hf backend: nothing would read them (tests/test_vllm.py runs them)
     *(("rollout.vllm.dtype", d) for d in ("float32", "bfloat16", "float16")),
