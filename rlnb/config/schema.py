@@ -358,6 +358,11 @@ class TinyVLAConfig:
     """Action tokens: the bins each continuous action dimension is cut into (OpenVLA: 256)."""
 
 
+# the VLA's choices, read by rlnb.models.vla too (one list of each)
+VLAHead = Literal["tokens", "chunk"]
+VLAProprio = Literal["logits", "token"]
+
+
 @dataclass
 class VLAConfig:
     """A vision-language-action policy (``actor.model.kind: vla``, ``rlnb.models.VLAPolicy``)."""
@@ -369,7 +374,7 @@ class VLAConfig:
     """Build an untrained tiny VLA (``tiny``) at ``path`` when nothing is there (a local path only)."""
     tiny: TinyVLAConfig = field(default_factory=TinyVLAConfig)
     """The tiny VLA's geometry."""
-    head: Literal["tokens", "chunk"] = "tokens"
+    head: VLAHead = "tokens"
     """``tokens``: one action token a dimension, decoded in turn (OpenVLA); ``chunk``: a Gaussian over a chunk
     of continuous actions from the prompt's last hidden state (OpenVLA-OFT)."""
     cameras: list[str] = field(default_factory=list)
@@ -378,7 +383,7 @@ class VLAConfig:
     """The observations' text part holding the task's instruction; empty: the first text part."""
     default_instruction: str = ""
     """The instruction where the observations hold none (an env without a text part)."""
-    proprio: Literal["logits", "token"] = "logits"
+    proprio: VLAProprio = "logits"
     """How the proprioception (the observations' vector parts) reaches the action: ``logits``, a linear map of it
     added to each action token's logits, zero at start (OpenVLA reads none); ``token``, a two-layer projection of
     it into one input embedding at the prompt's end, which the decoder reads with the image and the instruction

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import typing
 from pathlib import Path
 
 import gymnasium as gym
@@ -38,14 +39,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rlnb.config.schema import VLAHead, VLAProprio
 from rlnb.errors import ConfigError
 
 ACTION_TOKEN = "<act{}>"
 IMAGE_TOKEN = "<image>"
 # OpenVLA's prompt (its ``prismatic`` VLA's), the instruction lower-cased as it does
 PROMPT = "In: What action should the robot take to {instruction}?\nOut:"
-HEADS = ("tokens", "chunk")
-PROPRIO = ("logits", "token")
+HEADS = typing.get_args(VLAHead)
+PROPRIO = typing.get_args(VLAProprio)
 # what rlnb writes beside a tiny VLA: how its actions are tokenised (a released OpenVLA says the same in its config)
 VLA_FILE = "rlnb_vla.json"
 
